@@ -1,0 +1,22 @@
+"""weightstream: stream Megatron-Core weights into inference engines, in the Hugging Face layout."""
+
+from weightstream.converters import Converter, Mapping, get_converter, known_model_types, register_converter
+from weightstream.errors import ConversionError, UnknownModelError, WeightstreamError
+from weightstream.models.spec import ModelSpec
+from weightstream.streaming import (
+    Bucket,
+    BucketStream,
+    Shard,
+    TensorMeta,
+    Topology,
+    save_hf_checkpoint,
+    stream_hf_weights,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Bucket", "BucketStream", "ConversionError", "Converter", "Mapping", "ModelSpec", "Shard", "TensorMeta",
+    "Topology", "UnknownModelError", "WeightstreamError", "get_converter", "known_model_types",
+    "register_converter", "save_hf_checkpoint", "stream_hf_weights",
+]

@@ -1,0 +1,145 @@
+"""The declaration language of a converter.
+
+A converter is a list of :class:`Mapping` entries, each tying one Megatron parameter pattern to
+its HF names through a :class:`~weightstream.converters.ops.TensorOp`. Patterns use ``*`` for a
+layer or expert index and ``**`` for any dotted path; the HF side refers to the same captures with
+``*``/``**`` in the same order. Mappings are compiled once.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from weightstream.converters.ops import IDENTITY, TensorOp
+from weightstream.models.spec import ModelSpec
+
+Condition = Callable[[ModelSpec], bool]
+
+
+def _always(spec: ModelSpec) -> bool:
+    return True
+
+
+def tied(spec: ModelSpec) -> bool:
+    return spec.tie_word_embeddings
+
+
+def untied(spec: ModelSpec) -> bool:
+    return not spec.tie_word_embeddings
+
+
+_TOKEN = re.compile(r"\*\*|\*")
+
+
+def compile_pattern(pattern: str) -> re.Pattern[str]:
+    out, pos = [], 0
+    for m in _TOKEN.finditer(pattern):
+        out.append(re.escape(pattern[pos : m.start()]))
+        out.append(r"(.+?)" if m.group() == "**" else r"(\d+)")
+        pos = m.end()
+    out.append(re.escape(pattern[pos:]))
+    return re.compile("".join(out) + r"\Z")
+
+
+def fill_pattern(pattern: str, captures: Sequence[str]) -> str:
+    it = iter(captures)
+    try:
+        return _TOKEN.sub(lambda _m: next(it), pattern)
+    except StopIteration:
+        raise ValueError(f"pattern {pattern!r} has more wildcards than the Megatron pattern captures") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Mapping:
+    """One Megatron parameter pattern and the HF tensors it becomes.
+
+    ``tp_dim`` is the dimension along which Megatron splits the parameter over tensor parallel
+    ranks (None: replicated). It is declared here, not read off the parameter, because Megatron
+    does not always report it right. ``tp_group`` says which group splits it: ``"tp"`` (dense) or
+    ``"etp"`` (expert tensor parallel). ``emit=False`` marks a parameter that is read from the HF
+    names when loading but not emitted (the last stage's copy of a tied embedding).
+    ``when`` limits the mapping to the specs it holds for.
+    """
+
+    megatron: str
+    hf: tuple[str, ...]
+    op: TensorOp = IDENTITY
+    tp_dim: int | None = None
+    tp_group: str = "tp"
+    emit: bool = True
+    when: Condition = _always
+    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.hf, str):
+            object.__setattr__(self, "hf", (self.hf,))
+        if len(self.hf) != self.op.arity:
+            raise ValueError(
+                f"mapping {self.megatron!r}: op {type(self.op).__name__} makes {self.op.arity} "
+                f"tensors but {len(self.hf)} HF names are given"
+            )
+        if self.tp_group not in ("tp", "etp"):
+            raise ValueError(f"mapping {self.megatron!r}: tp_group must be 'tp' or 'etp'")
+        object.__setattr__(self, "_regex", compile_pattern(self.megatron))
+
+    def match(self, name: str) -> tuple[str, ...] | None:
+        m = self._regex.match(name)
+        return None if m is None else m.groups()
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """A Megatron name matched to its mapping, with the HF names filled in."""
+
+    megatron_name: str
+    mapping: Mapping
+    hf_names: tuple[str, ...]
+
+    @property
+    def emit(self) -> bool:
+        return self.mapping.emit
+
+
+def _no_features(config: Any) -> dict[str, Any]:
+    return {}
+
+
+@dataclass(frozen=True)
+class Converter:
+    """Megatron <-> HF for one model family: declarations only, no parallelism."""
+
+    model_type: str
+    mappings: tuple[Mapping, ...]
+    # Reads the family's facts (q/k/v bias, q/k norm, experts) from an HF config into ModelSpec fields.
+    features: Callable[[Any], dict[str, Any]] = _no_features
+
+    def resolve(self, megatron_name: str, spec: ModelSpec) -> Resolved | None:
+        """The first mapping that holds for ``spec`` and matches ``megatron_name``."""
+        for mapping in self.mappings:
+            if not mapping.when(spec):
+                continue
+            captures = mapping.match(megatron_name)
+            if captures is not None:
+                hf = tuple(fill_pattern(p, captures) for p in mapping.hf)
+                return Resolved(megatron_name, mapping, hf)
+        return None
+
+    def derive(
+        self,
+        model_type: str,
+        *,
+        add: Iterable[Mapping] = (),
+        remove: Iterable[str] = (),
+        features: Callable[[Any], dict[str, Any]] | None = None,
+    ) -> "Converter":
+        """A new family from this one: drop the mappings whose Megatron patterns are in ``remove``,
+        append ``add``, and optionally replace ``features``."""
+        removed = set(remove)
+        unknown = removed - {m.megatron for m in self.mappings}
+        if unknown:
+            raise ValueError(f"cannot remove unknown mappings from {self.model_type}: {sorted(unknown)}")
+        kept = tuple(m for m in self.mappings if m.megatron not in removed)
+        return replace(self, model_type=model_type, mappings=kept + tuple(add), features=features or self.features)

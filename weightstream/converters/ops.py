@@ -1,0 +1,152 @@
+"""Pure, reversible tensor ops between Megatron's fused layout and Hugging Face's.
+
+Each op turns one Megatron tensor into its HF tensors (``to_hf``) and back (``to_megatron``).
+An op knows formats, never parallelism: the caller tells it, through :class:`OpContext`,
+how many TP shards are concatenated in the tensor it gets (``parts``) or which single shard
+it is (``shard_rank``). The ops run unchanged on ``meta`` tensors, which is how shapes are
+planned before any data moves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from weightstream.models.spec import ModelSpec
+
+
+@dataclass(frozen=True, slots=True)
+class OpContext:
+    spec: ModelSpec
+    # Number of TP shards concatenated along the partition dim in the tensor (tp for a
+    # gathered tensor, 1 for a replicated tensor or a single shard).
+    parts: int = 1
+    # When the tensor is one TP shard (per-rank mode): its TP rank. None for a whole tensor.
+    shard_rank: int | None = None
+
+
+class TensorOp(Protocol):
+    """A reversible conversion between one Megatron tensor and ``arity`` HF tensors."""
+
+    arity: int
+
+    def to_hf(self, tensor: Tensor, ctx: OpContext) -> list[Tensor]: ...
+
+    def to_megatron(self, parts: Sequence[Tensor], ctx: OpContext, megatron_shape: torch.Size) -> Tensor: ...
+
+
+def _check_divisible(what: str, total: int, unit: int) -> int:
+    if unit <= 0 or total % unit:
+        raise ValueError(f"{what}: size {total} is not a multiple of {unit}")
+    return total // unit
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """A rename: the tensor is the same in both layouts."""
+
+    arity: int = 1
+
+    def to_hf(self, tensor: Tensor, ctx: OpContext) -> list[Tensor]:
+        return [tensor]
+
+    def to_megatron(self, parts: Sequence[Tensor], ctx: OpContext, megatron_shape: torch.Size) -> Tensor:
+        return parts[0]
+
+
+@dataclass(frozen=True, slots=True)
+class SplitQKV:
+    """Megatron's grouped ``linear_qkv`` <-> HF ``q_proj``, ``k_proj``, ``v_proj``.
+
+    Megatron stacks, per query group, that group's query heads, then its key head, then its
+    value head. Viewing the rows as ``(groups, q_per_group + 2, head_dim)`` and splitting the
+    second axis into ``[q_per_group, 1, 1]`` is right for any heads/groups ratio, for a whole
+    tensor and for one TP shard alike (a shard holds whole groups).
+    """
+
+    arity: int = 3
+
+    def to_hf(self, tensor: Tensor, ctx: OpContext) -> list[Tensor]:
+        qpg, hd = ctx.spec.q_per_group, ctx.spec.head_dim
+        rest = tuple(tensor.shape[1:])
+        groups = _check_divisible("linear_qkv rows", tensor.shape[0], (qpg + 2) * hd)
+        grouped = tensor.reshape(groups, qpg + 2, hd, *rest)
+        q, k, v = torch.split(grouped, [qpg, 1, 1], dim=1)
+        return [x.reshape(-1, *rest) for x in (q, k, v)]
+
+    def to_megatron(self, parts: Sequence[Tensor], ctx: OpContext, megatron_shape: torch.Size) -> Tensor:
+        q, k, v = parts
+        qpg, hd = ctx.spec.q_per_group, ctx.spec.head_dim
+        rest = tuple(q.shape[1:])
+        groups = _check_divisible("k_proj rows", k.shape[0], hd)
+        fused = torch.cat(
+            [q.reshape(groups, qpg, hd, *rest), k.reshape(groups, 1, hd, *rest), v.reshape(groups, 1, hd, *rest)],
+            dim=1,
+        )
+        return fused.reshape(-1, *rest)
+
+
+@dataclass(frozen=True, slots=True)
+class SplitGated:
+    """Megatron's gated ``linear_fc1`` <-> HF ``gate_proj``, ``up_proj``.
+
+    Each TP shard is ``[gate_r; up_r]``, so a gathered tensor is ``[gate_0; up_0; gate_1; up_1; ...]``:
+    cut it into ``parts`` shards first, then halve each.
+    """
+
+    arity: int = 2
+
+    def to_hf(self, tensor: Tensor, ctx: OpContext) -> list[Tensor]:
+        rest = tuple(tensor.shape[1:])
+        rows = _check_divisible("linear_fc1 rows", tensor.shape[0], 2 * ctx.parts)
+        halves = tensor.reshape(ctx.parts, 2, rows, *rest)
+        return [halves[:, 0].reshape(-1, *rest), halves[:, 1].reshape(-1, *rest)]
+
+    def to_megatron(self, parts: Sequence[Tensor], ctx: OpContext, megatron_shape: torch.Size) -> Tensor:
+        gate, up = parts
+        rest = tuple(gate.shape[1:])
+        rows = _check_divisible("gate_proj rows", gate.shape[0], ctx.parts)
+        stacked = torch.stack([gate.reshape(ctx.parts, rows, *rest), up.reshape(ctx.parts, rows, *rest)], dim=1)
+        return stacked.reshape(-1, *rest)
+
+
+@dataclass(frozen=True, slots=True)
+class TrimVocab:
+    """Megatron's padded vocabulary rows <-> HF's ``vocab_size`` rows.
+
+    For one TP shard (rank r of a tensor whose shards hold ``L`` rows each), the rows kept are
+    those of ``[r * L, min((r + 1) * L, vocab_size))``; a shard made only of padding keeps none.
+    """
+
+    arity: int = 1
+
+    def to_hf(self, tensor: Tensor, ctx: OpContext) -> list[Tensor]:
+        vocab = ctx.spec.vocab_size
+        if ctx.shard_rank is None:
+            if tensor.shape[0] < vocab:
+                raise ValueError(f"vocabulary rows: {tensor.shape[0]} < vocab_size {vocab}")
+            return [tensor.narrow(0, 0, vocab)]
+        rows = tensor.shape[0]
+        keep = max(0, min(rows, vocab - ctx.shard_rank * rows))
+        return [tensor.narrow(0, 0, keep)]
+
+    def to_megatron(self, parts: Sequence[Tensor], ctx: OpContext, megatron_shape: torch.Size) -> Tensor:
+        (tensor,) = parts
+        padded = megatron_shape[0]
+        if padded < tensor.shape[0]:
+            raise ValueError(f"vocabulary rows: Megatron holds {padded} < HF {tensor.shape[0]}")
+        if padded == tensor.shape[0]:
+            return tensor
+        out = tensor.new_zeros((padded, *tensor.shape[1:]))
+        out[: tensor.shape[0]] = tensor
+        return out
+
+
+IDENTITY = Identity()
+QKV = SplitQKV()
+GATED = SplitGated()
+VOCAB = TrimVocab()

@@ -1,0 +1,93 @@
+"""The distributed jobs behind the CLI: each runs on every rank of a local job (see ``launch``)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weightstream.disk import CheckpointReader
+from weightstream.models.megatron import build_gpt_model, initialize_parallel, load_hf_weights, megatron_logits
+from weightstream.models.spec import dtype_from_name, load_hf_config
+from weightstream.streaming.checkpoint import save_hf_checkpoint
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    ep: int = 1
+    etp: int | None = None
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.pp
+
+    def describe(self) -> str:
+        parts = [f"TP {self.tp}", f"PP {self.pp}"]
+        if self.vpp and self.vpp > 1:
+            parts.append(f"VPP {self.vpp}")
+        if self.ep > 1:
+            parts.append(f"EP {self.ep}")
+        if self.etp and self.etp > 1:
+            parts.append(f"ETP {self.etp}")
+        return " × ".join(parts)
+
+
+def _progress_bar(total_desc: str):
+    if dist.get_rank() != 0:
+        return None, None
+    from tqdm import tqdm
+
+    bar = tqdm(desc=total_desc, unit="bucket", leave=False)
+
+    def update(done: int, total: int) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    return bar, update
+
+
+def dump_job(
+    hf_dir: str,
+    layout: Layout,
+    out_dir: str,
+    bucket_bytes: int,
+    dtype: str = "float32",
+    logits_input: list[list[int]] | None = None,
+    writers: str = "rank0",
+) -> dict[str, Any]:
+    """Build the Megatron model under ``layout`` from the HF checkpoint, stream it, write it out."""
+    initialize_parallel(layout.tp, layout.pp, layout.vpp, layout.ep, layout.etp)
+    cfg = load_hf_config(hf_dir)
+    start = time.perf_counter()
+    chunks = build_gpt_model(cfg, dtype=dtype_from_name(dtype))
+    with CheckpointReader(hf_dir) as reader:
+        load_hf_weights(chunks, cfg, reader)
+    dist.barrier()
+    built = time.perf_counter() - start
+    bar, update = _progress_bar("streaming")
+    start = time.perf_counter()
+    report = save_hf_checkpoint(chunks, cfg, out_dir, bucket_bytes=bucket_bytes, writers=writers, progress=update)
+    seconds = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    result: dict[str, Any] = {
+        "tensors": report.tensors,
+        "bytes": report.total_size,
+        "buckets": report.stats.buckets,
+        "files": len(report.files),
+        "seconds": seconds,
+        "stream_seconds": report.stats.seconds,
+        "build_seconds": built,
+        "stats": asdict(report.stats),
+    }
+    if logits_input is not None:
+        ids = torch.tensor(logits_input, dtype=torch.long)
+        result["logits"] = megatron_logits(chunks, ids, cfg.vocab_size)
+    return result

@@ -1,0 +1,132 @@
+"""Run a function on N local processes joined in one ``torch.distributed`` job.
+
+Used by the CLI (``demo``, ``dump``) and the tests: each process initialises the default group
+(gloo on the CPU, NCCL when every rank has a GPU), runs ``fn(*args)`` and sends back its result
+or its traceback. Every wait is bounded: a process that hangs or dies ends the job with an error
+that names the rank.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, backend: str, timeout_s: float, fn, args, results) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        import torch.distributed as dist
+
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        try:
+            value = fn(*args)
+            results.put((rank, True, value))
+        finally:
+            try:
+                from megatron.core import parallel_state as ps
+
+                ps.destroy_model_parallel()
+            except Exception:
+                pass
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 — the parent reports it
+        results.put((rank, False, traceback.format_exc()))
+
+
+def launch(
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    backend: str | None = None,
+    timeout_s: float = 600.0,
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` processes; return their results by rank.
+
+    ``fn`` must be importable by name (a module-level function). Raises :class:`LaunchError`
+    with each failing rank's traceback, or naming the ranks that did not answer in time.
+    """
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, timeout_s, fn, args, results), daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[bool, Any]] = {}
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(got) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(got))
+                raise LaunchError(f"ranks {missing} did not finish within {timeout_s:.0f} s" + _failures(got))
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+                got[rank] = (ok, value)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
+                if dead:
+                    # Give a dying rank's traceback a moment to arrive before calling it dead.
+                    try:
+                        rank, ok, value = results.get(timeout=2.0)
+                        got[rank] = (ok, value)
+                        continue
+                    except queue.Empty:
+                        raise LaunchError(
+                            f"ranks {dead} exited (codes {[procs[r].exitcode for r in dead]}) without a result"
+                            + _failures(got)
+                        ) from None
+            if any(not ok for ok, _ in got.values()) and len(got) < world_size:
+                # One rank failed: the others may be stuck in a collective with it; don't wait long.
+                deadline = min(deadline, time.monotonic() + 10.0)
+    finally:
+        for p in procs:
+            p.join(timeout=5.0)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+    failed = {r: v for r, (ok, v) in got.items() if not ok}
+    if failed:
+        raise LaunchError(_failures(got).lstrip("\n"))
+    return [got[r][1] for r in range(world_size)]
+
+
+def _failures(got: dict[int, tuple[bool, Any]]) -> str:
+    failed = {r: v for r, (ok, v) in sorted(got.items()) if not ok}
+    if not failed:
+        return ""
+    return "\n" + "\n".join(f"rank {r} failed:\n{tb}" for r, tb in failed.items())

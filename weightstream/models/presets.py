@@ -1,0 +1,75 @@
+"""Named model configs: tiny ones for tests and the demo, real shapes for benchmarks."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+# heads != groups everywhere; vocab sizes that need padding (not multiples of 128).
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-qwen2": dict(
+        model_type="qwen2", vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256, rope_theta=10000.0,
+        tie_word_embeddings=False, rms_norm_eps=1e-6,
+    ),
+    "tiny-qwen3": dict(
+        model_type="qwen3", vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=16, max_position_embeddings=256,
+        rope_theta=1000000.0, tie_word_embeddings=False, rms_norm_eps=1e-6,
+    ),
+    "tiny-qwen3-tied": dict(
+        model_type="qwen3", vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=16, max_position_embeddings=256,
+        rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6,
+    ),
+    # The shape of Qwen/Qwen3-8B (weights are random: nothing is downloaded).
+    "qwen3-8b": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rope_theta=1000000.0, tie_word_embeddings=False, rms_norm_eps=1e-6,
+    ),
+}
+
+
+def preset_config(name: str):
+    """The transformers config of a preset."""
+    from weightstream.models.spec import load_hf_config
+
+    if name not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+    values = dict(PRESETS[name])
+    theta = values.pop("rope_theta", None)
+    cfg = load_hf_config(values)
+    if theta is not None:
+        if isinstance(getattr(cfg, "rope_parameters", None), dict):
+            cfg.rope_parameters = {**cfg.rope_parameters, "rope_theta": theta}
+        else:
+            cfg.rope_theta = theta
+    return cfg
+
+
+def random_hf_model(config: Any, *, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """An HF causal LM for ``config`` whose every tensor (norms included) is random and distinct."""
+    from transformers import AutoModelForCausalLM
+
+    from weightstream.models.spec import load_hf_config
+
+    cfg = load_hf_config(config)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.05
+            base = 1.0 if name.endswith("norm.weight") or "layernorm" in name else 0.0
+            p.copy_((noise + base).to(p.dtype))
+    model.eval()
+    return model
+
+
+def save_random_checkpoint(config: Any, out_dir: str | os.PathLike, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> str:
+    """Write a random HF checkpoint of ``config`` with ``save_pretrained``; return the directory."""
+    model = random_hf_model(config, seed=seed, dtype=dtype)
+    model.save_pretrained(os.fspath(out_dir))
+    return os.fspath(out_dir)

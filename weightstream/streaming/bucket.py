@@ -1,0 +1,117 @@
+"""A bucket: one flat, aligned byte buffer and the metadata of the HF tensors inside it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from weightstream.models.spec import dtype_name
+from weightstream.streaming.plan import ALIGN, layout
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Where a per-rank tensor sits in the whole HF tensor: rows (or columns) ``[start, start+length)``
+    of ``full`` along ``dim``."""
+
+    dim: int
+    start: int
+    length: int
+    full: int
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # bytes from the start of the bucket buffer
+    shard: Shard | None = None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def view_tensor(buffer: Tensor, meta: TensorMeta) -> Tensor:
+    """The tensor ``meta`` describes, as a view into ``buffer`` (a flat uint8 tensor)."""
+    return buffer.narrow(0, meta.offset, meta.nbytes).view(meta.dtype).view(meta.shape)
+
+
+@dataclass(slots=True)
+class Bucket:
+    """Flat buffer + metadata. ``named_tensors()`` gives ``(hf_name, tensor)`` views (no copies)."""
+
+    index: int
+    buffer: Tensor  # uint8, 1-D
+    metas: tuple[TensorMeta, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+    def __len__(self) -> int:
+        return len(self.metas)
+
+    def named_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        for meta in self.metas:
+            yield meta.name, view_tensor(self.buffer, meta)
+
+    def flattened_metadata(self) -> list[dict]:
+        """The bucket's metadata as SGLang's flattened bucket spells it (byte offsets)."""
+        return [
+            {
+                "name": m.name,
+                "shape": list(m.shape),
+                "dtype": dtype_name(m.dtype),
+                "start_idx": m.offset,
+                "end_idx": m.offset + m.nbytes,
+                "numel": m.numel,
+            }
+            for m in self.metas
+        ]
+
+    @classmethod
+    def pack(
+        cls,
+        named: Sequence[tuple[str, Tensor]],
+        *,
+        index: int = 0,
+        device: torch.device | str | None = None,
+        align: int = ALIGN,
+    ) -> "Bucket":
+        """Copy ``named`` tensors into one new flat buffer."""
+        if not named:
+            raise ValueError("cannot pack an empty bucket")
+        offsets, total = layout([[t.numel() * t.element_size()] for _, t in named], align)
+        device = device if device is not None else named[0][1].device
+        buffer = torch.empty(total, dtype=torch.uint8, device=device)
+        metas = []
+        for (name, t), (off,) in zip(named, offsets):
+            meta = TensorMeta(name, t.dtype, tuple(t.shape), off)
+            view_tensor(buffer, meta).copy_(t)
+            metas.append(meta)
+        return cls(index, buffer, tuple(metas))
+
+    @classmethod
+    def from_metadata(cls, buffer: Tensor, metadata: Iterable[dict], *, index: int = 0) -> "Bucket":
+        """Rebuild a bucket from a received buffer and SGLang-style flattened metadata."""
+        from weightstream.models.spec import dtype_from_name
+
+        metas = []
+        for item in metadata:
+            meta = TensorMeta(item["name"], dtype_from_name(item["dtype"]), tuple(item["shape"]), int(item["start_idx"]))
+            if meta.offset + meta.nbytes != int(item["end_idx"]) or meta.offset + meta.nbytes > buffer.numel():
+                raise ValueError(f"bucket metadata for {meta.name!r} does not fit the buffer")
+            metas.append(meta)
+        return cls(index, buffer, tuple(metas))

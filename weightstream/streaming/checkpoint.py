@@ -1,0 +1,196 @@
+"""``save_hf_checkpoint``: the stream written as a Hugging Face safetensors checkpoint.
+
+Every tensor's shape is known before any data moves, so each shard file's safetensors header is
+written first and the tensor bytes are appended as buckets arrive: memory stays bounded by the
+stream's buckets, whatever the shard size. Files are written under a temporary name and renamed
+when complete; the index is written last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from weightstream.disk import INDEX_NAME, shard_name
+from weightstream.models.spec import dtype_name, load_hf_config
+from weightstream.streaming.plan import plan_buckets
+from weightstream.streaming.stream import DEFAULT_BUCKET_BYTES, StreamStats, stream_hf_weights
+
+DEFAULT_SHARD_BYTES = 4 << 30
+
+_ST_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+class SafetensorsFileWriter:
+    """Writes one safetensors file whose tensors (and their order) are known up front."""
+
+    def __init__(self, path: Path, entries: Sequence[_Entry]):
+        self.path = path
+        self.partial = path.with_name(path.name + ".partial")
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        self.expected: dict[str, tuple[int, int]] = {}
+        for e in entries:
+            header[e.name] = {"dtype": _ST_DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+            self.expected[e.name] = (offset, e.nbytes)
+            offset += e.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.data_start = 8 + len(raw)
+        self.size = offset
+        self.written = 0
+        self.order = [e.name for e in entries]
+        self._next = 0
+        self.file: BinaryIO = open(self.partial, "wb")
+        self.file.write(struct.pack("<Q", len(raw)))
+        self.file.write(raw)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self._next >= len(self.order) or self.order[self._next] != name:
+            raise RuntimeError(f"{self.path.name}: got {name!r} out of order")
+        data = tensor.detach().contiguous().view(-1).view(torch.uint8)
+        if data.device.type != "cpu":
+            data = data.cpu()
+        self.file.write(memoryview(data.numpy()))
+        self.written += data.numel()
+        self._next += 1
+
+    def close(self) -> None:
+        self.file.close()
+        if self._next != len(self.order) or self.written != self.size:
+            raise RuntimeError(f"{self.path.name}: incomplete ({self._next}/{len(self.order)} tensors)")
+        os.replace(self.partial, self.path)
+
+    def abort(self) -> None:
+        self.file.close()
+        self.partial.unlink(missing_ok=True)
+
+
+@dataclass
+class CheckpointReport:
+    directory: Path
+    files: list[str]
+    tensors: int
+    total_size: int
+    stats: StreamStats
+
+
+def save_hf_checkpoint(
+    model_chunks: nn.Module | Sequence[nn.Module],
+    hf_config: Any,
+    out_dir: str | os.PathLike,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    writers: str = "rank0",
+    progress: Callable[[int, int], None] | None = None,
+) -> CheckpointReport:
+    """Write the model as an HF checkpoint (safetensors shards, index, ``config.json``). Call on every rank.
+
+    ``writers="rank0"``: global rank 0 writes every file. ``writers="spread"``: file i is written
+    by rank ``i % world_size`` (every rank receives every bucket in full mode). Memory is bounded
+    by the stream (two buckets plus the largest tensor). ``progress(done, total)`` is called after
+    each bucket.
+    """
+    if writers not in ("rank0", "spread"):
+        raise ValueError(f"writers must be 'rank0' or 'spread', got {writers!r}")
+    out = Path(out_dir)
+    cfg = load_hf_config(hf_config)
+    stream = stream_hf_weights(model_chunks, cfg, bucket_bytes=bucket_bytes, mode="full")
+    entries = [
+        _Entry(o.name, o.dtype, o.shape, o.nbytes) for it in stream.items for o in it.outputs
+    ]
+    files = plan_buckets([[e.nbytes] for e in entries], shard_bytes, align=1)
+    names = [shard_name(i + 1, len(files)) for i in range(len(files))]
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    mine = {i for i in range(len(files)) if (i % world if writers == "spread" else 0) == rank}
+    file_of: dict[str, int] = {}
+    for i, f in enumerate(files):
+        for j in f.items:
+            file_of[entries[j].name] = i
+    if mine:
+        out.mkdir(parents=True, exist_ok=True)
+    open_writers: dict[int, SafetensorsFileWriter] = {}
+    remaining = {i: len(files[i].items) for i in mine}
+    try:
+        for done, bucket in enumerate(stream, 1):
+            for name, tensor in bucket.named_tensors():
+                i = file_of[name]
+                if i not in mine:
+                    continue
+                if i not in open_writers:
+                    open_writers[i] = SafetensorsFileWriter(out / names[i], [entries[j] for j in files[i].items])
+                open_writers[i].write(name, tensor)
+                remaining[i] -= 1
+                if remaining[i] == 0:
+                    open_writers.pop(i).close()
+            if progress is not None:
+                progress(done, len(stream))
+    except BaseException:
+        for w in open_writers.values():
+            w.abort()
+        raise
+    if rank == 0:
+        weight_map = {e.name: names[file_of[e.name]] for e in entries}
+        index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": weight_map}
+        out.mkdir(parents=True, exist_ok=True)
+        _save_config(cfg, out, _main_dtype(entries))
+        tmp = out / (INDEX_NAME + ".partial")
+        tmp.write_text(json.dumps(index, indent=2) + "\n")
+        os.replace(tmp, out / INDEX_NAME)
+    if world > 1:
+        dist.barrier()
+    return CheckpointReport(out, names, len(entries), sum(e.nbytes for e in entries), stream.stats)
+
+
+def _save_config(cfg, out: Path, dtype: torch.dtype | None) -> None:
+    import copy
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    cfg = copy.deepcopy(cfg)
+    if dtype is not None:
+        cfg.dtype = dtype_name(dtype)
+
+    if not getattr(cfg, "architectures", None) and cfg.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        cfg.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[cfg.model_type]]
+    cfg.save_pretrained(out)
+
+
+def _main_dtype(entries: Sequence[_Entry]) -> torch.dtype | None:
+    """The dtype that holds the most bytes (what ``config.json`` should say the model is in)."""
+    totals: dict[torch.dtype, int] = {}
+    for e in entries:
+        totals[e.dtype] = totals.get(e.dtype, 0) + e.nbytes
+    return max(totals, key=totals.__getitem__) if totals else None

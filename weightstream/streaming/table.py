@@ -1,0 +1,195 @@
+"""The global tensor table: every rank's metadata, matched to the converter and checked.
+
+Built from the metadata of all ranks (exchanged once), so it is the same on every rank: the
+same tensors in the same order, which is what makes the collectives line up. All problems
+(unmapped names, missing or unexpected HF tensors, shape mismatches, inconsistent shards) are
+collected and raised as one :class:`~weightstream.errors.ConversionError`, on every rank alike.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from weightstream.converters.mapping import Converter, Resolved
+from weightstream.converters.ops import OpContext
+from weightstream.errors import ProblemList
+from weightstream.models.spec import ModelSpec, dtype_from_name
+
+
+@dataclass(frozen=True, slots=True)
+class RankMeta:
+    """What one rank reports: its coordinates and its tensors ``(name, shape, dtype, expert)``."""
+
+    pp: int
+    tp: int
+    ep: int
+    etp: int
+    tensors: tuple[tuple[str, tuple[int, ...], str, bool], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class HFOut:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """One Megatron tensor of the whole model and where it lives."""
+
+    resolved: Resolved
+    dtype: torch.dtype
+    local_shape: tuple[int, ...]
+    shard_dim: int | None  # dim split over its TP group (None when replicated or the group has 1 rank)
+    group: str  # "tp" or "etp"
+    parts: int  # ranks the tensor is split over (1 when not split)
+    pp_owner: int
+    ep_owner: int | None  # EP rank holding it (experts only)
+    outputs: tuple[HFOut, ...]  # HF tensors of the whole tensor
+
+    @property
+    def name(self) -> str:
+        return self.resolved.megatron_name
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        if self.shard_dim is None:
+            return self.local_shape
+        shape = list(self.local_shape)
+        shape[self.shard_dim] *= self.parts
+        return tuple(shape)
+
+    def shard_outputs(self, spec: ModelSpec, rank: int) -> tuple[HFOut, ...]:
+        """HF tensors that TP rank ``rank`` makes from its own shard (per-rank mode)."""
+        if self.shard_dim is None:
+            return self.outputs
+        meta = torch.empty(self.local_shape, dtype=self.dtype, device="meta")
+        outs = self.resolved.mapping.op.to_hf(meta, OpContext(spec, parts=1, shard_rank=rank))
+        return tuple(HFOut(n, tuple(o.shape), o.dtype) for n, o in zip(self.resolved.hf_names, outs))
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(?:local_experts\.(\d+)\.|linear_fc[12]\.(?:weight|bias)(\d+)$)")
+
+
+def _order_key(name: str, position: int) -> tuple[int, int, int, int]:
+    m = _LAYER.match(name)
+    if not m:
+        return (0 if name.startswith("embedding") else 2, 0, 0, position)
+    e = _EXPERT.search(name)
+    expert = int(e.group(1) or e.group(2)) if e else -1
+    return (1, int(m.group(1)), expert, position)
+
+
+def build_table(
+    ranks: Sequence[RankMeta],
+    converter: Converter,
+    spec: ModelSpec,
+    expected: dict[str, tuple[int, ...]],
+    *,
+    tp_size: int,
+    etp_size: int = 1,
+) -> list[TensorEntry]:
+    """Match every reported tensor to the converter, check it against ``expected`` HF shapes,
+    and order the emitted ones. Raises one ConversionError listing every problem."""
+    problems = ProblemList()
+    # name -> {(pp, ep or None): {group rank: (shape, dtype)}}, plus listing position for ordering.
+    seen: dict[str, dict[tuple[int, int | None], dict[int, tuple[tuple[int, ...], str]]]] = {}
+    position: dict[str, int] = {}
+    expert_flag: dict[str, bool] = {}
+    for rank in ranks:
+        for pos, (name, shape, dtype, expert) in enumerate(rank.tensors):
+            position.setdefault(name, pos)
+            expert_flag[name] = expert
+            owner = (rank.pp, rank.ep if expert else None)
+            seen.setdefault(name, {}).setdefault(owner, {})
+            # Record by TP rank here; re-keyed by ETP rank for expert-TP tensors below.
+            seen[name][owner][(rank.tp, rank.etp)] = (tuple(shape), dtype)
+
+    entries: list[TensorEntry] = []
+    produced: dict[str, str] = {}
+    for name in sorted(seen, key=lambda n: _order_key(n, position[n])):
+        resolved = converter.resolve(name, spec)
+        if resolved is None:
+            problems.add("Megatron tensors no mapping covers", name)
+            continue
+        owners = seen[name]
+        if len({pp for pp, _ in owners}) > 1 and resolved.emit:
+            problems.add("tensors held by several pipeline stages", f"{name}: stages {sorted({p for p, _ in owners})}")
+            continue
+        if not resolved.emit:
+            continue
+        mapping = resolved.mapping
+        pp_owner, ep_owner = next(iter(owners))
+        shards = owners[(pp_owner, ep_owner)]
+        group_size = etp_size if mapping.tp_group == "etp" else tp_size
+        by_group_rank: dict[int, tuple[tuple[int, ...], str]] = {}
+        for (tp, etp), info in shards.items():
+            by_group_rank[etp if mapping.tp_group == "etp" else tp] = info
+        variants = set(by_group_rank.values())
+        if len(variants) != 1:
+            problems.add("tensors whose shards differ between ranks", f"{name}: {sorted(variants)}")
+            continue
+        (local_shape, dtype_str), = variants
+        dtype = dtype_from_name(dtype_str)
+        split = mapping.tp_dim is not None and group_size > 1
+        if split and mapping.tp_dim >= len(local_shape):
+            problems.add("shape mismatches", f"{name}: partition dim {mapping.tp_dim} but shape {local_shape}")
+            continue
+        entry = TensorEntry(
+            resolved=resolved,
+            dtype=dtype,
+            local_shape=local_shape,
+            shard_dim=mapping.tp_dim if split else None,
+            group=mapping.tp_group,
+            parts=group_size if split else 1,
+            pp_owner=pp_owner,
+            ep_owner=ep_owner,
+            outputs=(),
+        )
+        meta = torch.empty(entry.full_shape, dtype=dtype, device="meta")
+        try:
+            outs = mapping.op.to_hf(meta, OpContext(spec, parts=entry.parts))
+        except (ValueError, RuntimeError) as exc:
+            problems.add("shape mismatches", f"{name} {entry.full_shape}: {exc}")
+            continue
+        outputs = tuple(HFOut(n, tuple(o.shape), o.dtype) for n, o in zip(resolved.hf_names, outs))
+        bad = False
+        for out in outputs:
+            if out.name in produced:
+                problems.add("HF tensors produced twice", f"{out.name}: from {produced[out.name]} and {name}")
+                bad = True
+                continue
+            produced[out.name] = name
+            want = expected.get(out.name)
+            if want is None:
+                problems.add("HF tensors the config does not have", f"{out.name} (from {name})")
+                bad = True
+            elif want != out.shape:
+                problems.add("shape mismatches", f"{out.name}: config says {want}, model gives {out.shape} (from {name})")
+                bad = True
+        if not bad:
+            entries.append(_with_outputs(entry, outputs))
+    for name in expected:
+        if name not in produced:
+            problems.add("HF tensors the model does not provide", name)
+    problems.raise_if_any(f"cannot convert this {spec.model_type} model to Hugging Face tensors")
+    return entries
+
+
+def _with_outputs(entry: TensorEntry, outputs: tuple[HFOut, ...]) -> TensorEntry:
+    from dataclasses import replace
+
+    return replace(entry, outputs=outputs)
