@@ -160,6 +160,10 @@ def build_gpt_model(
                 rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
                 vp_stage=vp_stage,
             )
+            if dtype != torch.float32:
+                # What Megatron's Float16Module does: every parameter in the training dtype (the
+                # local spec builds its norms in float32).
+                model = model.to(dtype)
             if torch.cuda.is_available():
                 model = model.cuda()
             chunks.append(model)

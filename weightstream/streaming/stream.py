@@ -45,7 +45,8 @@ class StreamStats:
     gathers: int = 0  # TP / expert-TP all-gathers issued
     broadcasts: int = 0  # EP / PP broadcasts issued
     peak_staging_bytes: int = 0  # largest (output buffer + gather buffers + conversion temp) at once
-    seconds: float = 0.0
+    setup_seconds: float = 0.0  # metadata exchange, checks and planning
+    seconds: float = 0.0  # producing the buckets
 
 
 @dataclass
@@ -152,15 +153,15 @@ class BucketStream(Iterator[Bucket]):
             parts = split[0].parts
             sizes = [[self._nbytes(self.local[e.name])] for e in split]
             offsets, total = layout(sizes)
-            send = torch.empty(total, dtype=torch.uint8, device=self.device)
+            # In-place all-gather: this rank's shards are packed straight into its slot of the output.
+            recv = torch.empty(total * parts, dtype=torch.uint8, device=self.device)
+            send = recv.narrow(0, self.topology.group_rank(group_name) * total, total)
             for e, (off,) in zip(split, offsets):
                 t = self.local[e.name]
                 send.narrow(0, off, self._nbytes(t)).copy_(t.contiguous().view(-1).view(torch.uint8))
-            recv = torch.empty(total * parts, dtype=torch.uint8, device=self.device)
             dist.all_gather_into_tensor(recv, send, group=self.topology.group(group_name))
             self.stats.gathers += 1
-            staged += send.numel() + recv.numel()
-            del send
+            staged += recv.numel()
             for e, (off,) in zip(split, offsets):
                 out[e.name] = _Concat(recv, total, off, e)
         return out, staged
@@ -260,6 +261,7 @@ def stream_hf_weights(
     """
     if mode not in ("full", "per_rank"):
         raise ValueError(f"mode must be 'full' or 'per_rank', got {mode!r}")
+    start = time.perf_counter()
     topo = topology or Topology.current()
     cfg = load_hf_config(hf_config)
     spec = ModelSpec.from_hf_config(cfg)
@@ -277,7 +279,7 @@ def stream_hf_weights(
         [o.nbytes for o in (it.outputs if mode == "full" else it.entry.shard_outputs(spec, 0))] for it in items
     ]
     plan = plan_buckets(planning, bucket_bytes, ALIGN)
-    return BucketStream(
+    stream = BucketStream(
         spec=spec,
         mode=mode,
         topology=topo,
@@ -286,6 +288,8 @@ def stream_hf_weights(
         local={t.name: t.tensor for t in local},
         device=_device_of(local),
     )
+    stream.stats.setup_seconds = time.perf_counter() - start
+    return stream
 
 
 def _item(entry: TensorEntry, spec: ModelSpec, topo: Topology, mode: Mode) -> _Item:
