@@ -1,7 +1,16 @@
 """Megatron <-> HF per model family: pure ops, declarative mappings, a registry."""
 
 from weightstream.converters.mapping import Converter, Mapping, Resolved, tied, untied
-from weightstream.converters.ops import GATED, IDENTITY, QKV, VOCAB, OpContext, TensorOp
+from weightstream.converters.ops import (
+    GATED,
+    IDENTITY,
+    QKV,
+    VOCAB,
+    NotRepresentable,
+    OpContext,
+    TensorOp,
+    Unrepresentable,
+)
 from weightstream.converters.registry import (
     get_converter,
     known_model_types,
@@ -11,6 +20,6 @@ from weightstream.converters.registry import (
 
 __all__ = [
     "Converter", "Mapping", "Resolved", "tied", "untied",
-    "GATED", "IDENTITY", "QKV", "VOCAB", "OpContext", "TensorOp",
+    "GATED", "IDENTITY", "QKV", "VOCAB", "NotRepresentable", "OpContext", "TensorOp", "Unrepresentable",
     "get_converter", "known_model_types", "register_converter", "unregister_converter",
 ]

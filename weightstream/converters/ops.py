@@ -146,6 +146,26 @@ class TrimVocab:
         return out
 
 
+class NotRepresentable(ValueError):
+    """A Megatron tensor that the HF layout has no place for (raised by :class:`Unrepresentable`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Unrepresentable:
+    """A Megatron tensor the HF model has no place for, and that changes what the model computes:
+    converting it either way raises :class:`NotRepresentable` with ``reason``, so that a model that
+    holds it is refused rather than streamed without it."""
+
+    reason: str
+    arity: int = 0
+
+    def to_hf(self, tensor: Tensor, ctx: OpContext) -> list[Tensor]:
+        raise NotRepresentable(self.reason)
+
+    def to_megatron(self, parts: Sequence[Tensor], ctx: OpContext, megatron_shape: torch.Size) -> Tensor:
+        raise NotRepresentable(self.reason)
+
+
 IDENTITY = Identity()
 QKV = SplitQKV()
 GATED = SplitGated()

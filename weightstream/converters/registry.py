@@ -85,4 +85,4 @@ def _load_builtins() -> None:
     global _builtins_loaded
     if not _builtins_loaded:
         _builtins_loaded = True
-        from weightstream.converters import qwen2, qwen3  # noqa: F401  (they register themselves)
+        from weightstream.converters import qwen2, qwen3, qwen_moe  # noqa: F401  (they register themselves)

@@ -132,7 +132,7 @@ def build_gpt_model(
     current ``parallel_state``, built with the local (no Transformer Engine) layer spec."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
     spec = ModelSpec.from_hf_config(hf_config)
     config = transformer_config(spec, dtype=dtype, sequence_parallel=sequence_parallel)
@@ -148,9 +148,16 @@ def build_gpt_model(
     with _cpu_build_shims():
         for stage in range(vpp):
             vp_stage = stage if vpp > 1 else None
+            # One layer spec serves every layer of a dense model; an MoE model with dense layers
+            # (moe_layer_freq) needs the block spec, which picks a dense or MoE spec layer by layer.
+            stage_spec = (
+                get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage)
+                if spec.is_moe
+                else layer_spec
+            )
             model = GPTModel(
                 config=config,
-                transformer_layer_spec=layer_spec,
+                transformer_layer_spec=stage_spec,
                 vocab_size=vocab,
                 max_sequence_length=spec.max_position_embeddings,
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

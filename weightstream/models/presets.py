@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-# heads != groups everywhere; vocab sizes that need padding (not multiples of 128).
+# Tiny presets: heads != groups everywhere; vocab sizes that need padding (not multiples of 128).
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny-qwen2": dict(
         model_type="qwen2", vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
@@ -23,6 +23,30 @@ PRESETS: dict[str, dict[str, Any]] = {
         model_type="qwen3", vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
         num_attention_heads=8, num_key_value_heads=4, head_dim=16, max_position_embeddings=256,
         rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6,
+    ),
+    # Mixture of experts: 8 experts, top-2. Qwen2-MoE: q/k/v bias, a shared expert with its sigmoid
+    # gate, softmax over all experts without renormalising the top-k, and layer 1 dense (mlp_only_layers).
+    "tiny-qwen2-moe": dict(
+        model_type="qwen2_moe", vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256, rope_theta=10000.0,
+        tie_word_embeddings=False, rms_norm_eps=1e-6, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1],
+        decoder_sparse_step=1, qkv_bias=True,
+    ),
+    # Qwen3-MoE: q/k norm, no shared expert, top-k probabilities renormalised, every layer MoE.
+    "tiny-qwen3-moe": dict(
+        model_type="qwen3_moe", vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=16, max_position_embeddings=256,
+        rope_theta=1000000.0, tie_word_embeddings=False, rms_norm_eps=1e-6, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1,
+    ),
+    # The shape of Qwen/Qwen3-30B-A3B: 48 layers of 128 experts (top-8), 18,867 HF tensors.
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
+        rope_theta=1000000.0, tie_word_embeddings=False, rms_norm_eps=1e-6, num_experts=128,
+        num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True, mlp_only_layers=[],
+        decoder_sparse_step=1,
     ),
     # The shape of Qwen/Qwen3-8B (weights are random: nothing is downloaded).
     "qwen3-8b": dict(

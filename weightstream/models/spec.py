@@ -106,6 +106,15 @@ class ModelSpec:
         for name in ("vocab_size", "hidden_size", "num_layers", "head_dim"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be positive, got {getattr(self, name)}")
+        if self.is_moe:
+            if self.moe_intermediate_size <= 0:
+                problems.append(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+            if not 0 < self.moe_top_k <= self.num_experts:
+                problems.append(f"experts per token ({self.moe_top_k}) must be in 1..num_experts ({self.num_experts})")
+            if len(self.dense_layers) == self.num_layers:
+                problems.append("every layer is dense (mlp_only_layers / decoder_sparse_step leave no MoE layer)")
+            if self.dense_layers and self.intermediate_size <= 0:
+                problems.append(f"dense layers {sorted(self.dense_layers)} need intermediate_size > 0")
         if problems:
             raise ValueError(f"invalid {self.model_type} config: " + "; ".join(problems))
 

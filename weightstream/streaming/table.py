@@ -163,7 +163,8 @@ def build_table(
         try:
             outs = mapping.op.to_hf(meta, OpContext(spec, parts=entry.parts))
         except (ValueError, RuntimeError) as exc:
-            problems.add("shape mismatches", f"{name} {entry.full_shape}: {exc}")
+            targets = ", ".join(resolved.hf_names)
+            problems.add("shape mismatches", f"{targets}: cannot be made from {name} {entry.full_shape}: {exc}")
             continue
         outputs = tuple(HFOut(n, tuple(o.shape), o.dtype) for n, o in zip(resolved.hf_names, outs))
         bad = False
