@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from weightstream.converters.ops import OpContext
+from weightstream.converters.ops import NotRepresentable, OpContext
 from weightstream.converters.registry import get_converter
 from weightstream.errors import ProblemList
 from weightstream.models.spec import ModelSpec, load_hf_config
@@ -129,7 +129,11 @@ def build_gpt_model(
     sequence_parallel: bool = False,
 ) -> list[nn.Module]:
     """Megatron-Core ``GPTModel`` chunks (one per virtual pipeline stage) for ``hf_config`` under the
-    current ``parallel_state``, built with the local (no Transformer Engine) layer spec."""
+    current ``parallel_state``, built with the local (no Transformer Engine) layer spec; MoE layers
+    hold SequentialMLP experts, split over EP (and expert-TP) as ``parallel_state`` says.
+
+    MoE with TP > 1 needs ``sequence_parallel=True`` to run in training mode; evaluation (what
+    :func:`megatron_logits` does) runs without it."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
@@ -217,6 +221,9 @@ def load_hf_weights(
             hf = [weights[n] if isinstance(weights, MappingABC) else weights.get(n) for n in resolved.hf_names]
             try:
                 full = mapping.op.to_megatron(hf, OpContext(spec, parts=parts_n), torch.Size(full_shape))
+            except NotRepresentable as exc:
+                problems.add("Megatron tensors the HF model has no place for", f"{local.name}: {exc}")
+                continue
             except (ValueError, RuntimeError) as exc:
                 problems.add("shape mismatches", f"{local.name} from {list(resolved.hf_names)}: {exc}")
                 continue

@@ -182,6 +182,11 @@ class BucketStream(Iterator[Bucket]):
             for (pp, ep), lo, hi in _runs(spans, key=lambda s: (s[0], s[1])):
                 if ep is not None and pp == topo.pp_rank:
                     works.append(dist.broadcast(buffer[lo:hi], group=topo.ep_group, group_src=ep, async_op=True))
+            # A stage passes on, over PP, experts it has just received over EP: they must have arrived.
+            for w in works:
+                w.wait()
+            self.stats.broadcasts += len(works)
+            works = []
         if topo.pp_size > 1:
             for (pp,), lo, hi in _runs(spans, key=lambda s: (s[0],)):
                 works.append(dist.broadcast(buffer[lo:hi], group=topo.pp_group, group_src=pp, async_op=True))
@@ -255,6 +260,16 @@ def stream_hf_weights(
     ``mode="full"``: each HF tensor whole, on every rank (TP shards all-gathered once per bucket,
     PP stages and EP owners broadcast). ``mode="per_rank"``: no TP gather; TP rank r yields the HF
     shards an engine's TP rank r holds, each with its :class:`Shard` placement.
+
+    Mixture of experts: routed experts always carry their global index (``mlp.experts.{E}``, with
+    ``E = ep_rank * experts_per_rank + e``). In full mode every rank yields every expert, gathered
+    over expert-TP and broadcast from its EP owner within the bucket. In per_rank mode there is no
+    EP traffic: each rank yields only the experts its own EP rank holds (cut by its expert-TP rank,
+    the :class:`Shard` giving the placement), plus the non-expert tensors (cut by its dense TP rank).
+    This serves an engine whose expert parallelism equals the trainer's: engine EP rank r loads
+    the experts that trainer EP rank r yields, under the same global ids, and takes the non-expert
+    tensors from any one EP rank (they are the same on all); an engine with another expert layout
+    needs full mode.
 
     The table, checks and plan are made here, eagerly (so a bad model raises now, on every rank
     alike); the buckets are made one at a time as the returned iterator is advanced.

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from weightstream.converters.mapping import Converter, Resolved
-from weightstream.converters.ops import OpContext
+from weightstream.converters.ops import NotRepresentable, OpContext
 from weightstream.errors import ProblemList
 from weightstream.models.spec import ModelSpec, dtype_from_name
 
@@ -131,6 +131,13 @@ def build_table(
             continue
         if not resolved.emit:
             continue
+        ep_owners = sorted({ep for _, ep in owners if ep is not None})
+        if len(ep_owners) > 1:
+            problems.add(
+                "experts held by several expert-parallel ranks (local expert ids reported as global?)",
+                f"{name}: EP ranks {ep_owners}",
+            )
+            continue
         mapping = resolved.mapping
         pp_owner, ep_owner = next(iter(owners))
         shards = owners[(pp_owner, ep_owner)]
@@ -162,6 +169,9 @@ def build_table(
         meta = torch.empty(entry.full_shape, dtype=dtype, device="meta")
         try:
             outs = mapping.op.to_hf(meta, OpContext(spec, parts=entry.parts))
+        except NotRepresentable as exc:
+            problems.add("Megatron tensors the HF model has no place for", f"{name}: {exc}")
+            continue
         except (ValueError, RuntimeError) as exc:
             targets = ", ".join(resolved.hf_names)
             problems.add("shape mismatches", f"{targets}: cannot be made from {name} {entry.full_shape}: {exc}")
