@@ -34,16 +34,44 @@ class Case:
     save_to: str | None = None  # also write a checkpoint here
     save_kwargs: dict = field(default_factory=dict)
     label: str = ""
+    grouped_experts: bool = False  # present routed experts under TE grouped-GEMM names
+    router_dtype: str | None = None  # hold MoE routers' weights in this dtype (set before loading)
 
 
 def present_te_names(chunks: list[nn.Module]) -> None:
-    """Re-register the norms under Transformer Engine's names (fused into the next linear)."""
+    """Re-register the norms under Transformer Engine's names (fused into the next linear; an MoE
+    layer keeps its separate ``pre_mlp_layernorm``)."""
     for chunk in chunks:
         for layer in unwrap(chunk).decoder.layers:
             layer.self_attention.linear_qkv.layer_norm_weight = layer.input_layernorm.weight
             layer.input_layernorm = nn.Identity()
-            layer.mlp.linear_fc1.layer_norm_weight = layer.pre_mlp_layernorm.weight
-            layer.pre_mlp_layernorm = nn.Identity()
+            if hasattr(layer.mlp, "linear_fc1"):
+                layer.mlp.linear_fc1.layer_norm_weight = layer.pre_mlp_layernorm.weight
+                layer.pre_mlp_layernorm = nn.Identity()
+
+
+def present_grouped_experts(chunks: list[nn.Module]) -> None:
+    """Re-register each MoE layer's SequentialMLP experts under Transformer Engine's grouped-GEMM
+    names (``mlp.experts.linear_fc1.weight{e}``, local ``e``), the same tensors."""
+    for chunk in chunks:
+        for layer in unwrap(chunk).decoder.layers:
+            experts = getattr(layer.mlp, "experts", None)
+            if experts is None:
+                continue
+            grouped = nn.Module()
+            grouped.linear_fc1, grouped.linear_fc2 = nn.Module(), nn.Module()
+            for e, expert in enumerate(experts.local_experts):
+                grouped.linear_fc1.register_parameter(f"weight{e}", expert.linear_fc1.weight)
+                grouped.linear_fc2.register_parameter(f"weight{e}", expert.linear_fc2.weight)
+            layer.mlp.experts = grouped
+
+
+def hold_routers_in(chunks: list[nn.Module], dtype: torch.dtype) -> None:
+    for chunk in chunks:
+        for layer in unwrap(chunk).decoder.layers:
+            router = getattr(layer.mlp, "router", None)
+            if router is not None:
+                router.weight.data = router.weight.data.to(dtype)
 
 
 def _build(case: Case):
@@ -51,16 +79,25 @@ def _build(case: Case):
     initialize_parallel(layout.tp, layout.pp, layout.vpp, layout.ep, layout.etp)
     cfg = load_hf_config(case.src)
     chunks = build_gpt_model(cfg, dtype=getattr(torch, case.dtype))
+    if case.router_dtype:
+        hold_routers_in(chunks, getattr(torch, case.router_dtype))
     if not case.random_init:
         with CheckpointReader(case.src) as reader:
             load_hf_weights(chunks, cfg, reader)
+    return cfg, chunks
+
+
+def _present(case: Case, chunks: list[nn.Module]) -> None:
     if case.te_names:
         present_te_names(chunks)
-    return cfg, chunks
+    if case.grouped_experts:
+        present_grouped_experts(chunks)
 
 
 def run_case(case: Case) -> dict:
     cfg, chunks = _build(case)
+    logits = megatron_logits(chunks, torch.tensor(INPUT_IDS), cfg.vocab_size) if case.logits else None
+    _present(case, chunks)  # after the forward: presented names are for streaming only
     stream = stream_hf_weights(chunks, cfg, bucket_bytes=case.bucket_bytes, mode=case.mode)
     out: dict = {"label": case.label, "rank": dist.get_rank()}
     names, mismatches, shards, bucket_sizes, counts = [], [], [], [], []
@@ -91,9 +128,11 @@ def run_case(case: Case) -> dict:
         largest_tensor=largest,
         tp_rank=stream.topology.tp_rank,
         pp_rank=stream.topology.pp_rank,
+        ep_rank=stream.topology.ep_rank,
+        etp_rank=stream.topology.etp_rank,
     )
-    if case.logits:
-        out["logits"] = megatron_logits(chunks, torch.tensor(INPUT_IDS), cfg.vocab_size)
+    if logits is not None:
+        out["logits"] = logits
     if case.save_to:
         report = save_hf_checkpoint(chunks, cfg, case.save_to, bucket_bytes=case.bucket_bytes, **case.save_kwargs)
         out["files"] = report.files
@@ -107,26 +146,83 @@ def _megatron_bytes(entry) -> int:
     return n
 
 
-def run_cases(cases: list[Case]) -> list[dict]:
-    return [run_case(c) for c in cases]
+def run_cases(cases: list[Case], error_cases: list[tuple[Case, str, dict]] = ()) -> list[dict]:
+    """``cases`` through :func:`run_case`, then ``error_cases`` through :func:`run_error_case`, in one job."""
+    return [run_case(c) for c in cases] + [run_error_case(*e) for e in error_cases]
+
+
+def _error(exc: BaseException) -> dict:
+    return {"type": type(exc).__name__, "message": str(exc), "problems": getattr(exc, "problems", None)}
 
 
 def run_error_case(case: Case, mutate: str, config_overrides: dict) -> dict:
-    """Build a model, spoil it as ``mutate`` says, and report the error streaming raises."""
+    """Build a model, spoil it as ``mutate`` says, and report the error streaming raises.
+
+    ``mutate="expert_bias"`` gives every MoE router Megatron's aux-loss-free ``expert_bias`` buffer
+    (what ``moe_router_enable_expert_bias`` registers); the error loading the checkpoint into the
+    model is then reported too, under ``"load"``."""
     cfg, chunks = _build(case)
+    _present(case, chunks)
+    out: dict = {}
     if mutate == "extra_param":
         layer = unwrap(chunks[0]).decoder.layers[0]
         layer.mlp.extra_scale = nn.Parameter(torch.ones(4))
         unwrap(chunks[-1]).decoder.final_layernorm.stray = nn.Parameter(torch.ones(2))
+    if mutate == "expert_bias":
+        for chunk in chunks:
+            for layer in unwrap(chunk).decoder.layers:
+                router = getattr(layer.mlp, "router", None)
+                if router is not None:
+                    del router.expert_bias  # None unless the model was built with the bias
+                    router.register_buffer("expert_bias", torch.zeros(router.weight.shape[0]))
+        try:
+            with CheckpointReader(case.src) as reader:
+                load_hf_weights(chunks, cfg, reader)
+            out["load"] = {"type": None}
+        except WeightstreamError as exc:
+            out["load"] = _error(exc)
     stream_cfg = cfg
     if config_overrides:
         data = cfg.to_dict()
         data.update(config_overrides)
         stream_cfg = load_hf_config(data)
+    out["label"] = case.label
     try:
         stream_hf_weights(chunks, stream_cfg, bucket_bytes=case.bucket_bytes)
     except WeightstreamError as exc:
-        return {"type": type(exc).__name__, "message": str(exc), "problems": getattr(exc, "problems", None)}
+        return {**out, **_error(exc)}
     except Exception:  # noqa: BLE001
-        return {"type": "unexpected", "message": traceback.format_exc()}
-    return {"type": None}
+        return {**out, "type": "unexpected", "message": traceback.format_exc()}
+    return {**out, "type": None}
+
+
+def run_update(case: Case, urls: list[str], updates: list[dict]) -> list[dict]:
+    """Build the trainer, then for each entry of ``updates`` (options for ``update_weights``, plus an
+    optional ``reseed`` to change the weights first and ``save_to`` to write them), update the engines."""
+    from weightstream.update import WeightSync
+
+    cfg, chunks = _build(case)
+    out = []
+    for u in updates:
+        u = dict(u)
+        reseed = u.pop("reseed", None)
+        save_to = u.pop("save_to", None)
+        keep = u.pop("keep_sync", None)
+        if reseed is not None:
+            gen = torch.Generator().manual_seed(reseed + dist.get_rank())
+            with torch.no_grad():
+                for c in chunks:
+                    for p in c.parameters():
+                        p.add_(torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype) * 0.01)
+        try:
+            sync = WeightSync(urls, **u)
+            try:
+                report = sync.update(chunks, cfg)
+            finally:
+                sync.close()
+            out.append({"report": report})
+        except Exception as exc:  # noqa: BLE001
+            out.append({"error": f"{type(exc).__name__}: {exc}"})
+        if save_to:
+            save_hf_checkpoint(chunks, cfg, save_to, bucket_bytes=case.bucket_bytes)
+    return out

@@ -23,6 +23,9 @@ def _layout_args(p: argparse.ArgumentParser, tp: int, pp: int) -> None:
     p.add_argument("--tp", type=int, default=tp, help=f"tensor-parallel size of the Megatron model (default {tp})")
     p.add_argument("--pp", type=int, default=pp, help=f"pipeline-parallel size (default {pp})")
     p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank (default: none)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size, for mixture-of-experts models (default 1)")
+    p.add_argument("--etp", type=int, default=None,
+                   help="expert tensor-parallel size, for mixture-of-experts models (default: the same as --tp)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +74,25 @@ def build_parser() -> argparse.ArgumentParser:
                       help="who writes the files: global rank 0, or spread over all ranks (default rank0)")
     dump.add_argument("--out", required=True, help="output directory")
 
+    engine = sub.add_parser(
+        "engine",
+        help="run the reference engine: an HTTP server speaking SGLang's weight-update protocol",
+        description=(
+            "Starts N worker processes (engine TP N), each holding its shard of a transformers model, and serves "
+            "SGLang's weight-update protocol (init group, update from distributed / tensor, destroy, pause/continue, "
+            "begin/end) plus /generate and /weightstream/logits. Binds to loopback by default."
+        ),
+    )
+    engine.add_argument("--model", required=True, help="HF model directory (config.json; weights optional)")
+    engine.add_argument("--tp", type=int, default=1, help="engine tensor-parallel size (default 1)")
+    engine.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    engine.add_argument("--port", type=int, default=30000, help="port (default 30000; 0 picks a free one)")
+    engine.add_argument("--api-key", default=os.environ.get("WEIGHTSTREAM_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' (default: $WEIGHTSTREAM_API_KEY, else none)")
+    engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    engine.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="weights dtype (default float32)")
+
     verify = sub.add_parser(
         "verify",
         help="compare two HF checkpoints tensor by tensor",
@@ -89,20 +111,41 @@ def _check_world(tp: int, pp: int) -> int:
     return world
 
 
+def _layout(args: argparse.Namespace, cfg):
+    """The layout the options ask for, checked against the model: every problem in one error."""
+    from weightstream.jobs import Layout
+    from weightstream.models.spec import ModelSpec
+
+    _check_world(args.tp, args.pp)
+    layout = Layout(args.tp, args.pp, args.vpp, args.ep, args.etp)
+    problems = []
+    if args.ep < 1 or (args.etp is not None and args.etp < 1):
+        problems.append("--ep and --etp must be positive")
+    spec = ModelSpec.from_hf_config(cfg)
+    if not spec.is_moe and (args.ep > 1 or args.etp is not None):
+        problems.append(f"--ep / --etp need a mixture-of-experts model; {spec.model_type} has no experts")
+    if spec.is_moe and args.ep >= 1 and spec.num_experts % args.ep:
+        problems.append(f"{spec.num_experts} experts cannot be split over --ep {args.ep}")
+    if problems:
+        raise SystemExit("error: " + "; ".join(problems))
+    return layout
+
+
 def cmd_dump(args: argparse.Namespace) -> int:
-    from weightstream.jobs import Layout, dump_job
+    from weightstream.jobs import dump_job
     from weightstream.launch import launch
     from weightstream.models.presets import preset_config, save_random_checkpoint
 
-    world = _check_world(args.tp, args.pp)
     with tempfile.TemporaryDirectory(prefix="weightstream-src-") as tmp:
         if args.preset:
+            layout = _layout(args, preset_config(args.preset))
             hf_dir = save_random_checkpoint(preset_config(args.preset), tmp, seed=args.seed, dtype=_dtype(args.dtype))
         else:
             hf_dir = args.hf
             if not Path(hf_dir, "config.json").exists():
                 raise SystemExit(f"error: {hf_dir} has no config.json")
-        layout = Layout(args.tp, args.pp, args.vpp)
+            layout = _layout(args, hf_dir)
+        world = layout.world_size
         print(f"dumping {args.preset or hf_dir} under {layout.describe()} to {args.out}", file=sys.stderr)
         results = launch(world, dump_job, hf_dir, layout, args.out, args.bucket_mb, args.dtype, None, args.writers)
     r = results[0]
@@ -127,14 +170,14 @@ def _summary(r: dict) -> str:
 def cmd_demo(args: argparse.Namespace) -> int:
     import torch
 
-    from weightstream.jobs import Layout, dump_job
+    from weightstream.jobs import dump_job
     from weightstream.launch import launch
     from weightstream.models.presets import preset_config, random_hf_model
     from weightstream.verify import compare_checkpoints
 
-    world = _check_world(args.tp, args.pp)
     cfg = preset_config(args.preset)
-    layout = Layout(args.tp, args.pp, args.vpp)
+    layout = _layout(args, cfg)
+    world = layout.world_size
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="weightstream-demo-") as tmp:
         src = os.path.join(tmp, "source")
@@ -174,13 +217,35 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if cmp.ok else 1
 
 
+def cmd_engine(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from weightstream.engine.server import serve, stop
+
+    server = serve(args.model, args.tp, args.host, args.port, args.api_key, args.device, args.dtype)
+    print(f"weightstream engine: {args.model} (TP {args.tp}) serving on {server.url}", flush=True)
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *a: done.set())
+    try:
+        while not done.wait(0.5):
+            if not server.engine.alive():
+                print("an engine rank died; stopping", file=sys.stderr)
+                stop(server)
+                return 1
+    except KeyboardInterrupt:
+        pass
+    stop(server)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import warnings
 
     warnings.filterwarnings("ignore")
     args = build_parser().parse_args(argv)
-    handler = {"demo": cmd_demo, "dump": cmd_dump, "verify": cmd_verify}[args.command]
+    handler = {"demo": cmd_demo, "dump": cmd_dump, "verify": cmd_verify, "engine": cmd_engine}[args.command]
     return handler(args)
 
 

@@ -115,6 +115,9 @@ class Converter:
     mappings: tuple[Mapping, ...]
     # Reads the family's facts (q/k/v bias, q/k norm, experts) from an HF config into ModelSpec fields.
     features: Callable[[Any], dict[str, Any]] = _no_features
+    # Whether each TP shard converts on its own (per_rank mode). True for every op that keeps
+    # whole query groups / gate-up halves / rows per shard, as the built-in ops do.
+    per_rank: bool = True
 
     def resolve(self, megatron_name: str, spec: ModelSpec) -> Resolved | None:
         """The first mapping that holds for ``spec`` and matches ``megatron_name``."""

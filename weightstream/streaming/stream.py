@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -68,6 +68,7 @@ class BucketStream(Iterator[Bucket]):
     items: list[_Item]
     local: dict[str, Tensor]
     device: torch.device
+    align: int = ALIGN
     stats: StreamStats = field(default_factory=StreamStats)
     _gen: Iterator[Bucket] | None = None
 
@@ -102,14 +103,33 @@ class BucketStream(Iterator[Bucket]):
             self.stats.bytes += sum(m.nbytes for m in bucket.metas)
             yield bucket
 
-    def _build(self, bp: BucketPlan) -> Bucket:
-        items = [self.items[i] for i in bp.items]
-        offsets, total = layout([[o.nbytes for o in it.outputs] for it in items])
-        buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
+    def _layout(self, items: list[_Item]) -> tuple[list[_Item], list[list[TensorMeta]], int]:
+        """Where each tensor of ``items`` goes in the bucket buffer.
+
+        With ``align`` >= 8 every tensor starts on an ``align`` boundary. With a smaller ``align``
+        (``1``: SGLang's dense flattened bucket, back to back) items are ordered by element size,
+        largest first, so that every tensor still starts at a multiple of its own element size.
+        """
+        if self.align < 8:
+            items = sorted(items, key=lambda it: -it.entry.dtype.itemsize)
+        offsets, total = layout([[o.nbytes for o in it.outputs] for it in items], self.align)
         metas = [
             [TensorMeta(o.name, o.dtype, o.shape, off, sh) for o, off, sh in zip(it.outputs, offs, it.shards)]
             for it, offs in zip(items, offsets)
         ]
+        return items, metas, total
+
+    def metas_for_rank(self, index: int, tp_rank: int) -> list[TensorMeta]:
+        """The metadata of bucket ``index`` as TP rank ``tp_rank`` makes it (per_rank mode: the shards
+        differ by rank), computed locally, without communication."""
+        topo = replace(self.topology, tp_rank=tp_rank, etp_rank=tp_rank if self.topology.etp_size > 1 else 0)
+        items = [_item(self.items[i].entry, self.spec, topo, self.mode) for i in self.plan[index].items]
+        _, metas, _ = self._layout(items)
+        return [m for ms in metas for m in ms]
+
+    def _build(self, bp: BucketPlan) -> Bucket:
+        items, metas, total = self._layout([self.items[i] for i in bp.items])
+        buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
         gathered, gather_bytes = self._gather([it for it in items if it.mine])
         largest = 0
         for it, item_metas in zip(items, metas):
@@ -250,6 +270,7 @@ def stream_hf_weights(
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     mode: Mode = "full",
+    align: int = ALIGN,
     topology: Topology | None = None,
 ) -> BucketStream:
     """Stream a Megatron-Core model's weights as buckets of HF tensors. Call on every rank.
@@ -270,6 +291,10 @@ def stream_hf_weights(
     the experts that trainer EP rank r yields, under the same global ids, and takes the non-expert
     tensors from any one EP rank (they are the same on all); an engine with another expert layout
     needs full mode.
+
+    ``align``: each tensor's start in the bucket buffer is a multiple of it (default 256); ``align=1``
+    packs tensors back to back, largest element size first (the layout SGLang's distributed
+    receiver computes from names, dtypes and shapes alone).
 
     The table, checks and plan are made here, eagerly (so a bad model raises now, on every rank
     alike); the buckets are made one at a time as the returned iterator is advanced.
@@ -293,7 +318,7 @@ def stream_hf_weights(
     planning = [
         [o.nbytes for o in (it.outputs if mode == "full" else it.entry.shard_outputs(spec, 0))] for it in items
     ]
-    plan = plan_buckets(planning, bucket_bytes, ALIGN)
+    plan = plan_buckets(planning, bucket_bytes, align)
     stream = BucketStream(
         spec=spec,
         mode=mode,
@@ -302,6 +327,7 @@ def stream_hf_weights(
         items=items,
         local={t.name: t.tensor for t in local},
         device=_device_of(local),
+        align=align,
     )
     stream.stats.setup_seconds = time.perf_counter() - start
     return stream

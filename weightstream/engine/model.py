@@ -1,0 +1,200 @@
+"""The reference engine's model: a transformers causal LM split over engine TP ranks.
+
+Each rank holds exactly its shard of the attention and MLP projections (column-parallel
+q/k/v/gate/up, row-parallel o/down followed by an all-reduce over the engine's own TP group),
+the norms whole, and — as some engines do — the embedding and lm_head whole. ``load_weights``
+takes HF checkpoint names with whole tensors (narrowed to this rank's shard here) or with
+per-rank shards (checked to be exactly this rank's).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from weightstream.streaming.bucket import Shard
+
+# Which projections split which way (checkpoint name suffixes, before ".weight"/".bias").
+COLUMN = re.compile(r"\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj|mlp\.shared_expert\.(gate|up)_proj)$")
+ROW = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj|mlp\.shared_expert\.down_proj)$")
+VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+class RowParallelLinear(nn.Module):
+    """A row-parallel projection: this rank's input columns, partial sums all-reduced over the group."""
+
+    def __init__(self, linear: nn.Linear, group):
+        super().__init__()
+        self.linear = linear
+        self.group = group
+
+    @property
+    def weight(self) -> Tensor:
+        return self.linear.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.linear(x)
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(out, group=self.group)
+        return out
+
+
+def _split(n: int, size: int, what: str) -> int:
+    if n % size:
+        raise ValueError(f"{what}: {n} is not divisible by engine TP {size}")
+    return n // size
+
+
+@dataclass
+class LoadReport:
+    loaded: list[str]
+    problems: list[str]
+
+
+class ShardedCausalLM:
+    """A transformers model whose projections are split over ``size`` ranks (this is ``rank``)."""
+
+    def __init__(self, config, rank: int, size: int, group, device: torch.device, dtype: torch.dtype = torch.float32):
+        from transformers import AutoModelForCausalLM
+
+        if config.num_key_value_heads % size or config.num_attention_heads % size:
+            raise ValueError(
+                f"engine TP {size} must divide the attention heads ({config.num_attention_heads}) "
+                f"and KV heads ({config.num_key_value_heads})"
+            )
+        self.config, self.rank, self.size, self.group = config, rank, size, group
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        self._shard_modules(model)
+        model.to_empty(device=device)
+        if getattr(config, "tie_word_embeddings", False):
+            model.tie_weights()  # to_empty gives each module its own storage: tie them again
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        # Rotary embeddings compute their buffers at construction: build them again, for real.
+        for name, module in list(model.named_modules()):
+            if type(module).__name__.endswith("RotaryEmbedding"):
+                parent_name, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(parent_name), attr, type(module)(module.config).to(device))
+        model.eval()
+        self.model = model
+        self.params = self._param_table()
+
+    def _shard_modules(self, model: nn.Module) -> None:
+        for name, module in list(model.named_modules()):
+            if not isinstance(module, nn.Linear):
+                continue
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            if COLUMN.search("." + name):
+                out = _split(module.out_features, self.size, name)
+                setattr(parent, attr, nn.Linear(module.in_features, out, bias=module.bias is not None))
+            elif ROW.search("." + name):
+                inp = _split(module.in_features, self.size, name)
+                linear = nn.Linear(inp, module.out_features, bias=module.bias is not None)
+                setattr(parent, attr, RowParallelLinear(linear, self.group))
+
+    def _param_table(self) -> dict[str, tuple[Tensor, int | None]]:
+        """checkpoint name -> (parameter, split dim or None)."""
+        table: dict[str, tuple[Tensor, int | None]] = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            name = name.replace(".linear.", ".")
+            module_path = name.rsplit(".", 1)[0]
+            dim = 0 if COLUMN.search("." + module_path) else 1 if ROW.search("." + module_path) and name.endswith(".weight") else None
+            table[name] = (p, dim)
+        if getattr(self.config, "tie_word_embeddings", False):
+            table.pop("lm_head.weight", None)
+        return table
+
+    def expected_names(self) -> list[str]:
+        return sorted(self.params)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, Tensor, Shard | None]]) -> LoadReport:
+        """Copy tensors in. Whole tensors are narrowed to this rank's part; shards must be this rank's.
+        Vocabulary row pieces (per-rank embedding/lm_head) are placed by row; the caller completes them
+        with :meth:`exchange_vocab_pieces`."""
+        loaded, problems = [], []
+        self.pending_vocab: list[tuple[str, int, Tensor]] = getattr(self, "pending_vocab", [])
+        for name, tensor, shard in weights:
+            entry = self.params.get(name)
+            if entry is None:
+                problems.append(f"{name}: the model has no such tensor")
+                continue
+            param, dim = entry
+            try:
+                if name in VOCAB and shard is not None:
+                    if shard.dim != 0 or shard.full != param.shape[0] or tensor.shape[1:] != param.shape[1:]:
+                        raise ValueError(f"vocabulary piece {shard} does not fit {tuple(param.shape)}")
+                    param.narrow(0, shard.start, shard.length).copy_(tensor)
+                    self.pending_vocab.append((name, shard.start, tensor.detach().to(param.device, copy=True)))
+                elif dim is None:
+                    if shard is not None:
+                        raise ValueError(f"got a shard {shard} of a tensor the engine holds whole")
+                    if tuple(tensor.shape) != tuple(param.shape):
+                        raise ValueError(f"shape {tuple(tensor.shape)} != engine's {tuple(param.shape)}")
+                    param.copy_(tensor)
+                else:
+                    n = param.shape[dim]
+                    if shard is None:
+                        full = list(param.shape)
+                        full[dim] *= self.size
+                        if list(tensor.shape) != full:
+                            raise ValueError(f"shape {tuple(tensor.shape)} != whole tensor {tuple(full)}")
+                        tensor = tensor.narrow(dim, self.rank * n, n)
+                    elif (shard.dim, shard.start, shard.length, shard.full) != (dim, self.rank * n, n, n * self.size):
+                        raise ValueError(
+                            f"shard {shard} is not engine rank {self.rank}'s (dim {dim}, rows {self.rank * n}..{(self.rank + 1) * n})"
+                        )
+                    if tuple(tensor.shape) != tuple(param.shape):
+                        raise ValueError(f"shape {tuple(tensor.shape)} != engine's shard {tuple(param.shape)}")
+                    param.copy_(tensor)
+                loaded.append(name)
+            except (ValueError, RuntimeError) as exc:
+                problems.append(f"{name}: {exc}")
+        return LoadReport(loaded, problems)
+
+    @torch.no_grad()
+    def exchange_vocab_pieces(self) -> None:
+        """Every rank sends the vocabulary rows it received to the others (engine-internal), so the
+        whole embedding / lm_head is complete on every rank."""
+        pieces = getattr(self, "pending_vocab", [])
+        self.pending_vocab = []
+        if self.size == 1:
+            return
+        listing = [(name, start, tuple(t.shape), str(t.dtype)) for name, start, t in pieces]
+        everyone: list = [None] * self.size
+        dist.all_gather_object(everyone, listing, group=self.group)
+        mine = {(name, start): t for name, start, t in pieces}
+        for src, entries in enumerate(everyone):
+            for name, start, shape, _ in entries:
+                param = self.params[name][0]
+                if src == self.rank:
+                    buf = mine[(name, start)].contiguous()
+                else:
+                    buf = torch.empty(shape, dtype=param.dtype, device=param.device)
+                dist.broadcast(buf, group=self.group, group_src=src)
+                if src != self.rank:
+                    param.narrow(0, start, shape[0]).copy_(buf)
+
+    @torch.no_grad()
+    def logits(self, input_ids: Tensor) -> Tensor:
+        device = next(self.model.parameters()).device
+        return self.model(input_ids.to(device)).logits.float()
+
+    @torch.no_grad()
+    def generate(self, input_ids: list[int], max_new_tokens: int) -> list[int]:
+        ids = list(input_ids)
+        out = []
+        for _ in range(max_new_tokens):
+            logits = self.logits(torch.tensor([ids]))
+            nxt = int(logits[0, -1].argmax())
+            out.append(nxt)
+            ids.append(nxt)
+        return out

@@ -1,0 +1,200 @@
+"""One engine TP rank: holds its shard, joins weight-update groups, receives and loads buckets.
+
+The server drives each worker through a pipe with ``(command, args)`` messages and gets back
+``(ok, result_or_error)``; workers of one engine also form their own process group (the engine's
+TP group) for the forward pass and for completing vocabulary rows.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weightstream.models.spec import dtype_from_name
+from weightstream.streaming.bucket import Bucket, Shard, TensorMeta, view_tensor
+from weightstream.streaming.groups import destroy_group, init_custom_process_group
+from weightstream.streaming.serialization import checksum, loads_b64
+
+FAULT_ENV = "WEIGHTSTREAM_ENGINE_FAULT"
+
+
+class ChecksumError(RuntimeError):
+    pass
+
+
+def dense_layout(names, dtypes, shapes) -> list[TensorMeta]:
+    """SGLang's flattened-bucket layout for the distributed path: back to back, in ``names`` order."""
+    metas, offset = [], 0
+    for name, dt, shape in zip(names, dtypes, shapes, strict=True):
+        dtype = dtype_from_name(dt)
+        if offset % dtype.itemsize:
+            raise ValueError(f"{name}: starts at byte {offset}, not a multiple of its {dtype} size")
+        meta = TensorMeta(name, dtype, tuple(int(d) for d in shape), offset)
+        metas.append(meta)
+        offset += meta.nbytes
+    return metas
+
+
+class Worker:
+    def __init__(self, rank: int, size: int, model_dir: str, device: torch.device, dtype: torch.dtype):
+        from transformers import AutoConfig
+
+        from weightstream.engine.model import ShardedCausalLM
+
+        self.rank, self.size, self.device = rank, size, device
+        self.config = AutoConfig.from_pretrained(model_dir)
+        self.model = ShardedCausalLM(self.config, rank, size, dist.group.WORLD, device, dtype)
+        self.groups: dict[str, Any] = {}
+        self.bucket_count = 0
+        self.fault = os.environ.get(FAULT_ENV, "")
+        self._load_initial(model_dir)
+
+    def _load_initial(self, model_dir: str) -> None:
+        from weightstream.disk import CheckpointReader
+
+        try:
+            reader = CheckpointReader(model_dir)
+        except FileNotFoundError:
+            return  # weights come later, through an update
+        with reader:
+            report = self.model.load_weights((n, reader.get(n), None) for n in reader.keys())
+        if report.problems:
+            raise RuntimeError("initial weights do not fit the model: " + "; ".join(report.problems))
+
+    # -- commands ----------------------------------------------------------------------------
+
+    def init_group(self, master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s):
+        if group_name in self.groups:
+            raise RuntimeError(f"group {group_name!r} already exists")
+        self.groups[group_name] = init_custom_process_group(
+            backend, f"tcp://{master_address}:{master_port}", world_size, rank_offset + self.rank, group_name,
+            timedelta(seconds=timeout_s),
+        )
+        return f"rank {rank_offset + self.rank} of {world_size} joined {group_name}"
+
+    def destroy_group(self, group_name):
+        destroy_group(self.groups.pop(group_name, None))
+        return "destroyed"
+
+    def _group(self, name):
+        if name not in self.groups:
+            raise RuntimeError(f"no weight-update group {name!r} (call init_weights_update_group first)")
+        return self.groups[name]
+
+    def update_distributed(self, names, dtypes, shapes, group_name, load_format, expected_checksum):
+        group = self._group(group_name)
+        if load_format == "flattened_bucket":
+            metas = dense_layout(names, dtypes, shapes)
+            total = metas[-1].offset + metas[-1].nbytes if metas else 0
+            buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
+            dist.broadcast(buffer, group=group, group_src=0)
+            return self._apply(Bucket(self.bucket_count, buffer, tuple(metas)), expected_checksum)
+        tensors = []
+        for name, dt, shape in zip(names, dtypes, shapes, strict=True):
+            t = torch.empty(tuple(shape), dtype=dtype_from_name(dt), device=self.device)
+            dist.broadcast(t, group=group, group_src=0)
+            tensors.append((name, t, None))
+        return self._load(tensors)
+
+    def update_p2p(self, group_name, src, metas, nbytes, expected_checksum):
+        group = self._group(group_name)
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        dist.recv(buffer, group=group, group_src=src)
+        metas = tuple(
+            TensorMeta(m["name"], dtype_from_name(m["dtype"]), tuple(m["shape"]), m["offset"],
+                       Shard(**m["shard"]) if m.get("shard") else None)
+            for m in metas
+        )
+        return self._apply(Bucket(self.bucket_count, buffer, metas), expected_checksum)
+
+    def update_tensor(self, payload, load_format, expected_checksum):
+        obj = loads_b64(payload)
+        if load_format == "flattened_bucket":
+            buffer = obj["flattened_tensor"]
+            metas = tuple(
+                TensorMeta(m.name, m.dtype, tuple(m.shape), int(m.start_idx)) for m in obj["metadata"]
+            )
+            for meta, m in zip(metas, obj["metadata"]):
+                if meta.offset + meta.nbytes != int(m.end_idx):
+                    raise ValueError(f"{meta.name}: metadata end {m.end_idx} != start + size")
+            return self._apply(Bucket(self.bucket_count, buffer, metas), expected_checksum)
+        return self._load([(name, t, None) for name, t in obj])
+
+    def _apply(self, bucket: Bucket, expected_checksum):
+        index = self.bucket_count
+        self.bucket_count += 1
+        self._inject_fault(index, bucket.buffer)
+        if expected_checksum is not None:
+            got = checksum(bucket.buffer)
+            if got != expected_checksum:
+                names = [m.name for m in bucket.metas]
+                raise ChecksumError(
+                    f"bucket {index} arrived corrupted (checksum {got} != sender's {expected_checksum}); "
+                    f"nothing of it was loaded; its tensors: {names}"
+                )
+        return self._load([(m.name, view_tensor(bucket.buffer, m), m.shard) for m in bucket.metas])
+
+    def _load(self, tensors):
+        report = self.model.load_weights(tensors)
+        if report.problems:
+            raise RuntimeError(f"{len(report.problems)} tensors could not be loaded: " + "; ".join(report.problems))
+        return {"loaded": report.loaded}
+
+    def finish_update(self):
+        self.model.exchange_vocab_pieces()
+        self.bucket_count = 0
+        return "ok"
+
+    def logits(self, input_ids):
+        out = self.model.logits(torch.tensor(input_ids))
+        return out.cpu() if self.rank == 0 else None
+
+    def generate(self, input_ids, max_new_tokens):
+        return self.model.generate(input_ids, max_new_tokens)
+
+    def _inject_fault(self, index: int, buffer: torch.Tensor) -> None:
+        """Test-only faults, named by the ``WEIGHTSTREAM_ENGINE_FAULT`` environment variable."""
+        if not self.fault:
+            return
+        kind, _, at = self.fault.partition("@")
+        if int(at or 0) != index:
+            return
+        if kind == "corrupt" and buffer.numel():
+            buffer.view(-1)[buffer.numel() // 2] ^= 0x5A
+        elif kind == "die":
+            os._exit(17)
+
+
+def worker_main(rank, size, model_dir, port, backend, device, dtype, conn) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                                timeout=timedelta(seconds=120))
+        worker = Worker(rank, size, model_dir, torch.device(device), dtype_from_name(dtype))
+        conn.send((True, "ready"))
+    except BaseException:  # noqa: BLE001
+        conn.send((False, traceback.format_exc()))
+        return
+    while True:
+        try:
+            command, kwargs = conn.recv()
+        except EOFError:
+            break
+        if command == "shutdown":
+            conn.send((True, "bye"))
+            break
+        try:
+            conn.send((True, getattr(worker, command)(**kwargs)))
+        except BaseException as exc:  # noqa: BLE001 — reported to the server, the worker lives on
+            conn.send((False, f"{type(exc).__name__}: {exc}"))
+    for name in list(worker.groups):
+        destroy_group(worker.groups.pop(name))
+    dist.destroy_process_group()

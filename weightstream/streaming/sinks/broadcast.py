@@ -1,0 +1,145 @@
+"""``BroadcastSink``: one broadcast of each bucket's flat buffer from the trainer's sender rank to
+every rank of every engine, through a process group made outside the default world (NCCL on GPUs,
+gloo on CPUs). The bucket metadata goes to each engine over HTTP concurrently, and the next bucket
+is packed while this one is on the wire."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from weightstream.launch import free_port
+from weightstream.streaming.adapters.sglang import SGLangEngine
+from weightstream.streaming.bucket import Bucket
+from weightstream.streaming.groups import destroy_group, init_custom_process_group
+from weightstream.streaming.serialization import checksum
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _is_sender() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+class BroadcastSink:
+    name = "broadcast"
+
+    def __init__(self, engines: Sequence[SGLangEngine], *, master_address: str = "127.0.0.1",
+                 master_port: int | None = None, backend: str | None = None, timeout_s: float = 60.0,
+                 checksums: bool = False, weight_version: str | None = None):
+        self.engines = list(engines)
+        self.master_address = master_address
+        self.master_port = master_port
+        self.backend = backend or default_backend()
+        self.timeout_s = timeout_s
+        self.checksums = checksums
+        self.weight_version = weight_version
+        self.group = None
+        self.sender = _is_sender()
+        self._pool: ThreadPoolExecutor | None = None
+        self._inflight: tuple[Bucket, object, list[Future]] | None = None
+
+    # -- group lifetime (separate steps: connect once, update many times) ------------------------
+
+    def connect(self) -> None:
+        if not self.sender or self.group is not None:
+            return
+        port = self.master_port or free_port()
+        offsets, world = [], 1
+        for e in self.engines:
+            offsets.append(world)
+            world += e.tp_size
+        self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.engines)), thread_name_prefix="ws-broadcast")
+        posts = [
+            self._pool.submit(e.init_group, self.master_address, port, off, world, self.backend, self.timeout_s)
+            for e, off in zip(self.engines, offsets)
+        ]
+        try:
+            self.group = init_custom_process_group(
+                self.backend, f"tcp://{self.master_address}:{port}", world, 0, self.engines[0].group_name,
+                self.timeout_s,
+            )
+        except Exception as exc:
+            engine_errors = _errors(posts, self.timeout_s)
+            if engine_errors:
+                raise type(exc)(f"{exc}; the engines said: " + " | ".join(engine_errors)) from exc
+            raise
+        _drain(posts, self.timeout_s, raise_first=True)
+
+    def disconnect(self) -> None:
+        if not self.sender:
+            return
+        group, self.group = self.group, None
+        errors = []
+        for e in self.engines:
+            try:
+                e.destroy_group()
+            except Exception as exc:  # noqa: BLE001 — tear down the rest regardless
+                errors.append(exc)
+        destroy_group(group)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    # -- per update ------------------------------------------------------------------------------
+
+    def open(self, stream) -> None:
+        self.connect()
+
+    def send(self, bucket: Bucket) -> None:
+        if not self.sender:
+            return
+        self._finish_inflight()
+        digest = checksum(bucket.buffer) if self.checksums else None
+        posts = [
+            self._pool.submit(e.update_from_distributed, bucket, weight_version=self.weight_version, checksum=digest)
+            for e in self.engines
+        ]
+        work = dist.broadcast(bucket.buffer, group=self.group, group_src=0, async_op=True)
+        self._inflight = (bucket, work, posts)
+
+    def _finish_inflight(self) -> None:
+        if self._inflight is None:
+            return
+        bucket, work, posts = self._inflight
+        self._inflight = None
+        try:
+            work.wait()
+        finally:
+            _drain(posts, self.timeout_s, raise_first=True)
+
+    def close(self) -> None:
+        if self.sender:
+            self._finish_inflight()
+
+    def abort(self) -> None:
+        self._inflight = None
+        self.disconnect()
+
+
+def _errors(futures: list[Future], timeout_s: float) -> list[str]:
+    out = []
+    for f in futures:
+        try:
+            f.result(timeout=timeout_s)
+        except Exception as exc:  # noqa: BLE001
+            out.append(str(exc))
+    return out
+
+
+def _drain(futures: list[Future], timeout_s: float, raise_first: bool = False) -> None:
+    first = None
+    for f in futures:
+        if f.cancelled():
+            continue
+        try:
+            f.result(timeout=timeout_s)
+        except Exception as exc:  # noqa: BLE001
+            first = first or exc
+    if raise_first and first is not None:
+        raise first

@@ -1,0 +1,76 @@
+"""``IPCSink``: colocated delivery. Trainer rank r and engine TP rank r share a device; each bucket's
+flat buffer crosses as a CUDA IPC handle (by GPU UUID) or, on the CPU, as a shared-memory file.
+The trainer keeps the buffer alive until the engine says it has loaded it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weightstream.streaming.adapters.sglang import SGLangEngine
+from weightstream.streaming.bucket import Bucket
+from weightstream.streaming.serialization import checksum, dumps_b64
+
+
+def bucket_payload(bucket: Bucket) -> str:
+    """SGLang's flattened-bucket payload for ``/update_weights_from_tensor`` (metadata in bytes)."""
+    metadata = [
+        SimpleNamespace(name=m.name, shape=torch.Size(m.shape), dtype=m.dtype, start_idx=m.offset,
+                        end_idx=m.offset + m.nbytes, numel=m.numel)
+        for m in bucket.metas
+    ]
+    return dumps_b64({"flattened_tensor": bucket.buffer, "metadata": metadata})
+
+
+class IPCSink:
+    name = "ipc"
+
+    def __init__(self, engine: SGLangEngine, *, checksums: bool = False, weight_version: str | None = None):
+        self.engine = engine
+        self.checksums = checksums
+        self.weight_version = weight_version
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.engine_tp = 1
+
+    def open(self, stream) -> None:
+        if stream.mode != "full":
+            raise ValueError("IPCSink sends whole tensors: it needs a full stream")
+        info = [self.engine.tp_size if self.rank == 0 else None]
+        if self.world > 1:
+            dist.broadcast_object_list(info, group_src=0)
+        self.engine_tp = int(info[0])
+        if self.engine_tp > self.world:
+            raise ValueError(f"engine TP {self.engine_tp} needs as many colocated trainer ranks; the job has {self.world}")
+
+    def send(self, bucket: Bucket) -> None:
+        mine: Any = None
+        if self.rank < self.engine_tp:
+            mine = (bucket_payload(bucket), checksum(bucket.buffer) if self.checksums else None)
+        everyone = [mine]
+        if self.world > 1:
+            everyone = [None] * self.world if self.rank == 0 else None
+            dist.gather_object(mine, everyone, group_dst=0)
+        status: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                payloads = [p for p, _ in everyone[: self.engine_tp]]
+                digests = [d for _, d in everyone[: self.engine_tp]] if self.checksums else None
+                self.engine.update_from_tensor(payloads, index=bucket.index, weight_version=self.weight_version,
+                                               checksums=digests)
+            except Exception as exc:  # noqa: BLE001 — shared with the other ranks below
+                status[0] = exc
+        if self.world > 1:
+            # Every rank holds its buffer until the engine has loaded it.
+            dist.broadcast_object_list(status, group_src=0)
+        if status[0] is not None:
+            raise status[0]
+
+    def close(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass

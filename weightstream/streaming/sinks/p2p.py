@@ -1,0 +1,137 @@
+"""``P2PSink``: per-rank delivery. With ``mode="per_rank"`` trainer TP rank r sends its bucket straight
+to engine TP rank r (send/recv), so no gather happens anywhere. The group holds the trainer's TP
+ranks of the first pipeline stage and data-parallel replica (group ranks 0..tp-1) and the engine's
+ranks (tp..2tp-1)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch.distributed as dist
+
+from weightstream.launch import free_port
+from weightstream.models.spec import dtype_name
+from weightstream.streaming.adapters.sglang import SGLangEngine
+from weightstream.streaming.bucket import Bucket
+from weightstream.streaming.groups import destroy_group, init_custom_process_group
+from weightstream.streaming.serialization import checksum
+from weightstream.streaming.sinks.broadcast import _drain, default_backend
+
+
+def _sender_coords() -> tuple[bool, int, int, object]:
+    """(is a sender, its TP rank, TP size, TP group) for this trainer rank."""
+    if not dist.is_initialized():
+        return True, 0, 1, None
+    from megatron.core import parallel_state as ps
+
+    sender = ps.get_pipeline_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    return sender, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
+
+
+def _meta_json(m) -> dict:
+    shard = None if m.shard is None else {"dim": m.shard.dim, "start": m.shard.start, "length": m.shard.length, "full": m.shard.full}
+    return {"name": m.name, "dtype": dtype_name(m.dtype), "shape": list(m.shape), "offset": m.offset, "shard": shard}
+
+
+class P2PSink:
+    name = "p2p"
+
+    def __init__(self, engine: SGLangEngine, *, master_address: str = "127.0.0.1", master_port: int | None = None,
+                 backend: str | None = None, timeout_s: float = 60.0, checksums: bool = False,
+                 weight_version: str | None = None):
+        self.engine = engine
+        self.master_address = master_address
+        self.master_port = master_port
+        self.backend = backend or default_backend()
+        self.timeout_s = timeout_s
+        self.checksums = checksums
+        self.weight_version = weight_version
+        self.sender, self.tp_rank, self.tp, self.tp_group = _sender_coords()
+        self.poster = self.sender and self.tp_rank == 0
+        self.group = None
+        self.stream = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._inflight: tuple[Bucket, object, Future | None] | None = None
+
+    def connect(self) -> None:
+        if self.group is not None or not self.sender:
+            return
+        # The TCP store lives on TP rank 0; everyone needs its port.
+        port = [self.master_port or (free_port() if self.poster else 0)]
+        if self.tp > 1:
+            dist.broadcast_object_list(port, group=self.tp_group, group_src=0)
+        post = None
+        if self.poster:
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ws-p2p")
+            post = self._pool.submit(self.engine.init_group, self.master_address, port[0], self.tp, 2 * self.tp,
+                                     self.backend, self.timeout_s)
+        try:
+            self.group = init_custom_process_group(
+                self.backend, f"tcp://{self.master_address}:{port[0]}", 2 * self.tp, self.tp_rank,
+                self.engine.group_name, self.timeout_s,
+            )
+        finally:
+            if post is not None:
+                _drain([post], self.timeout_s, raise_first=self.group is not None)
+
+    def disconnect(self) -> None:
+        if not self.sender:
+            return
+        if self.poster:
+            try:
+                self.engine.destroy_group()
+            except Exception:  # noqa: BLE001 — tear down regardless
+                pass
+        destroy_group(self.group)
+        self.group = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def open(self, stream) -> None:
+        if stream.mode != "per_rank":
+            raise ValueError("P2PSink needs a per_rank stream")
+        self.stream = stream
+        self.connect()
+
+    def send(self, bucket: Bucket) -> None:
+        if not self.sender:
+            return
+        self._finish_inflight()
+        digest = checksum(bucket.buffer) if self.checksums else None
+        digests = [digest]
+        if self.checksums and self.tp > 1:
+            digests = [None] * self.tp
+            dist.all_gather_object(digests, digest, group=self.tp_group)
+        post = None
+        if self.poster:
+            ranks = []
+            for r in range(self.tp):
+                metas = bucket.metas if r == self.tp_rank else self.stream.metas_for_rank(bucket.index, r)
+                nbytes = max((m.offset + m.nbytes for m in metas), default=0)
+                ranks.append({"src": r, "metas": [_meta_json(m) for m in metas], "nbytes": nbytes,
+                              "checksum": digests[r] if self.checksums else None})
+            post = self._pool.submit(self.engine.update_from_p2p, ranks, index=bucket.index,
+                                     weight_version=self.weight_version)
+        work = dist.isend(bucket.buffer[: max((m.offset + m.nbytes for m in bucket.metas), default=0)],
+                          group=self.group, group_dst=self.tp + self.tp_rank)
+        self._inflight = (bucket, work, post)
+
+    def _finish_inflight(self) -> None:
+        if self._inflight is None:
+            return
+        _, work, post = self._inflight
+        self._inflight = None
+        try:
+            work.wait()
+        finally:
+            if post is not None:
+                _drain([post], self.timeout_s, raise_first=True)
+
+    def close(self) -> None:
+        if self.sender:
+            self._finish_inflight()
+
+    def abort(self) -> None:
+        self._inflight = None
+        self.disconnect()

@@ -1,0 +1,308 @@
+"""``update_weights``: between two rollout rounds, every trainer rank calls it and the engines hold the
+new weights. It pauses generation, streams, loads, commits, resumes; chooses the transport (IPC for
+colocated engines, point-to-point per TP rank when the engine's layout matches the trainer's,
+broadcast otherwise) and says why; tags the update with a version the engine reports back."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from weightstream.converters.registry import get_converter
+from weightstream.errors import WeightstreamError
+from weightstream.models.spec import ModelSpec, load_hf_config
+from weightstream.streaming.adapters.sglang import EngineError, SGLangEngine
+from weightstream.streaming.plan import ALIGN
+from weightstream.streaming.sinks import BroadcastSink, IPCSink, P2PSink
+from weightstream.streaming.stream import DEFAULT_BUCKET_BYTES, stream_hf_weights
+from weightstream.streaming.topology import Topology
+
+log = logging.getLogger("weightstream")
+
+TRANSPORTS = ("auto", "ipc", "broadcast", "p2p")
+
+
+class UpdateError(WeightstreamError):
+    pass
+
+
+@dataclass
+class UpdateReport:
+    transport: str
+    reason: str
+    mode: str
+    buckets: int = 0
+    tensors: int = 0
+    bytes: int = 0
+    gathers: int = 0
+    weight_version: str | None = None
+    engines: list[str] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        total = self.seconds.get("total", 0.0)
+        return (f"{self.transport} ({self.reason}): {self.tensors} tensors, {self.bytes / 1e6:.2f} MB in "
+                f"{self.buckets} buckets, {total:.3f} s, version {self.weight_version}")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _share(obj: Any) -> Any:
+    """``obj`` of global rank 0, on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, group_src=0)
+    return box[0]
+
+
+def _first_error(err: BaseException | None) -> tuple[int, str] | None:
+    """The first rank's error (rank, text), on every rank."""
+    mine = None if err is None else f"{type(err).__name__}: {err}"
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None if mine is None else (0, mine)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for rank, text in enumerate(everyone):
+        if text is not None:
+            return rank, text
+    return None
+
+
+def _local_gpu_uuids() -> set[str]:
+    if not torch.cuda.is_available():
+        return set()
+    return {str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)}
+
+
+def choose_transport(requested: str, engines: Sequence[SGLangEngine], topo: Topology, spec: ModelSpec,
+                     colocated: bool | None) -> tuple[str, str]:
+    """(transport, why). Only rank 0 calls it (it asks the engines)."""
+    if requested not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {requested!r}")
+    if requested == "ipc":
+        return "ipc", "asked for"
+    if requested == "broadcast":
+        return "broadcast", "asked for"
+    if requested == "auto":
+        shared = any(_local_gpu_uuids() & set(e.server_info().get("gpu_uuids") or []) for e in engines)
+        if colocated or (colocated is None and shared):
+            return "ipc", "the engine shares this trainer's GPU (colocated)"
+    failed = []
+    if len(engines) != 1:
+        failed.append(f"{len(engines)} engines (P2P serves one)")
+    for e in engines[:1]:
+        if not e.supports_p2p():
+            failed.append(f"engine {e.url} does not speak weightstream's per-rank protocol")
+        if e.tp_size != topo.tp_size:
+            failed.append(f"engine TP {e.tp_size} != trainer TP {topo.tp_size}")
+        if e.pp_size != 1:
+            failed.append(f"engine PP {e.pp_size} != 1")
+    if topo.ep_size > 1:
+        failed.append(f"trainer EP {topo.ep_size} (experts would need an engine with the same EP)")
+    if not get_converter(spec.model_type).per_rank:
+        failed.append(f"the {spec.model_type} converter does not support per-rank export")
+    if not failed:
+        return "p2p", "engine TP equals trainer TP, engine PP 1: each TP rank sends its own shards"
+    reason = "P2P preconditions failed: " + "; ".join(failed)
+    if requested == "p2p":
+        log.warning("falling back to broadcast: %s", reason)
+        return "broadcast", "fell back from p2p: " + reason
+    return "broadcast", reason
+
+
+class WeightSync:
+    """A lasting connection from a trainer to its engines: connect once, ``update`` many times.
+
+    Create and call it on every trainer rank. ``engines``: :class:`SGLangEngine` objects or URLs.
+    """
+
+    def __init__(self, engines: Sequence[SGLangEngine | str], *, transport: str = "auto",
+                 colocated: bool | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, checksums: bool = False,
+                 timeout_s: float = 60.0, master_address: str = "127.0.0.1", master_port: int | None = None,
+                 backend: str | None = None, pause_mode: str = "abort", api_key: str | None = None,
+                 group_name: str = "weightstream"):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        self.engines = [
+            e if isinstance(e, SGLangEngine) else SGLangEngine(e, api_key=api_key, timeout_s=timeout_s, group_name=group_name)
+            for e in engines
+        ]
+        if not self.engines:
+            raise ValueError("no engines given")
+        self.transport, self.colocated, self.bucket_bytes = transport, colocated, bucket_bytes
+        self.checksums, self.timeout_s, self.pause_mode = checksums, timeout_s, pause_mode
+        self.master_address, self.master_port, self.backend = master_address, master_port, backend
+        self.sink = None
+        self.sink_kind: str | None = None
+        self.updates = 0
+
+    def _make_sink(self, kind: str, version: str):
+        if self.sink is not None and self.sink_kind == kind:
+            self.sink.weight_version = version
+            return self.sink
+        self.close()
+        common = dict(checksums=self.checksums, weight_version=version)
+        if kind == "ipc":
+            self.sink = IPCSink(self.engines[0], **common)
+        elif kind == "p2p":
+            self.sink = P2PSink(self.engines[0], master_address=self.master_address, master_port=self.master_port,
+                                backend=self.backend, timeout_s=self.timeout_s, **common)
+        else:
+            self.sink = BroadcastSink(self.engines, master_address=self.master_address, master_port=self.master_port,
+                                      backend=self.backend, timeout_s=self.timeout_s, **common)
+        self.sink_kind = kind
+        return self.sink
+
+    def update(self, model_chunks: nn.Module | Sequence[nn.Module], hf_config: Any, *,
+               weight_version: str | None = None) -> UpdateReport:
+        start = time.perf_counter()
+        seconds: dict[str, float] = {}
+        cfg = load_hf_config(hf_config)
+        spec = ModelSpec.from_hf_config(cfg)
+        topo = Topology.current()
+        self.updates += 1
+        version = weight_version if weight_version is not None else str(self.updates)
+        rank0 = _rank() == 0
+
+        # 1. Rank 0 asks the engines, decides, pauses them and opens their update sessions.
+        decision: Any = None
+        if rank0:
+            try:
+                decision = choose_transport(self.transport, self.engines, topo, spec, self.colocated)
+                t = time.perf_counter()
+                for e in self.engines:
+                    e.pause(self.pause_mode)
+                for e in self.engines:
+                    e.begin_update()
+                seconds["pause"] = time.perf_counter() - t
+            except Exception as exc:  # noqa: BLE001 — shared with every rank below
+                self._resume_quietly()
+                decision = exc
+        decision = _share(decision)
+        if isinstance(decision, BaseException):
+            raise decision
+        kind, reason = decision
+        mode = "per_rank" if kind == "p2p" else "full"
+        report = UpdateReport(kind, reason, mode, engines=[e.url for e in self.engines])
+
+        # 2. Every rank streams; a failing rank keeps joining the collectives (drains) so nobody hangs.
+        err: BaseException | None = None
+        stream = None
+        t = time.perf_counter()
+        try:
+            sink = self._make_sink(kind, version)
+            stream = stream_hf_weights(model_chunks, cfg, bucket_bytes=self.bucket_bytes, mode=mode,
+                                       align=1 if kind == "broadcast" else ALIGN, topology=topo)
+            tc = time.perf_counter()
+            sink.open(stream)
+            seconds["connect"] = time.perf_counter() - tc
+        except BaseException as exc:  # noqa: BLE001
+            err = exc
+        if stream is not None:
+            for bucket in stream:
+                if err is None:
+                    try:
+                        self.sink.send(bucket)
+                    except BaseException as exc:  # noqa: BLE001
+                        err = exc
+            if err is None:
+                try:
+                    self.sink.close()
+                except BaseException as exc:  # noqa: BLE001
+                    err = exc
+            report.buckets, report.tensors, report.bytes = stream.stats.buckets, stream.stats.tensors, stream.stats.bytes
+            report.gathers = stream.stats.gathers
+        seconds["transfer"] = time.perf_counter() - t - seconds.get("connect", 0.0)
+        failure = _first_error(err)
+
+        # 3. Rank 0 commits (or, on failure, closes the session and tears the group down), then resumes.
+        outcome: Any = None
+        if rank0:
+            t = time.perf_counter()
+            try:
+                if failure is None:
+                    for e in self.engines:
+                        e.end_update()
+                    versions = {e.url: e.weight_version() for e in self.engines}
+                    wrong = {u: v for u, v in versions.items() if v != version}
+                    if wrong:
+                        raise UpdateError(f"engines report weight versions {wrong}, expected {version!r}")
+                    outcome = version
+                else:
+                    for e in self.engines:
+                        try:
+                            e.end_update()
+                        except Exception:  # noqa: BLE001 — the session failed; the engine says so
+                            pass
+            except Exception as exc:  # noqa: BLE001
+                outcome = exc
+            finally:
+                seconds["commit"] = time.perf_counter() - t
+                t = time.perf_counter()
+                self._resume_quietly()
+                seconds["resume"] = time.perf_counter() - t
+        if failure is not None:
+            self._teardown()
+            rank, text = failure
+            if err is not None:
+                raise err
+            raise UpdateError(f"weight update failed on trainer rank {rank}: {text}")
+        outcome = _share(outcome)
+        if isinstance(outcome, BaseException):
+            self._teardown()
+            raise outcome
+        report.weight_version = outcome
+        seconds["total"] = time.perf_counter() - start
+        report.seconds = seconds
+        return report
+
+    def _resume_quietly(self) -> None:
+        for e in self.engines:
+            try:
+                e.resume()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("could not resume generation on %s: %s", e.url, exc)
+
+    def _teardown(self) -> None:
+        if self.sink is not None:
+            try:
+                self.sink.abort()
+            finally:
+                self.sink = None
+                self.sink_kind = None
+
+    def close(self) -> None:
+        """Tear down the weight-update group (engines keep their weights)."""
+        if self.sink is not None:
+            disconnect = getattr(self.sink, "disconnect", None)
+            if disconnect is not None:
+                disconnect()
+            self.sink = None
+            self.sink_kind = None
+
+    def __enter__(self) -> "WeightSync":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def update_weights(model_chunks: nn.Module | Sequence[nn.Module], hf_config: Any,
+                   engines: SGLangEngine | str | Sequence[SGLangEngine | str], *, transport: str = "auto",
+                   weight_version: str | None = None, **options) -> UpdateReport:
+    """One update: connect, stream, commit, disconnect. Call on every trainer rank. For repeated
+    updates keep a :class:`WeightSync` instead (the group is made once)."""
+    if isinstance(engines, (str, SGLangEngine)):
+        engines = [engines]
+    with WeightSync(engines, transport=transport, **options) as sync:
+        return sync.update(model_chunks, hf_config, weight_version=weight_version)
