@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from weightstream.disk import CheckpointReader
@@ -40,24 +42,63 @@ def assert_per_rank_assembles(results: list[dict], src: str, tp: int) -> None:
         for rank_shards in by_tp.values():
             assert set(rank_shards) == keys
         for name in sorted(keys):
-            ref = truth.get(name)
-            pieces = [by_tp[r][name] for r in range(tp)]
-            if pieces[0][0] is None:
-                for shard, t in pieces:
-                    assert shard is None and torch.equal(t, ref), name
-                continue
-            dim = pieces[0][0].dim
-            pos = 0
-            for shard, t in sorted(pieces, key=lambda p: p[0].start):
-                assert shard.dim == dim and shard.full == ref.shape[dim], name
-                if shard.length == 0:
-                    continue
-                assert shard.start == pos, f"{name}: shard starts at {shard.start}, expected {pos}"
-                assert t.shape[dim] == shard.length
-                pos += shard.length
-            assert pos == ref.shape[dim], f"{name}: shards cover {pos} of {ref.shape[dim]}"
-            whole = torch.cat([t for shard, t in sorted(pieces, key=lambda p: p[0].start) if shard.length], dim=dim)
-            assert torch.equal(whole, ref), name
+            _assert_assembles(name, [by_tp[r][name] for r in range(tp)], truth.get(name))
+
+
+def _assert_assembles(name: str, pieces: list[tuple], ref: torch.Tensor) -> None:
+    """``pieces`` ((shard, tensor) of every engine rank) put together give ``ref``, bit for bit."""
+    if pieces[0][0] is None:
+        for shard, t in pieces:
+            assert shard is None and torch.equal(t, ref), name
+        return
+    dim = pieces[0][0].dim
+    pos = 0
+    for shard, t in sorted(pieces, key=lambda p: p[0].start):
+        assert shard.dim == dim and shard.full == ref.shape[dim], name
+        if shard.length == 0:
+            continue
+        assert shard.start == pos, f"{name}: shard starts at {shard.start}, expected {pos}"
+        assert t.shape[dim] == shard.length
+        pos += shard.length
+    assert pos == ref.shape[dim], f"{name}: shards cover {pos} of {ref.shape[dim]}"
+    whole = torch.cat([t for shard, t in sorted(pieces, key=lambda p: p[0].start) if shard.length], dim=dim)
+    assert ref.dtype == whole.dtype and torch.equal(whole, ref), name
+
+
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+
+
+def assert_per_rank_experts(results: list[dict], src: str, num_experts: int, ep: int, tp: int, etp: int) -> None:
+    """per_rank mode with experts: each rank yields exactly the global experts its EP rank owns (every
+    MoE layer), cut by its expert-TP rank, plus every non-expert tensor cut by its TP rank; and what
+    the ranks yield, put together as an engine of the same EP/TP/expert-TP would, is the source."""
+    per_rank = num_experts // ep
+    pieces: dict[str, dict[tuple, tuple]] = {}
+    with CheckpointReader(src) as truth:
+        keys = set(truth.keys())
+        moe_layers = {int(m.group(1)) for k in keys if (m := _EXPERT.match(k))}
+        non_expert = {k for k in keys if not _EXPERT.match(k)}
+        for r in results:
+            names = [n for n, _, _ in r["shards"]]
+            assert len(names) == len(set(names)), f"{r['label']} rank {r['rank']}: a tensor was yielded twice"
+            own = set(range(r["ep_rank"] * per_rank, (r["ep_rank"] + 1) * per_rank))
+            for layer in moe_layers:
+                held = {int(m.group(2)) for n in names if (m := _EXPERT.match(n)) and int(m.group(1)) == layer}
+                assert held == own, f"{r['label']} rank {r['rank']} layer {layer}: experts {sorted(held)}, owns {sorted(own)}"
+            assert {n for n in names if not _EXPERT.match(n)} == non_expert
+            for name, shard, t in r["shards"]:
+                # The engine rank that holds this piece: (EP rank, expert-TP rank) for experts, TP rank otherwise.
+                slot = (r["ep_rank"], r["etp_rank"]) if _EXPERT.match(name) else (r["tp_rank"],)
+                held = pieces.setdefault(name, {})
+                if slot in held:  # replicas (DP, other EP ranks) must agree exactly
+                    assert held[slot][0] == shard and torch.equal(held[slot][1], t), name
+                else:
+                    held[slot] = (shard, t)
+        assert set(pieces) == keys
+        for name in sorted(keys):
+            want = etp if _EXPERT.match(name) else tp
+            assert len(pieces[name]) == want, f"{name}: pieces from {sorted(pieces[name])}"
+            _assert_assembles(name, list(pieces[name].values()), truth.get(name))
 
 
 def assert_logits_close(megatron: torch.Tensor, hf: torch.Tensor, atol: float = 1e-5) -> None:

@@ -207,7 +207,7 @@ def run_update(case: Case, urls: list[str], updates: list[dict]) -> list[dict]:
         u = dict(u)
         reseed = u.pop("reseed", None)
         save_to = u.pop("save_to", None)
-        keep = u.pop("keep_sync", None)
+        version = u.pop("weight_version", None)
         if reseed is not None:
             gen = torch.Generator().manual_seed(reseed + dist.get_rank())
             with torch.no_grad():
@@ -217,10 +217,15 @@ def run_update(case: Case, urls: list[str], updates: list[dict]) -> list[dict]:
         try:
             sync = WeightSync(urls, **u)
             try:
-                report = sync.update(chunks, cfg)
+                report = sync.update(chunks, cfg, weight_version=version)
             finally:
                 sync.close()
-            out.append({"report": report})
+            entry = {"report": report}
+            if dist.get_rank() == 0:
+                from weightstream.streaming.adapters.sglang import SGLangEngine
+
+                entry["engine_logits"] = SGLangEngine(urls[0]).logits(INPUT_IDS)
+            out.append(entry)
         except Exception as exc:  # noqa: BLE001
             out.append({"error": f"{type(exc).__name__}: {exc}"})
         if save_to:

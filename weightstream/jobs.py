@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -26,6 +27,12 @@ class Layout:
     @property
     def model_parallel(self) -> int:
         return self.tp * self.pp
+
+    @property
+    def world_size(self) -> int:
+        """The fewest processes that hold this layout: per stage, a multiple of TP (dense) and of
+        EP x expert-TP (experts; expert-TP defaults to TP, as in Megatron)."""
+        return self.pp * math.lcm(self.tp, self.ep * (self.etp or self.tp))
 
     def describe(self) -> str:
         parts = [f"TP {self.tp}", f"PP {self.pp}"]
