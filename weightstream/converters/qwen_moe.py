@@ -24,16 +24,18 @@ _DOWN = f"{H}.mlp.experts.*.down_proj.weight"
 ROUTER = (
     # Replicated; emitted in whatever dtype it has (often float32 in a bf16 model).
     Mapping(f"{L}.mlp.router.weight", f"{H}.mlp.gate.weight"),
-    # Megatron's aux-loss-free balancing bias. Qwen MoE models route by softmax over the router
-    # logits and have no per-expert score correction: dropping the bias would hand engines a model
-    # that routes differently from the one trained, so a model that has it is refused.
+    # Megatron's aux-loss-free balancing bias (moe_router_enable_expert_bias, which Megatron allows
+    # only with sigmoid scores). Qwen MoE models route by a softmax and have no per-expert score
+    # correction: dropping the bias would hand engines a model that routes differently from the one
+    # trained, so a model that has it is refused, when streaming and when loading.
     Mapping(
         f"{L}.mlp.router.expert_bias",
         (),
         Unrepresentable(
-            "Qwen MoE models have no expert score-correction bias (no e_score_correction_bias), so a model "
-            "trained with moe_router_enable_expert_bias cannot be expressed in their HF layout; train without "
-            "it, or register a converter for a model type that has one"
+            "Qwen MoE models route by a softmax and have no expert score-correction bias (no "
+            "e_score_correction_bias), so a model trained with moe_router_enable_expert_bias would route "
+            "differently in Hugging Face and in every engine; train without it, or register a converter for "
+            "a model type that has such a bias"
         ),
     ),
 )
