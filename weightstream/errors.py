@@ -15,6 +15,9 @@ class UnknownModelError(WeightstreamError, KeyError):
         self.known = sorted(known)
         super().__init__(model_type)
 
+    def __reduce__(self):
+        return (type(self), (self.model_type, self.known))
+
     def __str__(self) -> str:
         return (
             f"no converter is registered for model_type {self.model_type!r}; "
@@ -33,6 +36,9 @@ class ConversionError(WeightstreamError):
         self.headline = headline
         self.problems = {k: list(v) for k, v in problems.items() if v}
         super().__init__(self._render())
+
+    def __reduce__(self):
+        return (type(self), (self.headline, self.problems))
 
     def _render(self) -> str:
         lines = [self.headline]

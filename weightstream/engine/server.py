@@ -89,7 +89,13 @@ class Engine:
                 raise EngineFailure(f"engine rank {rank} died (exit code {self.procs[rank].exitcode}) during {what}")
             if waited >= timeout:
                 raise EngineFailure(f"engine rank {rank} did not answer {what} within {timeout:.0f} s")
-        return conn.recv()
+        try:
+            return conn.recv()
+        except (EOFError, OSError):
+            self.procs[rank].join(timeout=5)
+            raise EngineFailure(
+                f"engine rank {rank} died (exit code {self.procs[rank].exitcode}) during {what}"
+            ) from None
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -185,6 +191,8 @@ class _Handler(BaseHTTPRequestHandler):
             status, reply = HTTPStatus.BAD_REQUEST, {"success": False, "message": str(exc)}
         except (KeyError, TypeError, ValueError) as exc:
             status, reply = HTTPStatus.BAD_REQUEST, {"object": "error", "message": f"bad request: {exc!r}", "code": 400}
+        except Exception as exc:  # noqa: BLE001 — never drop a connection without an answer
+            status, reply = HTTPStatus.INTERNAL_SERVER_ERROR, {"success": False, "message": f"{type(exc).__name__}: {exc}"}
         self._reply(status, reply)
 
 

@@ -23,6 +23,9 @@ class EngineError(WeightstreamError):
         self.url, self.step, self.detail = url, step, detail
         super().__init__(f"engine {url}: {step} failed: {detail}")
 
+    def __reduce__(self):
+        return (type(self), (self.url, self.step, self.detail))
+
 
 @dataclass
 class SGLangEngine:

@@ -1,0 +1,182 @@
+"""Live updates into the reference engine: real Megatron-Core trainers (gloo jobs), a real engine
+(its own worker processes, HTTP), every transport, and the faults."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import time
+import urllib.request
+from contextlib import contextmanager
+
+import pytest
+
+from tests.checks import assert_logits_close
+from tests.conftest import hf_logits
+from tests.workers import INPUT_IDS, Case, run_update
+from weightstream.engine.server import serve, stop
+from weightstream.engine.worker import FAULT_ENV
+from weightstream.jobs import Layout
+from weightstream.launch import launch
+from weightstream.models.presets import preset_config, save_random_checkpoint
+from weightstream.streaming.adapters.sglang import EngineError, SGLangEngine
+
+SMALL = 120_000  # bytes per bucket: the tiny models travel in several buckets
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory) -> str:
+    """What engines start from: other random weights of the same config, so an update must change them."""
+    return save_random_checkpoint(preset_config("tiny-qwen3"), tmp_path_factory.mktemp("engine") / "m", seed=123)
+
+
+@contextmanager
+def engine(model_dir: str, tp: int = 1, fault: str | None = None, api_key: str | None = None):
+    old = os.environ.get(FAULT_ENV)
+    if fault:
+        os.environ[FAULT_ENV] = fault
+    try:
+        server = serve(model_dir, tp, api_key=api_key)
+    finally:
+        if fault:
+            os.environ.pop(FAULT_ENV, None)
+            if old is not None:
+                os.environ[FAULT_ENV] = old
+    try:
+        yield server
+    finally:
+        stop(server)
+
+
+def _ok(results):
+    for rank_results in results:
+        for r in rank_results:
+            assert "error" not in r, r["error"]
+    return [r["report"] for r in results[0]]
+
+
+def test_broadcast_tp2_pp2_two_updates(sources, engine_dir, tmp_path):
+    src = sources["tiny-qwen3"]
+    saved1, saved2 = tmp_path / "v1", tmp_path / "v2"
+    with engine(engine_dir) as server:
+        eng = SGLangEngine(server.url)
+        before = eng.logits(INPUT_IDS)
+        updates = [
+            {"transport": "auto", "bucket_bytes": SMALL, "save_to": str(saved1), "checksums": True,
+             "weight_version": "step-1"},
+            {"transport": "auto", "bucket_bytes": SMALL, "reseed": 7, "save_to": str(saved2), "weight_version": "step-2"},
+        ]
+        # Trainer rank 0 reads the engine's logits right after each update.
+        results = launch(4, run_update, Case(src, Layout(2, 2)), [server.url], updates)
+        reports = _ok(results)
+        after1, after2 = (r["engine_logits"] for r in results[0])
+        assert eng.weight_version() == "step-2"
+    assert_logits_close(after1, hf_logits(str(saved1), INPUT_IDS))
+    assert_logits_close(after1, hf_logits(src, INPUT_IDS))
+    assert_logits_close(after2, hf_logits(str(saved2), INPUT_IDS))
+    assert (after2 - after1).abs().max() > 1e-3 and (after1 - before).abs().max() > 1e-2
+    for rep, version in zip(reports, ("step-1", "step-2")):
+        # Engine TP 1 != trainer TP 2: broadcast, and the report says why.
+        assert rep.transport == "broadcast" and "engine TP 1 != trainer TP 2" in rep.reason
+        assert rep.tensors == 47 and rep.buckets > 3 and rep.weight_version == version
+        assert set(rep.seconds) >= {"pause", "connect", "transfer", "commit", "resume", "total"}
+
+
+def test_two_engines_through_one_broadcast_group(sources, engine_dir):
+    src = sources["tiny-qwen3"]
+    with engine(engine_dir) as a, engine(engine_dir, tp=2) as b:
+        (rep,) = _ok(launch(2, run_update, Case(src, Layout(2, 1)), [a.url, b.url],
+                            [{"transport": "auto", "bucket_bytes": SMALL}]))
+        la, lb = SGLangEngine(a.url).logits(INPUT_IDS), SGLangEngine(b.url).logits(INPUT_IDS)
+        versions = SGLangEngine(a.url).weight_version(), SGLangEngine(b.url).weight_version()
+    assert rep.transport == "broadcast" and "2 engines" in rep.reason
+    ref = hf_logits(src, INPUT_IDS)
+    assert_logits_close(la, ref)
+    assert_logits_close(lb, ref)
+    assert versions == ("1", "1")
+
+
+def test_p2p_without_any_gather_and_fallback(sources, engine_dir):
+    src = sources["tiny-qwen3-tied"]
+    tied_dir = save_random_checkpoint(preset_config("tiny-qwen3-tied"), engine_dir + "-tied", seed=5)
+    with engine(tied_dir, tp=2) as two, engine(tied_dir, tp=1) as one:
+        results = launch(2, run_update, Case(src, Layout(2, 1)), [two.url], [{"transport": "auto", "bucket_bytes": SMALL}])
+        (p2p,) = _ok(results)
+        l2 = SGLangEngine(two.url).logits(INPUT_IDS)
+        (fallback,) = _ok(launch(2, run_update, Case(src, Layout(2, 1)), [one.url],
+                                 [{"transport": "p2p", "bucket_bytes": SMALL}]))
+        l1 = SGLangEngine(one.url).logits(INPUT_IDS)
+    assert p2p.transport == "p2p" and p2p.mode == "per_rank"
+    for rank_results in results:
+        assert rank_results[0]["report"].gathers == 0  # no all-gather ran on any trainer rank
+    assert fallback.transport == "broadcast"
+    assert fallback.reason.startswith("fell back from p2p") and "engine TP 1 != trainer TP 2" in fallback.reason
+    ref = hf_logits(src, INPUT_IDS)
+    assert_logits_close(l2, ref)
+    assert_logits_close(l1, ref)
+
+
+def test_ipc_shared_memory_between_processes(sources, engine_dir):
+    src = sources["tiny-qwen3"]
+    with engine(engine_dir) as server:
+        (rep,) = _ok(launch(1, run_update, Case(src, Layout(1, 1)), [server.url],
+                            [{"transport": "ipc", "bucket_bytes": SMALL, "checksums": True}]))
+        logits = SGLangEngine(server.url).logits(INPUT_IDS)
+    assert rep.transport == "ipc" and rep.buckets > 3
+    assert_logits_close(logits, hf_logits(src, INPUT_IDS))
+
+
+def test_engine_not_there_fails_fast_and_clearly(sources):
+    start = time.monotonic()
+    results = launch(2, run_update, Case(sources["tiny-qwen3"], Layout(2, 1)), ["http://127.0.0.1:9"],
+                     [{"transport": "auto", "timeout_s": 5}])
+    for (r,) in results:
+        assert "http://127.0.0.1:9" in r["error"] and "unreachable" in r["error"], r
+    assert time.monotonic() - start < 60
+
+
+def test_engine_dying_mid_update_then_a_fresh_engine(sources, engine_dir):
+    src = sources["tiny-qwen3"]
+    with engine(engine_dir, fault="die@2") as dying:
+        results = launch(2, run_update, Case(src, Layout(2, 1)), [dying.url],
+                         [{"transport": "broadcast", "bucket_bytes": SMALL, "timeout_s": 8}])
+        for (r,) in results:
+            assert "error" in r and "engine rank 0 died" in r["error"], r
+        assert not dying.engine.alive()
+    with engine(engine_dir) as fresh:
+        (rep,) = _ok(launch(2, run_update, Case(src, Layout(2, 1)), [fresh.url],
+                            [{"transport": "broadcast", "bucket_bytes": SMALL, "timeout_s": 20}]))
+        logits = SGLangEngine(fresh.url).logits(INPUT_IDS)
+    assert rep.weight_version == "1"
+    assert_logits_close(logits, hf_logits(src, INPUT_IDS))
+
+
+def test_corrupted_bucket_is_caught_by_the_checksum(sources, engine_dir):
+    with engine(engine_dir, fault="corrupt@1") as server:
+        eng = SGLangEngine(server.url)
+        results = launch(1, run_update, Case(sources["tiny-qwen3"], Layout(1, 1)), [server.url],
+                         [{"transport": "broadcast", "bucket_bytes": SMALL, "checksums": True}])
+        (r,) = results[0]
+        assert "bucket 1 arrived corrupted" in r["error"], r
+        assert "model.layers" in r["error"]  # the bucket's tensors are named
+        assert eng.weight_version() == "default"  # the failed session was not committed
+
+
+def test_disallowed_pickle_global_and_bearer_token(engine_dir):
+    with engine(engine_dir, api_key="s3cret") as server:
+        anonymous = SGLangEngine(server.url)
+        with pytest.raises(EngineError, match="HTTP 401"):
+            anonymous.server_info()
+        eng = SGLangEngine(server.url, api_key="s3cret")
+        eng.begin_update()
+        evil = base64.b64encode(pickle.dumps(os.system)).decode()
+        with pytest.raises(EngineError, match="refused to unpickle global posix.system"):
+            eng.update_from_tensor([evil], index=0, weight_version=None, checksums=None)
+        with pytest.raises(EngineError, match="not committed"):
+            eng.end_update()
+        assert server.engine.alive()  # refused, not crashed
+        req = urllib.request.Request(server.url + "/health")
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            assert resp.status == 200 and json.loads(resp.read()) == {}
