@@ -30,6 +30,7 @@ def test_demo_proves_its_checkpoint():
     out = run("demo")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "identical: 47 tensors compared" in out.stdout
+    assert "engine update: p2p" in out.stdout and "engine vs HF" in out.stdout
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("PROVEN: 47 tensors") and "buckets" in last and "GB/s" in last
 

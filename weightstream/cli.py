@@ -39,12 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo",
-        help="build a tiny Qwen3, stream it from a local TP×PP job, write and prove a checkpoint",
+        help="build a tiny Qwen3, stream it from a local TP×PP job into a reference engine and to disk, prove both",
         description=(
-            "Builds a tiny Qwen3 model with random weights, starts local CPU processes (TP 2 × PP 2 by default), "
-            "loads the weights into a Megatron-Core model, streams them back out in buckets, writes an HF "
-            "checkpoint, and proves it: every tensor bit-identical to the source, and the logits of the HF model "
-            "loaded from it equal to the Megatron model's. Exit status 0 only when proven."
+            "Builds a tiny Qwen3 model with random weights, starts a reference engine (TP 2) that does not hold "
+            "them, starts local CPU processes (TP 2 × PP 2 by default), loads the weights into a Megatron-Core "
+            "model, updates the engine with update_weights (P2P here: engine TP equals trainer TP), writes an HF "
+            "checkpoint, and proves it all: every tensor of the checkpoint bit-identical to the source, and the "
+            "logits of the Megatron model, of the HF model loaded from the checkpoint and of the engine equal. "
+            "Exit status 0 only when proven."
         ),
     )
     demo.add_argument("--preset", default="tiny-qwen3", choices=sorted(PRESETS), help="model (default tiny-qwen3)")
@@ -52,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--bucket-mb", type=_mb, default=_mb("0.25"), help="bucket size in MiB (default 0.25)")
     demo.add_argument("--out", default=None, help="keep the checkpoint here (default: a temporary directory)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    demo.add_argument("--engine-tp", type=int, default=2,
+                      help="TP size of the reference engine the demo updates (default 2; 0: no engine, disk only)")
 
     dump = sub.add_parser(
         "dump",
@@ -168,11 +172,15 @@ def _summary(r: dict) -> str:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    import shutil
+
     import torch
 
+    from weightstream.engine.server import serve, stop
     from weightstream.jobs import dump_job
     from weightstream.launch import launch
     from weightstream.models.presets import preset_config, random_hf_model
+    from weightstream.streaming.adapters.sglang import SGLangEngine
     from weightstream.verify import compare_checkpoints
 
     cfg = preset_config(args.preset)
@@ -184,23 +192,45 @@ def cmd_demo(args: argparse.Namespace) -> int:
         out = args.out or os.path.join(tmp, "streamed")
         model = random_hf_model(cfg, seed=args.seed)
         model.save_pretrained(src)
-        print(f"[1/4] {args.preset}: random HF checkpoint written ({sum(p.numel() for p in model.parameters()):,} parameters)")
-        print(f"[2/4] starting {world} local processes ({layout.describe()}): build Megatron-Core model, load, stream, write")
-        results = launch(world, dump_job, src, layout, out, args.bucket_mb, "float32", DEMO_INPUT)
-        r = results[0]
-        print(f"[3/4] checking every tensor against the source, bit for bit")
+        print(f"[1/5] {args.preset}: random HF checkpoint written ({sum(p.numel() for p in model.parameters()):,} parameters)")
+        server = None
+        if args.engine_tp > 0:
+            empty = os.path.join(tmp, "engine-model")
+            os.makedirs(empty)
+            shutil.copy(os.path.join(src, "config.json"), empty)  # the engine starts without these weights
+            server = serve(empty, args.engine_tp)
+            print(f"[2/5] reference engine (TP {args.engine_tp}) serving on {server.url}, weights not loaded yet")
+        else:
+            print("[2/5] no engine (--engine-tp 0)")
+        try:
+            print(f"[3/5] starting {world} local processes ({layout.describe()}): build Megatron-Core model, load, "
+                  f"{'update the engine, ' if server else ''}stream to disk")
+            results = launch(world, dump_job, src, layout, out, args.bucket_mb, "float32", DEMO_INPUT, "rank0",
+                             server.url if server else None)
+            r = results[0]
+            engine_logits = SGLangEngine(server.url).logits(DEMO_INPUT) if server else None
+        finally:
+            if server is not None:
+                stop(server)
+        if r["update"] is not None:
+            print(f"      engine update: {r['update'].summary()}")
+        print("[4/5] checking every tensor of the checkpoint against the source, bit for bit")
         cmp = compare_checkpoints(src, out)
         print("      " + cmp.render("source", "streamed").replace("\n", "\n      "))
         from transformers import AutoModelForCausalLM
 
         loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-        ids = torch.tensor(DEMO_INPUT)
         with torch.no_grad():
-            hf_logits = loaded(ids).logits.float()
+            hf_logits = loaded(torch.tensor(DEMO_INPUT)).logits.float()
         diffs = [(res["logits"] - hf_logits).abs().max().item() for res in results]
-        logits_ok = max(diffs) <= 1e-4
-        print(f"[4/4] logits: Megatron ({layout.describe()}) vs HF loaded from the checkpoint: max |diff| {max(diffs):.2e}")
-    proven = cmp.ok and logits_ok
+        checks = [max(diffs) <= 1e-4]
+        line = f"Megatron ({layout.describe()}) vs HF from the checkpoint: max |diff| {max(diffs):.2e}"
+        if engine_logits is not None:
+            engine_diff = (engine_logits - hf_logits).abs().max().item()
+            checks.append(engine_diff <= 1e-4)
+            line += f"; engine vs HF: {engine_diff:.2e}"
+        print(f"[5/5] logits: {line}")
+    proven = cmp.ok and all(checks)
     verdict = "PROVEN" if proven else "FAILED"
     print(f"{verdict}: {_summary(r)} (total {time.perf_counter() - start:.1f} s)")
     return 0 if proven else 1

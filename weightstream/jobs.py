@@ -68,8 +68,10 @@ def dump_job(
     dtype: str = "float32",
     logits_input: list[list[int]] | None = None,
     writers: str = "rank0",
+    engine_url: str | None = None,
 ) -> dict[str, Any]:
-    """Build the Megatron model under ``layout`` from the HF checkpoint, stream it, write it out."""
+    """Build the Megatron model under ``layout`` from the HF checkpoint, stream it, write it out;
+    with ``engine_url``, first update that engine's weights (``update_weights``, transport auto)."""
     initialize_parallel(layout.tp, layout.pp, layout.vpp, layout.ep, layout.etp)
     cfg = load_hf_config(hf_dir)
     start = time.perf_counter()
@@ -78,6 +80,12 @@ def dump_job(
         load_hf_weights(chunks, cfg, reader)
     dist.barrier()
     built = time.perf_counter() - start
+    update_report = None
+    if engine_url is not None:
+        from weightstream.update import update_weights
+
+        update_report = update_weights(chunks, cfg, engine_url, transport="auto", bucket_bytes=bucket_bytes,
+                                       checksums=True)
     bar, update = _progress_bar("streaming")
     start = time.perf_counter()
     report = save_hf_checkpoint(chunks, cfg, out_dir, bucket_bytes=bucket_bytes, writers=writers, progress=update)
@@ -93,6 +101,7 @@ def dump_job(
         "stream_seconds": report.stats.seconds,
         "build_seconds": built,
         "stats": asdict(report.stats),
+        "update": update_report,
     }
     if logits_input is not None:
         ids = torch.tensor(logits_input, dtype=torch.long)
