@@ -141,6 +141,9 @@ class Worker:
 
     def _load(self, tensors):
         report = self.model.load_weights(tensors)
+        if self.device.type == "cuda":
+            # The sender may free or reuse its buffer as soon as we answer: finish reading it first.
+            torch.cuda.synchronize(self.device)
         if report.problems:
             raise RuntimeError(f"{len(report.problems)} tensors could not be loaded: " + "; ".join(report.problems))
         return {"loaded": report.loaded}

@@ -72,16 +72,16 @@ class BroadcastSink:
         _drain(posts, self.timeout_s, raise_first=True)
 
     def disconnect(self) -> None:
+        """Destroy the group on the engines and here at the same time (NCCL's teardown waits for
+        its peers, so one side must not wait for the other's reply first)."""
         if not self.sender:
             return
         group, self.group = self.group, None
-        errors = []
-        for e in self.engines:
-            try:
-                e.destroy_group()
-            except Exception as exc:  # noqa: BLE001 — tear down the rest regardless
-                errors.append(exc)
+        pool = ThreadPoolExecutor(max_workers=max(1, len(self.engines)), thread_name_prefix="ws-destroy")
+        posts = [pool.submit(e.destroy_group) for e in self.engines]
         destroy_group(group)
+        _errors(posts, self.timeout_s)  # best effort: an engine that died cannot answer
+        pool.shutdown(wait=False, cancel_futures=True)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None

@@ -47,6 +47,9 @@ class IPCSink:
             raise ValueError(f"engine TP {self.engine_tp} needs as many colocated trainer ranks; the job has {self.world}")
 
     def send(self, bucket: Bucket) -> None:
+        if bucket.buffer.is_cuda:
+            # The engine reads the buffer from another process, outside this stream's order.
+            torch.cuda.current_stream(bucket.buffer.device).synchronize()
         mine: Any = None
         if self.rank < self.engine_tp:
             mine = (bucket_payload(bucket), checksum(bucket.buffer) if self.checksums else None)

@@ -15,7 +15,7 @@ from weightstream.streaming.adapters.sglang import SGLangEngine
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.groups import destroy_group, init_custom_process_group
 from weightstream.streaming.serialization import checksum
-from weightstream.streaming.sinks.broadcast import _drain, default_backend
+from weightstream.streaming.sinks.broadcast import _drain, _errors, default_backend
 
 
 def _sender_coords() -> tuple[bool, int, int, object]:
@@ -77,13 +77,12 @@ class P2PSink:
     def disconnect(self) -> None:
         if not self.sender:
             return
-        if self.poster:
-            try:
-                self.engine.destroy_group()
-            except Exception:  # noqa: BLE001 — tear down regardless
-                pass
+        # Engine and trainer tear down at the same time (NCCL's teardown waits for its peers).
+        post = self._pool.submit(self.engine.destroy_group) if self.poster and self._pool is not None else None
         destroy_group(self.group)
         self.group = None
+        if post is not None:
+            _errors([post], self.timeout_s)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
