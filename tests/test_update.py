@@ -180,3 +180,19 @@ def test_disallowed_pickle_global_and_bearer_token(engine_dir):
         req = urllib.request.Request(server.url + "/health")
         with urllib.request.urlopen(req, timeout=5) as resp:
             assert resp.status == 200 and json.loads(resp.read()) == {}
+
+
+def test_moe_ep2_trainer_into_tp2_engine(tmp_path):
+    """Qwen3-MoE trained with EP 2: experts gathered over EP, broadcast, loaded by an engine that splits
+    every expert over its two TP ranks."""
+    cfg = preset_config("tiny-qwen3-moe")
+    src = save_random_checkpoint(cfg, tmp_path / "src", seed=21)
+    eng_dir = save_random_checkpoint(cfg, tmp_path / "eng", seed=22)
+    with engine(eng_dir, tp=2) as server:
+        results = launch(2, run_update, Case(src, Layout(1, 1, ep=2)), [server.url],
+                         [{"transport": "auto", "bucket_bytes": SMALL, "checksums": True}])
+        (rep,) = _ok(results)
+        logits = SGLangEngine(server.url).logits(INPUT_IDS)
+    assert rep.transport == "broadcast" and "trainer EP 2" in rep.reason
+    assert rep.tensors == 135
+    assert_logits_close(logits, hf_logits(src, INPUT_IDS))

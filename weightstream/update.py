@@ -109,6 +109,8 @@ def choose_transport(requested: str, engines: Sequence[SGLangEngine], topo: Topo
             failed.append(f"engine PP {e.pp_size} != 1")
     if topo.ep_size > 1:
         failed.append(f"trainer EP {topo.ep_size} (experts would need an engine with the same EP)")
+    if spec.is_moe and topo.etp_size != topo.tp_size:
+        failed.append(f"trainer expert-TP {topo.etp_size} != TP {topo.tp_size}")
     if not get_converter(spec.model_type).per_rank:
         failed.append(f"the {spec.model_type} converter does not support per-rank export")
     if not failed:

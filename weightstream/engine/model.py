@@ -25,6 +25,11 @@ ROW = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj|mlp\.shared_expert\.down_
 VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
+def _is_fused_experts(module: nn.Module) -> bool:
+    p = getattr(module, "gate_up_proj", None)
+    return isinstance(p, nn.Parameter) and p.dim() == 3 and isinstance(getattr(module, "down_proj", None), nn.Parameter)
+
+
 class RowParallelLinear(nn.Module):
     """A row-parallel projection: this rank's input columns, partial sums all-reduced over the group."""
 
@@ -88,6 +93,9 @@ class ShardedCausalLM:
 
     def _shard_modules(self, model: nn.Module) -> None:
         for name, module in list(model.named_modules()):
+            if _is_fused_experts(module):
+                self._shard_experts(module)
+                continue
             if not isinstance(module, nn.Linear):
                 continue
             parent_name, _, attr = name.rpartition(".")
@@ -100,10 +108,35 @@ class ShardedCausalLM:
                 linear = nn.Linear(inp, module.out_features, bias=module.bias is not None)
                 setattr(parent, attr, RowParallelLinear(linear, self.group))
 
+    def _shard_experts(self, experts: nn.Module) -> None:
+        """Routed experts held fused (transformers 5: ``gate_up_proj`` (E, 2I, H), ``down_proj`` (E, H, I)):
+        keep this rank's I-slice of every expert; the partial sums are all-reduced after the block."""
+        e, two_i, h = experts.gate_up_proj.shape
+        inter = _split(two_i // 2, self.size, "expert intermediate size")
+        experts.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inter, h, device=experts.gate_up_proj.device))
+        experts.down_proj = nn.Parameter(torch.empty(e, h, inter, device=experts.down_proj.device))
+        group = self.group
+
+        def reduce_output(module, args, output):
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(output, group=group)
+            return output
+
+        experts.register_forward_hook(reduce_output)
+
     def _param_table(self) -> dict[str, tuple[Tensor, int | None]]:
-        """checkpoint name -> (parameter, split dim or None)."""
+        """checkpoint name -> (parameter or a view of one, split dim or None)."""
         table: dict[str, tuple[Tensor, int | None]] = {}
+        for name, module in self.model.named_modules():
+            if _is_fused_experts(module):
+                inter = module.down_proj.shape[2]
+                for x in range(module.gate_up_proj.shape[0]):
+                    table[f"{name}.{x}.gate_proj.weight"] = (module.gate_up_proj.data[x, :inter], 0)
+                    table[f"{name}.{x}.up_proj.weight"] = (module.gate_up_proj.data[x, inter:], 0)
+                    table[f"{name}.{x}.down_proj.weight"] = (module.down_proj.data[x], 1)
         for name, p in self.model.named_parameters(remove_duplicate=False):
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                continue
             name = name.replace(".linear.", ".")
             module_path = name.rsplit(".", 1)[0]
             dim = 0 if COLUMN.search("." + module_path) else 1 if ROW.search("." + module_path) and name.endswith(".weight") else None
