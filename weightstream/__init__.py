@@ -13,10 +13,14 @@ from weightstream.streaming import (
     stream_hf_weights,
 )
 
+from weightstream.streaming.adapters import EngineError, SGLangEngine
+from weightstream.update import UpdateReport, WeightSync, update_weights
+
 __version__ = "0.1.0"
 
 __all__ = [
     "Bucket", "BucketStream", "ConversionError", "Converter", "Mapping", "ModelSpec", "Shard", "TensorMeta",
     "Topology", "UnknownModelError", "WeightstreamError", "get_converter", "known_model_types",
     "register_converter", "save_hf_checkpoint", "stream_hf_weights",
+    "EngineError", "SGLangEngine", "UpdateReport", "WeightSync", "update_weights",
 ]
