@@ -9,6 +9,15 @@ import torch
 from weightstream.disk import CheckpointReader
 
 
+def by_label(results_per_rank: list[list[dict]]) -> dict[str, list[dict]]:
+    """Results of a launch that ran several labelled cases, grouped by label (all ranks)."""
+    out: dict[str, list[dict]] = {}
+    for rank_results in results_per_rank:
+        for r in rank_results:
+            out.setdefault(r["label"], []).append(r)
+    return out
+
+
 def source_keys(src: str) -> list[str]:
     with CheckpointReader(src) as r:
         return sorted(r.keys())

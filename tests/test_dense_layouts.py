@@ -9,24 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.checks import assert_full_exact, assert_logits_close, assert_per_rank_assembles, source_keys
+from tests.checks import by_label, assert_full_exact, assert_logits_close, assert_per_rank_assembles, source_keys
 from tests.conftest import FAMILIES, hf_logits
 from tests.workers import INPUT_IDS, Case, run_cases
 from weightstream.jobs import Layout
 from weightstream.launch import launch
 
 
-def _by_label(results_per_rank: list[list[dict]]) -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = {}
-    for rank_results in results_per_rank:
-        for r in rank_results:
-            out.setdefault(r["label"], []).append(r)
-    return out
-
-
 def test_tp1_pp1_all_families(sources):
     cases = [Case(sources[f], Layout(1, 1), label=f, logits=True) for f in FAMILIES]
-    results = _by_label(launch(1, run_cases, cases))
+    results = by_label(launch(1, run_cases, cases))
     for f in FAMILIES:
         assert_full_exact(results[f], sources[f])
         assert_logits_close(results[f][0]["logits"], hf_logits(sources[f], INPUT_IDS))
@@ -44,7 +36,7 @@ def test_world2_tp2_pp2_per_rank_te_bf16(sources, tmp_path):
         Case(sources["tiny-qwen2"], Layout(1, 2), te_names=True, label="pp2 te qwen2"),
         Case(sources["tiny-qwen3-bf16"], Layout(2, 1), dtype="bfloat16", label="tp2 bf16"),
     ]
-    results = _by_label(launch(2, run_cases, cases))
+    results = by_label(launch(2, run_cases, cases))
     for f in FAMILIES:
         assert_full_exact(results[f"tp2 {f}"], sources[f])
         assert_full_exact(results[f"pp2 {f}"], sources[f])
@@ -97,7 +89,7 @@ def test_world4_tp4_tp2pp2_vpp(sources):
         Case(sources["tiny-qwen3"], Layout(4, 1), mode="per_rank", label="tp4 per_rank"),
         Case(sources["tiny-qwen3-tied"], Layout(2, 2), mode="per_rank", label="tp2pp2 per_rank"),
     ]
-    results = _by_label(launch(4, run_cases, cases))
+    results = by_label(launch(4, run_cases, cases))
     for f in FAMILIES:
         assert_full_exact(results[f"tp4 {f}"], sources[f])
         assert_full_exact(results[f"tp2pp2 {f}"], sources[f])
@@ -112,7 +104,7 @@ def test_world4_tp4_tp2pp2_vpp(sources):
 
 def test_world8_tp4_pp2(sources):
     cases = [Case(sources[f], Layout(4, 2), label=f) for f in FAMILIES]
-    results = _by_label(launch(8, run_cases, cases))
+    results = by_label(launch(8, run_cases, cases))
     for f in FAMILIES:
         assert_full_exact(results[f], sources[f])
 

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from tests.checks import assert_full_exact, assert_logits_close, assert_per_rank_experts
+from tests.checks import by_label, assert_full_exact, assert_logits_close, assert_per_rank_experts
 from tests.conftest import hf_logits
 from tests.workers import INPUT_IDS, Case, run_cases
 from weightstream.jobs import Layout
@@ -45,14 +45,6 @@ def references(moe_sources) -> dict[str, torch.Tensor]:
     return {f: hf_logits(moe_sources[f], INPUT_IDS) for f in MOE}
 
 
-def _by_label(results_per_rank: list[list[dict]]) -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = {}
-    for rank_results in results_per_rank:
-        for r in rank_results:
-            out.setdefault(r["label"], []).append(r)
-    return out
-
-
 def _assert_logits(results: list[dict], ref: torch.Tensor) -> None:
     assert ref.abs().max().item() > 0.1  # the comparison is not between near-zero tensors
     for r in results:
@@ -74,7 +66,7 @@ def test_moe_world2_ep1_ep2_expert_tp_grouped_per_rank_router_dtype_expert_bias(
     cases.append(Case(src["bf16-fp32-router"], Layout(1, 1, ep=2), dtype="bfloat16", router_dtype="float32",
                       label="ep2 bf16 fp32 router"))
     errors = [(Case(src["tiny-qwen3-moe"], Layout(1, 1, ep=2), label="expert bias"), "expert_bias", {})]
-    results = _by_label(launch(2, run_cases, cases, errors))
+    results = by_label(launch(2, run_cases, cases, errors))
 
     for f in MOE:
         for layout in ("ep1", "ep2", "etp2", "ep2 grouped"):
@@ -129,7 +121,7 @@ def test_moe_world4_ep4_ep2tp2_ep2pp2_vpp_etp_per_rank_bounds(moe_sources, refer
         Case(src["tiny-qwen3-moe"], Layout(1, 2, ep=2), mode="per_rank", label="ep2 pp2 per_rank"),
         Case(src["tiny-qwen2-moe"], Layout(1, 1, ep=2, etp=2), mode="per_rank", label="ep2 etp2 per_rank"),
     ]
-    results = _by_label(launch(4, run_cases, cases))
+    results = by_label(launch(4, run_cases, cases))
 
     for f in MOE:
         for layout in ("ep4", "ep2 tp2", "ep2 pp2", "ep2 tp2 etp1"):

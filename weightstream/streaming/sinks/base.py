@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from concurrent.futures import Future
+from typing import Any, Protocol, runtime_checkable
 
 from weightstream.streaming.bucket import Bucket
 
@@ -21,3 +22,58 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
     def abort(self) -> None: ...
+
+
+def future_errors(futures: list[Future], timeout_s: float) -> list[str]:
+    """Wait for every future (bounded); the text of each one that failed."""
+    out = []
+    for f in futures:
+        if f.cancelled():
+            continue
+        try:
+            f.result(timeout=timeout_s)
+        except Exception as exc:  # noqa: BLE001
+            out.append(str(exc))
+    return out
+
+
+def wait_all(futures: list[Future], timeout_s: float) -> None:
+    """Wait for every future (bounded); raise the first failure once all are done."""
+    first = None
+    for f in futures:
+        if f.cancelled():
+            continue
+        try:
+            f.result(timeout=timeout_s)
+        except Exception as exc:  # noqa: BLE001
+            first = first or exc
+    if first is not None:
+        raise first
+
+
+class InFlight:
+    """One bucket on the wire: its collective and the engines' HTTP replies. Kept until the next
+    bucket is ready (so packing overlaps the transfer), then finished: the bucket is only released
+    once the transfer has completed and every engine has answered."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._entry: tuple[Bucket, Any, list[Future]] | None = None
+
+    def start(self, bucket: Bucket, work: Any, posts: list[Future]) -> None:
+        if self._entry is not None:
+            raise RuntimeError("finish() the bucket in flight before starting the next one")
+        self._entry = (bucket, work, posts)
+
+    def finish(self) -> None:
+        if self._entry is None:
+            return
+        _, work, posts = self._entry
+        self._entry = None
+        try:
+            work.wait()
+        finally:
+            wait_all(posts, self.timeout_s)
+
+    def drop(self) -> None:
+        self._entry = None

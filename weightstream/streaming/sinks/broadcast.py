@@ -5,7 +5,7 @@ is packed while this one is on the wire."""
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import torch
@@ -14,8 +14,9 @@ import torch.distributed as dist
 from weightstream.launch import free_port
 from weightstream.streaming.adapters.sglang import SGLangEngine
 from weightstream.streaming.bucket import Bucket
-from weightstream.streaming.groups import destroy_group, init_custom_process_group
+from weightstream.streaming.groups import GroupError, destroy_group, init_custom_process_group
 from weightstream.streaming.serialization import checksum
+from weightstream.streaming.sinks.base import InFlight, future_errors, wait_all
 
 
 def default_backend() -> str:
@@ -42,7 +43,7 @@ class BroadcastSink:
         self.group = None
         self.sender = _is_sender()
         self._pool: ThreadPoolExecutor | None = None
-        self._inflight: tuple[Bucket, object, list[Future]] | None = None
+        self._inflight = InFlight(timeout_s)
 
     # -- group lifetime (separate steps: connect once, update many times) ------------------------
 
@@ -65,11 +66,11 @@ class BroadcastSink:
                 self.timeout_s,
             )
         except Exception as exc:
-            engine_errors = _errors(posts, self.timeout_s)
+            engine_errors = future_errors(posts, self.timeout_s)
             if engine_errors:
-                raise type(exc)(f"{exc}; the engines said: " + " | ".join(engine_errors)) from exc
+                raise GroupError(f"{exc}; the engines said: " + " | ".join(engine_errors)) from exc
             raise
-        _drain(posts, self.timeout_s, raise_first=True)
+        wait_all(posts, self.timeout_s)
 
     def disconnect(self) -> None:
         """Destroy the group on the engines and here at the same time (NCCL's teardown waits for
@@ -80,7 +81,7 @@ class BroadcastSink:
         pool = ThreadPoolExecutor(max_workers=max(1, len(self.engines)), thread_name_prefix="ws-destroy")
         posts = [pool.submit(e.destroy_group) for e in self.engines]
         destroy_group(group)
-        _errors(posts, self.timeout_s)  # best effort: an engine that died cannot answer
+        future_errors(posts, self.timeout_s)  # best effort: an engine that died cannot answer
         pool.shutdown(wait=False, cancel_futures=True)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
@@ -94,52 +95,19 @@ class BroadcastSink:
     def send(self, bucket: Bucket) -> None:
         if not self.sender:
             return
-        self._finish_inflight()
+        self._inflight.finish()
         digest = checksum(bucket.buffer) if self.checksums else None
         posts = [
             self._pool.submit(e.update_from_distributed, bucket, weight_version=self.weight_version, checksum=digest)
             for e in self.engines
         ]
         work = dist.broadcast(bucket.buffer, group=self.group, group_src=0, async_op=True)
-        self._inflight = (bucket, work, posts)
-
-    def _finish_inflight(self) -> None:
-        if self._inflight is None:
-            return
-        bucket, work, posts = self._inflight
-        self._inflight = None
-        try:
-            work.wait()
-        finally:
-            _drain(posts, self.timeout_s, raise_first=True)
+        self._inflight.start(bucket, work, posts)
 
     def close(self) -> None:
         if self.sender:
-            self._finish_inflight()
+            self._inflight.finish()
 
     def abort(self) -> None:
-        self._inflight = None
+        self._inflight.drop()
         self.disconnect()
-
-
-def _errors(futures: list[Future], timeout_s: float) -> list[str]:
-    out = []
-    for f in futures:
-        try:
-            f.result(timeout=timeout_s)
-        except Exception as exc:  # noqa: BLE001
-            out.append(str(exc))
-    return out
-
-
-def _drain(futures: list[Future], timeout_s: float, raise_first: bool = False) -> None:
-    first = None
-    for f in futures:
-        if f.cancelled():
-            continue
-        try:
-            f.result(timeout=timeout_s)
-        except Exception as exc:  # noqa: BLE001
-            first = first or exc
-    if raise_first and first is not None:
-        raise first

@@ -5,7 +5,7 @@ ranks (tp..2tp-1)."""
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import torch.distributed as dist
 
@@ -15,7 +15,8 @@ from weightstream.streaming.adapters.sglang import SGLangEngine
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.groups import destroy_group, init_custom_process_group
 from weightstream.streaming.serialization import checksum
-from weightstream.streaming.sinks.broadcast import _drain, _errors, default_backend
+from weightstream.streaming.sinks.base import InFlight, future_errors, wait_all
+from weightstream.streaming.sinks.broadcast import default_backend
 
 
 def _sender_coords() -> tuple[bool, int, int, object]:
@@ -51,7 +52,7 @@ class P2PSink:
         self.group = None
         self.stream = None
         self._pool: ThreadPoolExecutor | None = None
-        self._inflight: tuple[Bucket, object, Future | None] | None = None
+        self._inflight = InFlight(timeout_s)
 
     def connect(self) -> None:
         if self.group is not None or not self.sender:
@@ -71,8 +72,10 @@ class P2PSink:
                 self.engine.group_name, self.timeout_s,
             )
         finally:
-            if post is not None:
-                _drain([post], self.timeout_s, raise_first=self.group is not None)
+            if post is not None and self.group is not None:
+                wait_all([post], self.timeout_s)
+            elif post is not None:
+                future_errors([post], self.timeout_s)
 
     def disconnect(self) -> None:
         if not self.sender:
@@ -82,7 +85,7 @@ class P2PSink:
         destroy_group(self.group)
         self.group = None
         if post is not None:
-            _errors([post], self.timeout_s)
+            future_errors([post], self.timeout_s)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
@@ -96,13 +99,13 @@ class P2PSink:
     def send(self, bucket: Bucket) -> None:
         if not self.sender:
             return
-        self._finish_inflight()
+        self._inflight.finish()
         digest = checksum(bucket.buffer) if self.checksums else None
         digests = [digest]
         if self.checksums and self.tp > 1:
             digests = [None] * self.tp
             dist.all_gather_object(digests, digest, group=self.tp_group)
-        post = None
+        posts = []
         if self.poster:
             ranks = []
             for r in range(self.tp):
@@ -110,27 +113,16 @@ class P2PSink:
                 nbytes = max((m.offset + m.nbytes for m in metas), default=0)
                 ranks.append({"src": r, "metas": [_meta_json(m) for m in metas], "nbytes": nbytes,
                               "checksum": digests[r] if self.checksums else None})
-            post = self._pool.submit(self.engine.update_from_p2p, ranks, index=bucket.index,
-                                     weight_version=self.weight_version)
+            posts.append(self._pool.submit(self.engine.update_from_p2p, ranks, index=bucket.index,
+                                           weight_version=self.weight_version))
         work = dist.isend(bucket.buffer[: max((m.offset + m.nbytes for m in bucket.metas), default=0)],
                           group=self.group, group_dst=self.tp + self.tp_rank)
-        self._inflight = (bucket, work, post)
-
-    def _finish_inflight(self) -> None:
-        if self._inflight is None:
-            return
-        _, work, post = self._inflight
-        self._inflight = None
-        try:
-            work.wait()
-        finally:
-            if post is not None:
-                _drain([post], self.timeout_s, raise_first=True)
+        self._inflight.start(bucket, work, posts)
 
     def close(self) -> None:
         if self.sender:
-            self._finish_inflight()
+            self._inflight.finish()
 
     def abort(self) -> None:
-        self._inflight = None
+        self._inflight.drop()
         self.disconnect()
