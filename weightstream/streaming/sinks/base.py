@@ -24,8 +24,7 @@ class Sink(Protocol):
     def abort(self) -> None: ...
 
 
-def future_errors(futures: list[Future], timeout_s: float) -> list[str]:
-    """Wait for every future (bounded); the text of each one that failed."""
+def _failures(futures: list[Future], timeout_s: float) -> list[BaseException]:
     out = []
     for f in futures:
         if f.cancelled():
@@ -33,22 +32,20 @@ def future_errors(futures: list[Future], timeout_s: float) -> list[str]:
         try:
             f.result(timeout=timeout_s)
         except Exception as exc:  # noqa: BLE001
-            out.append(str(exc))
+            out.append(exc)
     return out
+
+
+def future_errors(futures: list[Future], timeout_s: float) -> list[str]:
+    """Wait for every future (bounded); the text of each one that failed."""
+    return [str(e) for e in _failures(futures, timeout_s)]
 
 
 def wait_all(futures: list[Future], timeout_s: float) -> None:
     """Wait for every future (bounded); raise the first failure once all are done."""
-    first = None
-    for f in futures:
-        if f.cancelled():
-            continue
-        try:
-            f.result(timeout=timeout_s)
-        except Exception as exc:  # noqa: BLE001
-            first = first or exc
-    if first is not None:
-        raise first
+    failures = _failures(futures, timeout_s)
+    if failures:
+        raise failures[0]
 
 
 class InFlight:
@@ -77,3 +74,22 @@ class InFlight:
 
     def drop(self) -> None:
         self._entry = None
+
+
+class PipelinedSink:
+    """What the broadcast and P2P sinks share: a bucket in flight while the next is packed, and a
+    group that ``disconnect`` tears down."""
+
+    sender: bool
+    _inflight: InFlight
+
+    def disconnect(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self.sender:
+            self._inflight.finish()
+
+    def abort(self) -> None:
+        self._inflight.drop()
+        self.disconnect()

@@ -16,7 +16,7 @@ from weightstream.streaming.adapters.sglang import SGLangEngine
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.groups import GroupError, destroy_group, init_custom_process_group
 from weightstream.streaming.serialization import checksum
-from weightstream.streaming.sinks.base import InFlight, future_errors, wait_all
+from weightstream.streaming.sinks.base import InFlight, PipelinedSink, future_errors, wait_all
 
 
 def default_backend() -> str:
@@ -27,7 +27,7 @@ def _is_sender() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-class BroadcastSink:
+class BroadcastSink(PipelinedSink):
     name = "broadcast"
 
     def __init__(self, engines: Sequence[SGLangEngine], *, master_address: str = "127.0.0.1",
@@ -103,11 +103,3 @@ class BroadcastSink:
         ]
         work = dist.broadcast(bucket.buffer, group=self.group, group_src=0, async_op=True)
         self._inflight.start(bucket, work, posts)
-
-    def close(self) -> None:
-        if self.sender:
-            self._inflight.finish()
-
-    def abort(self) -> None:
-        self._inflight.drop()
-        self.disconnect()

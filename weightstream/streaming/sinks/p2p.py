@@ -15,7 +15,7 @@ from weightstream.streaming.adapters.sglang import SGLangEngine
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.groups import destroy_group, init_custom_process_group
 from weightstream.streaming.serialization import checksum
-from weightstream.streaming.sinks.base import InFlight, future_errors, wait_all
+from weightstream.streaming.sinks.base import InFlight, PipelinedSink, future_errors, wait_all
 from weightstream.streaming.sinks.broadcast import default_backend
 
 
@@ -34,7 +34,7 @@ def _meta_json(m) -> dict:
     return {"name": m.name, "dtype": dtype_name(m.dtype), "shape": list(m.shape), "offset": m.offset, "shard": shard}
 
 
-class P2PSink:
+class P2PSink(PipelinedSink):
     name = "p2p"
 
     def __init__(self, engine: SGLangEngine, *, master_address: str = "127.0.0.1", master_port: int | None = None,
@@ -118,11 +118,3 @@ class P2PSink:
         work = dist.isend(bucket.buffer[: max((m.offset + m.nbytes for m in bucket.metas), default=0)],
                           group=self.group, group_dst=self.tp + self.tp_rank)
         self._inflight.start(bucket, work, posts)
-
-    def close(self) -> None:
-        if self.sender:
-            self._inflight.finish()
-
-    def abort(self) -> None:
-        self._inflight.drop()
-        self.disconnect()
