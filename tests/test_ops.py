@@ -107,3 +107,21 @@ def test_ops_run_on_meta_tensors():
     shapes = [tuple(t.shape) for t in QKV.to_hf(meta, OpContext(s))]
     assert shapes == [(32, 6), (8, 6), (8, 6)]
     assert IDENTITY.to_hf(meta, OpContext(s))[0] is meta
+
+
+@pytest.mark.parametrize("parts", [1, 2, 4])
+def test_writing_into_bucket_views_equals_to_hf(parts):
+    """The one-copy path (``to_hf_into``, used when packing buckets) gives exactly ``to_hf``'s tensors."""
+    from weightstream.converters.ops import convert_into
+
+    s = spec(heads=8, groups=4)
+    fused = torch.randn(4 * (2 + 2) * s.head_dim, s.hidden_size)
+    fc1 = torch.randn(2 * 8 * parts, s.hidden_size)
+    for op, t, ctx in ((QKV, fused, OpContext(s)), (GATED, fc1, OpContext(s, parts=parts)),
+                       (VOCAB, torch.randn(16, 6), OpContext(s)), (IDENTITY, fc1, OpContext(s))):
+        want = op.to_hf(t, ctx)
+        outs = [torch.empty_like(w) for w in want]
+        convert_into(op, t, ctx, outs)
+        assert all(torch.equal(a, b) for a, b in zip(outs, want))
+    with pytest.raises(ValueError):
+        convert_into(VOCAB, torch.randn(16, 6), OpContext(s), [torch.empty(11, 6)])

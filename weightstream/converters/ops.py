@@ -30,7 +30,11 @@ class OpContext:
 
 
 class TensorOp(Protocol):
-    """A reversible conversion between one Megatron tensor and ``arity`` HF tensors."""
+    """A reversible conversion between one Megatron tensor and ``arity`` HF tensors.
+
+    An op may also define ``to_hf_into(tensor, ctx, outs)``, writing its results straight into
+    ``outs`` (views into a bucket buffer, of the HF shapes) with one copy; see :func:`convert_into`.
+    """
 
     arity: int
 
@@ -43,6 +47,19 @@ def _check_divisible(what: str, total: int, unit: int) -> int:
     if unit <= 0 or total % unit:
         raise ValueError(f"{what}: size {total} is not a multiple of {unit}")
     return total // unit
+
+
+def convert_into(op: TensorOp, tensor: Tensor, ctx: OpContext, outs: Sequence[Tensor]) -> None:
+    """Write ``op.to_hf(tensor)`` into ``outs``, in one copy when the op can."""
+    into = getattr(op, "to_hf_into", None)
+    if into is not None:
+        into(tensor, ctx, outs)
+        return
+    results = op.to_hf(tensor, ctx)
+    for out, result in zip(outs, results, strict=True):
+        if out.shape != result.shape:
+            raise ValueError(f"converted shape {tuple(result.shape)} != expected {tuple(out.shape)}")
+        out.copy_(result)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +95,14 @@ class SplitQKV:
         q, k, v = torch.split(grouped, [qpg, 1, 1], dim=1)
         return [x.reshape(-1, *rest) for x in (q, k, v)]
 
+    def to_hf_into(self, tensor: Tensor, ctx: OpContext, outs: Sequence[Tensor]) -> None:
+        qpg, hd = ctx.spec.q_per_group, ctx.spec.head_dim
+        rest = tuple(tensor.shape[1:])
+        groups = _check_divisible("linear_qkv rows", tensor.shape[0], (qpg + 2) * hd)
+        grouped = tensor.reshape(groups, qpg + 2, hd, *rest)
+        for out, part in zip(outs, torch.split(grouped, [qpg, 1, 1], dim=1), strict=True):
+            out.view(groups, part.shape[1], hd, *rest).copy_(part)
+
     def to_megatron(self, parts: Sequence[Tensor], ctx: OpContext, megatron_shape: torch.Size) -> Tensor:
         q, k, v = parts
         qpg, hd = ctx.spec.q_per_group, ctx.spec.head_dim
@@ -105,6 +130,13 @@ class SplitGated:
         rows = _check_divisible("linear_fc1 rows", tensor.shape[0], 2 * ctx.parts)
         halves = tensor.reshape(ctx.parts, 2, rows, *rest)
         return [halves[:, 0].reshape(-1, *rest), halves[:, 1].reshape(-1, *rest)]
+
+    def to_hf_into(self, tensor: Tensor, ctx: OpContext, outs: Sequence[Tensor]) -> None:
+        rest = tuple(tensor.shape[1:])
+        rows = _check_divisible("linear_fc1 rows", tensor.shape[0], 2 * ctx.parts)
+        halves = tensor.reshape(ctx.parts, 2, rows, *rest)
+        for i, out in enumerate(outs):
+            out.view(ctx.parts, rows, *rest).copy_(halves[:, i])
 
     def to_megatron(self, parts: Sequence[Tensor], ctx: OpContext, megatron_shape: torch.Size) -> Tensor:
         gate, up = parts

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from weightstream.converters.ops import OpContext
+from weightstream.converters.ops import OpContext, convert_into
 from weightstream.converters.registry import get_converter
 from weightstream.models.hf import expected_hf_shapes
 from weightstream.models.spec import ModelSpec, dtype_name, load_hf_config
@@ -144,13 +144,10 @@ class BucketStream(Iterator[Bucket]):
                 if self.mode == "full"
                 else OpContext(self.spec, parts=1, shard_rank=self._group_rank(it.entry))
             )
-            outs = it.entry.resolved.mapping.op.to_hf(full, ctx)
             largest = max(largest, full.numel() * full.element_size())
-            for meta, out in zip(item_metas, outs):
-                if tuple(out.shape) != meta.shape:
-                    raise RuntimeError(f"{meta.name}: converted shape {tuple(out.shape)} != planned {meta.shape}")
-                view_tensor(buffer, meta).copy_(out)
-            del full, outs
+            targets = [view_tensor(buffer, meta) for meta in item_metas]
+            convert_into(it.entry.resolved.mapping.op, full, ctx, targets)
+            del full, targets
         self.stats.peak_staging_bytes = max(self.stats.peak_staging_bytes, total + gather_bytes + largest)
         self._broadcast(buffer, items, metas)
         return Bucket(bp.index, buffer, tuple(m for ms in metas for m in ms))
