@@ -235,6 +235,7 @@ class WeightSync:
                 if failure is None:
                     for e in self.engines:
                         e.end_update()
+                        e.flush_cache()  # cached KV entries were computed with the old weights
                     versions = {e.url: e.weight_version() for e in self.engines}
                     wrong = {u: v for u, v in versions.items() if v != version}
                     if wrong:
@@ -302,7 +303,7 @@ class WeightSync:
 def update_weights(model_chunks: nn.Module | Sequence[nn.Module], hf_config: Any,
                    engines: SGLangEngine | str | Sequence[SGLangEngine | str], *, transport: str = "auto",
                    weight_version: str | None = None, **options) -> UpdateReport:
-    """One update: connect, stream, commit, disconnect. Call on every trainer rank. For repeated
+    """One update: pause, connect, stream, commit, flush the engines' caches, resume, disconnect. Call on every trainer rank. For repeated
     updates keep a :class:`WeightSync` instead (the group is made once)."""
     if isinstance(engines, (str, SGLangEngine)):
         engines = [engines]

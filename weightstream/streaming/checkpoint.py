@@ -105,6 +105,76 @@ class CheckpointReport:
     stats: StreamStats
 
 
+class SafetensorsSink:
+    """The disk as a sink: HF safetensors shards, index and ``config.json``, written as buckets arrive.
+
+    Called on every rank like the other sinks. ``writers="rank0"``: global rank 0 writes every file;
+    ``writers="spread"``: file i is written by rank ``i % world_size`` (every rank receives every
+    bucket of a full stream). The shard plan is made in ``open`` from the stream's tensor list, so
+    every header is written before its data; ``close`` writes the index last (atomically)."""
+
+    name = "safetensors"
+
+    def __init__(self, out_dir: str | os.PathLike, hf_config: Any, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                 writers: str = "rank0"):
+        if writers not in ("rank0", "spread"):
+            raise ValueError(f"writers must be 'rank0' or 'spread', got {writers!r}")
+        self.out = Path(out_dir)
+        self.cfg = load_hf_config(hf_config)
+        self.shard_bytes, self.writers = shard_bytes, writers
+        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.open_files: dict[int, SafetensorsFileWriter] = {}
+
+    def open(self, stream) -> None:
+        if stream.mode != "full":
+            raise ValueError("a checkpoint holds whole tensors: it needs a full stream")
+        self.entries = [_Entry(o.name, o.dtype, o.shape, o.nbytes) for it in stream.items for o in it.outputs]
+        self.files = plan_buckets([[e.nbytes] for e in self.entries], self.shard_bytes, align=1)
+        self.names = [shard_name(i + 1, len(self.files)) for i in range(len(self.files))]
+        self.mine = {i for i in range(len(self.files)) if (i % self.world if self.writers == "spread" else 0) == self.rank}
+        self.file_of = {self.entries[j].name: i for i, f in enumerate(self.files) for j in f.items}
+        self.remaining = {i: len(self.files[i].items) for i in self.mine}
+        if self.mine or self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+
+    def send(self, bucket) -> None:
+        for name, tensor in bucket.named_tensors():
+            i = self.file_of[name]
+            if i not in self.mine:
+                continue
+            if i not in self.open_files:
+                self.open_files[i] = SafetensorsFileWriter(
+                    self.out / self.names[i], [self.entries[j] for j in self.files[i].items]
+                )
+            self.open_files[i].write(name, tensor)
+            self.remaining[i] -= 1
+            if self.remaining[i] == 0:
+                self.open_files.pop(i).close()
+
+    def close(self) -> None:
+        if self.open_files:
+            raise RuntimeError(f"files left incomplete: {sorted(self.names[i] for i in self.open_files)}")
+        if self.rank == 0:
+            weight_map = {e.name: self.names[self.file_of[e.name]] for e in self.entries}
+            index = {"metadata": {"total_size": self.total_size}, "weight_map": weight_map}
+            _save_config(self.cfg, self.out, _main_dtype(self.entries))
+            tmp = self.out / (INDEX_NAME + ".partial")
+            tmp.write_text(json.dumps(index, indent=2) + "\n")
+            os.replace(tmp, self.out / INDEX_NAME)
+        if self.world > 1:
+            dist.barrier()
+
+    def abort(self) -> None:
+        for w in self.open_files.values():
+            w.abort()
+        self.open_files.clear()
+
+    @property
+    def total_size(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+
 def save_hf_checkpoint(
     model_chunks: nn.Module | Sequence[nn.Module],
     hf_config: Any,
@@ -117,61 +187,22 @@ def save_hf_checkpoint(
 ) -> CheckpointReport:
     """Write the model as an HF checkpoint (safetensors shards, index, ``config.json``). Call on every rank.
 
-    ``writers="rank0"``: global rank 0 writes every file. ``writers="spread"``: file i is written
-    by rank ``i % world_size`` (every rank receives every bucket in full mode). Memory is bounded
-    by the stream (two buckets plus the largest tensor). ``progress(done, total)`` is called after
-    each bucket.
+    The stream into a :class:`SafetensorsSink`: memory is bounded by the stream (two buckets plus
+    the largest tensor), whatever the shard size. ``progress(done, total)`` is called after each bucket.
     """
-    if writers not in ("rank0", "spread"):
-        raise ValueError(f"writers must be 'rank0' or 'spread', got {writers!r}")
-    out = Path(out_dir)
-    cfg = load_hf_config(hf_config)
-    stream = stream_hf_weights(model_chunks, cfg, bucket_bytes=bucket_bytes, mode="full")
-    entries = [
-        _Entry(o.name, o.dtype, o.shape, o.nbytes) for it in stream.items for o in it.outputs
-    ]
-    files = plan_buckets([[e.nbytes] for e in entries], shard_bytes, align=1)
-    names = [shard_name(i + 1, len(files)) for i in range(len(files))]
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    mine = {i for i in range(len(files)) if (i % world if writers == "spread" else 0) == rank}
-    file_of: dict[str, int] = {}
-    for i, f in enumerate(files):
-        for j in f.items:
-            file_of[entries[j].name] = i
-    if mine:
-        out.mkdir(parents=True, exist_ok=True)
-    open_writers: dict[int, SafetensorsFileWriter] = {}
-    remaining = {i: len(files[i].items) for i in mine}
+    sink = SafetensorsSink(out_dir, hf_config, shard_bytes=shard_bytes, writers=writers)
+    stream = stream_hf_weights(model_chunks, sink.cfg, bucket_bytes=bucket_bytes, mode="full")
+    sink.open(stream)
     try:
         for done, bucket in enumerate(stream, 1):
-            for name, tensor in bucket.named_tensors():
-                i = file_of[name]
-                if i not in mine:
-                    continue
-                if i not in open_writers:
-                    open_writers[i] = SafetensorsFileWriter(out / names[i], [entries[j] for j in files[i].items])
-                open_writers[i].write(name, tensor)
-                remaining[i] -= 1
-                if remaining[i] == 0:
-                    open_writers.pop(i).close()
+            sink.send(bucket)
             if progress is not None:
                 progress(done, len(stream))
     except BaseException:
-        for w in open_writers.values():
-            w.abort()
+        sink.abort()
         raise
-    if rank == 0:
-        weight_map = {e.name: names[file_of[e.name]] for e in entries}
-        index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": weight_map}
-        out.mkdir(parents=True, exist_ok=True)
-        _save_config(cfg, out, _main_dtype(entries))
-        tmp = out / (INDEX_NAME + ".partial")
-        tmp.write_text(json.dumps(index, indent=2) + "\n")
-        os.replace(tmp, out / INDEX_NAME)
-    if world > 1:
-        dist.barrier()
-    return CheckpointReport(out, names, len(entries), sum(e.nbytes for e in entries), stream.stats)
+    sink.close()
+    return CheckpointReport(sink.out, sink.names, len(sink.entries), sink.total_size, stream.stats)
 
 
 def _save_config(cfg, out: Path, dtype: torch.dtype | None) -> None:

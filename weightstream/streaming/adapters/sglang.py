@@ -109,6 +109,9 @@ class SGLangEngine:
     def end_update(self) -> None:
         self.post("/end_weight_update", {}, step="end_weight_update")
 
+    def flush_cache(self) -> None:
+        self.post("/flush_cache", {}, step="flush_cache")
+
     def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int, backend: str,
                    timeout_s: float) -> None:
         self.post("/init_weights_update_group", {
