@@ -12,6 +12,7 @@ import urllib.request
 from contextlib import contextmanager
 
 import pytest
+import torch
 
 from tests.checks import assert_logits_close
 from tests.conftest import hf_logits
@@ -124,8 +125,19 @@ def test_ipc_shared_memory_between_processes(sources, engine_dir):
         (rep,) = _ok(launch(1, run_update, Case(src, Layout(1, 1)), [server.url],
                             [{"transport": "ipc", "bucket_bytes": SMALL, "checksums": True}]))
         logits = SGLangEngine(server.url).logits(INPUT_IDS)
+        generated = SGLangEngine(server.url).generate(INPUT_IDS[0], max_new_tokens=4)
     assert rep.transport == "ipc" and rep.buckets > 3
     assert_logits_close(logits, hf_logits(src, INPUT_IDS))
+    # Greedy generation by the engine equals greedy generation by the HF model of the source.
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    ids = list(INPUT_IDS[0])
+    with torch.no_grad():
+        for _ in range(4):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert generated["output_ids"] == ids[len(INPUT_IDS[0]):]
+    assert generated["meta_info"]["weight_version"] == "1"
 
 
 def test_engine_not_there_fails_fast_and_clearly(sources):
@@ -177,6 +189,18 @@ def test_disallowed_pickle_global_and_bearer_token(engine_dir):
         with pytest.raises(EngineError, match="not committed"):
             eng.end_update()
         assert server.engine.alive()  # refused, not crashed
+        # While paused, generation waits; it completes once generation continues.
+        import threading
+
+        eng.pause("abort")
+        done: list = []
+        worker = threading.Thread(target=lambda: done.append(eng.generate([1, 2, 3], max_new_tokens=2)))
+        worker.start()
+        worker.join(timeout=1.0)
+        assert not done
+        eng.resume()
+        worker.join(timeout=30)
+        assert len(done) == 1 and len(done[0]["output_ids"]) == 2
         req = urllib.request.Request(server.url + "/health")
         with urllib.request.urlopen(req, timeout=5) as resp:
             assert resp.status == 200 and json.loads(resp.read()) == {}
