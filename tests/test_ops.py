@@ -111,7 +111,7 @@ def test_ops_run_on_meta_tensors():
 
 @pytest.mark.parametrize("parts", [1, 2, 4])
 def test_writing_into_bucket_views_equals_to_hf(parts):
-    """The one-copy path (``to_hf_into``, used when packing buckets) gives exactly ``to_hf``'s tensors."""
+    """The one-copy path (``pieces``, used when packing buckets) gives exactly ``to_hf``'s tensors."""
     from weightstream.converters.ops import convert_into
 
     s = spec(heads=8, groups=4)

@@ -32,8 +32,9 @@ class OpContext:
 class TensorOp(Protocol):
     """A reversible conversion between one Megatron tensor and ``arity`` HF tensors.
 
-    An op may also define ``to_hf_into(tensor, ctx, outs)``, writing its results straight into
-    ``outs`` (views into a bucket buffer, of the HF shapes) with one copy; see :func:`convert_into`.
+    An op whose results are strided views of its input may also define ``pieces(tensor, ctx)``,
+    returning those views uncopied; :func:`convert_into` then writes each straight into its place
+    in a bucket buffer, with one copy.
     """
 
     arity: int
@@ -50,10 +51,12 @@ def _check_divisible(what: str, total: int, unit: int) -> int:
 
 
 def convert_into(op: TensorOp, tensor: Tensor, ctx: OpContext, outs: Sequence[Tensor]) -> None:
-    """Write ``op.to_hf(tensor)`` into ``outs``, in one copy when the op can."""
-    into = getattr(op, "to_hf_into", None)
-    if into is not None:
-        into(tensor, ctx, outs)
+    """Write ``op.to_hf(tensor)`` into ``outs`` (contiguous, of the HF shapes), in one copy when the
+    op offers ``pieces``."""
+    pieces = getattr(op, "pieces", None)
+    if pieces is not None:
+        for out, piece in zip(outs, pieces(tensor, ctx), strict=True):
+            out.view(piece.shape).copy_(piece)
         return
     results = op.to_hf(tensor, ctx)
     for out, result in zip(outs, results, strict=True):
@@ -87,21 +90,15 @@ class SplitQKV:
 
     arity: int = 3
 
-    def to_hf(self, tensor: Tensor, ctx: OpContext) -> list[Tensor]:
+    def pieces(self, tensor: Tensor, ctx: OpContext) -> list[Tensor]:
+        """q, k, v as ``(groups, heads, head_dim, ...)`` views of ``tensor``."""
         qpg, hd = ctx.spec.q_per_group, ctx.spec.head_dim
-        rest = tuple(tensor.shape[1:])
         groups = _check_divisible("linear_qkv rows", tensor.shape[0], (qpg + 2) * hd)
-        grouped = tensor.reshape(groups, qpg + 2, hd, *rest)
-        q, k, v = torch.split(grouped, [qpg, 1, 1], dim=1)
-        return [x.reshape(-1, *rest) for x in (q, k, v)]
+        grouped = tensor.reshape(groups, qpg + 2, hd, *tensor.shape[1:])
+        return list(torch.split(grouped, [qpg, 1, 1], dim=1))
 
-    def to_hf_into(self, tensor: Tensor, ctx: OpContext, outs: Sequence[Tensor]) -> None:
-        qpg, hd = ctx.spec.q_per_group, ctx.spec.head_dim
-        rest = tuple(tensor.shape[1:])
-        groups = _check_divisible("linear_qkv rows", tensor.shape[0], (qpg + 2) * hd)
-        grouped = tensor.reshape(groups, qpg + 2, hd, *rest)
-        for out, part in zip(outs, torch.split(grouped, [qpg, 1, 1], dim=1), strict=True):
-            out.view(groups, part.shape[1], hd, *rest).copy_(part)
+    def to_hf(self, tensor: Tensor, ctx: OpContext) -> list[Tensor]:
+        return [x.reshape(-1, *tensor.shape[1:]) for x in self.pieces(tensor, ctx)]
 
     def to_megatron(self, parts: Sequence[Tensor], ctx: OpContext, megatron_shape: torch.Size) -> Tensor:
         q, k, v = parts
@@ -125,18 +122,14 @@ class SplitGated:
 
     arity: int = 2
 
-    def to_hf(self, tensor: Tensor, ctx: OpContext) -> list[Tensor]:
-        rest = tuple(tensor.shape[1:])
+    def pieces(self, tensor: Tensor, ctx: OpContext) -> list[Tensor]:
+        """gate, up as ``(parts, rows, ...)`` views of ``tensor``."""
         rows = _check_divisible("linear_fc1 rows", tensor.shape[0], 2 * ctx.parts)
-        halves = tensor.reshape(ctx.parts, 2, rows, *rest)
-        return [halves[:, 0].reshape(-1, *rest), halves[:, 1].reshape(-1, *rest)]
+        halves = tensor.reshape(ctx.parts, 2, rows, *tensor.shape[1:])
+        return [halves[:, 0], halves[:, 1]]
 
-    def to_hf_into(self, tensor: Tensor, ctx: OpContext, outs: Sequence[Tensor]) -> None:
-        rest = tuple(tensor.shape[1:])
-        rows = _check_divisible("linear_fc1 rows", tensor.shape[0], 2 * ctx.parts)
-        halves = tensor.reshape(ctx.parts, 2, rows, *rest)
-        for i, out in enumerate(outs):
-            out.view(ctx.parts, rows, *rest).copy_(halves[:, i])
+    def to_hf(self, tensor: Tensor, ctx: OpContext) -> list[Tensor]:
+        return [x.reshape(-1, *tensor.shape[1:]) for x in self.pieces(tensor, ctx)]
 
     def to_megatron(self, parts: Sequence[Tensor], ctx: OpContext, megatron_shape: torch.Size) -> Tensor:
         gate, up = parts
