@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol, runtime_checkable
 
 from weightstream.streaming.bucket import Bucket
+from weightstream.streaming.groups import GroupError, destroy_group
 
 
 @runtime_checkable
@@ -77,11 +79,41 @@ class InFlight:
 
 
 class PipelinedSink:
-    """What the broadcast and P2P sinks share: a bucket in flight while the next is packed, and a
-    group that ``disconnect`` tears down."""
+    """What the broadcast and P2P sinks share: a process group joined together with the engines
+    (they are told over HTTP while this side forms it) and left together with them, and a bucket in
+    flight while the next is packed."""
 
     sender: bool
+    group: Any = None
+    timeout_s: float
+    _pool: ThreadPoolExecutor | None = None
     _inflight: InFlight
+
+    def _join(self, posts: list[Future], create: Callable[[], Any]) -> None:
+        """Form the group (``create``) while the engines join it (``posts``); on failure, say what
+        the engines said too."""
+        try:
+            group = create()
+        except Exception as exc:
+            engine_errors = future_errors(posts, self.timeout_s)
+            if engine_errors:
+                raise GroupError(f"{exc}; the engines said: " + " | ".join(engine_errors)) from exc
+            raise
+        self.group = group
+        wait_all(posts, self.timeout_s)
+
+    def _leave(self, engines: Sequence[Any]) -> None:
+        """Destroy the group on ``engines`` and here at the same time (NCCL's teardown waits for its
+        peers, so neither side may wait for the other first). Best effort: a dead engine cannot answer."""
+        group, self.group = self.group, None
+        pool = ThreadPoolExecutor(max_workers=max(1, len(engines)), thread_name_prefix="ws-destroy")
+        posts = [pool.submit(e.destroy_group) for e in engines]
+        destroy_group(group)
+        future_errors(posts, self.timeout_s)
+        pool.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     def disconnect(self) -> None:
         raise NotImplementedError

@@ -14,9 +14,9 @@ import torch.distributed as dist
 from weightstream.launch import free_port
 from weightstream.streaming.adapters.sglang import SGLangEngine
 from weightstream.streaming.bucket import Bucket
-from weightstream.streaming.groups import GroupError, destroy_group, init_custom_process_group
+from weightstream.streaming.groups import init_custom_process_group
 from weightstream.streaming.serialization import checksum
-from weightstream.streaming.sinks.base import InFlight, PipelinedSink, future_errors, wait_all
+from weightstream.streaming.sinks.base import InFlight, PipelinedSink
 
 
 def default_backend() -> str:
@@ -60,32 +60,13 @@ class BroadcastSink(PipelinedSink):
             self._pool.submit(e.init_group, self.master_address, port, off, world, self.backend, self.timeout_s)
             for e, off in zip(self.engines, offsets)
         ]
-        try:
-            self.group = init_custom_process_group(
-                self.backend, f"tcp://{self.master_address}:{port}", world, 0, self.engines[0].group_name,
-                self.timeout_s,
-            )
-        except Exception as exc:
-            engine_errors = future_errors(posts, self.timeout_s)
-            if engine_errors:
-                raise GroupError(f"{exc}; the engines said: " + " | ".join(engine_errors)) from exc
-            raise
-        wait_all(posts, self.timeout_s)
+        self._join(posts, lambda: init_custom_process_group(
+            self.backend, f"tcp://{self.master_address}:{port}", world, 0, self.engines[0].group_name, self.timeout_s,
+        ))
 
     def disconnect(self) -> None:
-        """Destroy the group on the engines and here at the same time (NCCL's teardown waits for
-        its peers, so one side must not wait for the other's reply first)."""
-        if not self.sender:
-            return
-        group, self.group = self.group, None
-        pool = ThreadPoolExecutor(max_workers=max(1, len(self.engines)), thread_name_prefix="ws-destroy")
-        posts = [pool.submit(e.destroy_group) for e in self.engines]
-        destroy_group(group)
-        future_errors(posts, self.timeout_s)  # best effort: an engine that died cannot answer
-        pool.shutdown(wait=False, cancel_futures=True)
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        if self.sender:
+            self._leave(self.engines)
 
     # -- per update ------------------------------------------------------------------------------
 

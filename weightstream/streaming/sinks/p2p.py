@@ -13,9 +13,9 @@ from weightstream.launch import free_port
 from weightstream.models.spec import dtype_name
 from weightstream.streaming.adapters.sglang import SGLangEngine
 from weightstream.streaming.bucket import Bucket
-from weightstream.streaming.groups import destroy_group, init_custom_process_group
+from weightstream.streaming.groups import init_custom_process_group
 from weightstream.streaming.serialization import checksum
-from weightstream.streaming.sinks.base import InFlight, PipelinedSink, future_errors, wait_all
+from weightstream.streaming.sinks.base import InFlight, PipelinedSink
 from weightstream.streaming.sinks.broadcast import default_backend
 
 
@@ -61,34 +61,19 @@ class P2PSink(PipelinedSink):
         port = [self.master_port or (free_port() if self.poster else 0)]
         if self.tp > 1:
             dist.broadcast_object_list(port, group=self.tp_group, group_src=0)
-        post = None
+        posts = []
         if self.poster:
             self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ws-p2p")
-            post = self._pool.submit(self.engine.init_group, self.master_address, port[0], self.tp, 2 * self.tp,
-                                     self.backend, self.timeout_s)
-        try:
-            self.group = init_custom_process_group(
-                self.backend, f"tcp://{self.master_address}:{port[0]}", 2 * self.tp, self.tp_rank,
-                self.engine.group_name, self.timeout_s,
-            )
-        finally:
-            if post is not None and self.group is not None:
-                wait_all([post], self.timeout_s)
-            elif post is not None:
-                future_errors([post], self.timeout_s)
+            posts.append(self._pool.submit(self.engine.init_group, self.master_address, port[0], self.tp, 2 * self.tp,
+                                           self.backend, self.timeout_s))
+        self._join(posts, lambda: init_custom_process_group(
+            self.backend, f"tcp://{self.master_address}:{port[0]}", 2 * self.tp, self.tp_rank,
+            self.engine.group_name, self.timeout_s,
+        ))
 
     def disconnect(self) -> None:
-        if not self.sender:
-            return
-        # Engine and trainer tear down at the same time (NCCL's teardown waits for its peers).
-        post = self._pool.submit(self.engine.destroy_group) if self.poster and self._pool is not None else None
-        destroy_group(self.group)
-        self.group = None
-        if post is not None:
-            future_errors([post], self.timeout_s)
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        if self.sender:
+            self._leave([self.engine] if self.poster else [])
 
     def open(self, stream) -> None:
         if stream.mode != "per_rank":
@@ -115,6 +100,5 @@ class P2PSink(PipelinedSink):
                               "checksum": digests[r] if self.checksums else None})
             posts.append(self._pool.submit(self.engine.update_from_p2p, ranks, index=bucket.index,
                                            weight_version=self.weight_version))
-        work = dist.isend(bucket.buffer[: max((m.offset + m.nbytes for m in bucket.metas), default=0)],
-                          group=self.group, group_dst=self.tp + self.tp_rank)
+        work = dist.isend(bucket.buffer, group=self.group, group_dst=self.tp + self.tp_rank)
         self._inflight.start(bucket, work, posts)
