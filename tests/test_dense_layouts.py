@@ -7,7 +7,6 @@ number of process start-ups small on a two-core machine.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.checks import by_label, assert_full_exact, assert_logits_close, assert_per_rank_assembles, source_keys
 from tests.conftest import FAMILIES, hf_logits

@@ -14,7 +14,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from weightstream.jobs import Layout
 from weightstream.launch import launch
 from weightstream.models.megatron import build_gpt_model, initialize_parallel, load_hf_weights
 from weightstream.models.presets import preset_config, save_random_checkpoint

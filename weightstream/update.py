@@ -18,8 +18,9 @@ from torch import nn
 from weightstream.converters.registry import get_converter
 from weightstream.errors import WeightstreamError
 from weightstream.models.spec import ModelSpec, load_hf_config
-from weightstream.streaming.adapters.sglang import EngineError, SGLangEngine
+from weightstream.streaming.adapters.sglang import SGLangEngine
 from weightstream.streaming.plan import ALIGN
+from weightstream.streaming.serialization import gpu_uuid
 from weightstream.streaming.sinks import BroadcastSink, IPCSink, P2PSink
 from weightstream.streaming.stream import DEFAULT_BUCKET_BYTES, stream_hf_weights
 from weightstream.streaming.topology import Topology
@@ -81,7 +82,7 @@ def _first_error(err: BaseException | None) -> tuple[int, str] | None:
 def _local_gpu_uuids() -> set[str]:
     if not torch.cuda.is_available():
         return set()
-    return {str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)}
+    return {gpu_uuid(torch.cuda.current_device())}
 
 
 def choose_transport(requested: str, engines: Sequence[SGLangEngine], topo: Topology, spec: ModelSpec,

@@ -30,6 +30,7 @@ import torch
 import torch.multiprocessing as mp
 
 from weightstream.launch import free_port
+from weightstream.streaming.serialization import gpu_uuid
 
 ENGINE_NAME = "weightstream-reference"
 
@@ -58,13 +59,13 @@ class Engine:
         self.session_failed: str | None = None
         self.session_loaded = 0
         self.lock = threading.Lock()  # one command at a time through the workers
+        from weightstream.engine.worker import worker_main
+
         ctx = mp.get_context("spawn")
         port = free_port()
         self.conns, self.procs = [], []
         for rank in range(tp):
             parent, child = ctx.Pipe()
-            from weightstream.engine.worker import worker_main
-
             proc = ctx.Process(
                 target=worker_main,
                 args=(rank, tp, self.model_dir, port, self.backend, self.devices[rank], dtype, child),
@@ -118,7 +119,7 @@ class Engine:
     def gpu_uuids(self) -> list[str]:
         if self.backend != "nccl":
             return []
-        return [str(torch.cuda.get_device_properties(torch.device(d)).uuid) for d in self.devices]
+        return [gpu_uuid(torch.device(d)) for d in self.devices]
 
     def shutdown(self) -> None:
         for rank, conn in enumerate(self.conns):

@@ -23,15 +23,16 @@ class UnsafePayloadError(pickle.UnpicklingError):
     pass
 
 
-def _gpu_uuid(index: int) -> str:
-    return str(torch.cuda.get_device_properties(index).uuid)
+def gpu_uuid(device: int | str | torch.device) -> str:
+    """The UUID of a GPU: the name processes agree on whatever their ``CUDA_VISIBLE_DEVICES``."""
+    return str(torch.cuda.get_device_properties(device).uuid)
 
 
 def _uuid_to_index(device: Any) -> int:
     if isinstance(device, int):
         return device
     for i in range(torch.cuda.device_count()):
-        if _gpu_uuid(i) == device:
+        if gpu_uuid(i) == device:
             return i
     raise UnsafePayloadError(f"no local GPU has UUID {device!r}")
 
@@ -41,7 +42,7 @@ def _reduce_tensor_with_uuid(tensor: torch.Tensor):
     rebuild, args = reductions.reduce_tensor(tensor)
     if rebuild is reductions.rebuild_cuda_tensor:
         args = list(args)
-        args[6] = _gpu_uuid(args[6])
+        args[6] = gpu_uuid(args[6])
         args = tuple(args)
     return rebuild, args
 

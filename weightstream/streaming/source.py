@@ -12,7 +12,6 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor, nn
 
 from weightstream.streaming.topology import Topology
