@@ -38,13 +38,11 @@ def _worker(rank: int, world: int, port: int, backend: str, timeout_s: float, fn
 
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        from weightstream.streaming.groups import tcp_store
+
+        timeout = timedelta(seconds=timeout_s)
+        store = tcp_store("127.0.0.1", port, is_master=rank == 0, world_size=world, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         try:
             value = fn(*args)
             results.put((rank, True, value))

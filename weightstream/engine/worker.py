@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from weightstream.models.spec import dtype_from_name
 from weightstream.streaming.bucket import Bucket, Shard, TensorMeta, view_tensor
-from weightstream.streaming.groups import destroy_group, init_custom_process_group
+from weightstream.streaming.groups import destroy_group, init_custom_process_group, tcp_store
 from weightstream.streaming.serialization import checksum, loads_b64
 
 FAULT_ENV = "WEIGHTSTREAM_ENGINE_FAULT"
@@ -179,8 +179,9 @@ def worker_main(rank, size, model_dir, port, backend, device, dtype, conn) -> No
     try:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                                timeout=timedelta(seconds=120))
+        timeout = timedelta(seconds=120)
+        store = tcp_store("127.0.0.1", port, is_master=rank == 0, world_size=size, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
         worker = Worker(rank, size, model_dir, torch.device(device), dtype_from_name(dtype))
         conn.send((True, "ready"))
     except BaseException:  # noqa: BLE001

@@ -5,18 +5,41 @@ name, concurrently: rank 0 (the trainer's sender) hosts the TCP store, everyone 
 and the store is prefixed by the group name (what SGLang's receiver does), so several groups can
 share one address. The rendezvous is bounded by ``timeout``: a peer that never comes ends in an
 error, not a hang.
+
+The store is made here, explicitly (:func:`tcp_store`), never through torch's ``rendezvous()``:
+under ``torchrun`` that function reads ``TORCHELASTIC_USE_AGENT_STORE`` and turns every ``tcp://``
+store into a client of the elastic agent's store, so the rank that must host the group's store
+would host nothing and its peers would have nothing to connect to.
 """
 
 from __future__ import annotations
 
 import inspect
 from datetime import timedelta
+from urllib.parse import urlparse
 
 import torch.distributed as dist
 
 
 class GroupError(RuntimeError):
     pass
+
+
+def parse_tcp(init_method: str) -> tuple[str, int]:
+    """``tcp://host:port`` (IPv6 hosts in brackets) as ``(host, port)``."""
+    parsed = urlparse(init_method)
+    if parsed.scheme != "tcp" or not parsed.hostname or parsed.port is None:
+        raise ValueError(f"init_method must be tcp://host:port, got {init_method!r}")
+    return parsed.hostname, parsed.port
+
+
+def tcp_store(host: str, port: int, *, is_master: bool, world_size: int | None = None,
+              timeout: timedelta | float = 60.0) -> dist.TCPStore:
+    """A TCP store that this process hosts (``is_master``) or connects to, whatever the launcher set
+    in the environment. A client retries until ``timeout``; the host does not wait for anyone."""
+    if not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
+    return dist.TCPStore(host, port, world_size, is_master, timeout, wait_for_workers=False)
 
 
 def init_custom_process_group(
@@ -28,16 +51,16 @@ def init_custom_process_group(
     timeout: timedelta | float = 60.0,
 ):
     """A process group of ``world_size`` ranks that is not part of the default world."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     if not group_name:
         raise ValueError("group_name must not be empty")
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
     try:
-        store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
-        store.set_timeout(timeout)
-        store = PrefixStore(group_name, store)
+        host, port = parse_tcp(init_method)
+        store = PrefixStore(group_name, tcp_store(host, port, is_master=rank == 0, world_size=world_size,
+                                                  timeout=timeout))
         params = inspect.signature(_new_process_group_helper).parameters
         options = {"backend_options": None} if "backend_options" in params else {"pg_options": None}
         if "device_id" in params:

@@ -1,0 +1,66 @@
+"""Trainers started the way users start them — ``torchrun`` (whose workers see
+``TORCHELASTIC_USE_AGENT_STORE``) and a plain single process — update a running reference engine by
+broadcast and by P2P; the engine's logits equal the HF model's after each update."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.checks import assert_logits_close
+from tests.conftest import hf_logits
+from tests.test_update import engine
+from tests.workers import INPUT_IDS
+from weightstream.launch import free_port
+from weightstream.models.presets import preset_config, save_random_checkpoint
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "train_and_update.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(cmd: list[str], timeout: float = 400) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+
+
+def _check(src: str, out, transport: str, torchrun: bool) -> None:
+    import torch
+
+    reports = json.loads((out / "reports.json").read_text())
+    assert [r["transport"] for r in reports] == [transport, transport], reports
+    assert [r["version"] for r in reports] == ["step-0", "step-1"]
+    assert all(r["launcher_env"] == torchrun for r in reports)  # the variable that broke group formation was set
+    first, second = torch.load(out / "logits0.pt"), torch.load(out / "logits1.pt")
+    assert_logits_close(first, hf_logits(src, INPUT_IDS))
+    assert_logits_close(second, hf_logits(str(out / "step1"), INPUT_IDS))
+    assert (second - first).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("transport,engine_tp", [("broadcast", 1), ("p2p", 2)])
+def test_torchrun_trainer_updates_engine(tmp_path, transport, engine_tp):
+    cfg = preset_config("tiny-qwen3")
+    src = save_random_checkpoint(cfg, tmp_path / "src", seed=31)
+    eng_dir = save_random_checkpoint(cfg, tmp_path / "eng", seed=32)
+    out = tmp_path / "out"
+    out.mkdir()
+    with engine(eng_dir, tp=engine_tp) as server:
+        _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+              SCRIPT, "--src", src, "--engine", server.url, "--transport", transport, "--tp", "2", "--out", str(out)])
+    _check(src, out, transport, torchrun=True)
+
+
+def test_plain_single_process_trainer(tmp_path):
+    cfg = preset_config("tiny-qwen3")
+    src = save_random_checkpoint(cfg, tmp_path / "src", seed=33)
+    eng_dir = save_random_checkpoint(cfg, tmp_path / "eng", seed=34)
+    out = tmp_path / "out"
+    out.mkdir()
+    with engine(eng_dir, tp=1) as server:
+        _run([sys.executable, SCRIPT, "--src", src, "--engine", server.url, "--transport", "broadcast",
+              "--out", str(out)])
+    _check(src, out, "broadcast", torchrun=False)
