@@ -253,20 +253,28 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
     from weightstream.engine.server import serve, stop
 
+    done = threading.Event()
+    got: list[int] = []
+
+    def on_signal(signum, frame) -> None:
+        got.append(signum)
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     server = serve(args.model, args.tp, args.host, args.port, args.api_key, args.device, args.dtype)
     print(f"weightstream engine: {args.model} (TP {args.tp}) serving on {server.url}", flush=True)
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *a: done.set())
-    try:
-        while not done.wait(0.5):
-            if not server.engine.alive():
-                print("an engine rank died; stopping", file=sys.stderr)
-                stop(server)
-                return 1
-    except KeyboardInterrupt:
-        pass
+    code = 0
+    while not done.wait(0.2):
+        if not server.engine.alive():
+            print("an engine rank died; stopping", file=sys.stderr)
+            code = 1
+            break
+    if got:
+        print(f"weightstream engine: {signal.Signals(got[0]).name}: stopping (an update in flight is not committed)",
+              file=sys.stderr, flush=True)
     stop(server)
-    return 0
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

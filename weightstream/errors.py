@@ -63,3 +63,17 @@ class ProblemList:
     def raise_if_any(self, headline: str) -> None:
         if self:
             raise ConversionError(headline, self._problems)
+
+
+class UpdateError(WeightstreamError):
+    """A weight update that did not complete: the phase it failed in (``connect``, ``group``,
+    ``bucket k``, ``commit``), the engines involved and what happened. Every trainer rank raises it
+    alike; the engines keep serving the weights of their last committed update."""
+
+    def __init__(self, phase: str, detail: str, engines: Iterable[str] = ()):
+        self.phase, self.detail, self.engines = phase, detail, list(engines)
+        where = f" (engine {', '.join(self.engines)})" if self.engines else ""
+        super().__init__(f"weight update failed at {phase}{where}: {detail}")
+
+    def __reduce__(self):
+        return (type(self), (self.phase, self.detail, self.engines))

@@ -6,7 +6,9 @@ broadcast otherwise) and says why; tags the update with a version the engine rep
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,9 +18,10 @@ import torch.distributed as dist
 from torch import nn
 
 from weightstream.converters.registry import get_converter
-from weightstream.errors import WeightstreamError
+from weightstream.bounds import Deadline, cleanup_budget
+from weightstream.errors import UpdateError, WeightstreamError
 from weightstream.models.spec import ModelSpec, load_hf_config
-from weightstream.streaming.adapters.sglang import SGLangEngine
+from weightstream.streaming.adapters.sglang import EngineError, SGLangEngine
 from weightstream.streaming.plan import ALIGN
 from weightstream.streaming.serialization import gpu_uuid
 from weightstream.streaming.sinks import BroadcastSink, IPCSink, P2PSink
@@ -28,10 +31,6 @@ from weightstream.streaming.topology import Topology
 log = logging.getLogger("weightstream")
 
 TRANSPORTS = ("auto", "ipc", "broadcast", "p2p")
-
-
-class UpdateError(WeightstreamError):
-    pass
 
 
 @dataclass
@@ -66,16 +65,25 @@ def _share(obj: Any) -> Any:
     return box[0]
 
 
-def _first_error(err: BaseException | None) -> tuple[int, str] | None:
-    """The first rank's error (rank, text), on every rank."""
-    mine = None if err is None else f"{type(err).__name__}: {err}"
+def _as_update_error(phase: str, exc: BaseException, engines: Sequence[str]) -> WeightstreamError:
+    """``exc`` as the error every rank raises: weightstream's own errors as they are (a conversion
+    problem stays a :class:`ConversionError`), anything else as an :class:`UpdateError` of ``phase``."""
+    if isinstance(exc, WeightstreamError) and not isinstance(exc, EngineError):
+        return exc
+    return UpdateError(phase, f"{type(exc).__name__}: {exc}" if not isinstance(exc, EngineError) else str(exc), engines)
+
+
+def _first_error(err: BaseException | None) -> BaseException | None:
+    """The lowest failing rank's error, on every rank (tagged with that rank when it is not rank 0)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return None if mine is None else (0, mine)
+        return err
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    for rank, text in enumerate(everyone):
-        if text is not None:
-            return rank, text
+    dist.all_gather_object(everyone, err)
+    for rank, e in enumerate(everyone):
+        if e is not None:
+            if rank and isinstance(e, UpdateError):
+                return UpdateError(e.phase, f"on trainer rank {rank}: {e.detail}", e.engines)
+            return e
     return None
 
 
@@ -168,6 +176,11 @@ class WeightSync:
 
     def update(self, model_chunks: nn.Module | Sequence[nn.Module], hf_config: Any, *,
                weight_version: str | None = None) -> UpdateReport:
+        """One update; call on every trainer rank. On failure every rank raises the same error (an
+        :class:`UpdateError` naming the phase and the engines, or the :class:`ConversionError` that
+        stopped the stream), the engines' sessions are aborted, the group is torn down on both sides,
+        generation resumes, and it all ends within ``1.2 * timeout_s + 5`` seconds of the wait that
+        failed."""
         start = time.perf_counter()
         seconds: dict[str, float] = {}
         cfg = load_hf_config(hf_config)
@@ -176,31 +189,33 @@ class WeightSync:
         self.updates += 1
         version = weight_version if weight_version is not None else str(self.updates)
         rank0 = _rank() == 0
+        urls = [e.url for e in self.engines]
 
         # 1. Rank 0 asks the engines, decides, pauses them and opens their update sessions.
         decision: Any = None
         if rank0:
+            t = time.perf_counter()
             try:
                 decision = choose_transport(self.transport, self.engines, topo, spec, self.colocated)
-                t = time.perf_counter()
                 for e in self.engines:
                     e.pause(self.pause_mode)
                 for e in self.engines:
-                    e.begin_update()
-                seconds["pause"] = time.perf_counter() - t
+                    e.begin_update(self.timeout_s)
             except Exception as exc:  # noqa: BLE001 — shared with every rank below
-                self._resume_quietly()
-                decision = exc
+                self._abort_sessions()
+                decision = _as_update_error("connect", exc, urls)
+            seconds["pause"] = time.perf_counter() - t
         decision = _share(decision)
         if isinstance(decision, BaseException):
             raise decision
         kind, reason = decision
         mode = "per_rank" if kind == "p2p" else "full"
-        report = UpdateReport(kind, reason, mode, engines=[e.url for e in self.engines])
+        report = UpdateReport(kind, reason, mode, engines=urls)
 
         # 2. Every rank streams; a failing rank keeps joining the collectives (drains) so nobody hangs.
         err: BaseException | None = None
         stream = None
+        phase = "group"
         t = time.perf_counter()
         try:
             sink = self._make_sink(kind, version)
@@ -209,71 +224,88 @@ class WeightSync:
             tc = time.perf_counter()
             sink.open(stream)
             seconds["connect"] = time.perf_counter() - tc
-        except BaseException as exc:  # noqa: BLE001
-            err = exc
-        if stream is not None:
             for bucket in stream:
+                phase = f"bucket {bucket.index}"
                 if err is None:
                     try:
-                        self.sink.send(bucket)
+                        sink.send(bucket)
                     except BaseException as exc:  # noqa: BLE001
-                        err = exc
+                        err = _as_update_error(phase, exc, urls)
             if err is None:
-                try:
-                    self.sink.close()
-                except BaseException as exc:  # noqa: BLE001
-                    err = exc
+                sink.close()
+        except BaseException as exc:  # noqa: BLE001
+            err = err or _as_update_error(phase, exc, urls)
+        if stream is not None:
             report.buckets, report.tensors, report.bytes = stream.stats.buckets, stream.stats.tensors, stream.stats.bytes
             report.gathers = stream.stats.gathers
         seconds["transfer"] = time.perf_counter() - t - seconds.get("connect", 0.0)
         failure = _first_error(err)
 
-        # 3. Rank 0 commits (or, on failure, closes the session and tears the group down), then resumes.
-        outcome: Any = None
-        if rank0:
+        # 3. Rank 0 commits, then resumes generation.
+        if failure is None and rank0:
             t = time.perf_counter()
             try:
-                if failure is None:
-                    for e in self.engines:
-                        e.end_update()
-                        e.flush_cache()  # cached KV entries were computed with the old weights
-                    versions = {e.url: e.weight_version() for e in self.engines}
-                    wrong = {u: v for u, v in versions.items() if v != version}
-                    if wrong:
-                        raise UpdateError(f"engines report weight versions {wrong}, expected {version!r}")
-                    outcome = version
-                else:
-                    for e in self.engines:
-                        try:
-                            e.end_update()
-                        except Exception:  # noqa: BLE001 — the session failed; the engine says so
-                            pass
-            except Exception as exc:  # noqa: BLE001
-                outcome = exc
-            finally:
-                seconds["commit"] = time.perf_counter() - t
+                for e in self.engines:
+                    e.end_update()
+                    e.flush_cache()  # cached KV entries were computed with the old weights
+                versions = {e.url: e.weight_version() for e in self.engines}
+                wrong = {u: v for u, v in versions.items() if v != version}
+                if wrong:
+                    raise UpdateError("commit", f"engines report weight versions {wrong}, expected {version!r}", urls)
+            except Exception as exc:  # noqa: BLE001 — shared with every rank below
+                failure = _as_update_error("commit", exc, urls)
+            seconds["commit"] = time.perf_counter() - t
+            if failure is None:
                 t = time.perf_counter()
-                self._resume_quietly()
+                self._resume_quietly(self.timeout_s)
                 seconds["resume"] = time.perf_counter() - t
+        failure = _share(failure)
         if failure is not None:
-            self._teardown()
-            rank, text = failure
-            if err is not None:
-                raise err
-            raise UpdateError(f"weight update failed on trainer rank {rank}: {text}")
-        outcome = _share(outcome)
-        if isinstance(outcome, BaseException):
-            self._teardown()
-            raise outcome
-        report.weight_version = outcome
+            self._fail()
+            raise failure
+        report.weight_version = version
         seconds["total"] = time.perf_counter() - start
         report.seconds = seconds
         return report
 
-    def _resume_quietly(self) -> None:
+    def _abort_sessions(self, seconds: float | None = None) -> None:
+        """Close every engine's session without committing, then resume generation; within ``seconds``
+        (the cleanup budget by default), best effort: an engine that cannot answer gives its session
+        up by itself after the bound it was given at ``begin``."""
+        deadline = Deadline(cleanup_budget(self.timeout_s) if seconds is None else seconds)
+        pool = ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="ws-abort")
+
+        def abort_then_resume(e) -> None:
+            try:
+                e.abort_update(timeout_s=deadline.remaining(0.5))
+            except Exception as exc:  # noqa: BLE001
+                log.warning("could not abort the update session on %s: %s", e.url, exc)
+            try:
+                e.resume(timeout_s=deadline.remaining(0.5))
+            except Exception as exc:  # noqa: BLE001
+                log.warning("could not resume generation on %s: %s", e.url, exc)
+
+        futures = [pool.submit(abort_then_resume, e) for e in self.engines]
+        wait(futures, timeout=deadline.remaining())
+        pool.shutdown(wait=False, cancel_futures=True)
+
+    def _fail(self) -> None:
+        """After a failed update, on every rank: the group is left (both sides) while rank 0 aborts the
+        engines' sessions and resumes generation, all within the cleanup budget."""
+        aborting = None
+        if _rank() == 0:
+            aborting = threading.Thread(target=self._abort_sessions, name="ws-abort", daemon=True)
+            aborting.start()
+        try:
+            self._teardown()
+        finally:
+            if aborting is not None:
+                aborting.join(cleanup_budget(self.timeout_s))
+
+    def _resume_quietly(self, timeout_s: float) -> None:
         for e in self.engines:
             try:
-                e.resume()
+                e.resume(timeout_s=timeout_s)
             except Exception as exc:  # noqa: BLE001
                 log.warning("could not resume generation on %s: %s", e.url, exc)
 

@@ -90,6 +90,30 @@ class ShardedCausalLM:
         model.eval()
         self.model = model
         self.params = self._param_table()
+        self.backup: dict[str, Tensor] | None = None  # during a session: what each touched tensor held before
+
+    # -- sessions: an update is committed whole or rolled back whole --------------------------------
+
+    def begin_session(self) -> None:
+        self.backup = {}
+        self.pending_vocab = []
+
+    def commit_session(self) -> None:
+        self.exchange_vocab_pieces()
+        self.backup = None
+
+    @torch.no_grad()
+    def rollback_session(self) -> int:
+        """Put back what the session overwrote; returns how many tensors were restored."""
+        backup, self.backup = self.backup or {}, None
+        self.pending_vocab = []
+        for name, old in backup.items():
+            self.params[name][0].copy_(old)
+        return len(backup)
+
+    def _keep(self, name: str, param: Tensor) -> None:
+        if self.backup is not None and name not in self.backup:
+            self.backup[name] = param.detach().clone()
 
     def _shard_modules(self, model: nn.Module) -> None:
         for name, module in list(model.named_modules()):
@@ -161,6 +185,7 @@ class ShardedCausalLM:
                 problems.append(f"{name}: the model has no such tensor")
                 continue
             param, dim = entry
+            self._keep(name, param)
             try:
                 if name in VOCAB and shard is not None:
                     if shard.dim != 0 or shard.full != param.shape[0] or tensor.shape[1:] != param.shape[1:]:

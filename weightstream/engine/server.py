@@ -20,6 +20,7 @@ import base64
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from http import HTTPStatus
@@ -33,10 +34,95 @@ from weightstream.launch import free_port
 from weightstream.streaming.serialization import gpu_uuid
 
 ENGINE_NAME = "weightstream-reference"
+MAX_BODY_BYTES = 64 << 20
+
+
+def log(message: str) -> None:
+    print(f"weightstream engine: {message}", file=sys.stderr, flush=True)
 
 
 class EngineFailure(RuntimeError):
     """A request the engine could not carry out (reported as success=false)."""
+
+
+class BadRequest(Exception):
+    """A request the engine refuses as it stands (4xx), before anything runs."""
+
+    def __init__(self, status: int, message: str):
+        self.status, self.message = HTTPStatus(status), message
+        super().__init__(message)
+
+
+_NUMBER = (int, float)
+_OPT_STR = (str, type(None))
+# The body each route takes: field -> (accepted types, required). Other fields are ignored, as
+# SGLang's clients send fields of newer versions.
+SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
+    "/init_weights_update_group": {
+        "master_address": ((str,), True), "master_port": ((int,), True), "rank_offset": ((int,), True),
+        "world_size": ((int,), True), "group_name": ((str,), False), "backend": ((str,), False),
+        "timeout_s": (_NUMBER, False),
+    },
+    "/destroy_weights_update_group": {"group_name": ((str,), False)},
+    "/update_weights_from_distributed": {
+        "names": ((list,), True), "dtypes": ((list,), True), "shapes": ((list,), True), "group_name": ((str,), False),
+        "load_format": (_OPT_STR, False), "weight_version": (_OPT_STR, False), "flush_cache": ((bool,), False),
+        "weightstream_checksum": (_OPT_STR, False),
+    },
+    "/update_weights_from_tensor": {
+        "serialized_named_tensors": ((list, str), True), "load_format": (_OPT_STR, False),
+        "weight_version": (_OPT_STR, False), "flush_cache": ((bool,), False),
+        "weightstream_checksums": ((list, type(None)), False),
+    },
+    "/weightstream/update_weights_from_p2p": {
+        "ranks": ((list,), True), "group_name": ((str,), False), "weight_version": (_OPT_STR, False),
+    },
+    "/begin_weight_update": {"timeout_s": (_NUMBER + (type(None),), False)},
+    "/pause_generation": {"mode": ((str,), False)},
+    "/update_weight_version": {"new_version": ((str,), True)},
+    "/generate": {"input_ids": ((list,), True), "sampling_params": ((dict, type(None)), False)},
+    "/weightstream/logits": {"input_ids": ((list,), True)},
+}
+
+
+def _type_names(types: tuple[type, ...]) -> str:
+    return " or ".join("null" if t is type(None) else t.__name__ for t in types)
+
+
+def _int_lists(value: Any, depth: int) -> bool:
+    if depth == 0:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, list) and all(_int_lists(v, depth - 1) for v in value)
+
+
+def check_body(path: str, body: dict) -> None:
+    """Raise one :class:`BadRequest` listing every problem of ``body`` for ``path``."""
+    problems = []
+    for name, (types, required) in SCHEMAS.get(path, {}).items():
+        if name not in body:
+            if required:
+                problems.append(f"missing field {name!r}")
+            continue
+        value = body[name]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            problems.append(f"field {name!r} must be {_type_names(types)}, got {type(value).__name__}")
+    if not problems and path == "/update_weights_from_distributed":
+        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+        if not (len(names) == len(dtypes) == len(shapes)):
+            problems.append(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
+        if not all(isinstance(n, str) for n in names):
+            problems.append("names must be strings")
+        bad = [d for d in dtypes if not isinstance(d, str) or not isinstance(getattr(torch, d.removeprefix("torch."), None), torch.dtype)]
+        if bad:
+            problems.append(f"unknown dtypes {bad[:5]}")
+        if not _int_lists(shapes, 2):
+            problems.append("shapes must be lists of non-negative integers")
+    if not problems and path in ("/generate", "/weightstream/logits"):
+        ids = body["input_ids"]
+        if not ids or not (_int_lists(ids, 1) or _int_lists(ids, 2)) or (isinstance(ids[0], list) and not all(ids)):
+            problems.append("input_ids must be a non-empty list of token ids (or of such lists)")
+    if problems:
+        raise BadRequest(HTTPStatus.BAD_REQUEST, f"bad request to {path}: " + "; ".join(problems))
 
 
 class Engine:
@@ -46,6 +132,9 @@ class Engine:
                  command_timeout_s: float = 300.0, start_timeout_s: float = 300.0):
         self.model_dir = os.path.abspath(model_dir)
         self.tp = tp
+        with open(os.path.join(self.model_dir, "config.json")) as f:
+            config = json.load(f)
+        self.vocab_size = int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size"))
         self.dtype = dtype
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -58,7 +147,12 @@ class Engine:
         self.session_open = False
         self.session_failed: str | None = None
         self.session_loaded = 0
+        self.session_timeout_s = command_timeout_s
         self.lock = threading.Lock()  # one command at a time through the workers
+        self.session_lock = threading.RLock()  # begin / commit / abort, one at a time
+        self.busy = 0
+        self.last_activity = time.monotonic()
+        self.stopping = False
         from weightstream.engine.worker import worker_main
 
         ctx = mp.get_context("spawn")
@@ -101,38 +195,111 @@ class Engine:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
-    def call(self, command: str, per_rank: list[dict] | None = None, **kwargs) -> list[Any]:
-        """Run ``command`` on every worker; returns their results or raises naming the failing ranks."""
-        timeout = self.command_timeout_s
-        with self.lock:
+    def call(self, command: str, per_rank: list[dict] | None = None, *, wait_s: float | None = None,
+             **kwargs) -> list[Any]:
+        """Run ``command`` on every worker; returns their results or raises naming the failing ranks.
+        Waits at most ``wait_s`` (default ``command_timeout_s``) for the workers to be free, and as
+        long again for their answers."""
+        timeout = self.command_timeout_s if wait_s is None else wait_s
+        if self.stopping:
+            raise EngineFailure("the engine is shutting down")
+        if not self.lock.acquire(timeout=timeout):
+            raise EngineFailure(f"{command}: the workers stayed busy for {timeout:.0f} s")
+        self.busy += 1
+        try:
             for rank, conn in enumerate(self.conns):
                 if not self.procs[rank].is_alive():
                     raise EngineFailure(f"engine rank {rank} is not running (exit code {self.procs[rank].exitcode})")
                 conn.send((command, per_rank[rank] if per_rank is not None else kwargs))
             deadline = time.monotonic() + timeout
             replies = [self._recv(r, c, deadline - time.monotonic(), command) for r, c in enumerate(self.conns)]
+        finally:
+            self.busy -= 1
+            self.last_activity = time.monotonic()
+            self.lock.release()
         failed = [f"rank {r}: {msg}" for r, (ok, msg) in enumerate(replies) if not ok]
         if failed:
             raise EngineFailure(" | ".join(failed))
         return [msg for _, msg in replies]
+
+    # -- update sessions: committed whole, or rolled back to the last committed weights -----------
+
+    def begin_session(self, timeout_s: float | None) -> None:
+        with self.session_lock:
+            if self.session_open:
+                raise EngineFailure("a weight update session is already open")
+            self.call("begin_session")
+            self.session_open, self.session_failed, self.session_loaded, self.pending_version = True, None, 0, None
+            self.session_timeout_s = float(timeout_s) if timeout_s else self.command_timeout_s
+            self.last_activity = time.monotonic()
+
+    def commit_session(self) -> str:
+        with self.session_lock:
+            if not self.session_open:
+                raise EngineFailure("no weight update session is open")
+            if self.session_failed:
+                failed = self.session_failed
+                self._abort_locked()
+                raise EngineFailure(f"the session failed and was not committed: {failed}; the last committed "
+                                    f"weights (version {self.weight_version}) are back in place")
+            self.call("commit_session")
+            self.session_open = False
+            if self.pending_version is not None:
+                self.weight_version = self.pending_version
+            return f"committed {self.session_loaded} tensors; weight_version {self.weight_version}"
+
+    def abort_session(self, why: str) -> str:
+        with self.session_lock:
+            if not self.session_open:
+                return "no weight update session was open"
+            self._abort_locked()
+            log(f"update session aborted ({why}); serving weight version {self.weight_version}")
+            return f"aborted; serving weight version {self.weight_version}"
+
+    def _abort_locked(self) -> None:
+        self.session_open = False
+        self.call("abort_session")
+
+    def watch_sessions(self) -> None:
+        """A session whose trainer went quiet for longer than the bound it gave is given up: the last
+        committed weights are put back, the groups torn down and generation resumed."""
+        while not self.stopping:
+            time.sleep(0.25)
+            if not self.session_open or self.busy:
+                continue
+            idle = time.monotonic() - self.last_activity
+            if idle > self.session_timeout_s + 2.0:
+                try:
+                    self.abort_session(f"no word from the trainer for {idle:.0f} s")
+                    self.call("destroy_all_groups", wait_s=10.0)
+                except EngineFailure as exc:
+                    log(f"could not abort the idle session: {exc}")
+                self.paused.clear()
 
     def gpu_uuids(self) -> list[str]:
         if self.backend != "nccl":
             return []
         return [gpu_uuid(torch.device(d)) for d in self.devices]
 
-    def shutdown(self) -> None:
+    def shutdown(self, grace_s: float = 2.0) -> None:
+        """Stop the workers: asked to exit, then killed if they are still busy (a worker stuck in a
+        transfer cannot listen) after ``grace_s``. An update in flight is not committed."""
+        self.stopping = True
         for rank, conn in enumerate(self.conns):
             try:
                 if self.procs[rank].is_alive():
                     conn.send(("shutdown", {}))
             except (BrokenPipeError, OSError):
                 pass
+        deadline = time.monotonic() + grace_s
         for p in self.procs:
-            p.join(timeout=10)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
             if p.is_alive():
                 p.kill()
-                p.join(timeout=5)
+                p.join(timeout=2.0)
+        for conn in self.conns:
+            conn.close()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -160,10 +327,26 @@ class _Handler(BaseHTTPRequestHandler):
         return False
 
     def _body(self) -> dict:
-        n = int(self.headers.get("Content-Length") or 0)
+        length = self.headers.get("Content-Length")
+        try:
+            n = int(length or 0)
+        except ValueError:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, f"Content-Length {length!r} is not a number") from None
+        if n < 0:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, f"Content-Length {n} is negative")
+        if n > self.server.max_body_bytes:
+            self.close_connection = True  # the body is not read: this connection cannot be reused
+            raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                             f"body of {n} bytes exceeds the limit of {self.server.max_body_bytes} bytes")
         if not n:
             return {}
-        return json.loads(self.rfile.read(n))
+        try:
+            body = json.loads(self.rfile.read(n))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, f"bad JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise BadRequest(HTTPStatus.BAD_REQUEST, f"the body must be a JSON object, got {type(body).__name__}")
+        return body
 
     def do_GET(self):
         self._dispatch("GET")
@@ -178,16 +361,21 @@ class _Handler(BaseHTTPRequestHandler):
         route = self.server.routes.get((method, path)) or (
             self.server.routes.get(("POST", path)) if path == "/flush_cache" else None
         )
-        if route is None:
-            self._reply(HTTPStatus.NOT_FOUND, {"error": {"message": f"no route {method} {path}"}})
-            return
         try:
+            if route is None:
+                allowed = [m for (m, p) in self.server.routes if p == path]
+                if allowed:
+                    raise BadRequest(HTTPStatus.METHOD_NOT_ALLOWED, f"{path} takes {', '.join(allowed)}, not {method}")
+                raise BadRequest(HTTPStatus.NOT_FOUND, f"no route {method} {path}")
             body = self._body() if method == "POST" else {}
-        except (ValueError, json.JSONDecodeError) as exc:
-            self._reply(HTTPStatus.BAD_REQUEST, {"object": "error", "message": f"bad JSON: {exc}", "code": 400})
+            check_body(path, body)
+        except BadRequest as exc:
+            self._reply(exc.status, {"object": "error", "success": False, "message": exc.message, "code": int(exc.status)})
             return
         try:
             status, reply = route(body)
+        except BadRequest as exc:
+            status, reply = exc.status, {"object": "error", "success": False, "message": exc.message, "code": int(exc.status)}
         except EngineFailure as exc:
             status, reply = HTTPStatus.BAD_REQUEST, {"success": False, "message": str(exc)}
         except (KeyError, TypeError, ValueError) as exc:
@@ -200,10 +388,12 @@ class _Handler(BaseHTTPRequestHandler):
 class EngineServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None):
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
+                 max_body_bytes: int = MAX_BODY_BYTES):
         super().__init__((host, port), _Handler)
         self.engine = engine
         self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
         e = engine
         self.routes = {
             ("GET", "/health"): lambda b: (200 if e.alive() else 503, {}),
@@ -217,6 +407,7 @@ class EngineServer(ThreadingHTTPServer):
             ("POST", "/weightstream/update_weights_from_p2p"): self.update_p2p,
             ("POST", "/begin_weight_update"): self.begin,
             ("POST", "/end_weight_update"): self.end,
+            ("POST", "/weightstream/abort_weight_update"): self.abort,
             ("POST", "/pause_generation"): self.pause,
             ("POST", "/continue_generation"): self.resume,
             ("POST", "/update_weight_version"): self.update_version,
@@ -238,15 +429,16 @@ class EngineServer(ThreadingHTTPServer):
             "engine": ENGINE_NAME, "tp_size": e.tp, "pp_size": 1, "dp_size": 1, "model_path": e.model_dir,
             "weight_version": e.weight_version, "device": e.devices[0].split(":")[0], "gpu_uuids": e.gpu_uuids(),
             "hostname": socket.gethostname(), "pid": os.getpid(), "dtype": e.dtype,
-            "weightstream_p2p": True,
+            "weightstream_p2p": True, "weightstream_abort": True,
         }
 
     def init_group(self, b):
+        timeout_s = float(b.get("timeout_s") or 60.0)  # the trainer's bound: the workers give up at it
         msgs = self.engine.call(
-            "init_group", master_address=b["master_address"], master_port=int(b["master_port"]),
-            rank_offset=int(b["rank_offset"]), world_size=int(b["world_size"]),
+            "init_group", wait_s=timeout_s + 5.0, master_address=b["master_address"],
+            master_port=int(b["master_port"]), rank_offset=int(b["rank_offset"]), world_size=int(b["world_size"]),
             group_name=b.get("group_name", "weight_update_group"), backend=b.get("backend", "nccl"),
-            timeout_s=float(b.get("timeout_s", 60.0)),
+            timeout_s=timeout_s,
         )
         return 200, {"success": True, "message": " | ".join(msgs)}
 
@@ -272,8 +464,8 @@ class EngineServer(ThreadingHTTPServer):
             return self._record(fn(), b)
         except EngineFailure as exc:
             self.engine.session_failed = str(exc)
-            raise EngineFailure(f"Failed to update weights: {exc}. The weights are partially updated; "
-                                "this session will not be committed.") from None
+            raise EngineFailure(f"Failed to update weights: {exc}. This session will not be committed: "
+                                "ending or aborting it puts the last committed weights back.") from None
 
     def update_distributed(self, b):
         self._in_session("update_weights_from_distributed")
@@ -306,23 +498,14 @@ class EngineServer(ThreadingHTTPServer):
         return self._guarded(lambda: self.engine.call("update_p2p", per_rank=per_rank), b)
 
     def begin(self, b):
-        e = self.engine
-        if e.session_open:
-            raise EngineFailure("a weight update session is already open")
-        e.session_open, e.session_failed, e.session_loaded, e.pending_version = True, None, 0, None
+        self.engine.begin_session(b.get("timeout_s"))
         return 200, {"success": True, "message": "weight update session opened"}
 
     def end(self, b):
-        e = self.engine
-        if not e.session_open:
-            raise EngineFailure("no weight update session is open")
-        e.session_open = False
-        e.call("finish_update")
-        if e.session_failed:
-            raise EngineFailure(f"the session failed and was not committed: {e.session_failed}")
-        if e.pending_version is not None:
-            e.weight_version = e.pending_version
-        return 200, {"success": True, "message": f"committed {e.session_loaded} tensors; weight_version {e.weight_version}"}
+        return 200, {"success": True, "message": self.engine.commit_session()}
+
+    def abort(self, b):
+        return 200, {"success": True, "message": self.engine.abort_session("asked by the trainer")}
 
     def pause(self, b):
         self.engine.paused.set()
@@ -344,10 +527,20 @@ class EngineServer(ThreadingHTTPServer):
                 raise EngineFailure("generation stayed paused past the request's time limit")
             time.sleep(0.05)
 
+    def _check_ids(self, ids: list) -> None:
+        rows = ids if isinstance(ids[0], list) else [ids]
+        vocab = self.engine.vocab_size
+        out_of_range = sorted({t for row in rows for t in row if t >= vocab})
+        if out_of_range:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, f"token ids {out_of_range[:5]} are outside the vocabulary (size {vocab})")
+
     def generate(self, b):
-        self._wait_unpaused()
         ids = b["input_ids"]
-        n = int((b.get("sampling_params") or {}).get("max_new_tokens", 16))
+        self._check_ids(ids)
+        n = (b.get("sampling_params") or {}).get("max_new_tokens", 16)
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 4096:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, f"sampling_params.max_new_tokens must be an integer in [0, 4096], got {n!r}")
+        self._wait_unpaused()
         batch = ids if ids and isinstance(ids[0], list) else [ids]
         outs = []
         for seq in batch:
@@ -358,6 +551,9 @@ class EngineServer(ThreadingHTTPServer):
         return 200, outs if batch is ids else outs[0]
 
     def logits(self, b):
+        self._check_ids(b["input_ids"])
+        if isinstance(b["input_ids"][0], list) and len({len(r) for r in b["input_ids"]}) != 1:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, "the rows of input_ids must have one length")
         self._wait_unpaused()
         out = self.engine.call("logits", input_ids=b["input_ids"])[0]
         return 200, {"shape": list(out.shape), "dtype": "float32",
@@ -369,8 +565,13 @@ def serve(model_dir: str, tp: int = 1, host: str = "127.0.0.1", port: int = 0, a
           device: str | None = None, dtype: str = "float32") -> EngineServer:
     """Start an engine and its HTTP server (serving in a background thread); returns the server."""
     engine = Engine(model_dir, tp, device=device, dtype=dtype)
-    server = EngineServer(engine, host, port, api_key)
+    try:
+        server = EngineServer(engine, host, port, api_key)
+    except BaseException:
+        engine.shutdown()
+        raise
     threading.Thread(target=server.serve_forever, name="weightstream-engine-http", daemon=True).start()
+    threading.Thread(target=engine.watch_sessions, name="weightstream-engine-sessions", daemon=True).start()
     return server
 
 

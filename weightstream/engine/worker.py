@@ -8,6 +8,8 @@ TP group) for the forward pass and for completing vocabulary rows.
 from __future__ import annotations
 
 import os
+import signal
+import time
 import traceback
 from datetime import timedelta
 from typing import Any
@@ -71,6 +73,8 @@ class Worker:
     def init_group(self, master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s):
         if group_name in self.groups:
             raise RuntimeError(f"group {group_name!r} already exists")
+        if self.fault == f"skip_join@{self.rank}":
+            return f"rank {rank_offset + self.rank} skipped joining {group_name} (test fault)"
         self.groups[group_name] = init_custom_process_group(
             backend, f"tcp://{master_address}:{master_port}", world_size, rank_offset + self.rank, group_name,
             timedelta(seconds=timeout_s),
@@ -79,6 +83,11 @@ class Worker:
 
     def destroy_group(self, group_name):
         destroy_group(self.groups.pop(group_name, None))
+        return "destroyed"
+
+    def destroy_all_groups(self):
+        for name in list(self.groups):
+            destroy_group(self.groups.pop(name))
         return "destroyed"
 
     def _group(self, name):
@@ -148,10 +157,22 @@ class Worker:
             raise RuntimeError(f"{len(report.problems)} tensors could not be loaded: " + "; ".join(report.problems))
         return {"loaded": report.loaded}
 
-    def finish_update(self):
-        self.model.exchange_vocab_pieces()
+    def begin_session(self):
+        self.model.begin_session()
         self.bucket_count = 0
         return "ok"
+
+    def commit_session(self):
+        if self.fault == "stall_commit":
+            time.sleep(3600)
+        self.model.commit_session()
+        self.bucket_count = 0
+        return "ok"
+
+    def abort_session(self):
+        restored = self.model.rollback_session()
+        self.bucket_count = 0
+        return f"restored {restored} tensors"
 
     def logits(self, input_ids):
         out = self.model.logits(torch.tensor(input_ids))
@@ -171,9 +192,23 @@ class Worker:
             buffer.view(-1)[buffer.numel() // 2] ^= 0x5A
         elif kind == "die":
             os._exit(17)
+        elif kind == "stall":
+            time.sleep(3600)
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this worker when the engine's main process dies, however it dies."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def worker_main(rank, size, model_dir, port, backend, device, dtype, conn) -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server decides
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:

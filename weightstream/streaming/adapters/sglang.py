@@ -100,14 +100,24 @@ class SGLangEngine:
     def pause(self, mode: str = "abort") -> None:
         self.post("/pause_generation", {"mode": mode}, step="pause_generation")
 
-    def resume(self) -> None:
-        self.post("/continue_generation", {}, step="continue_generation")
+    def resume(self, timeout_s: float | None = None) -> None:
+        self.post("/continue_generation", {}, step="continue_generation", timeout_s=timeout_s)
 
-    def begin_update(self) -> None:
-        self.post("/begin_weight_update", {}, step="begin_weight_update")
+    def begin_update(self, timeout_s: float | None = None) -> None:
+        """Open a versioned update session. ``timeout_s``: how long the engine may wait for this
+        trainer between two steps before it gives the session up by itself."""
+        self.post("/begin_weight_update", {"timeout_s": timeout_s} if timeout_s else {}, step="begin_weight_update")
 
     def end_update(self) -> None:
         self.post("/end_weight_update", {}, step="end_weight_update")
+
+    def abort_update(self, timeout_s: float | None = None) -> None:
+        """Close the session without committing: an engine that can roll back returns to the weights of
+        its last committed update; one that cannot (SGLang) ends the session as it stands."""
+        if self.server_info().get("weightstream_abort"):
+            self.post("/weightstream/abort_weight_update", {}, step="abort_weight_update", timeout_s=timeout_s)
+        else:
+            self.post("/end_weight_update", {}, step="end_weight_update", timeout_s=timeout_s)
 
     def flush_cache(self) -> None:
         self.post("/flush_cache", {}, step="flush_cache")
@@ -117,10 +127,11 @@ class SGLangEngine:
         self.post("/init_weights_update_group", {
             "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
             "world_size": world_size, "group_name": self.group_name, "backend": backend, "timeout_s": timeout_s,
-        }, step="init_weights_update_group", timeout_s=timeout_s + self.timeout_s)
+        }, step="init_weights_update_group", timeout_s=timeout_s + 2.0)  # the engine gives up at timeout_s
 
-    def destroy_group(self) -> None:
-        self.post("/destroy_weights_update_group", {"group_name": self.group_name}, step="destroy_weights_update_group")
+    def destroy_group(self, timeout_s: float | None = None) -> None:
+        self.post("/destroy_weights_update_group", {"group_name": self.group_name},
+                  step="destroy_weights_update_group", timeout_s=timeout_s)
 
     def update_from_distributed(self, bucket: Bucket, *, weight_version: str | None, checksum: str | None,
                                 flush_cache: bool = False) -> None:

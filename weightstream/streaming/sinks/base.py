@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol, runtime_checkable
 
+from weightstream.bounds import Deadline, cleanup_budget
+from weightstream.errors import UpdateError
 from weightstream.streaming.bucket import Bucket
-from weightstream.streaming.groups import GroupError, destroy_group
+from weightstream.streaming.groups import destroy_group
 
 
 @runtime_checkable
@@ -26,26 +29,28 @@ class Sink(Protocol):
     def abort(self) -> None: ...
 
 
-def _failures(futures: list[Future], timeout_s: float) -> list[BaseException]:
-    out = []
+def _failures(futures: list[Future], deadline: Deadline) -> list[BaseException]:
+    out: list[BaseException] = []
     for f in futures:
         if f.cancelled():
             continue
         try:
-            f.result(timeout=timeout_s)
+            f.result(timeout=deadline.remaining())
+        except FutureTimeout:
+            out.append(TimeoutError(f"no answer within {deadline.seconds:.0f} s"))
         except Exception as exc:  # noqa: BLE001
             out.append(exc)
     return out
 
 
-def future_errors(futures: list[Future], timeout_s: float) -> list[str]:
-    """Wait for every future (bounded); the text of each one that failed."""
-    return [str(e) for e in _failures(futures, timeout_s)]
+def future_errors(futures: list[Future], deadline: Deadline) -> list[str]:
+    """Wait for every future (all within one deadline); the text of each one that failed."""
+    return [str(e) for e in _failures(futures, deadline)]
 
 
-def wait_all(futures: list[Future], timeout_s: float) -> None:
-    """Wait for every future (bounded); raise the first failure once all are done."""
-    failures = _failures(futures, timeout_s)
+def wait_all(futures: list[Future], deadline: Deadline) -> None:
+    """Wait for every future (all within one deadline); raise the first failure once all are done."""
+    failures = _failures(futures, deadline)
     if failures:
         raise failures[0]
 
@@ -53,26 +58,32 @@ def wait_all(futures: list[Future], timeout_s: float) -> None:
 class InFlight:
     """One bucket on the wire: its collective and the engines' HTTP replies. Kept until the next
     bucket is ready (so packing overlaps the transfer), then finished: the bucket is only released
-    once the transfer has completed and every engine has answered."""
+    once the transfer has completed and every engine has answered. Both waits share one bound,
+    counted from when the bucket went out; a failure is raised as the failure of that bucket."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, engines: Sequence[str] = ()):
         self.timeout_s = timeout_s
-        self._entry: tuple[Bucket, Any, list[Future]] | None = None
+        self.engines = list(engines)
+        self._entry: tuple[Bucket, Any, list[Future], Deadline] | None = None
 
     def start(self, bucket: Bucket, work: Any, posts: list[Future]) -> None:
         if self._entry is not None:
             raise RuntimeError("finish() the bucket in flight before starting the next one")
-        self._entry = (bucket, work, posts)
+        self._entry = (bucket, work, posts, Deadline(self.timeout_s))
 
     def finish(self) -> None:
         if self._entry is None:
             return
-        _, work, posts = self._entry
+        bucket, work, posts, deadline = self._entry
         self._entry = None
+        problems = []
         try:
-            work.wait()
-        finally:
-            wait_all(posts, self.timeout_s)
+            work.wait(deadline.timedelta())
+        except Exception as exc:  # noqa: BLE001 — reported with what the engines said
+            problems.append(f"transfer: {exc}")
+        problems += future_errors(posts, deadline)
+        if problems:
+            raise UpdateError(f"bucket {bucket.index}", " | ".join(problems), self.engines)
 
     def drop(self) -> None:
         self._entry = None
@@ -89,33 +100,39 @@ class PipelinedSink:
     _pool: ThreadPoolExecutor | None = None
     _inflight: InFlight
 
-    def _join(self, posts: list[Future], create: Callable[[], Any]) -> None:
-        """Form the group (``create``) while the engines join it (``posts``); on failure, say what
-        the engines said too."""
+    def _join(self, posts: list[Future], create: Callable[[], Any], engines: Sequence[str]) -> None:
+        """Form the group (``create``, bounded by ``timeout_s`` itself) while the engines join it
+        (``posts``, started at the same moment, so they share the bound); on failure, say what the
+        engines said too."""
+        deadline = Deadline(self.timeout_s + 2.0)  # the engines answer just after their own bound
         try:
             group = create()
-        except Exception as exc:
-            engine_errors = future_errors(posts, self.timeout_s)
-            if engine_errors:
-                raise GroupError(f"{exc}; the engines said: " + " | ".join(engine_errors)) from exc
-            raise
+        except Exception as exc:  # noqa: BLE001 — re-raised with the engines' side
+            engine_errors = future_errors(posts, deadline)
+            said = ("; the engines said: " + " | ".join(engine_errors)) if engine_errors else ""
+            raise UpdateError("group", f"{exc}{said}", engines) from exc
         self.group = group
-        wait_all(posts, self.timeout_s)
+        problems = future_errors(posts, deadline)
+        if problems:
+            raise UpdateError("group", " | ".join(problems), engines)
 
-    def _leave(self, engines: Sequence[Any]) -> None:
+    def _leave(self, engines: Sequence[Any], seconds: float) -> None:
         """Destroy the group on ``engines`` and here at the same time (NCCL's teardown waits for its
-        peers, so neither side may wait for the other first). Best effort: a dead engine cannot answer."""
+        peers, so neither side may wait for the other first), within ``seconds``. Best effort: a dead
+        or stuck engine cannot answer, and gives its side up by its own bound."""
         group, self.group = self.group, None
+        deadline = Deadline(seconds)
         pool = ThreadPoolExecutor(max_workers=max(1, len(engines)), thread_name_prefix="ws-destroy")
-        posts = [pool.submit(e.destroy_group) for e in engines]
+        posts = [pool.submit(e.destroy_group, timeout_s=seconds) for e in engines]
         destroy_group(group)
-        future_errors(posts, self.timeout_s)
+        future_errors(posts, deadline)
         pool.shutdown(wait=False, cancel_futures=True)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
-    def disconnect(self) -> None:
+    def disconnect(self, seconds: float | None = None) -> None:
+        """Leave the group (within ``seconds``, by default the sink's bound)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -123,5 +140,6 @@ class PipelinedSink:
             self._inflight.finish()
 
     def abort(self) -> None:
+        """After a failure: drop the bucket in flight and leave the group within the cleanup budget."""
         self._inflight.drop()
-        self.disconnect()
+        self.disconnect(cleanup_budget(self.timeout_s))

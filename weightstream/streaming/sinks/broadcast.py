@@ -43,7 +43,7 @@ class BroadcastSink(PipelinedSink):
         self.group = None
         self.sender = _is_sender()
         self._pool: ThreadPoolExecutor | None = None
-        self._inflight = InFlight(timeout_s)
+        self._inflight = InFlight(timeout_s, [e.url for e in self.engines])
 
     # -- group lifetime (separate steps: connect once, update many times) ------------------------
 
@@ -62,11 +62,11 @@ class BroadcastSink(PipelinedSink):
         ]
         self._join(posts, lambda: init_custom_process_group(
             self.backend, f"tcp://{self.master_address}:{port}", world, 0, self.engines[0].group_name, self.timeout_s,
-        ))
+        ), [e.url for e in self.engines])
 
-    def disconnect(self) -> None:
+    def disconnect(self, seconds: float | None = None) -> None:
         if self.sender:
-            self._leave(self.engines)
+            self._leave(self.engines, self.timeout_s if seconds is None else seconds)
 
     # -- per update ------------------------------------------------------------------------------
 

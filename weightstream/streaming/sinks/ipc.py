@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from weightstream.errors import UpdateError
 from weightstream.streaming.adapters.sglang import SGLangEngine
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.serialization import checksum, dumps_b64
@@ -65,7 +66,7 @@ class IPCSink:
                 self.engine.update_from_tensor(payloads, index=bucket.index, weight_version=self.weight_version,
                                                checksums=digests)
             except Exception as exc:  # noqa: BLE001 — shared with the other ranks below
-                status[0] = exc
+                status[0] = UpdateError(f"bucket {bucket.index}", str(exc), [self.engine.url])
         if self.world > 1:
             # Every rank holds its buffer until the engine has loaded it.
             dist.broadcast_object_list(status, group_src=0)

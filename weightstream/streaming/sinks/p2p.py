@@ -52,7 +52,7 @@ class P2PSink(PipelinedSink):
         self.group = None
         self.stream = None
         self._pool: ThreadPoolExecutor | None = None
-        self._inflight = InFlight(timeout_s)
+        self._inflight = InFlight(timeout_s, [engine.url])
 
     def connect(self) -> None:
         if self.group is not None or not self.sender:
@@ -69,11 +69,11 @@ class P2PSink(PipelinedSink):
         self._join(posts, lambda: init_custom_process_group(
             self.backend, f"tcp://{self.master_address}:{port[0]}", 2 * self.tp, self.tp_rank,
             self.engine.group_name, self.timeout_s,
-        ))
+        ), [self.engine.url])
 
-    def disconnect(self) -> None:
+    def disconnect(self, seconds: float | None = None) -> None:
         if self.sender:
-            self._leave([self.engine] if self.poster else [])
+            self._leave([self.engine] if self.poster else [], self.timeout_s if seconds is None else seconds)
 
     def open(self, stream) -> None:
         if stream.mode != "per_rank":
