@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import traceback
 from dataclasses import dataclass, field
 
@@ -230,4 +231,26 @@ def run_update(case: Case, urls: list[str], updates: list[dict]) -> list[dict]:
             out.append({"error": f"{type(exc).__name__}: {exc}"})
         if save_to:
             save_hf_checkpoint(chunks, cfg, save_to, bucket_bytes=case.bucket_bytes)
+    return out
+
+
+def run_timed_updates(case: Case, targets: list[tuple[list[str], dict]]) -> list[dict]:
+    """Build the trainer once, then one ``update_weights`` per target (engine URLs, options): the wall
+    time this rank spent in it and the error it raised (type, phase, text), if any."""
+    from weightstream.errors import UpdateError
+    from weightstream.update import update_weights
+
+    cfg, chunks = _build(case)
+    out = []
+    for urls, options in targets:
+        dist.barrier()
+        start = time.monotonic()
+        entry: dict = {}
+        try:
+            entry["report"] = update_weights(chunks, cfg, urls, **options)
+        except Exception as exc:  # noqa: BLE001
+            entry.update(type=type(exc).__name__, error=str(exc), phase=getattr(exc, "phase", None))
+            assert not isinstance(exc, UpdateError) or exc.phase in str(exc)
+        entry["seconds"] = time.monotonic() - start
+        out.append(entry)
     return out

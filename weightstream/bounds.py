@@ -27,4 +27,4 @@ class Deadline:
 def cleanup_budget(timeout_s: float) -> float:
     """What tearing down a failed update may take after the failure was seen: the whole update then
     ends within ``1.2 * timeout_s + 5`` seconds of the wait that failed."""
-    return 0.2 * timeout_s + 3.0
+    return 0.1 * timeout_s + 2.0

@@ -224,17 +224,21 @@ class WeightSync:
             tc = time.perf_counter()
             sink.open(stream)
             seconds["connect"] = time.perf_counter() - tc
-            for bucket in stream:
-                phase = f"bucket {bucket.index}"
-                if err is None:
-                    try:
-                        sink.send(bucket)
-                    except BaseException as exc:  # noqa: BLE001
-                        err = _as_update_error(phase, exc, urls)
-            if err is None:
-                sink.close()
         except BaseException as exc:  # noqa: BLE001
-            err = err or _as_update_error(phase, exc, urls)
+            err = _as_update_error(phase, exc, urls)
+        if stream is not None:
+            try:
+                for bucket in stream:  # iterated to the end even after a failure: the gathers need every rank
+                    phase = f"bucket {bucket.index}"
+                    if err is None:
+                        try:
+                            sink.send(bucket)
+                        except BaseException as exc:  # noqa: BLE001
+                            err = _as_update_error(phase, exc, urls)
+                if err is None:
+                    sink.close()
+            except BaseException as exc:  # noqa: BLE001
+                err = err or _as_update_error(phase, exc, urls)
         if stream is not None:
             report.buckets, report.tensors, report.bytes = stream.stats.buckets, stream.stats.tensors, stream.stats.bytes
             report.gathers = stream.stats.gathers

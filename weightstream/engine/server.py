@@ -416,6 +416,13 @@ class EngineServer(ThreadingHTTPServer):
             ("POST", "/weightstream/logits"): self.logits,
         }
 
+    def handle_error(self, request, client_address) -> None:
+        """A client that went away (or a request cut by shutdown) is not worth a traceback."""
+        exc = sys.exc_info()[1]
+        if self.engine.stopping or isinstance(exc, (BrokenPipeError, ConnectionResetError, TimeoutError)):
+            return
+        log(f"request from {client_address[0]}:{client_address[1]} failed: {type(exc).__name__}: {exc}")
+
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]

@@ -39,6 +39,7 @@ class SGLangEngine:
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
         self._info: dict | None = None
+        self._session = False  # a session this client opened and has not ended
 
     # -- transport-agnostic plumbing ---------------------------------------------------------
 
@@ -107,14 +108,19 @@ class SGLangEngine:
         """Open a versioned update session. ``timeout_s``: how long the engine may wait for this
         trainer between two steps before it gives the session up by itself."""
         self.post("/begin_weight_update", {"timeout_s": timeout_s} if timeout_s else {}, step="begin_weight_update")
+        self._session = True
 
     def end_update(self) -> None:
+        self._session = False
         self.post("/end_weight_update", {}, step="end_weight_update")
 
     def abort_update(self, timeout_s: float | None = None) -> None:
         """Close the session without committing: an engine that can roll back returns to the weights of
         its last committed update; one that cannot (SGLang) ends the session as it stands."""
-        if self.server_info().get("weightstream_abort"):
+        if not self._session:
+            return  # none was opened (or it was already ended, which rolls a failed session back)
+        self._session = False
+        if (self._info or {}).get("weightstream_abort"):
             self.post("/weightstream/abort_weight_update", {}, step="abort_weight_update", timeout_s=timeout_s)
         else:
             self.post("/end_weight_update", {}, step="end_weight_update", timeout_s=timeout_s)
