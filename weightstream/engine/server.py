@@ -436,7 +436,8 @@ class EngineServer(ThreadingHTTPServer):
             "engine": ENGINE_NAME, "tp_size": e.tp, "pp_size": 1, "dp_size": 1, "model_path": e.model_dir,
             "weight_version": e.weight_version, "device": e.devices[0].split(":")[0], "gpu_uuids": e.gpu_uuids(),
             "hostname": socket.gethostname(), "pid": os.getpid(), "dtype": e.dtype,
-            "weightstream_p2p": True, "weightstream_abort": True,
+            "weightstream_p2p": True, "weightstream_abort": True, "update_session_open": e.session_open,
+            "worker_pids": [p.pid for p in e.procs],
         }
 
     def init_group(self, b):
