@@ -78,6 +78,29 @@ def build_parser() -> argparse.ArgumentParser:
                       help="who writes the files: global rank 0, or spread over all ranks (default rank0)")
     dump.add_argument("--out", required=True, help="output directory")
 
+    bench = sub.add_parser(
+        "bench",
+        help="measure weightstream: --soak N runs N consecutive updates into a reference engine and checks for leaks",
+        description=(
+            "--soak N: N consecutive updates through one WeightSync into a reference engine running as its own "
+            "service on this machine, alternating two sets of weights and switching transport every "
+            "--switch-every updates, checksums on; the engine's logits are compared with the HF model's every "
+            "--check-every updates, and the trainer's and engine's memory, file descriptors, threads and "
+            "/dev/shm entries are sampled. Prints one report; exit status 0 only when every update and check "
+            "passed (leak thresholds are the caller's to judge, from the report or --json)."
+        ),
+    )
+    bench.add_argument("--soak", type=int, required=True, metavar="N", help="number of updates")
+    bench.add_argument("--transports", default="broadcast,ipc",
+                       help="comma-separated transports to rotate through (default broadcast,ipc)")
+    bench.add_argument("--switch-every", type=int, default=2, help="updates per transport before switching (default 2)")
+    bench.add_argument("--preset", default="tiny-qwen3", choices=sorted(PRESETS), help="model (default tiny-qwen3)")
+    bench.add_argument("--engine-tp", type=int, default=1, help="TP size of the reference engine (default 1)")
+    bench.add_argument("--bucket-mb", type=_mb, default=_mb("0.25"), help="bucket size in MiB (default 0.25)")
+    bench.add_argument("--check-every", type=int, default=100, help="compare the engine's logits every N updates")
+    bench.add_argument("--sample-every", type=int, default=10, help="sample resources every N updates")
+    bench.add_argument("--json", default=None, help="also write the report (with every sample) here")
+
     engine = sub.add_parser(
         "engine",
         help="run the reference engine: an HTTP server speaking SGLang's weight-update protocol",
@@ -277,13 +300,34 @@ def cmd_engine(args: argparse.Namespace) -> int:
     return code
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    import json
+
+    from weightstream.bench.soak import run_soak
+
+    transports = tuple(t.strip() for t in args.transports.split(",") if t.strip())
+    unknown = [t for t in transports if t not in ("broadcast", "ipc", "p2p")]
+    if unknown or not transports:
+        print(f"unknown transports {unknown}; choose among broadcast, ipc, p2p", file=sys.stderr)
+        return 2
+    report = run_soak(args.soak, transports=transports, switch_every=args.switch_every, preset=args.preset,
+                      engine_tp=args.engine_tp, bucket_bytes=args.bucket_mb, check_every=args.check_every,
+                      sample_every=args.sample_every, progress=sys.stderr.isatty())
+    print(report.render())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.as_dict(), f, indent=1)
+    return 0 if report.ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import warnings
 
     warnings.filterwarnings("ignore")
     args = build_parser().parse_args(argv)
-    handler = {"demo": cmd_demo, "dump": cmd_dump, "verify": cmd_verify, "engine": cmd_engine}[args.command]
+    handler = {"demo": cmd_demo, "dump": cmd_dump, "verify": cmd_verify, "engine": cmd_engine,
+               "bench": cmd_bench}[args.command]
     return handler(args)
 
 

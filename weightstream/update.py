@@ -153,14 +153,28 @@ class WeightSync:
         self.transport, self.colocated, self.bucket_bytes = transport, colocated, bucket_bytes
         self.checksums, self.timeout_s, self.pause_mode = checksums, timeout_s, pause_mode
         self.master_address, self.master_port, self.backend = master_address, master_port, backend
-        self.sink = None
-        self.sink_kind: str | None = None
+        self.sinks: dict[str, Any] = {}  # one per transport used, kept across updates (groups are made once)
         self.updates = 0
 
     def _make_sink(self, kind: str, version: str):
-        if self.sink is not None and self.sink_kind == kind:
-            self.sink.weight_version = version
-            return self.sink
+        sink = self.sinks.get(kind)
+        other = {"broadcast": "p2p", "p2p": "broadcast"}.get(kind)
+        if sink is None and other in self.sinks:
+            # Both join the engines under one group name: one of them at a time.
+            self.sinks.pop(other).disconnect()
+        if sink is None:
+            common = dict(checksums=self.checksums, weight_version=version)
+            if kind == "ipc":
+                sink = IPCSink(self.engines[0], **common)
+            elif kind == "p2p":
+                sink = P2PSink(self.engines[0], master_address=self.master_address, master_port=self.master_port,
+                               backend=self.backend, timeout_s=self.timeout_s, **common)
+            else:
+                sink = BroadcastSink(self.engines, master_address=self.master_address, master_port=self.master_port,
+                                     backend=self.backend, timeout_s=self.timeout_s, **common)
+            self.sinks[kind] = sink
+        sink.weight_version = version
+        return sink
         self.close()
         common = dict(checksums=self.checksums, weight_version=version)
         if kind == "ipc":
@@ -314,21 +328,21 @@ class WeightSync:
                 log.warning("could not resume generation on %s: %s", e.url, exc)
 
     def _teardown(self) -> None:
-        if self.sink is not None:
+        """After a failure: every sink is dropped (its group torn down), so the next update starts clean."""
+        sinks, self.sinks = list(self.sinks.values()), {}
+        for sink in sinks:
             try:
-                self.sink.abort()
-            finally:
-                self.sink = None
-                self.sink_kind = None
+                sink.abort()
+            except Exception as exc:  # noqa: BLE001 — best effort: the peer may be gone
+                log.warning("could not tear down the %s sink: %s", sink.name, exc)
 
     def close(self) -> None:
-        """Tear down the weight-update group (engines keep their weights)."""
-        if self.sink is not None:
-            disconnect = getattr(self.sink, "disconnect", None)
+        """Tear down the weight-update groups (engines keep their weights)."""
+        sinks, self.sinks = list(self.sinks.values()), {}
+        for sink in sinks:
+            disconnect = getattr(sink, "disconnect", None)
             if disconnect is not None:
                 disconnect()
-            self.sink = None
-            self.sink_kind = None
 
     def __enter__(self) -> "WeightSync":
         return self

@@ -206,8 +206,22 @@ def _die_with_parent() -> None:
         pass
 
 
+def _fixed_mmap_threshold() -> None:
+    """glibc raises its mmap threshold after each large free, after which buffers of a bucket's size come
+    from the heap; with gloo's threads coming and going with each weight-update group, the heap then
+    fragments and the resident size creeps up (about 0.3 MB per group formed, measured). Keeping the
+    threshold at glibc's initial 128 KiB maps large buffers and gives them back whole."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def worker_main(rank, size, model_dir, port, backend, device, dtype, conn) -> None:
     _die_with_parent()
+    _fixed_mmap_threshold()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server decides
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)

@@ -1,0 +1,1 @@
+"""Benchmarks and endurance runs behind ``weightstream bench``."""

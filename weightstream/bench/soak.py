@@ -1,0 +1,211 @@
+"""The soak: many consecutive updates through one :class:`~weightstream.update.WeightSync` into one
+reference engine running as its own service, proving that nothing is lost and nothing leaks.
+
+The trainer (a Megatron-Core model in this process) alternates between two sets of weights on every
+update and switches transport every ``switch_every`` updates (so each transport carries both sets,
+and the broadcast group is formed, reused and torn down again and again). Checksums are on. Every
+``check_every`` updates the engine's logits are compared with those of the HF model holding the
+weights just sent. Every ``sample_every`` updates the resources of the trainer and of the engine
+(its main process and its workers) are sampled: resident memory, open file descriptors, threads, and
+the entries of ``/dev/shm``. Growth is measured from the end of the warm-up to the end.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+INPUT_IDS = [[3, 14, 159, 265, 358, 979, 323, 846, 26, 433], [999, 0, 1, 2, 500, 501, 77, 88, 99, 111]]
+
+
+def process_resources(pids: list[int]) -> dict[str, float]:
+    """Resident memory (MB), open file descriptors and threads, summed over ``pids``."""
+    rss_kb = fds = threads = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+        rss_kb += int(status["VmRSS"].split()[0])
+        threads += int(status["Threads"])
+        fds += len(os.listdir(f"/proc/{pid}/fd"))
+    return {"rss_mb": rss_kb / 1024, "fds": fds, "threads": threads}
+
+
+def shm_entries() -> int:
+    return len(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else 0
+
+
+@dataclass
+class SoakReport:
+    updates: int
+    transports: list[str]
+    preset: str
+    engine_tp: int
+    bucket_bytes: int
+    seconds_total: float = 0.0
+    seconds_per_update: dict[str, dict[str, float]] = field(default_factory=dict)
+    logits_checks: list[dict[str, Any]] = field(default_factory=list)
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    warmup: int = 0
+    growth: dict[str, float] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures and all(c["ok"] for c in self.logits_checks)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+    def render(self) -> str:
+        lines = [f"soak: {self.updates} updates of {self.preset} into a reference engine (TP {self.engine_tp}), "
+                 f"transports {'/'.join(self.transports)}, {self.bucket_bytes >> 10} KiB buckets, checksums on: "
+                 f"{self.seconds_total:.1f} s"]
+        for kind, s in self.seconds_per_update.items():
+            lines.append(f"  {kind:9s} {int(s['count']):5d} updates  median {s['median'] * 1e3:7.1f} ms  "
+                         f"p99 {s['p99'] * 1e3:7.1f} ms  max {s['max'] * 1e3:7.1f} ms")
+        passed = sum(c["ok"] for c in self.logits_checks)
+        worst = max((c["max_abs_diff"] for c in self.logits_checks), default=0.0)
+        lines.append(f"  engine logits checked {len(self.logits_checks)} times: {passed} equal to HF's "
+                     f"(worst max |diff| {worst:.1e})")
+        g = self.growth
+        lines.append(f"  growth after warm-up ({self.warmup} updates): trainer RSS {g.get('trainer_rss_mb', 0):+.1f} MB, "
+                     f"fds {g.get('trainer_fds', 0):+.0f}, threads {g.get('trainer_threads', 0):+.0f}; engine RSS "
+                     f"{g.get('engine_rss_mb', 0):+.1f} MB, fds {g.get('engine_fds', 0):+.0f}, threads "
+                     f"{g.get('engine_threads', 0):+.0f}; /dev/shm entries {g.get('shm', 0):+.0f}")
+        lines.extend(f"  FAILED: {f}" for f in self.failures)
+        return "\n".join(lines)
+
+
+class EngineService:
+    """``weightstream engine`` in a process of its own (so that its resources are its own)."""
+
+    def __init__(self, model_dir: str, tp: int, start_timeout_s: float = 300.0):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "weightstream.cli", "engine", "--model", model_dir, "--tp", str(tp), "--port", "0"],
+            stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        line = self.proc.stdout.readline()
+        if "serving on" not in line:
+            self.proc.kill()
+            raise RuntimeError(f"the engine did not start (exit code {self.proc.wait(timeout=30)})")
+        self.url = line.rsplit(" ", 1)[-1].strip()
+        from weightstream.streaming.adapters.sglang import SGLangEngine
+
+        self.pids = [self.proc.pid, *SGLangEngine(self.url).server_info()["worker_pids"]]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=15)
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {"count": len(values), "median": statistics.median(values), "mean": statistics.fmean(values),
+            "p99": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], "max": ordered[-1]}
+
+
+def run_soak(updates: int = 1000, *, transports: tuple[str, ...] = ("broadcast", "ipc"), switch_every: int = 2,
+             preset: str = "tiny-qwen3", engine_tp: int = 1, bucket_bytes: int = 256 << 10, check_every: int = 100,
+             sample_every: int = 10, warmup: int | None = None, progress: bool = True) -> SoakReport:
+    import torch.distributed as dist
+
+    from weightstream.disk import CheckpointReader
+    from weightstream.launch import free_port
+    from weightstream.models.megatron import build_gpt_model, initialize_parallel, load_hf_weights
+    from weightstream.models.presets import preset_config, save_random_checkpoint
+    from weightstream.streaming.adapters.sglang import SGLangEngine
+    from weightstream.streaming.groups import tcp_store
+    from weightstream.update import WeightSync
+
+    torch.set_num_threads(1)
+    warmup = warmup if warmup is not None else min(max(updates // 10, sample_every), 100)
+    report = SoakReport(updates, list(transports), preset, engine_tp, bucket_bytes, warmup=warmup)
+    cfg = preset_config(preset)
+    with tempfile.TemporaryDirectory(prefix="weightstream-soak-") as tmp:
+        sets = [save_random_checkpoint(cfg, os.path.join(tmp, name), seed=seed) for name, seed in (("a", 1), ("b", 2))]
+        engine_dir = save_random_checkpoint(cfg, os.path.join(tmp, "engine"), seed=3)
+        from transformers import AutoModelForCausalLM
+
+        expected = []
+        for d in sets:
+            hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+            with torch.no_grad():
+                expected.append(hf(torch.tensor(INPUT_IDS)).logits.float())
+            del hf
+
+        port = free_port()
+        dist.init_process_group("gloo", store=tcp_store("127.0.0.1", port, is_master=True, world_size=1), rank=0,
+                                world_size=1)
+        initialize_parallel(1, 1)
+        chunks = build_gpt_model(cfg)
+        snapshots = []
+        for d in sets:
+            with CheckpointReader(d) as reader:
+                load_hf_weights(chunks, cfg, reader)
+            snapshots.append([p.detach().clone() for c in chunks for p in c.parameters()])
+        params = [p for c in chunks for p in c.parameters()]
+
+        service = EngineService(engine_dir, engine_tp)
+        engine = SGLangEngine(service.url, timeout_s=60)
+        times: dict[str, list[float]] = {t: [] for t in transports}
+        start = time.perf_counter()
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=updates, desc="soak", unit="update")
+        try:
+            with WeightSync([service.url], transport=transports[0], bucket_bytes=bucket_bytes, checksums=True,
+                            timeout_s=60) as sync:
+                for i in range(updates):
+                    which = i % 2
+                    kind = transports[(i // switch_every) % len(transports)]
+                    with torch.no_grad():
+                        for p, v in zip(params, snapshots[which]):
+                            p.copy_(v)
+                    sync.transport = kind
+                    t = time.perf_counter()
+                    rep = sync.update(chunks, cfg, weight_version=f"soak-{i}")
+                    times[kind].append(time.perf_counter() - t)
+                    if rep.transport != kind or rep.weight_version != f"soak-{i}":
+                        report.failures.append(f"update {i}: {rep.summary()}")
+                    done = i + 1
+                    if done % check_every == 0 or done == updates:
+                        got = engine.logits(INPUT_IDS)
+                        diff = float((got - expected[which]).abs().max())
+                        report.logits_checks.append({"update": done, "weights": "ab"[which], "transport": kind,
+                                                     "max_abs_diff": diff, "ok": diff <= 1e-4})
+                    if done % sample_every == 0 or done == updates:
+                        trainer = process_resources([os.getpid()])
+                        eng = process_resources(service.pids)
+                        report.samples.append({"update": done, "shm": shm_entries(),
+                                               **{f"trainer_{k}": v for k, v in trainer.items()},
+                                               **{f"engine_{k}": v for k, v in eng.items()}})
+                    if bar is not None:
+                        bar.update(1)
+        except Exception as exc:  # noqa: BLE001 — the report says what failed
+            report.failures.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            if bar is not None:
+                bar.close()
+            service.stop()
+            dist.destroy_process_group()
+        report.seconds_total = time.perf_counter() - start
+        report.seconds_per_update = {k: _stats(v) for k, v in times.items() if v}
+        base = next((s for s in report.samples if s["update"] >= warmup), None)
+        if base is not None and report.samples:
+            last = report.samples[-1]
+            report.growth = {k: last[k] - base[k] for k in base if k != "update"}
+    return report
