@@ -55,6 +55,7 @@ class SoakReport:
     samples: list[dict[str, Any]] = field(default_factory=list)
     warmup: int = 0
     growth: dict[str, float] = field(default_factory=dict)
+    growth_second_half: dict[str, float] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -80,6 +81,11 @@ class SoakReport:
                      f"fds {g.get('trainer_fds', 0):+.0f}, threads {g.get('trainer_threads', 0):+.0f}; engine RSS "
                      f"{g.get('engine_rss_mb', 0):+.1f} MB, fds {g.get('engine_fds', 0):+.0f}, threads "
                      f"{g.get('engine_threads', 0):+.0f}; /dev/shm entries {g.get('shm', 0):+.0f}")
+        h = self.growth_second_half
+        if h:
+            lines.append(f"  growth over the second half: trainer RSS {h['trainer_rss_mb']:+.1f} MB, engine RSS "
+                         f"{h['engine_rss_mb']:+.1f} MB, fds {h['trainer_fds'] + h['engine_fds']:+.0f}, threads "
+                         f"{h['trainer_threads'] + h['engine_threads']:+.0f}, /dev/shm {h['shm']:+.0f}")
         lines.extend(f"  FAILED: {f}" for f in self.failures)
         return "\n".join(lines)
 
@@ -130,7 +136,7 @@ def run_soak(updates: int = 1000, *, transports: tuple[str, ...] = ("broadcast",
     from weightstream.update import WeightSync
 
     torch.set_num_threads(1)
-    warmup = warmup if warmup is not None else min(max(updates // 10, sample_every), 100)
+    warmup = warmup if warmup is not None else min(max(updates // 4, sample_every), 500)
     report = SoakReport(updates, list(transports), preset, engine_tp, bucket_bytes, warmup=warmup)
     cfg = preset_config(preset)
     with tempfile.TemporaryDirectory(prefix="weightstream-soak-") as tmp:
@@ -208,4 +214,6 @@ def run_soak(updates: int = 1000, *, transports: tuple[str, ...] = ("broadcast",
         if base is not None and report.samples:
             last = report.samples[-1]
             report.growth = {k: last[k] - base[k] for k in base if k != "update"}
+            mid = next(s for s in report.samples if s["update"] >= updates // 2)
+            report.growth_second_half = {k: last[k] - mid[k] for k in mid if k != "update"}
     return report
