@@ -24,7 +24,7 @@ from weightstream.engine.worker import FAULT_ENV
 from weightstream.jobs import Layout
 from weightstream.launch import launch
 from weightstream.models.presets import preset_config, save_random_checkpoint
-from weightstream.streaming.adapters.sglang import SGLangEngine
+from weightstream.streaming.adapters import ReferenceEngine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,7 +67,7 @@ class Service:
         assert "serving on" in line, (line, self.proc.stderr.read() if self.proc.poll() is not None else "")
         self.url = line.rsplit(" ", 1)[-1].strip()
         self.port = int(self.url.rsplit(":", 1)[-1])
-        info = SGLangEngine(self.url).server_info()
+        info = ReferenceEngine(self.url).server_info()
         self.workers = info["worker_pids"]
         assert len(self.workers) == tp and all(_alive(p) for p in self.workers)
 
@@ -111,7 +111,7 @@ def test_signal_right_after_an_update(dirs, transport, signum):
     (result,) = launch(1, run_timed_updates, Case(src, Layout(1, 1)),
                        [([svc.url], {"transport": transport, "bucket_bytes": SMALL, "checksums": True})])
     assert result[0]["report"].transport == transport
-    assert_logits_close(SGLangEngine(svc.url).logits(INPUT_IDS), hf_logits(src, INPUT_IDS))
+    assert_logits_close(ReferenceEngine(svc.url).logits(INPUT_IDS), hf_logits(src, INPUT_IDS))
     seconds = svc.stop(signum)
     assert seconds <= 5.0, seconds
     svc.assert_clean()
@@ -127,7 +127,7 @@ def test_sigterm_with_an_update_in_flight(dirs):
         1, run_timed_updates, Case(src, Layout(1, 1)),
         [([svc.url], {"transport": "broadcast", "bucket_bytes": SMALL, "timeout_s": 20})])))
     trainer.start()
-    eng = SGLangEngine(svc.url)
+    eng = ReferenceEngine(svc.url)
     deadline = time.monotonic() + 120
     while not eng.server_info(refresh=True)["update_session_open"]:
         assert time.monotonic() < deadline
@@ -193,14 +193,17 @@ def test_bad_requests_get_a_clear_4xx_and_the_engine_keeps_serving(dirs):
                 with socket.create_connection((host, int(port)), timeout=30) as s:
                     head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
                     s.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\n{head}\r\n".encode())
-                    reply = s.recv(65536).decode()
+                    chunks = []  # the engine answers and closes: read to the end (the body may come apart)
+                    while chunk := s.recv(65536):
+                        chunks.append(chunk)
+                    reply = b"".join(chunks).decode()
                 got_status = int(reply.split(" ", 2)[1])
                 got = json.loads(reply.split("\r\n\r\n", 1)[1])
             else:
                 got_status, got = _raw(url, method, path, body, headers)
             message = got.get("message") or got.get("error", {}).get("message", "")
             assert got_status == status and text in message, (path, got_status, got)
-        eng = SGLangEngine(url, api_key="k")
+        eng = ReferenceEngine(url, api_key="k")
         assert server.engine.alive() and eng.weight_version() == "default"
         assert not server.engine.session_open
         assert_logits_close(eng.logits(INPUT_IDS), before)

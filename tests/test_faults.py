@@ -20,7 +20,7 @@ from tests.workers import INPUT_IDS, Case, run_timed_updates
 from weightstream.jobs import Layout
 from weightstream.launch import launch
 from weightstream.models.presets import preset_config, save_random_checkpoint
-from weightstream.streaming.adapters.sglang import SGLangEngine
+from weightstream.streaming.adapters import ReferenceEngine
 
 T = 6.0
 BOUND = 1.2 * T + 5
@@ -42,24 +42,29 @@ def test_each_fault_ends_within_its_bound_and_names_its_phase(tmp_path):
         stalls = stack.enter_context(engine(eng_dir, fault="stall@2"))
         stalls_commit = stack.enter_context(engine(eng_dir, fault="stall_commit"))
         corrupts = stack.enter_context(engine(eng_dir, fault="corrupt@1"))
+        corrupts_p2p = stack.enter_context(engine(eng_dir, tp=2, fault="corrupt@1"))
         targets = [
             ([silent_url], opts),
             ([half_joins.url], opts),
             ([stalls.url], opts),
             ([stalls_commit.url], opts),
             ([corrupts.url], {**opts, "checksums": True}),
+            # P2P: only trainer TP rank 0 hears the engine; rank 1 must not be left waiting for it.
+            ([corrupts_p2p.url], {**opts, "transport": "p2p", "checksums": True}),
         ]
         results = launch(2, run_timed_updates, Case(src, Layout(2, 1)), targets)
         # The engines that could answer serve their last committed weights again, at once.
-        after_group = SGLangEngine(half_joins.url, timeout_s=10).logits(INPUT_IDS)
-        after_corrupt = SGLangEngine(corrupts.url, timeout_s=10).logits(INPUT_IDS)
-        versions = SGLangEngine(half_joins.url).weight_version(), SGLangEngine(corrupts.url).weight_version()
+        after_group = ReferenceEngine(half_joins.url, timeout_s=10).logits(INPUT_IDS)
+        after_corrupt = ReferenceEngine(corrupts.url, timeout_s=10).logits(INPUT_IDS)
+        after_p2p = ReferenceEngine(corrupts_p2p.url, timeout_s=10).logits(INPUT_IDS)
+        versions = tuple(ReferenceEngine(e.url).weight_version() for e in (half_joins, corrupts, corrupts_p2p))
     expected = [
         (silent_url, "connect", "no answer within 6 s"),
         (half_joins.url, "group", "could not form process group"),
         (stalls.url, "bucket 2", "no answer within 6 s"),
         (stalls_commit.url, "commit", "no answer within 6 s"),
         (corrupts.url, "bucket 1", "arrived corrupted"),
+        (corrupts_p2p.url, "bucket 1", "arrived corrupted"),
     ]
     for rank_results in results:
         for got, (url, phase, detail) in zip(rank_results, expected):
@@ -68,11 +73,12 @@ def test_each_fault_ends_within_its_bound_and_names_its_phase(tmp_path):
             assert got["seconds"] <= BOUND, (phase, got["seconds"])
     # The half-formed group: the engine's own rank gave up by the trainer's bound and said so.
     assert "the engines said" in results[0][1]["error"]
-    assert versions == ("default", "default")
+    assert versions == ("default", "default", "default")
+    assert_logits_close(after_p2p, before)
     assert_logits_close(after_group, before)
     assert_logits_close(after_corrupt, before)  # bucket 0 had been loaded: it was rolled back
     print("fault wall times (s), bound %.1f:" % BOUND,
-          {phase: round(max(r[i]["seconds"] for r in results), 2) for i, (_, phase, _) in enumerate(expected)})
+          [(phase, round(max(r[i]["seconds"] for r in results), 2)) for i, (_, phase, _) in enumerate(expected)])
 
 
 TRAINER_DIES = r"""
@@ -109,7 +115,7 @@ def test_trainer_killed_mid_update_engine_rolls_back_by_its_bound(tmp_path):
     script.write_text(TRAINER_DIES)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with engine(eng_dir) as server:
-        eng = SGLangEngine(server.url, timeout_s=30)
+        eng = ReferenceEngine(server.url, timeout_s=30)
         proc = subprocess.run([sys.executable, str(script), src, server.url, str(T)], capture_output=True, text=True,
                               timeout=300, env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"})
         died = time.monotonic()

@@ -10,15 +10,14 @@ import pytest
 import torch
 
 from weightstream.models.presets import preset_config
-from weightstream.streaming.adapters.sglang import SGLangEngine
+from weightstream.streaming.adapters import ReferenceEngine
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.serialization import UnsafePayloadError, checksum, dumps_b64, loads_b64
 from weightstream.streaming.sinks import BroadcastSink, IPCSink, P2PSink, SafetensorsSink, Sink
-from weightstream.streaming.sinks.ipc import bucket_payload
 
 
 def test_all_sinks_share_the_interface(tmp_path):
-    engine = SGLangEngine("http://127.0.0.1:9")
+    engine = ReferenceEngine("http://127.0.0.1:9")
     sinks = [BroadcastSink([engine]), P2PSink(engine), IPCSink(engine), SafetensorsSink(tmp_path, preset_config("tiny-qwen3"))]
     assert [s.name for s in sinks] == ["broadcast", "p2p", "ipc", "safetensors"]
     assert all(isinstance(s, Sink) for s in sinks)
@@ -27,7 +26,7 @@ def test_all_sinks_share_the_interface(tmp_path):
 def test_bucket_payload_round_trip_and_refusals():
     a, b = torch.randn(3, 5), torch.arange(7, dtype=torch.int64)
     bucket = Bucket.pack([("a", a), ("b", b.to(torch.bfloat16))])
-    obj = loads_b64(bucket_payload(bucket))
+    obj = loads_b64(ReferenceEngine("http://127.0.0.1:9").encode_ipc(bucket))
     rebuilt = Bucket(0, obj["flattened_tensor"], bucket.metas)
     got = dict(rebuilt.named_tensors())
     assert torch.equal(got["a"], a) and torch.equal(got["b"], b.to(torch.bfloat16))

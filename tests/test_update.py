@@ -22,7 +22,7 @@ from weightstream.engine.worker import FAULT_ENV
 from weightstream.jobs import Layout
 from weightstream.launch import launch
 from weightstream.models.presets import preset_config, save_random_checkpoint
-from weightstream.streaming.adapters.sglang import EngineError, SGLangEngine
+from weightstream.streaming.adapters import EngineError, ReferenceEngine
 
 SMALL = 120_000  # bytes per bucket: the tiny models travel in several buckets
 
@@ -62,7 +62,7 @@ def test_broadcast_tp2_pp2_two_updates(sources, engine_dir, tmp_path):
     src = sources["tiny-qwen3"]
     saved1, saved2 = tmp_path / "v1", tmp_path / "v2"
     with engine(engine_dir) as server:
-        eng = SGLangEngine(server.url)
+        eng = ReferenceEngine(server.url)
         before = eng.logits(INPUT_IDS)
         updates = [
             {"transport": "auto", "bucket_bytes": SMALL, "save_to": str(saved1), "checksums": True,
@@ -90,8 +90,8 @@ def test_two_engines_through_one_broadcast_group(sources, engine_dir):
     with engine(engine_dir) as a, engine(engine_dir, tp=2) as b:
         (rep,) = _ok(launch(2, run_update, Case(src, Layout(2, 1)), [a.url, b.url],
                             [{"transport": "auto", "bucket_bytes": SMALL}]))
-        la, lb = SGLangEngine(a.url).logits(INPUT_IDS), SGLangEngine(b.url).logits(INPUT_IDS)
-        versions = SGLangEngine(a.url).weight_version(), SGLangEngine(b.url).weight_version()
+        la, lb = ReferenceEngine(a.url).logits(INPUT_IDS), ReferenceEngine(b.url).logits(INPUT_IDS)
+        versions = ReferenceEngine(a.url).weight_version(), ReferenceEngine(b.url).weight_version()
     assert rep.transport == "broadcast" and "2 engines" in rep.reason
     ref = hf_logits(src, INPUT_IDS)
     assert_logits_close(la, ref)
@@ -105,10 +105,10 @@ def test_p2p_without_any_gather_and_fallback(sources, engine_dir):
     with engine(tied_dir, tp=2) as two, engine(tied_dir, tp=1) as one:
         results = launch(2, run_update, Case(src, Layout(2, 1)), [two.url], [{"transport": "auto", "bucket_bytes": SMALL}])
         (p2p,) = _ok(results)
-        l2 = SGLangEngine(two.url).logits(INPUT_IDS)
+        l2 = ReferenceEngine(two.url).logits(INPUT_IDS)
         (fallback,) = _ok(launch(2, run_update, Case(src, Layout(2, 1)), [one.url],
                                  [{"transport": "p2p", "bucket_bytes": SMALL}]))
-        l1 = SGLangEngine(one.url).logits(INPUT_IDS)
+        l1 = ReferenceEngine(one.url).logits(INPUT_IDS)
     assert p2p.transport == "p2p" and p2p.mode == "per_rank"
     for rank_results in results:
         assert rank_results[0]["report"].gathers == 0  # no all-gather ran on any trainer rank
@@ -124,8 +124,8 @@ def test_ipc_shared_memory_between_processes(sources, engine_dir):
     with engine(engine_dir) as server:
         (rep,) = _ok(launch(1, run_update, Case(src, Layout(1, 1)), [server.url],
                             [{"transport": "ipc", "bucket_bytes": SMALL, "checksums": True}]))
-        logits = SGLangEngine(server.url).logits(INPUT_IDS)
-        generated = SGLangEngine(server.url).generate(INPUT_IDS[0], max_new_tokens=4)
+        logits = ReferenceEngine(server.url).logits(INPUT_IDS)
+        generated = ReferenceEngine(server.url).generate(INPUT_IDS[0], max_new_tokens=4)
     assert rep.transport == "ipc" and rep.buckets > 3
     assert_logits_close(logits, hf_logits(src, INPUT_IDS))
     # Greedy generation by the engine equals greedy generation by the HF model of the source.
@@ -160,14 +160,14 @@ def test_engine_dying_mid_update_then_a_fresh_engine(sources, engine_dir):
     with engine(engine_dir) as fresh:
         (rep,) = _ok(launch(2, run_update, Case(src, Layout(2, 1)), [fresh.url],
                             [{"transport": "broadcast", "bucket_bytes": SMALL, "timeout_s": 20}]))
-        logits = SGLangEngine(fresh.url).logits(INPUT_IDS)
+        logits = ReferenceEngine(fresh.url).logits(INPUT_IDS)
     assert rep.weight_version == "1"
     assert_logits_close(logits, hf_logits(src, INPUT_IDS))
 
 
 def test_corrupted_bucket_is_caught_by_the_checksum(sources, engine_dir):
     with engine(engine_dir, fault="corrupt@1") as server:
-        eng = SGLangEngine(server.url)
+        eng = ReferenceEngine(server.url)
         results = launch(1, run_update, Case(sources["tiny-qwen3"], Layout(1, 1)), [server.url],
                          [{"transport": "broadcast", "bucket_bytes": SMALL, "checksums": True}])
         (r,) = results[0]
@@ -178,16 +178,16 @@ def test_corrupted_bucket_is_caught_by_the_checksum(sources, engine_dir):
 
 def test_disallowed_pickle_global_and_bearer_token(engine_dir):
     with engine(engine_dir, api_key="s3cret") as server:
-        anonymous = SGLangEngine(server.url)
+        anonymous = ReferenceEngine(server.url)
         with pytest.raises(EngineError, match="HTTP 401"):
             anonymous.server_info()
-        eng = SGLangEngine(server.url, api_key="s3cret")
-        eng.begin_update()
+        eng = ReferenceEngine(server.url, api_key="s3cret")
+        eng.begin_update("evil")
         evil = base64.b64encode(pickle.dumps(os.system)).decode()
         with pytest.raises(EngineError, match="refused to unpickle global posix.system"):
-            eng.update_from_tensor([evil], index=0, weight_version=None, checksums=None)
+            eng.receive_ipc(0, [evil], None)
         with pytest.raises(EngineError, match="not committed"):
-            eng.end_update()
+            eng.commit_update()
         assert server.engine.alive()  # refused, not crashed
         # While paused, generation waits; it completes once generation continues.
         import threading
@@ -216,7 +216,7 @@ def test_moe_ep2_trainer_into_tp2_engine(tmp_path):
         results = launch(2, run_update, Case(src, Layout(1, 1, ep=2)), [server.url],
                          [{"transport": "auto", "bucket_bytes": SMALL, "checksums": True}])
         (rep,) = _ok(results)
-        logits = SGLangEngine(server.url).logits(INPUT_IDS)
+        logits = ReferenceEngine(server.url).logits(INPUT_IDS)
     assert rep.transport == "broadcast" and "trainer EP 2" in rep.reason
     assert rep.tensors == 135
     assert_logits_close(logits, hf_logits(src, INPUT_IDS))

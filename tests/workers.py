@@ -223,9 +223,9 @@ def run_update(case: Case, urls: list[str], updates: list[dict]) -> list[dict]:
                 sync.close()
             entry = {"report": report}
             if dist.get_rank() == 0:
-                from weightstream.streaming.adapters.sglang import SGLangEngine
+                from weightstream.streaming.adapters import ReferenceEngine
 
-                entry["engine_logits"] = SGLangEngine(urls[0]).logits(INPUT_IDS)
+                entry["engine_logits"] = ReferenceEngine(urls[0]).logits(INPUT_IDS)
             out.append(entry)
         except Exception as exc:  # noqa: BLE001
             out.append({"error": f"{type(exc).__name__}: {exc}"})

@@ -113,7 +113,7 @@ def check_transport(tmp: str, transport: str, engine_device: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from weightstream.engine.server import serve, stop
-    from weightstream.streaming.adapters.sglang import SGLangEngine
+    from weightstream.streaming.adapters import ReferenceEngine
 
     cfg = preset_config("tiny-qwen3")
     src = save_random_checkpoint(cfg, os.path.join(tmp, "src"), seed=1)
@@ -122,10 +122,10 @@ def check_transport(tmp: str, transport: str, engine_device: str) -> dict:
     server = serve(eng_dir, 1, device=engine_device)
     print(f"  engine up at {server.url}", flush=True)
     try:
-        before = SGLangEngine(server.url).logits(IDS)
+        before = ReferenceEngine(server.url).logits(IDS)
         (res,) = launch(1, update_job, src, server.url, transport, 100_000, "float32", True, 1, backend="nccl",
                         timeout_s=180)
-        after = SGLangEngine(server.url).logits(IDS)
+        after = ReferenceEngine(server.url).logits(IDS)
     finally:
         stop(server)
     hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).cuda().eval()

@@ -13,7 +13,15 @@ from weightstream.streaming import (
     stream_hf_weights,
 )
 
-from weightstream.streaming.adapters import EngineError, SGLangEngine
+from weightstream.errors import UpdateError
+from weightstream.streaming.adapters import (
+    EngineAdapter,
+    EngineError,
+    EngineInfo,
+    ReferenceEngine,
+    SGLangEngine,
+    VLLMEngine,
+)
 from weightstream.update import UpdateReport, WeightSync, update_weights
 
 __version__ = "0.1.0"
@@ -22,5 +30,6 @@ __all__ = [
     "Bucket", "BucketStream", "ConversionError", "Converter", "Mapping", "ModelSpec", "Shard", "TensorMeta",
     "Topology", "UnknownModelError", "WeightstreamError", "get_converter", "known_model_types",
     "register_converter", "save_hf_checkpoint", "stream_hf_weights",
-    "EngineError", "SGLangEngine", "UpdateReport", "WeightSync", "update_weights",
+    "EngineAdapter", "EngineError", "EngineInfo", "ReferenceEngine", "SGLangEngine", "UpdateError", "VLLMEngine", "UpdateReport",
+    "WeightSync", "update_weights",
 ]

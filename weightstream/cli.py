@@ -203,7 +203,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from weightstream.jobs import dump_job
     from weightstream.launch import launch
     from weightstream.models.presets import preset_config, random_hf_model
-    from weightstream.streaming.adapters.sglang import SGLangEngine
+    from weightstream.streaming.adapters import ReferenceEngine
     from weightstream.verify import compare_checkpoints
 
     cfg = preset_config(args.preset)
@@ -231,7 +231,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             results = launch(world, dump_job, src, layout, out, args.bucket_mb, "float32", DEMO_INPUT, "rank0",
                              server.url if server else None)
             r = results[0]
-            engine_logits = SGLangEngine(server.url).logits(DEMO_INPUT) if server else None
+            engine_logits = ReferenceEngine(server.url).logits(DEMO_INPUT) if server else None
         finally:
             if server is not None:
                 stop(server)

@@ -21,7 +21,8 @@ from weightstream.converters.registry import get_converter
 from weightstream.bounds import Deadline, cleanup_budget
 from weightstream.errors import UpdateError, WeightstreamError
 from weightstream.models.spec import ModelSpec, load_hf_config
-from weightstream.streaming.adapters.sglang import EngineError, SGLangEngine
+from weightstream.streaming.adapters import ADAPTERS, detect, make_adapter
+from weightstream.streaming.adapters.base import BROADCAST, IPC, P2P, EngineAdapter, EngineError
 from weightstream.streaming.plan import ALIGN
 from weightstream.streaming.serialization import gpu_uuid
 from weightstream.streaming.sinks import BroadcastSink, IPCSink, P2PSink
@@ -93,29 +94,35 @@ def _local_gpu_uuids() -> set[str]:
     return {gpu_uuid(torch.cuda.current_device())}
 
 
-def choose_transport(requested: str, engines: Sequence[SGLangEngine], topo: Topology, spec: ModelSpec,
+def choose_transport(requested: str, engines: Sequence[EngineAdapter], topo: Topology, spec: ModelSpec,
                      colocated: bool | None) -> tuple[str, str]:
-    """(transport, why). Only rank 0 calls it (it asks the engines)."""
+    """(transport, why), from what the engines declare they can do. Only rank 0 calls it (it asks the engines)."""
     if requested not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {requested!r}")
+    infos = [e.info() for e in engines]
+    unable = {kind: [e.url for e, i in zip(engines, infos) if not i.can(kind)] for kind in (IPC, BROADCAST)}
     if requested == "ipc":
+        if unable[IPC]:
+            raise ValueError(f"transport 'ipc' asked for, but engines {unable[IPC]} do not receive IPC buckets")
         return "ipc", "asked for"
     if requested == "broadcast":
+        if unable[BROADCAST]:
+            raise ValueError(f"transport 'broadcast' asked for, but engines {unable[BROADCAST]} do not receive broadcasts")
         return "broadcast", "asked for"
-    if requested == "auto":
-        shared = any(_local_gpu_uuids() & set(e.server_info().get("gpu_uuids") or []) for e in engines)
+    if requested == "auto" and not unable[IPC]:
+        shared = any(_local_gpu_uuids() & set(i.gpu_uuids) for i in infos)
         if colocated or (colocated is None and shared):
             return "ipc", "the engine shares this trainer's GPU (colocated)"
     failed = []
     if len(engines) != 1:
         failed.append(f"{len(engines)} engines (P2P serves one)")
-    for e in engines[:1]:
-        if not e.supports_p2p():
-            failed.append(f"engine {e.url} does not speak weightstream's per-rank protocol")
-        if e.tp_size != topo.tp_size:
-            failed.append(f"engine TP {e.tp_size} != trainer TP {topo.tp_size}")
-        if e.pp_size != 1:
-            failed.append(f"engine PP {e.pp_size} != 1")
+    for e, i in zip(engines[:1], infos):
+        if not i.can(P2P):
+            failed.append(f"engine {e.url} ({i.engine}) does not receive per-rank buckets")
+        if i.tp_size != topo.tp_size:
+            failed.append(f"engine TP {i.tp_size} != trainer TP {topo.tp_size}")
+        if i.pp_size != 1:
+            failed.append(f"engine PP {i.pp_size} != 1")
     if topo.ep_size > 1:
         failed.append(f"trainer EP {topo.ep_size} (experts would need an engine with the same EP)")
     if spec.is_moe and topo.etp_size != topo.tp_size:
@@ -125,6 +132,8 @@ def choose_transport(requested: str, engines: Sequence[SGLangEngine], topo: Topo
     if not failed:
         return "p2p", "engine TP equals trainer TP, engine PP 1: each TP rank sends its own shards"
     reason = "P2P preconditions failed: " + "; ".join(failed)
+    if unable[BROADCAST]:
+        raise ValueError(f"no transport fits: {reason}; and engines {unable[BROADCAST]} do not receive broadcasts")
     if requested == "p2p":
         log.warning("falling back to broadcast: %s", reason)
         return "broadcast", "fell back from p2p: " + reason
@@ -134,59 +143,52 @@ def choose_transport(requested: str, engines: Sequence[SGLangEngine], topo: Topo
 class WeightSync:
     """A lasting connection from a trainer to its engines: connect once, ``update`` many times.
 
-    Create and call it on every trainer rank. ``engines``: :class:`SGLangEngine` objects or URLs.
+    Create and call it on every trainer rank. ``engines``: engine adapters (:class:`SGLangEngine`,
+    :class:`ReferenceEngine`, ...) or URLs, whose engine is then ``engine`` (``"auto"``: detected by
+    asking it, on the first update).
     """
 
-    def __init__(self, engines: Sequence[SGLangEngine | str], *, transport: str = "auto",
+    def __init__(self, engines: Sequence[EngineAdapter | str], *, transport: str = "auto", engine: str = "auto",
                  colocated: bool | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, checksums: bool = False,
                  timeout_s: float = 60.0, master_address: str = "127.0.0.1", master_port: int | None = None,
                  backend: str | None = None, pause_mode: str = "abort", api_key: str | None = None,
                  group_name: str = "weightstream"):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        self.engines = [
-            e if isinstance(e, SGLangEngine) else SGLangEngine(e, api_key=api_key, timeout_s=timeout_s, group_name=group_name)
-            for e in engines
-        ]
-        if not self.engines:
+        if not engines:
             raise ValueError("no engines given")
+        if engine != "auto" and engine not in ADAPTERS:
+            raise ValueError(f"unknown engine {engine!r}; known: auto, {', '.join(sorted(ADAPTERS))}")
+        self._given = list(engines)
+        self._engine_kind = engine
+        self._adapter_options = dict(api_key=api_key, timeout_s=timeout_s, group_name=group_name)
+        self.engines: list[EngineAdapter] = [e for e in engines if not isinstance(e, str)]
+        if len(self.engines) != len(self._given):
+            self.engines = []  # made by _resolve_engines on the first update
         self.transport, self.colocated, self.bucket_bytes = transport, colocated, bucket_bytes
         self.checksums, self.timeout_s, self.pause_mode = checksums, timeout_s, pause_mode
         self.master_address, self.master_port, self.backend = master_address, master_port, backend
         self.sinks: dict[str, Any] = {}  # one per transport used, kept across updates (groups are made once)
         self.updates = 0
 
-    def _make_sink(self, kind: str, version: str):
+    def _make_sink(self, kind: str):
         sink = self.sinks.get(kind)
+        if sink is not None:
+            return sink
         other = {"broadcast": "p2p", "p2p": "broadcast"}.get(kind)
-        if sink is None and other in self.sinks:
+        if other in self.sinks:
             # Both join the engines under one group name: one of them at a time.
             self.sinks.pop(other).disconnect()
-        if sink is None:
-            common = dict(checksums=self.checksums, weight_version=version)
-            if kind == "ipc":
-                sink = IPCSink(self.engines[0], **common)
-            elif kind == "p2p":
-                sink = P2PSink(self.engines[0], master_address=self.master_address, master_port=self.master_port,
-                               backend=self.backend, timeout_s=self.timeout_s, **common)
-            else:
-                sink = BroadcastSink(self.engines, master_address=self.master_address, master_port=self.master_port,
-                                     backend=self.backend, timeout_s=self.timeout_s, **common)
-            self.sinks[kind] = sink
-        sink.weight_version = version
-        return sink
-        self.close()
-        common = dict(checksums=self.checksums, weight_version=version)
         if kind == "ipc":
-            self.sink = IPCSink(self.engines[0], **common)
+            sink = IPCSink(self.engines[0], checksums=self.checksums)
         elif kind == "p2p":
-            self.sink = P2PSink(self.engines[0], master_address=self.master_address, master_port=self.master_port,
-                                backend=self.backend, timeout_s=self.timeout_s, **common)
+            sink = P2PSink(self.engines[0], master_address=self.master_address, master_port=self.master_port,
+                           backend=self.backend, timeout_s=self.timeout_s, checksums=self.checksums)
         else:
-            self.sink = BroadcastSink(self.engines, master_address=self.master_address, master_port=self.master_port,
-                                      backend=self.backend, timeout_s=self.timeout_s, **common)
-        self.sink_kind = kind
-        return self.sink
+            sink = BroadcastSink(self.engines, master_address=self.master_address, master_port=self.master_port,
+                                 backend=self.backend, timeout_s=self.timeout_s, checksums=self.checksums)
+        self.sinks[kind] = sink
+        return sink
 
     def update(self, model_chunks: nn.Module | Sequence[nn.Module], hf_config: Any, *,
                weight_version: str | None = None) -> UpdateReport:
@@ -203,9 +205,10 @@ class WeightSync:
         self.updates += 1
         version = weight_version if weight_version is not None else str(self.updates)
         rank0 = _rank() == 0
-        urls = [e.url for e in self.engines]
 
         # 1. Rank 0 asks the engines, decides, pauses them and opens their update sessions.
+        self._resolve_engines()
+        urls = [e.url for e in self.engines]
         decision: Any = None
         if rank0:
             t = time.perf_counter()
@@ -214,7 +217,7 @@ class WeightSync:
                 for e in self.engines:
                     e.pause(self.pause_mode)
                 for e in self.engines:
-                    e.begin_update(self.timeout_s)
+                    e.begin_update(version, self.timeout_s)
             except Exception as exc:  # noqa: BLE001 — shared with every rank below
                 self._abort_sessions()
                 decision = _as_update_error("connect", exc, urls)
@@ -232,7 +235,7 @@ class WeightSync:
         phase = "group"
         t = time.perf_counter()
         try:
-            sink = self._make_sink(kind, version)
+            sink = self._make_sink(kind)
             stream = stream_hf_weights(model_chunks, cfg, bucket_bytes=self.bucket_bytes, mode=mode,
                                        align=1 if kind == "broadcast" else ALIGN, topology=topo)
             tc = time.perf_counter()
@@ -263,10 +266,7 @@ class WeightSync:
         if failure is None and rank0:
             t = time.perf_counter()
             try:
-                for e in self.engines:
-                    e.end_update()
-                    e.flush_cache()  # cached KV entries were computed with the old weights
-                versions = {e.url: e.weight_version() for e in self.engines}
+                versions = {e.url: e.commit_update() for e in self.engines}
                 wrong = {u: v for u, v in versions.items() if v != version}
                 if wrong:
                     raise UpdateError("commit", f"engines report weight versions {wrong}, expected {version!r}", urls)
@@ -285,6 +285,24 @@ class WeightSync:
         seconds["total"] = time.perf_counter() - start
         report.seconds = seconds
         return report
+
+    def _resolve_engines(self) -> None:
+        """Adapters for engines given by URL: rank 0 asks each engine what it is (``engine="auto"``),
+        every rank makes the same adapters."""
+        if self.engines:
+            return
+        kinds: Any = None
+        if _rank() == 0:
+            try:
+                kinds = [self._engine_kind if self._engine_kind != "auto" else
+                         detect(u, api_key=self._adapter_options["api_key"], timeout_s=self.timeout_s)
+                         for u in self._given]
+            except Exception as exc:  # noqa: BLE001 — shared with every rank below
+                kinds = _as_update_error("connect", exc, [str(u) for u in self._given])
+        kinds = _share(kinds)
+        if isinstance(kinds, BaseException):
+            raise kinds
+        self.engines = [make_adapter(k, u, **self._adapter_options) for k, u in zip(kinds, self._given)]
 
     def _abort_sessions(self, seconds: float | None = None) -> None:
         """Close every engine's session without committing, then resume generation; within ``seconds``
@@ -352,11 +370,11 @@ class WeightSync:
 
 
 def update_weights(model_chunks: nn.Module | Sequence[nn.Module], hf_config: Any,
-                   engines: SGLangEngine | str | Sequence[SGLangEngine | str], *, transport: str = "auto",
+                   engines: EngineAdapter | str | Sequence[EngineAdapter | str], *, transport: str = "auto",
                    weight_version: str | None = None, **options) -> UpdateReport:
     """One update: pause, connect, stream, commit, flush the engines' caches, resume, disconnect. Call on every trainer rank. For repeated
     updates keep a :class:`WeightSync` instead (the group is made once)."""
-    if isinstance(engines, (str, SGLangEngine)):
+    if isinstance(engines, str) or not isinstance(engines, Sequence):
         engines = [engines]
     with WeightSync(engines, transport=transport, **options) as sync:
         return sync.update(model_chunks, hf_config, weight_version=weight_version)

@@ -38,7 +38,7 @@ def main() -> None:
     import weightstream as ws
     from weightstream.disk import CheckpointReader
     from weightstream.models.megatron import build_gpt_model, initialize_parallel, load_hf_weights
-    from weightstream.streaming.adapters.sglang import SGLangEngine
+    from weightstream.streaming.adapters import ReferenceEngine
 
     initialize_parallel(args.tp, args.pp, ep=args.ep)
     chunks = build_gpt_model(args.src)
@@ -57,7 +57,7 @@ def main() -> None:
         report = ws.update_weights(chunks, args.src, args.engine, transport=args.transport,
                                    weight_version=f"step-{step}", timeout_s=60, bucket_bytes=100_000)
         if dist.get_rank() == 0:
-            torch.save(SGLangEngine(args.engine).logits(INPUT_IDS), os.path.join(args.out, f"logits{step}.pt"))
+            torch.save(ReferenceEngine(args.engine).logits(INPUT_IDS), os.path.join(args.out, f"logits{step}.pt"))
             reports.append({"transport": report.transport, "reason": report.reason, "tensors": report.tensors,
                             "version": report.weight_version, "launcher_env": "TORCHELASTIC_USE_AGENT_STORE" in os.environ})
     if dist.get_rank() == 0:

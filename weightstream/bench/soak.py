@@ -103,9 +103,9 @@ class EngineService:
             self.proc.kill()
             raise RuntimeError(f"the engine did not start (exit code {self.proc.wait(timeout=30)})")
         self.url = line.rsplit(" ", 1)[-1].strip()
-        from weightstream.streaming.adapters.sglang import SGLangEngine
+        from weightstream.streaming.adapters import ReferenceEngine
 
-        self.pids = [self.proc.pid, *SGLangEngine(self.url).server_info()["worker_pids"]]
+        self.pids = [self.proc.pid, *ReferenceEngine(self.url).server_info()["worker_pids"]]
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -131,7 +131,7 @@ def run_soak(updates: int = 1000, *, transports: tuple[str, ...] = ("broadcast",
     from weightstream.launch import free_port
     from weightstream.models.megatron import build_gpt_model, initialize_parallel, load_hf_weights
     from weightstream.models.presets import preset_config, save_random_checkpoint
-    from weightstream.streaming.adapters.sglang import SGLangEngine
+    from weightstream.streaming.adapters import ReferenceEngine
     from weightstream.streaming.groups import tcp_store
     from weightstream.update import WeightSync
 
@@ -164,7 +164,7 @@ def run_soak(updates: int = 1000, *, transports: tuple[str, ...] = ("broadcast",
         params = [p for c in chunks for p in c.parameters()]
 
         service = EngineService(engine_dir, engine_tp)
-        engine = SGLangEngine(service.url, timeout_s=60)
+        engine = ReferenceEngine(service.url, timeout_s=60)
         times: dict[str, list[float]] = {t: [] for t in transports}
         start = time.perf_counter()
         bar = None

@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 from weightstream.launch import free_port
 from weightstream.streaming.serialization import gpu_uuid
 
-ENGINE_NAME = "weightstream-reference"
+from weightstream.streaming.adapters.reference import ENGINE_NAME
 MAX_BODY_BYTES = 64 << 20
 
 
@@ -436,7 +436,7 @@ class EngineServer(ThreadingHTTPServer):
             "engine": ENGINE_NAME, "tp_size": e.tp, "pp_size": 1, "dp_size": 1, "model_path": e.model_dir,
             "weight_version": e.weight_version, "device": e.devices[0].split(":")[0], "gpu_uuids": e.gpu_uuids(),
             "hostname": socket.gethostname(), "pid": os.getpid(), "dtype": e.dtype,
-            "weightstream_p2p": True, "weightstream_abort": True, "update_session_open": e.session_open,
+            "capabilities": ["broadcast", "ipc", "p2p", "rollback"], "update_session_open": e.session_open,
             "worker_pids": [p.pid for p in e.procs],
         }
 

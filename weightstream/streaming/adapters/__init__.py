@@ -1,5 +1,59 @@
-"""Engine adapters: endpoints and payloads of each engine's weight-update protocol."""
+"""Engine adapters: one module per engine, each speaking its engine's weight-update protocol behind
+:class:`~weightstream.streaming.adapters.base.EngineAdapter`."""
 
-from weightstream.streaming.adapters.sglang import EngineError, SGLangEngine
+from __future__ import annotations
 
-__all__ = ["EngineError", "SGLangEngine"]
+from typing import Any
+
+from weightstream.streaming.adapters.base import (
+    EngineAdapter,
+    EngineError,
+    EngineInfo,
+    GroupSpec,
+    HTTPEngine,
+    RankBucket,
+)
+from weightstream.streaming.adapters.reference import ENGINE_NAME, ReferenceEngine
+from weightstream.streaming.adapters.sglang import SGLangEngine
+from weightstream.streaming.adapters.vllm import VLLMEngine
+
+ADAPTERS: dict[str, type] = {"sglang": SGLangEngine, "reference": ReferenceEngine, "vllm": VLLMEngine}
+
+
+def register_adapter(name: str, cls: type, *, overwrite: bool = False) -> None:
+    """Make ``engine=name`` (and detection by :func:`detect`) know another engine's adapter class."""
+    if name in ADAPTERS and not overwrite:
+        raise ValueError(f"an engine adapter named {name!r} is already registered (pass overwrite=True)")
+    ADAPTERS[name] = cls
+
+
+def detect(url: str, *, api_key: str | None = None, timeout_s: float = 60.0) -> str:
+    """Which adapter speaks to the engine at ``url``, from what it answers."""
+    probe = HTTPEngine(url, api_key=api_key, timeout_s=timeout_s)
+    try:
+        reply = probe.get("/get_server_info", step="get_server_info (detecting the engine)")
+    except EngineError as exc:
+        if "HTTP 404" not in exc.detail:
+            raise
+        # vLLM serves no /get_server_info; /get_world_size is one of its dev-mode routes.
+        probe.get("/get_world_size", step="get_world_size (detecting vLLM; is VLLM_SERVER_DEV_MODE=1 set?)")
+        return "vllm"
+    if isinstance(reply, dict) and reply.get("engine") == ENGINE_NAME:
+        return "reference"
+    if isinstance(reply, dict) and "tp_size" in reply:
+        return "sglang"
+    raise EngineError(url, "detecting the engine", f"its /get_server_info reply is none of {sorted(ADAPTERS)}'")
+
+
+def make_adapter(engine: str, url: str, **options: Any) -> EngineAdapter:
+    try:
+        cls = ADAPTERS[engine]
+    except KeyError:
+        raise ValueError(f"unknown engine {engine!r}; known: {', '.join(sorted(ADAPTERS))}") from None
+    return cls(url, **options)
+
+
+__all__ = [
+    "ADAPTERS", "EngineAdapter", "EngineError", "EngineInfo", "GroupSpec", "RankBucket", "ReferenceEngine",
+    "SGLangEngine", "VLLMEngine", "detect", "make_adapter", "register_adapter",
+]

@@ -123,7 +123,7 @@ class PipelinedSink:
         group, self.group = self.group, None
         deadline = Deadline(seconds)
         pool = ThreadPoolExecutor(max_workers=max(1, len(engines)), thread_name_prefix="ws-destroy")
-        posts = [pool.submit(e.destroy_group, timeout_s=seconds) for e in engines]
+        posts = [pool.submit(e.leave_group, timeout_s=seconds) for e in engines]
         destroy_group(group)
         future_errors(posts, deadline)
         pool.shutdown(wait=False, cancel_futures=True)

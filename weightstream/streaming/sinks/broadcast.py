@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from weightstream.launch import free_port
-from weightstream.streaming.adapters.sglang import SGLangEngine
+from weightstream.streaming.adapters.base import EngineAdapter, GroupSpec
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.groups import init_custom_process_group
 from weightstream.streaming.serialization import checksum
@@ -30,16 +30,15 @@ def _is_sender() -> bool:
 class BroadcastSink(PipelinedSink):
     name = "broadcast"
 
-    def __init__(self, engines: Sequence[SGLangEngine], *, master_address: str = "127.0.0.1",
+    def __init__(self, engines: Sequence[EngineAdapter], *, master_address: str = "127.0.0.1",
                  master_port: int | None = None, backend: str | None = None, timeout_s: float = 60.0,
-                 checksums: bool = False, weight_version: str | None = None):
+                 checksums: bool = False):
         self.engines = list(engines)
         self.master_address = master_address
         self.master_port = master_port
         self.backend = backend or default_backend()
         self.timeout_s = timeout_s
         self.checksums = checksums
-        self.weight_version = weight_version
         self.group = None
         self.sender = _is_sender()
         self._pool: ThreadPoolExecutor | None = None
@@ -54,10 +53,11 @@ class BroadcastSink(PipelinedSink):
         offsets, world = [], 1
         for e in self.engines:
             offsets.append(world)
-            world += e.tp_size
+            world += e.info().tp_size
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.engines)), thread_name_prefix="ws-broadcast")
         posts = [
-            self._pool.submit(e.init_group, self.master_address, port, off, world, self.backend, self.timeout_s)
+            self._pool.submit(e.join_group, GroupSpec(self.master_address, port, off, world, self.backend,
+                                                      self.timeout_s, e.group_name))
             for e, off in zip(self.engines, offsets)
         ]
         self._join(posts, lambda: init_custom_process_group(
@@ -78,9 +78,6 @@ class BroadcastSink(PipelinedSink):
             return
         self._inflight.finish()
         digest = checksum(bucket.buffer) if self.checksums else None
-        posts = [
-            self._pool.submit(e.update_from_distributed, bucket, weight_version=self.weight_version, checksum=digest)
-            for e in self.engines
-        ]
+        posts = [self._pool.submit(e.receive_broadcast, bucket, digest) for e in self.engines]
         work = dist.broadcast(bucket.buffer, group=self.group, group_src=0, async_op=True)
         self._inflight.start(bucket, work, posts)

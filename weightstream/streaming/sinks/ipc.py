@@ -4,35 +4,23 @@ The trainer keeps the buffer alive until the engine says it has loaded it."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from weightstream.errors import UpdateError
-from weightstream.streaming.adapters.sglang import SGLangEngine
+from weightstream.streaming.adapters.base import EngineAdapter
 from weightstream.streaming.bucket import Bucket
-from weightstream.streaming.serialization import checksum, dumps_b64
-
-
-def bucket_payload(bucket: Bucket) -> str:
-    """SGLang's flattened-bucket payload for ``/update_weights_from_tensor`` (metadata in bytes)."""
-    metadata = [
-        SimpleNamespace(name=m.name, shape=torch.Size(m.shape), dtype=m.dtype, start_idx=m.offset,
-                        end_idx=m.offset + m.nbytes, numel=m.numel)
-        for m in bucket.metas
-    ]
-    return dumps_b64({"flattened_tensor": bucket.buffer, "metadata": metadata})
+from weightstream.streaming.serialization import checksum
 
 
 class IPCSink:
     name = "ipc"
 
-    def __init__(self, engine: SGLangEngine, *, checksums: bool = False, weight_version: str | None = None):
+    def __init__(self, engine: EngineAdapter, *, checksums: bool = False):
         self.engine = engine
         self.checksums = checksums
-        self.weight_version = weight_version
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.engine_tp = 1
@@ -40,7 +28,7 @@ class IPCSink:
     def open(self, stream) -> None:
         if stream.mode != "full":
             raise ValueError("IPCSink sends whole tensors: it needs a full stream")
-        info = [self.engine.tp_size if self.rank == 0 else None]
+        info = [self.engine.info().tp_size if self.rank == 0 else None]
         if self.world > 1:
             dist.broadcast_object_list(info, group_src=0)
         self.engine_tp = int(info[0])
@@ -53,7 +41,7 @@ class IPCSink:
             torch.cuda.current_stream(bucket.buffer.device).synchronize()
         mine: Any = None
         if self.rank < self.engine_tp:
-            mine = (bucket_payload(bucket), checksum(bucket.buffer) if self.checksums else None)
+            mine = (self.engine.encode_ipc(bucket), checksum(bucket.buffer) if self.checksums else None)
         everyone = [mine]
         if self.world > 1:
             everyone = [None] * self.world if self.rank == 0 else None
@@ -63,8 +51,7 @@ class IPCSink:
             try:
                 payloads = [p for p, _ in everyone[: self.engine_tp]]
                 digests = [d for _, d in everyone[: self.engine_tp]] if self.checksums else None
-                self.engine.update_from_tensor(payloads, index=bucket.index, weight_version=self.weight_version,
-                                               checksums=digests)
+                self.engine.receive_ipc(bucket.index, payloads, digests)
             except Exception as exc:  # noqa: BLE001 — shared with the other ranks below
                 status[0] = UpdateError(f"bucket {bucket.index}", str(exc), [self.engine.url])
         if self.world > 1:

@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch.distributed as dist
 
+from weightstream.errors import UpdateError
 from weightstream.launch import free_port
-from weightstream.models.spec import dtype_name
-from weightstream.streaming.adapters.sglang import SGLangEngine
+from weightstream.streaming.adapters.base import EngineAdapter, GroupSpec, RankBucket
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.groups import init_custom_process_group
 from weightstream.streaming.serialization import checksum
@@ -29,24 +29,17 @@ def _sender_coords() -> tuple[bool, int, int, object]:
     return sender, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
 
 
-def _meta_json(m) -> dict:
-    shard = None if m.shard is None else {"dim": m.shard.dim, "start": m.shard.start, "length": m.shard.length, "full": m.shard.full}
-    return {"name": m.name, "dtype": dtype_name(m.dtype), "shape": list(m.shape), "offset": m.offset, "shard": shard}
-
-
 class P2PSink(PipelinedSink):
     name = "p2p"
 
-    def __init__(self, engine: SGLangEngine, *, master_address: str = "127.0.0.1", master_port: int | None = None,
-                 backend: str | None = None, timeout_s: float = 60.0, checksums: bool = False,
-                 weight_version: str | None = None):
+    def __init__(self, engine: EngineAdapter, *, master_address: str = "127.0.0.1", master_port: int | None = None,
+                 backend: str | None = None, timeout_s: float = 60.0, checksums: bool = False):
         self.engine = engine
         self.master_address = master_address
         self.master_port = master_port
         self.backend = backend or default_backend()
         self.timeout_s = timeout_s
         self.checksums = checksums
-        self.weight_version = weight_version
         self.sender, self.tp_rank, self.tp, self.tp_group = _sender_coords()
         self.poster = self.sender and self.tp_rank == 0
         self.group = None
@@ -64,8 +57,8 @@ class P2PSink(PipelinedSink):
         posts = []
         if self.poster:
             self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ws-p2p")
-            posts.append(self._pool.submit(self.engine.init_group, self.master_address, port[0], self.tp, 2 * self.tp,
-                                           self.backend, self.timeout_s))
+            posts.append(self._pool.submit(self.engine.join_group, GroupSpec(
+                self.master_address, port[0], self.tp, 2 * self.tp, self.backend, self.timeout_s, self.engine.group_name)))
         self._join(posts, lambda: init_custom_process_group(
             self.backend, f"tcp://{self.master_address}:{port[0]}", 2 * self.tp, self.tp_rank,
             self.engine.group_name, self.timeout_s,
@@ -84,21 +77,29 @@ class P2PSink(PipelinedSink):
     def send(self, bucket: Bucket) -> None:
         if not self.sender:
             return
-        self._inflight.finish()
+        failure: UpdateError | None = None
+        try:
+            self._inflight.finish()
+        except UpdateError as exc:
+            failure = exc
         digest = checksum(bucket.buffer) if self.checksums else None
         digests = [digest]
         if self.checksums and self.tp > 1:
-            digests = [None] * self.tp
-            dist.all_gather_object(digests, digest, group=self.tp_group)
+            # The TP ranks meet here for every bucket: a failure seen by one (the poster hears the engine)
+            # is raised by all, so that none is left waiting in this collective for a rank that stopped.
+            everyone: list = [None] * self.tp
+            dist.all_gather_object(everyone, (digest, failure), group=self.tp_group)
+            digests = [d for d, _ in everyone]
+            failure = next((f for _, f in everyone if f is not None), None)
+        if failure is not None:
+            raise failure
         posts = []
         if self.poster:
             ranks = []
             for r in range(self.tp):
                 metas = bucket.metas if r == self.tp_rank else self.stream.metas_for_rank(bucket.index, r)
                 nbytes = max((m.offset + m.nbytes for m in metas), default=0)
-                ranks.append({"src": r, "metas": [_meta_json(m) for m in metas], "nbytes": nbytes,
-                              "checksum": digests[r] if self.checksums else None})
-            posts.append(self._pool.submit(self.engine.update_from_p2p, ranks, index=bucket.index,
-                                           weight_version=self.weight_version))
+                ranks.append(RankBucket(r, tuple(metas), nbytes, digests[r] if self.checksums else None))
+            posts.append(self._pool.submit(self.engine.receive_p2p, bucket.index, ranks))
         work = dist.isend(bucket.buffer, group=self.group, group_dst=self.tp + self.tp_rank)
         self._inflight.start(bucket, work, posts)

@@ -1,0 +1,76 @@
+"""The engine seam: sinks import no engine module, the transport is chosen from what engines declare,
+and each adapter's requests are the engine's own field names."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+from weightstream.models.presets import preset_config
+from weightstream.models.spec import ModelSpec
+from weightstream.streaming.adapters import ADAPTERS, EngineAdapter, EngineInfo, ReferenceEngine, SGLangEngine
+from weightstream.streaming.adapters.base import BROADCAST, IPC, P2P, ROLLBACK
+from weightstream.streaming.topology import Topology
+from weightstream.update import choose_transport
+
+SINKS = pathlib.Path(__file__).resolve().parent.parent / "weightstream" / "streaming" / "sinks"
+
+
+def test_sinks_import_no_engine_module():
+    engine_modules = {f"weightstream.streaming.adapters.{name}" for name in ("sglang", "reference", "vllm", "lmdeploy")}
+    for path in SINKS.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+            a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not imported & engine_modules, (path.name, imported & engine_modules)
+        assert "weightstream.streaming.adapters" not in imported, path.name  # the package pulls in every engine
+
+
+def test_every_adapter_is_an_engine_adapter():
+    for cls in ADAPTERS.values():
+        assert isinstance(cls("http://127.0.0.1:9"), EngineAdapter), cls
+
+
+class Declared(ReferenceEngine):
+    """An adapter whose engine declares ``info`` without being asked over HTTP (the choice is pure)."""
+
+    def __init__(self, url: str, info: EngineInfo):
+        super().__init__(url)
+        self._info = info
+
+
+def _topo(tp: int = 2, ep: int = 1) -> Topology:
+    return Topology(tp_size=tp, tp_rank=0, pp_size=1, pp_rank=0, ep_size=ep, ep_rank=0, etp_size=tp, etp_rank=0)
+
+
+SPEC = ModelSpec.from_hf_config(preset_config("tiny-qwen3"))
+
+
+@pytest.mark.parametrize("caps,tp,engines,requested,expected", [
+    ({BROADCAST, IPC, P2P, ROLLBACK}, 2, 1, "auto", "p2p"),
+    ({BROADCAST, IPC}, 2, 1, "auto", "broadcast"),  # SGLang: no per-rank buckets
+    ({BROADCAST, IPC, P2P}, 1, 1, "auto", "broadcast"),  # engine TP 1 != trainer TP 2
+    ({BROADCAST, IPC, P2P}, 2, 2, "p2p", "broadcast"),  # two engines: fall back
+    ({IPC}, 2, 1, "ipc", "ipc"),
+])
+def test_transport_is_chosen_from_declared_capabilities(caps, tp, engines, requested, expected):
+    adapters = [Declared(f"http://e{i}", EngineInfo("x", tp_size=tp, capabilities=frozenset(caps)))
+                for i in range(engines)]
+    kind, reason = choose_transport(requested, adapters, _topo(), SPEC, colocated=False)
+    assert kind == expected, reason
+
+
+def test_no_transport_fits_is_one_clear_error():
+    ipc_only = Declared("http://e", EngineInfo("x", tp_size=1, capabilities=frozenset({IPC})))
+    with pytest.raises(ValueError, match=r"no transport fits: P2P preconditions failed: .*do not receive broadcasts"):
+        choose_transport("auto", [ipc_only], _topo(), SPEC, colocated=False)
+    with pytest.raises(ValueError, match="do not receive IPC buckets"):
+        choose_transport("ipc", [Declared("http://e", EngineInfo("x", capabilities=frozenset({BROADCAST})))],
+                         _topo(), SPEC, colocated=False)
+
+
+def test_sglang_adapter_does_not_claim_what_sglang_lacks():
+    info = SGLangEngine("http://x").capabilities({})
+    assert P2P not in info and ROLLBACK not in info and {BROADCAST, IPC} <= info

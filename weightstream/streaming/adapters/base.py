@@ -1,0 +1,178 @@
+"""What an update needs from an inference engine, whichever engine it is.
+
+A sink moves bytes (a broadcast, a send per TP rank, an IPC handle) and calls the engine's adapter for
+everything else: telling the engine a bucket is coming and what is in it, joining and leaving the group the
+bytes travel through, opening, committing and aborting a versioned update, pausing and resuming generation,
+releasing and resuming memory. ``update.py`` picks a transport from the adapter's :class:`EngineInfo`
+(sizes, GPUs, capabilities), never from an engine's name. Each engine is one adapter module; adding an
+engine adds one module and touches no sink.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from weightstream.errors import WeightstreamError
+from weightstream.streaming.bucket import Bucket, TensorMeta
+
+# Capabilities an engine may declare.
+BROADCAST = "broadcast"  # receives a bucket's flat buffer by a broadcast over a joined group
+IPC = "ipc"  # receives a bucket's buffer as a CUDA IPC handle / shared-memory file
+P2P = "p2p"  # each engine TP rank receives its own per-rank bucket from trainer TP rank r (send/recv)
+ROLLBACK = "rollback"  # an aborted update puts the last committed weights back
+RELEASE_MEMORY = "release_memory"  # frees weights / KV cache while the trainer runs, re-creates them after
+
+
+class EngineError(WeightstreamError):
+    def __init__(self, url: str, step: str, detail: str):
+        self.url, self.step, self.detail = url, step, detail
+        super().__init__(f"engine {url}: {step} failed: {detail}")
+
+    def __reduce__(self):
+        return (type(self), (self.url, self.step, self.detail))
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine is, as far as an update cares."""
+
+    engine: str
+    tp_size: int = 1
+    pp_size: int = 1
+    ep_size: int = 1
+    dp_size: int = 1
+    gpu_uuids: tuple[str, ...] = ()
+    capabilities: frozenset[str] = field(default_factory=frozenset)
+
+    def can(self, capability: str) -> bool:
+        return capability in self.capabilities
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One weight-update group: the trainer's sender is rank 0 and hosts the store at
+    ``master_address:master_port``; this engine's TP rank r joins as ``rank_offset + r``."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    backend: str
+    timeout_s: float
+    group_name: str
+
+
+@dataclass(frozen=True)
+class RankBucket:
+    """What one engine TP rank receives in a per-rank (P2P) bucket: from trainer rank ``src``,
+    ``nbytes`` bytes laid out as ``metas``."""
+
+    src: int
+    metas: tuple[TensorMeta, ...]
+    nbytes: int
+    checksum: str | None = None
+
+
+@runtime_checkable
+class EngineAdapter(Protocol):
+    """One engine (all its ranks) as an update sees it. Every call is bounded (``timeout_s`` of the
+    adapter unless given) and raises :class:`EngineError` naming the engine and the step."""
+
+    url: str
+    group_name: str
+
+    def info(self, refresh: bool = False) -> EngineInfo: ...
+
+    # generation and versioned sessions
+    def pause(self, mode: str = "abort") -> None: ...
+
+    def resume(self, timeout_s: float | None = None) -> None: ...
+
+    def begin_update(self, version: str | None, timeout_s: float | None = None) -> None: ...
+
+    def commit_update(self) -> str | None:
+        """Load what was received for good; returns the weight version the engine now reports."""
+
+    def abort_update(self, timeout_s: float | None = None) -> None: ...
+
+    # the group bytes travel through
+    def join_group(self, spec: GroupSpec) -> None: ...
+
+    def leave_group(self, timeout_s: float | None = None) -> None: ...
+
+    # one bucket
+    def receive_broadcast(self, bucket: Bucket, checksum: str | None) -> None:
+        """Tell the engine the bucket being broadcast now (it receives it and loads it)."""
+
+    def receive_p2p(self, index: int, ranks: Sequence[RankBucket]) -> None: ...
+
+    def encode_ipc(self, bucket: Bucket) -> Any:
+        """This trainer rank's bucket as the engine's IPC payload (called on every colocated rank)."""
+
+    def receive_ipc(self, index: int, payloads: Sequence[Any], checksums: Sequence[str | None] | None) -> None: ...
+
+    # memory around colocated updates
+    def release_memory(self, tags: Sequence[str] | None = None) -> None: ...
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None: ...
+
+
+class HTTPEngine:
+    """Bounded JSON-over-HTTP calls to one engine; the plumbing every HTTP adapter shares."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 60.0,
+                 group_name: str = "weight_update_group"):
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.group_name = group_name
+        self._info: EngineInfo | None = None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    def request(self, method: str, path: str, body: Any = None, *, step: str | None = None,
+                timeout_s: float | None = None) -> Any:
+        step = step or path.strip("/")
+        timeout = timeout_s or self.timeout_s
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        if self.api_key:
+            req.add_header("Authorization", f"Bearer {self.api_key}")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")
+            try:
+                parsed = json.loads(detail)
+                detail = parsed.get("message") or (parsed.get("error") or {}).get("message") or detail
+            except (ValueError, AttributeError):
+                pass
+            raise EngineError(self.url, step, f"HTTP {exc.code}: {detail}") from None
+        except (urllib.error.URLError, OSError, TimeoutError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise EngineError(self.url, step, f"unreachable or no answer within {timeout:.0f} s ({reason})") from None
+        try:
+            reply = json.loads(raw) if raw else {}
+        except ValueError:
+            reply = raw.decode(errors="replace")
+        if isinstance(reply, dict) and reply.get("success") is False:
+            raise EngineError(self.url, step, reply.get("message", "success=false"))
+        return reply
+
+    def post(self, path: str, body: Any = None, **kw) -> Any:
+        return self.request("POST", path, body if body is not None else {}, **kw)
+
+    def get(self, path: str, **kw) -> Any:
+        return self.request("GET", path, **kw)
+
+    @property
+    def tp_size(self) -> int:
+        return self.info().tp_size

@@ -1,0 +1,50 @@
+"""The reference engine (``weightstream engine``): SGLang's protocol, plus per-rank (P2P) buckets, rollback
+of an aborted session, and logits for checking."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from weightstream.models.spec import dtype_name
+from weightstream.streaming.adapters.base import BROADCAST, IPC, P2P, RELEASE_MEMORY, ROLLBACK, RankBucket
+from weightstream.streaming.adapters.sglang import SGLangEngine
+
+ENGINE_NAME = "weightstream-reference"
+
+
+def _meta_json(m) -> dict:
+    shard = None if m.shard is None else {"dim": m.shard.dim, "start": m.shard.start, "length": m.shard.length,
+                                          "full": m.shard.full}
+    return {"name": m.name, "dtype": dtype_name(m.dtype), "shape": list(m.shape), "offset": m.offset, "shard": shard}
+
+
+class ReferenceEngine(SGLangEngine):
+    name = "reference"
+
+    def capabilities(self, server_info: dict) -> frozenset[str]:
+        return frozenset(server_info.get("capabilities") or (BROADCAST, IPC, P2P, ROLLBACK, RELEASE_MEMORY))
+
+    def abort_update(self, timeout_s: float | None = None) -> None:
+        """Close the session without committing: the engine puts its last committed weights back."""
+        if not self._session:
+            return
+        self._session = False
+        self.post("/weightstream/abort_weight_update", {}, step="abort_weight_update", timeout_s=timeout_s)
+
+    def receive_p2p(self, index: int, ranks: Sequence[RankBucket]) -> None:
+        """Metadata of what each engine rank receives by send/recv in this bucket."""
+        self.post("/weightstream/update_weights_from_p2p", {
+            "group_name": self.group_name, "weight_version": self._version,
+            "ranks": [{"src": r.src, "metas": [_meta_json(m) for m in r.metas], "nbytes": r.nbytes,
+                       "checksum": r.checksum} for r in ranks],
+        }, step=f"update_weights_from_p2p (bucket {index})")
+
+    def logits(self, input_ids: list[list[int]]):
+        import base64
+
+        import numpy as np
+        import torch
+
+        reply = self.post("/weightstream/logits", {"input_ids": input_ids}, step="logits")
+        arr = np.frombuffer(base64.b64decode(reply["logits_b64"]), dtype=np.float32).reshape(reply["shape"])
+        return torch.from_numpy(arr.copy())
