@@ -254,3 +254,32 @@ def run_timed_updates(case: Case, targets: list[tuple[list[str], dict]]) -> list
         entry["seconds"] = time.monotonic() - start
         out.append(entry)
     return out
+
+
+def run_release_cycle(case: Case, url: str, transport: str) -> dict:
+    """A colocated RL round as users write it: the engine frees its memory while the trainer trains, then
+    one update re-creates and refills it. Rank 0 reports the engine's memory and answers at each step."""
+    from weightstream.streaming.adapters import EngineError, ReferenceEngine
+    from weightstream.update import WeightSync
+
+    cfg, chunks = _build(case)
+    eng = ReferenceEngine(url, timeout_s=120)
+    out: dict = {}
+    with WeightSync([url], transport=transport, checksums=True, timeout_s=60) as sync:
+        if dist.get_rank() == 0:
+            out["before"] = eng.get("/weightstream/memory")["ranks"]
+        sync.release_memory()
+        if dist.get_rank() == 0:
+            out["released"] = eng.get("/weightstream/memory")["ranks"]
+            try:
+                eng.logits(INPUT_IDS)
+                out["served_while_released"] = True
+            except EngineError as exc:
+                out["served_while_released"] = str(exc)
+        report = sync.update(chunks, cfg, weight_version="after-release")
+        out["report"] = report
+        if dist.get_rank() == 0:
+            out["after"] = eng.get("/weightstream/memory")["ranks"]
+            out["logits"] = eng.logits(INPUT_IDS)
+            out["generated"] = eng.generate(INPUT_IDS[0], max_new_tokens=4)["output_ids"]
+    return out

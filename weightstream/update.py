@@ -22,7 +22,7 @@ from weightstream.bounds import Deadline, cleanup_budget
 from weightstream.errors import UpdateError, WeightstreamError
 from weightstream.models.spec import ModelSpec, load_hf_config
 from weightstream.streaming.adapters import ADAPTERS, detect, make_adapter
-from weightstream.streaming.adapters.base import BROADCAST, IPC, P2P, EngineAdapter, EngineError
+from weightstream.streaming.adapters.base import BROADCAST, IPC, P2P, RELEASE_MEMORY, EngineAdapter, EngineError
 from weightstream.streaming.plan import ALIGN
 from weightstream.streaming.serialization import gpu_uuid
 from weightstream.streaming.sinks import BroadcastSink, IPCSink, P2PSink
@@ -170,6 +170,7 @@ class WeightSync:
         self.master_address, self.master_port, self.backend = master_address, master_port, backend
         self.sinks: dict[str, Any] = {}  # one per transport used, kept across updates (groups are made once)
         self.updates = 0
+        self.released: list[str] = []  # memory the engines gave up (release_memory), re-created by the next update
 
     def _make_sink(self, kind: str):
         sink = self.sinks.get(kind)
@@ -216,6 +217,9 @@ class WeightSync:
                 decision = choose_transport(self.transport, self.engines, topo, spec, self.colocated)
                 for e in self.engines:
                     e.pause(self.pause_mode)
+                if "weights" in self.released:
+                    for e in self.engines:
+                        e.resume_memory(["weights"])  # re-created before the update writes into them
                 for e in self.engines:
                     e.begin_update(version, self.timeout_s)
             except Exception as exc:  # noqa: BLE001 — shared with every rank below
@@ -272,6 +276,13 @@ class WeightSync:
                     raise UpdateError("commit", f"engines report weight versions {wrong}, expected {version!r}", urls)
             except Exception as exc:  # noqa: BLE001 — shared with every rank below
                 failure = _as_update_error("commit", exc, urls)
+            rest = [tag for tag in self.released if tag != "weights"]
+            if failure is None and rest:
+                try:
+                    for e in self.engines:
+                        e.resume_memory(rest)
+                except Exception as exc:  # noqa: BLE001 — shared with every rank below
+                    failure = _as_update_error("commit", exc, urls)
             seconds["commit"] = time.perf_counter() - t
             if failure is None:
                 t = time.perf_counter()
@@ -281,10 +292,35 @@ class WeightSync:
         if failure is not None:
             self._fail()
             raise failure
+        self.released = []
         report.weight_version = version
         seconds["total"] = time.perf_counter() - start
         report.seconds = seconds
         return report
+
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Between rollouts, on every trainer rank: pause generation and have the engines free their memory
+        (``tags``: SGLang's ``weights``, ``kv_cache``, ``cuda_graph``; all by default) while the trainer
+        trains. The next :meth:`update` re-creates the weights before streaming into them and the rest
+        after committing, then resumes generation; the engine serves nothing until then."""
+        self._resolve_engines()
+        tags = list(tags) if tags else ["weights", "kv_cache", "cuda_graph"]
+        urls = [e.url for e in self.engines]
+        err: Any = None
+        if _rank() == 0:
+            try:
+                unable = [e.url for e in self.engines if not e.info().can(RELEASE_MEMORY)]
+                if unable:
+                    raise ValueError(f"engines {unable} cannot release their memory")
+                for e in self.engines:
+                    e.pause(self.pause_mode)
+                    e.release_memory(tags)
+            except Exception as exc:  # noqa: BLE001 — shared with every rank below
+                err = _as_update_error("release_memory", exc, urls)
+        err = _share(err)
+        if err is not None:
+            raise err
+        self.released = sorted(set(self.released) | set(tags))
 
     def _resolve_engines(self) -> None:
         """Adapters for engines given by URL: rank 0 asks each engine what it is (``engine="auto"``),

@@ -91,16 +91,26 @@ class ShardedCausalLM:
         self.model = model
         self.params = self._param_table()
         self.backup: dict[str, Tensor] | None = None  # during a session: what each touched tensor held before
+        self.device = device
+        self.released_bytes = 0
+        self.stale: set[str] = set()  # released weights no update has loaded since
+        self._loaded_in_session: set[str] = set()
 
     # -- sessions: an update is committed whole or rolled back whole --------------------------------
 
     def begin_session(self) -> None:
         self.backup = {}
         self.pending_vocab = []
+        self._loaded_in_session: set[str] = set()
 
     def commit_session(self) -> None:
+        missing = self.stale - self._loaded_in_session
+        if missing:
+            raise RuntimeError(f"{len(missing)} tensors were released and this update did not load them "
+                               f"(e.g. {sorted(missing)[:3]}); the update is not committed")
         self.exchange_vocab_pieces()
         self.backup = None
+        self.stale = set()
 
     @torch.no_grad()
     def rollback_session(self) -> int:
@@ -110,6 +120,46 @@ class ShardedCausalLM:
         for name, old in backup.items():
             self.params[name][0].copy_(old)
         return len(backup)
+
+    # -- memory: released between rollouts, re-created before the next update -----------------------
+
+    def _storages(self) -> list:
+        seen, out = set(), []
+        for t in list(self.model.parameters()) + list(self.model.buffers()):
+            st = t.untyped_storage()
+            if st.data_ptr() not in seen and st.nbytes():
+                seen.add(st.data_ptr())
+                out.append(st)
+        return out
+
+    def release_weights(self) -> int:
+        """Free the weights' memory (contents are discarded, as SGLang does without a CPU backup): every
+        weight is then stale until an update loads it. Buffers the model computes itself (rotary
+        tables) are kept. Returns the bytes freed."""
+        if self.released_bytes:
+            return 0
+        buffers = {b.untyped_storage().data_ptr() for b in self.model.buffers()}
+        freed = 0
+        self.released: list = []
+        for st in self._storages():
+            if st.data_ptr() in buffers:
+                continue
+            self.released.append((st, st.nbytes()))
+            freed += st.nbytes()
+            st.resize_(0)
+        self.released_bytes = freed
+        self.stale = set(self.params)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return freed
+
+    def resume_weights(self) -> int:
+        """Re-create the weights' memory, zeroed; they stay stale until an update loads them."""
+        for st, nbytes in getattr(self, "released", []):
+            st.resize_(nbytes)
+            st.fill_(0)
+        restored, self.released, self.released_bytes = self.released_bytes, [], 0
+        return restored
 
     def _keep(self, name: str, param: Tensor) -> None:
         if self.backup is not None and name not in self.backup:
@@ -185,6 +235,9 @@ class ShardedCausalLM:
                 problems.append(f"{name}: the model has no such tensor")
                 continue
             param, dim = entry
+            if self.released_bytes:
+                problems.append(f"{name}: the weights are released; resume them before loading")
+                continue
             self._keep(name, param)
             try:
                 if name in VOCAB and shard is not None:
@@ -214,6 +267,7 @@ class ShardedCausalLM:
                         raise ValueError(f"shape {tuple(tensor.shape)} != engine's shard {tuple(param.shape)}")
                     param.copy_(tensor)
                 loaded.append(name)
+                self._loaded_in_session.add(name)
             except (ValueError, RuntimeError) as exc:
                 problems.append(f"{name}: {exc}")
         return LoadReport(loaded, problems)
@@ -241,8 +295,13 @@ class ShardedCausalLM:
                 if src != self.rank:
                     param.narrow(0, start, shape[0]).copy_(buf)
 
+    def check_servable(self) -> None:
+        if self.released_bytes or self.stale:
+            raise RuntimeError("the weights were released: resume them and update them before generating")
+
     @torch.no_grad()
     def logits(self, input_ids: Tensor) -> Tensor:
+        self.check_servable()
         device = next(self.model.parameters()).device
         return self.model(input_ids.to(device)).logits.float()
 

@@ -82,6 +82,8 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "/update_weight_version": {"new_version": ((str,), True)},
     "/generate": {"input_ids": ((list,), True), "sampling_params": ((dict, type(None)), False)},
     "/weightstream/logits": {"input_ids": ((list,), True)},
+    "/release_memory_occupation": {"tags": ((list, type(None)), False)},
+    "/resume_memory_occupation": {"tags": ((list, type(None)), False)},
 }
 
 
@@ -153,6 +155,7 @@ class Engine:
         self.busy = 0
         self.last_activity = time.monotonic()
         self.stopping = False
+        self.weights_released = False  # until an update has loaded every weight again
         from weightstream.engine.worker import worker_main
 
         ctx = mp.get_context("spawn")
@@ -244,6 +247,7 @@ class Engine:
                                     f"weights (version {self.weight_version}) are back in place")
             self.call("commit_session")
             self.session_open = False
+            self.weights_released = False
             if self.pending_version is not None:
                 self.weight_version = self.pending_version
             return f"committed {self.session_loaded} tensors; weight_version {self.weight_version}"
@@ -414,6 +418,9 @@ class EngineServer(ThreadingHTTPServer):
             ("POST", "/flush_cache"): lambda b: (200, "Cache flushed.\n"),
             ("POST", "/generate"): self.generate,
             ("POST", "/weightstream/logits"): self.logits,
+            ("POST", "/release_memory_occupation"): self.release_memory,
+            ("POST", "/resume_memory_occupation"): self.resume_memory,
+            ("GET", "/weightstream/memory"): lambda b: (200, {"ranks": self.engine.call("memory")}),
         }
 
     def handle_error(self, request, client_address) -> None:
@@ -436,7 +443,8 @@ class EngineServer(ThreadingHTTPServer):
             "engine": ENGINE_NAME, "tp_size": e.tp, "pp_size": 1, "dp_size": 1, "model_path": e.model_dir,
             "weight_version": e.weight_version, "device": e.devices[0].split(":")[0], "gpu_uuids": e.gpu_uuids(),
             "hostname": socket.gethostname(), "pid": os.getpid(), "dtype": e.dtype,
-            "capabilities": ["broadcast", "ipc", "p2p", "rollback"], "update_session_open": e.session_open,
+            "capabilities": ["broadcast", "ipc", "p2p", "rollback", "release_memory"],
+            "update_session_open": e.session_open,
             "worker_pids": [p.pid for p in e.procs],
         }
 
@@ -523,12 +531,38 @@ class EngineServer(ThreadingHTTPServer):
         self.engine.paused.clear()
         return 200, {"message": "Generation continued successfully.", "status": "ok"}
 
+    MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+    def _tags(self, b) -> list[str]:
+        tags = b.get("tags") or list(self.MEMORY_TAGS)
+        unknown = [t for t in tags if t not in self.MEMORY_TAGS]
+        if unknown:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, f"unknown memory tags {unknown}; known: {list(self.MEMORY_TAGS)}")
+        return tags
+
+    def release_memory(self, b):
+        if self.engine.session_open:
+            raise EngineFailure("cannot release memory during a weight update session")
+        tags = self._tags(b)
+        ranks = self.engine.call("release_memory", tags=tags)
+        if "weights" in tags:
+            self.engine.weights_released = True
+        return 200, {"success": True, "message": f"released {sum(r['freed_bytes'] for r in ranks)} bytes",
+                     "ranks": ranks}
+
+    def resume_memory(self, b):
+        ranks = self.engine.call("resume_memory", tags=self._tags(b))
+        return 200, {"success": True, "message": f"re-created {sum(r['restored_bytes'] for r in ranks)} bytes",
+                     "ranks": ranks}
+
     def update_version(self, b):
         self.engine.weight_version = str(b["new_version"])
         return 200, {"success": True, "message": f"Weight version updated to {b['new_version']}",
                      "new_version": self.engine.weight_version}
 
     def _wait_unpaused(self) -> None:
+        if self.engine.weights_released:
+            raise BadRequest(HTTPStatus.CONFLICT, "the weights were released: resume them and update them before generating")
         deadline = time.monotonic() + self.engine.command_timeout_s
         while self.engine.paused.is_set():
             if time.monotonic() > deadline:

@@ -174,6 +174,24 @@ class Worker:
         self.bucket_count = 0
         return f"restored {restored} tensors"
 
+    def release_memory(self, tags):
+        """SGLang's tags: ``weights`` frees the weights (re-created, zeroed, by ``resume_memory``; an update
+        must then load every tensor before the engine serves again); this engine keeps no KV cache and
+        captures no CUDA graphs, so ``kv_cache`` and ``cuda_graph`` free nothing."""
+        freed = self.model.release_weights() if "weights" in tags else 0
+        return {"freed_bytes": freed, **self.memory()}
+
+    def resume_memory(self, tags):
+        restored = self.model.resume_weights() if "weights" in tags else 0
+        return {"restored_bytes": restored, **self.memory()}
+
+    def memory(self):
+        """This worker's memory: the device's allocated bytes (CUDA) and the process's resident size."""
+        with open("/proc/self/status") as f:
+            rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        cuda = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
+        return {"rss_bytes": rss, "cuda_allocated_bytes": cuda}
+
     def logits(self, input_ids):
         out = self.model.logits(torch.tensor(input_ids))
         return out.cpu() if self.rank == 0 else None
