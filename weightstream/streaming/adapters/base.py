@@ -132,6 +132,8 @@ class HTTPEngine:
         self.timeout_s = timeout_s
         self.group_name = group_name
         self._info: EngineInfo | None = None
+        self._session = False  # a session this client opened and has not ended
+        self._version: str | None = None  # the weight version of that session
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"

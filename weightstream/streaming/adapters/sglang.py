@@ -29,12 +29,6 @@ class SGLangEngine(HTTPEngine):
 
     name = "sglang"
 
-    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 60.0,
-                 group_name: str = "weight_update_group"):
-        super().__init__(url, api_key=api_key, timeout_s=timeout_s, group_name=group_name)
-        self._session = False  # a session this client opened and has not ended
-        self._version: str | None = None
-
     # -- what the engine is ------------------------------------------------------------------
 
     def server_info(self, refresh: bool = False) -> dict:

@@ -48,13 +48,6 @@ def future_errors(futures: list[Future], deadline: Deadline) -> list[str]:
     return [str(e) for e in _failures(futures, deadline)]
 
 
-def wait_all(futures: list[Future], deadline: Deadline) -> None:
-    """Wait for every future (all within one deadline); raise the first failure once all are done."""
-    failures = _failures(futures, deadline)
-    if failures:
-        raise failures[0]
-
-
 class InFlight:
     """One bucket on the wire: its collective and the engines' HTTP replies. Kept until the next
     bucket is ready (so packing overlaps the transfer), then finished: the bucket is only released
