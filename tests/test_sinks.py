@@ -31,7 +31,7 @@ def test_bucket_payload_round_trip_and_refusals():
     got = dict(rebuilt.named_tensors())
     assert torch.equal(got["a"], a) and torch.equal(got["b"], b.to(torch.bfloat16))
     assert [(m.name, m.start_idx, m.end_idx, m.numel) for m in obj["metadata"]] == [
-        (m.name, m.offset, m.offset + m.nbytes, m.numel) for m in bucket.metas
+        (m.name, m.offset, m.offset + m.nbytes, m.nbytes) for m in bucket.metas
     ]
     assert loads_b64(dumps_b64({"x": [1, 2.5, "s"]})) == {"x": [1, 2.5, "s"]}
     for evil in (pickle.dumps(os.system), pickle.dumps(eval), pickle.dumps(getattr)):

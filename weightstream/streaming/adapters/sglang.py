@@ -87,7 +87,9 @@ class SGLangEngine(HTTPEngine):
             "master_address": spec.master_address, "master_port": spec.master_port,
             "rank_offset": spec.rank_offset, "world_size": spec.world_size, "group_name": spec.group_name,
             "backend": spec.backend, "timeout_s": spec.timeout_s,
-        }, step="init_weights_update_group", timeout_s=spec.timeout_s + 2.0)  # the engine gives up at timeout_s
+        }, step="init_weights_update_group", timeout_s=spec.timeout_s + 2.0)
+        # SGLang ignores timeout_s (its side of the rendezvous waits by torch's default); the reference
+        # engine gives up at it. Either way this trainer stops waiting at its own bound.
 
     def leave_group(self, timeout_s: float | None = None) -> None:
         self.post("/destroy_weights_update_group", {"group_name": self.group_name},
@@ -108,10 +110,11 @@ class SGLangEngine(HTTPEngine):
         raise EngineError(self.url, "update_weights_from_p2p", "SGLang does not receive per-rank buckets")
 
     def encode_ipc(self, bucket: Bucket) -> str:
-        """SGLang's flattened-bucket payload for ``/update_weights_from_tensor`` (offsets in bytes)."""
+        """SGLang's flattened-bucket payload for ``/update_weights_from_tensor``: offsets and ``numel`` in
+        bytes, as SGLang's own ``FlattenedTensorBucket`` writes them (over its ``uint8`` buffer)."""
         metadata = [
             SimpleNamespace(name=m.name, shape=torch.Size(m.shape), dtype=m.dtype, start_idx=m.offset,
-                            end_idx=m.offset + m.nbytes, numel=m.numel)
+                            end_idx=m.offset + m.nbytes, numel=m.nbytes)
             for m in bucket.metas
         ]
         return dumps_b64({"flattened_tensor": bucket.buffer, "metadata": metadata})

@@ -1,0 +1,100 @@
+"""The SGLang adapter against SGLang's own code (SGLang 0.5.23, CPU; no server is started).
+
+tests/engines/sglang_check.py runs in a python that has sglang (``WEIGHTSTREAM_SGLANG_PYTHON``; .ci/run builds
+one) and prints one JSON object: every request body :class:`SGLangEngine` sends, decoded by SGLang's HTTP
+layer into its request class; the broadcast layout against SGLang's distributed receiver; the IPC payloads
+decoded in another process by SGLang's deserializer and model-runner path. Skipped without that python,
+failed instead when ``WEIGHTSTREAM_REQUIRE_SGLANG=1``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECK = ROOT / "tests" / "engines" / "sglang_check.py"
+OUR_EXTRAS = {"timeout_s", "weightstream_checksum", "weightstream_checksums"}
+ROUTES = {  # every route the adapter uses
+    "GET /get_server_info", "GET /model_info", "POST /pause_generation", "POST /continue_generation",
+    "POST /begin_weight_update", "POST /end_weight_update", "POST /flush_cache", "POST /init_weights_update_group",
+    "POST /destroy_weights_update_group", "POST /update_weights_from_distributed",
+    "POST /update_weights_from_tensor", "POST /release_memory_occupation", "POST /resume_memory_occupation",
+}
+
+
+def _sglang_python() -> str:
+    python = os.environ.get("WEIGHTSTREAM_SGLANG_PYTHON")
+    required = os.environ.get("WEIGHTSTREAM_REQUIRE_SGLANG") == "1"
+    why = None
+    if not python:
+        why = "WEIGHTSTREAM_SGLANG_PYTHON is not set"
+    else:
+        probe = subprocess.run([python, "-c", "import sglang, sglang.srt.weight_sync.tensor_bucket"],
+                               capture_output=True, text=True, timeout=120)
+        if probe.returncode:
+            why = f"{python} cannot import sglang: {probe.stderr.strip().splitlines()[-1:]}"
+    if why:
+        if required:
+            pytest.fail(f"WEIGHTSTREAM_REQUIRE_SGLANG=1 but {why}")
+        pytest.skip(why)
+    return python
+
+
+@pytest.fixture(scope="module")
+def result() -> dict:
+    python = _sglang_python()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([python, str(CHECK)], capture_output=True, text=True, timeout=420, cwd=ROOT, env=env)
+    assert proc.returncode == 0, f"sglang_check.py failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_sglang_version(result):
+    assert result["sglang_version"] == "0.5.23", "docs/engines.md and the adapter were checked against 0.5.23"
+
+
+def test_every_route_decodes(result):
+    sent = result["requests"]
+    assert ROUTES <= set(result["routes_sent"]), ROUTES - set(result["routes_sent"])
+    assert all(r["route_exists"] for r in sent), [r["path"] for r in sent if not r["route_exists"]]
+    bad = [(r["call"], r["path"], r.get("error")) for r in sent if not r.get("decoded")]
+    assert not bad, bad
+    assert result["all_decoded"] and result["all_routes_exist"]
+    assert not result["missing_required"], result["missing_required"]
+    assert not result["mismatched_values"], result["mismatched_values"]
+    body_classes = {r["path"]: r["request_class"] for r in sent}
+    assert body_classes["/update_weights_from_tensor"] == "UpdateWeightsFromTensorReqInput"
+    assert body_classes["/update_weights_from_distributed"] == "UpdateWeightsFromDistributedReqInput"
+    assert body_classes["/init_weights_update_group"] == "InitWeightsUpdateGroupReqInput"
+
+
+def test_no_unknown_field_beyond_our_extras(result):
+    assert not result["unknown_beyond_extras"], result["unknown_beyond_extras"]
+    assert set(result["unknown_fields"]) <= OUR_EXTRAS
+
+
+def test_broadcast_layout_matches_sglang_receiver(result):
+    b = result["broadcast"]
+    assert b["error"] is None, b["error"]
+    assert b["layout_equal"], (b["our_layout"], b["sglang_layout"])
+    assert b["nbytes_equal"], (b["our_nbytes"], b["sglang_nbytes"])
+    assert b["dtypes_equal"] and b["shapes_equal"]
+    assert b["tensors_equal"]
+
+
+def test_ipc_payloads_decode_in_another_process(result):
+    ipc = result["ipc"]
+    assert ipc.get("child") is not None, ipc.get("child_stderr")
+    assert ipc["other_process"]
+    assert ipc["one_payload_per_rank"] and ipc["child"]["n_payloads"] == ipc["engine_tp_size"]
+    assert ipc["child"]["load_format"] == "flattened_bucket"
+    for rank in ipc["child"]["ranks"]:
+        assert rank["error"] is None, (rank["error"], rank.get("traceback"))
+        assert rank["success"] and rank["payload_keys"] == ["flattened_tensor", "metadata"]
+        assert rank["names_equal"] and rank["dtypes_equal"] and rank["shapes_equal"] and rank["tensors_equal"]
+    assert ipc["ok"] and result["ok"]
