@@ -162,9 +162,7 @@ class WeightSync:
         self._given = list(engines)
         self._engine_kind = engine
         self._adapter_options = dict(api_key=api_key, timeout_s=timeout_s, group_name=group_name)
-        self.engines: list[EngineAdapter] = [e for e in engines if not isinstance(e, str)]
-        if len(self.engines) != len(self._given):
-            self.engines = []  # made by _resolve_engines on the first update
+        self.engines: list[EngineAdapter] = []  # made by _resolve_engines on the first update
         self.transport, self.colocated, self.bucket_bytes = transport, colocated, bucket_bytes
         self.checksums, self.timeout_s, self.pause_mode = checksums, timeout_s, pause_mode
         self.master_address, self.master_port, self.backend = master_address, master_port, backend
@@ -327,18 +325,21 @@ class WeightSync:
         every rank makes the same adapters."""
         if self.engines:
             return
+        urls = [u for u in self._given if isinstance(u, str)]
         kinds: Any = None
-        if _rank() == 0:
+        if urls and _rank() == 0:
             try:
                 kinds = [self._engine_kind if self._engine_kind != "auto" else
                          detect(u, api_key=self._adapter_options["api_key"], timeout_s=self.timeout_s)
-                         for u in self._given]
+                         for u in urls]
             except Exception as exc:  # noqa: BLE001 — shared with every rank below
-                kinds = _as_update_error("connect", exc, [str(u) for u in self._given])
-        kinds = _share(kinds)
+                kinds = _as_update_error("connect", exc, urls)
+        if urls:
+            kinds = _share(kinds)
         if isinstance(kinds, BaseException):
             raise kinds
-        self.engines = [make_adapter(k, u, **self._adapter_options) for k, u in zip(kinds, self._given)]
+        made = iter(make_adapter(k, u, **self._adapter_options) for k, u in zip(kinds or [], urls))
+        self.engines = [next(made) if isinstance(e, str) else e for e in self._given]
 
     def _abort_sessions(self, seconds: float | None = None) -> None:
         """Close every engine's session without committing, then resume generation; within ``seconds``

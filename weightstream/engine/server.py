@@ -31,6 +31,7 @@ import torch
 import torch.multiprocessing as mp
 
 from weightstream.launch import free_port
+from weightstream.models.spec import dtype_from_name
 from weightstream.streaming.serialization import gpu_uuid
 
 from weightstream.streaming.adapters.reference import ENGINE_NAME
@@ -97,6 +98,14 @@ def _int_lists(value: Any, depth: int) -> bool:
     return isinstance(value, list) and all(_int_lists(v, depth - 1) for v in value)
 
 
+def _is_dtype_name(name: Any) -> bool:
+    try:
+        dtype_from_name(name)
+        return True
+    except (ValueError, AttributeError):
+        return False
+
+
 def check_body(path: str, body: dict) -> None:
     """Raise one :class:`BadRequest` listing every problem of ``body`` for ``path``."""
     problems = []
@@ -114,7 +123,7 @@ def check_body(path: str, body: dict) -> None:
             problems.append(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
         if not all(isinstance(n, str) for n in names):
             problems.append("names must be strings")
-        bad = [d for d in dtypes if not isinstance(d, str) or not isinstance(getattr(torch, d.removeprefix("torch."), None), torch.dtype)]
+        bad = [d for d in dtypes if not _is_dtype_name(d)]
         if bad:
             problems.append(f"unknown dtypes {bad[:5]}")
         if not _int_lists(shapes, 2):
