@@ -18,6 +18,7 @@ from weightstream.streaming.adapters import (
     EngineAdapter,
     EngineError,
     EngineInfo,
+    LMDeployEngine,
     ReferenceEngine,
     SGLangEngine,
     VLLMEngine,
@@ -30,6 +31,6 @@ __all__ = [
     "Bucket", "BucketStream", "ConversionError", "Converter", "Mapping", "ModelSpec", "Shard", "TensorMeta",
     "Topology", "UnknownModelError", "WeightstreamError", "get_converter", "known_model_types",
     "register_converter", "save_hf_checkpoint", "stream_hf_weights",
-    "EngineAdapter", "EngineError", "EngineInfo", "ReferenceEngine", "SGLangEngine", "UpdateError", "VLLMEngine", "UpdateReport",
+    "EngineAdapter", "EngineError", "EngineInfo", "LMDeployEngine", "ReferenceEngine", "SGLangEngine", "UpdateError", "VLLMEngine", "UpdateReport",
     "WeightSync", "update_weights",
 ]

@@ -22,7 +22,15 @@ from weightstream.bounds import Deadline, cleanup_budget
 from weightstream.errors import UpdateError, WeightstreamError
 from weightstream.models.spec import ModelSpec, load_hf_config
 from weightstream.streaming.adapters import ADAPTERS, detect, make_adapter
-from weightstream.streaming.adapters.base import BROADCAST, IPC, P2P, RELEASE_MEMORY, EngineAdapter, EngineError
+from weightstream.streaming.adapters.base import (
+    BROADCAST,
+    IPC,
+    P2P,
+    RELEASE_MEMORY,
+    SINGLE_DTYPE,
+    EngineAdapter,
+    EngineError,
+)
 from weightstream.streaming.plan import ALIGN
 from weightstream.streaming.serialization import gpu_uuid
 from weightstream.streaming.sinks import BroadcastSink, IPCSink, P2PSink
@@ -213,6 +221,7 @@ class WeightSync:
             t = time.perf_counter()
             try:
                 decision = choose_transport(self.transport, self.engines, topo, spec, self.colocated)
+                decision = (*decision, any(e.info().can(SINGLE_DTYPE) for e in self.engines))
                 for e in self.engines:
                     e.pause(self.pause_mode)
                 if "weights" in self.released:
@@ -227,7 +236,7 @@ class WeightSync:
         decision = _share(decision)
         if isinstance(decision, BaseException):
             raise decision
-        kind, reason = decision
+        kind, reason, one_dtype = decision
         mode = "per_rank" if kind == "p2p" else "full"
         report = UpdateReport(kind, reason, mode, engines=urls)
 
@@ -239,7 +248,8 @@ class WeightSync:
         try:
             sink = self._make_sink(kind)
             stream = stream_hf_weights(model_chunks, cfg, bucket_bytes=self.bucket_bytes, mode=mode,
-                                       align=1 if kind == "broadcast" else ALIGN, topology=topo)
+                                       align=1 if kind == "broadcast" else ALIGN, topology=topo,
+                                       split_dtypes=one_dtype)
             tc = time.perf_counter()
             sink.open(stream)
             seconds["connect"] = time.perf_counter() - tc

@@ -41,17 +41,21 @@ def layout(items: Sequence[Sequence[int]], align: int = ALIGN, start: int = 0) -
     return offsets, end
 
 
-def plan_buckets(items: Sequence[Sequence[int]], limit: int, align: int = ALIGN) -> list[BucketPlan]:
-    """Cut ``items`` into buckets of at most ``limit`` bytes, keeping their order."""
+def plan_buckets(items: Sequence[Sequence[int]], limit: int, align: int = ALIGN,
+                 keys: Sequence[object] | None = None) -> list[BucketPlan]:
+    """Cut ``items`` into buckets of at most ``limit`` bytes, keeping their order; with ``keys`` (one per
+    item), also wherever the key changes (a bucket holds items of one key)."""
     if limit <= 0:
         raise ValueError(f"bucket limit must be positive, got {limit}")
     if align <= 0 or align & (align - 1):
         raise ValueError(f"alignment must be a power of two, got {align}")
+    if keys is not None and len(keys) != len(items):
+        raise ValueError(f"{len(keys)} keys for {len(items)} items")
     buckets: list[BucketPlan] = []
     first, end, offsets = 0, 0, []
     for i, sizes in enumerate(items):
         item_offsets, new_end = layout([sizes], align, end)
-        if i > first and new_end > limit:
+        if i > first and (new_end > limit or (keys is not None and keys[i] != keys[i - 1])):
             buckets.append(BucketPlan(len(buckets), range(first, i), tuple(offsets), end))
             first, offsets = i, []
             item_offsets, new_end = layout([sizes], align, 0)

@@ -4,15 +4,24 @@ Flow for one call (on every rank of the job):
 
 1. source: this rank's tensors under global names;
 2. metadata exchange (one ``all_gather_object``) and the global table (same on all ranks);
-3. plan: buckets of at most ``bucket_bytes``;
+3. plan: buckets of at most ``bucket_bytes``, and for each bucket its copy program;
 4. per bucket, lazily: gather TP/expert-TP shards of the tensors this rank's stage owns (one
    batched all-gather per group), convert, pack into the flat buffer, then broadcast each
    stage's (and each expert owner's) region over the EP and PP groups.
+
+Steps 1-3 are made once and kept (:class:`StreamPlan`, cached per model): a later call on the same
+model chunks, config, converter, parallel layout and bucket settings reuses them after checking, in a
+few milliseconds, that no parameter was replaced, moved to new storage, added or removed (all ranks
+agree through one all-reduce). Packing is then batched: the converted tensors are views of the live
+parameters, prepared once, and each bucket is filled by one ``torch._foreach_copy_`` per dtype.
 """
 
 from __future__ import annotations
 
+import gc
+import operator
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -26,8 +35,8 @@ from weightstream.converters.registry import get_converter
 from weightstream.models.hf import expected_hf_shapes
 from weightstream.models.spec import ModelSpec, dtype_name, load_hf_config
 from weightstream.streaming.bucket import Bucket, Shard, TensorMeta, view_tensor
-from weightstream.streaming.plan import ALIGN, BucketPlan, layout, plan_buckets
-from weightstream.streaming.source import LocalTensor, local_tensors
+from weightstream.streaming.plan import ALIGN, BucketPlan, layout, plan_buckets, round_up
+from weightstream.streaming.source import WEIGHT_BUFFERS, LocalTensor, as_chunks, local_tensors, unwrap
 from weightstream.streaming.table import HFOut, RankMeta, TensorEntry, build_table
 from weightstream.streaming.topology import Topology
 
@@ -45,8 +54,11 @@ class StreamStats:
     gathers: int = 0  # TP / expert-TP all-gathers issued
     broadcasts: int = 0  # EP / PP broadcasts issued
     peak_staging_bytes: int = 0  # largest (output buffer + gather buffers + conversion temp) at once
-    setup_seconds: float = 0.0  # metadata exchange, checks and planning
+    setup_seconds: float = 0.0  # metadata exchange, checks and planning (or checking the kept plan)
     seconds: float = 0.0  # producing the buckets
+    planned: bool = False  # this stream made its plan (False: it reused a kept one)
+    batched: int = 0  # tensors packed by the batched copies
+    unbatched: int = 0  # tensors converted one by one (TP-gathered tensors, ops that make new tensors)
 
 
 @dataclass
@@ -55,6 +67,45 @@ class _Item:
     outputs: tuple[HFOut, ...]  # what this rank emits for the entry
     shards: tuple[Shard | None, ...]
     mine: bool  # this rank holds (a shard of) it
+
+
+@dataclass(slots=True)
+class _Program:
+    """How one bucket is filled, prepared once: its layout and the views to copy from."""
+
+    total: int  # bytes of the bucket
+    metas: tuple[TensorMeta, ...]
+    nbytes: int  # bytes of its tensors (the buffer less the alignment gaps)
+    items: list[_Item]  # in layout order
+    item_metas: list[list[TensorMeta]]
+    # Batched copies, per dtype: split sizes (in elements: gap, tensor, gap, tensor, ...) of the buffer
+    # viewed as that dtype, and the flat source views of the tensors, in offset order.
+    runs: list[tuple[torch.dtype, list[int], list[Tensor]]]
+    strided: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int, Tensor]]  # non-contiguous sources
+    slow: list[int]  # items converted one by one (TP-gathered, or an op that makes new tensors)
+    batched: int
+
+    @property
+    def alloc(self) -> int:
+        return round_up(max(self.total, 1), 16)
+
+
+@dataclass
+class StreamPlan:
+    """What a stream of one model needs before any data moves, made once and kept: the global table,
+    the bucket plan, and per bucket its copy program (made when the bucket is first produced)."""
+
+    key: tuple
+    spec: ModelSpec
+    mode: Mode
+    topology: Topology
+    buckets: list[BucketPlan]
+    items: list[_Item]
+    local: dict[str, Tensor]
+    device: torch.device
+    align: int
+    guard: "_Guard"
+    programs: dict[int, _Program] = field(default_factory=dict)
 
 
 @dataclass
@@ -70,6 +121,7 @@ class BucketStream(Iterator[Bucket]):
     device: torch.device
     align: int = ALIGN
     stats: StreamStats = field(default_factory=StreamStats)
+    shared: StreamPlan | None = None
     _gen: Iterator[Bucket] | None = None
 
     def __len__(self) -> int:
@@ -94,13 +146,17 @@ class BucketStream(Iterator[Bucket]):
     # -- production -------------------------------------------------------------------------
 
     def _produce(self) -> Iterator[Bucket]:
+        programs = self.shared.programs if self.shared is not None else {}
         for bp in self.plan:
             start = time.perf_counter()
-            bucket = self._build(bp)
+            program = programs.get(bp.index)
+            if program is None:
+                program = programs[bp.index] = self._program(bp)
+            bucket = self._build(bp, program)
             self.stats.seconds += time.perf_counter() - start
             self.stats.buckets += 1
             self.stats.tensors += len(bucket.metas)
-            self.stats.bytes += sum(m.nbytes for m in bucket.metas)
+            self.stats.bytes += program.nbytes
             yield bucket
 
     def _layout(self, items: list[_Item]) -> tuple[list[_Item], list[list[TensorMeta]], int]:
@@ -127,30 +183,116 @@ class BucketStream(Iterator[Bucket]):
         _, metas, _ = self._layout(items)
         return [m for ms in metas for m in ms]
 
-    def _build(self, bp: BucketPlan) -> Bucket:
+    def _context(self, it: _Item) -> OpContext:
+        if self.mode == "full":
+            return OpContext(self.spec, parts=it.entry.parts)
+        return OpContext(self.spec, parts=1, shard_rank=self._group_rank(it.entry))
+
+    def _views(self, it: _Item, metas: Sequence[TensorMeta]) -> list[Tensor] | None:
+        """The item's HF tensors as views of the live parameter (what a batched copy reads), or None
+        where they are not views of it (gathered over TP, or an op that computes new tensors)."""
+        if self.mode == "full" and it.entry.shard_dim is not None:
+            return None
+        source = self.local[it.entry.name]
+        op = it.entry.resolved.mapping.op
+        try:
+            views = (getattr(op, "pieces", None) or op.to_hf)(source, self._context(it))
+        except Exception:  # noqa: BLE001 -- converted one by one, where the error is raised as it always was
+            return None
+        if len(views) != len(metas):
+            return None
+        base = source.untyped_storage().data_ptr()
+        for view, meta in zip(views, metas):
+            if (view.dtype != meta.dtype or view.numel() != meta.numel or view.device != source.device
+                    or view.untyped_storage().data_ptr() != base):
+                return None
+        return list(views)
+
+    def _program(self, bp: BucketPlan) -> _Program:
         items, metas, total = self._layout([self.items[i] for i in bp.items])
-        buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
-        gathered, gather_bytes = self._gather([it for it in items if it.mine])
-        largest = 0
-        for it, item_metas in zip(items, metas):
+        flat: dict[torch.dtype, list[tuple[int, int, Tensor]]] = {}
+        strided: list = []
+        slow: list[int] = []
+        batched = 0
+        for k, (it, item_metas) in enumerate(zip(items, metas)):
             if not it.mine:
                 continue
-            source = gathered.pop(it.entry.name, None)
-            if source is None:
-                source = self.local[it.entry.name]
-            full = source() if callable(source) else source
-            ctx = (
-                OpContext(self.spec, parts=it.entry.parts)
-                if self.mode == "full"
-                else OpContext(self.spec, parts=1, shard_rank=self._group_rank(it.entry))
-            )
-            largest = max(largest, full.numel() * full.element_size())
-            targets = [view_tensor(buffer, meta) for meta in item_metas]
-            convert_into(it.entry.resolved.mapping.op, full, ctx, targets)
-            del full, targets
+            views = self._views(it, item_metas)
+            if views is None:
+                slow.append(k)
+                continue
+            for meta, view in zip(item_metas, views):
+                size = meta.dtype.itemsize
+                if meta.offset % size:
+                    raise AssertionError(f"{meta.name} at byte {meta.offset} is not aligned to {size}")
+                if view.is_contiguous():
+                    flat.setdefault(meta.dtype, []).append((meta.offset // size, meta.numel, view.view(-1)))
+                else:
+                    strides, acc = [], 1
+                    for d in reversed(view.shape):
+                        strides.append(acc)
+                        acc *= d
+                    strided.append((meta.dtype, tuple(view.shape), tuple(reversed(strides)), meta.offset // size, view))
+                batched += 1
+        runs = []
+        for dtype, entries in flat.items():
+            entries.sort(key=lambda e: e[0])
+            sizes, pos = [], 0
+            for off, n, _ in entries:
+                sizes += [off - pos, n]
+                pos = off + n
+            runs.append((dtype, sizes, [src for _, _, src in entries]))
+        flat_metas = tuple(m for ms in metas for m in ms)
+        return _Program(total, flat_metas, sum(m.nbytes for m in flat_metas), items, metas, runs, strided, slow,
+                        batched)
+
+    def _build(self, bp: BucketPlan, program: _Program) -> Bucket:
+        items, metas, total = program.items, program.item_metas, program.total
+        raw = torch.empty(program.alloc, dtype=torch.uint8, device=self.device)
+        buffer = raw.narrow(0, 0, total)
+        # Batched: every tensor that is a view of a live parameter, one _foreach_copy_.
+        dst: list[Tensor] = []
+        src: list[Tensor] = []
+        # Thousands of short-lived views: a cyclic collection of the whole heap midway would cost more
+        # than the copies (they hold no cycles).
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            for dtype, sizes, sources in program.runs:
+                typed = raw.view(dtype)
+                parts = typed.split_with_sizes([*sizes, typed.numel() - sum(sizes)])
+                dst += parts[1::2]
+                del parts
+                src += sources
+            for dtype, shape, strides, offset, source in program.strided:
+                dst.append(raw.view(dtype).as_strided(shape, strides, offset))
+                src.append(source)
+            if dst:
+                torch._foreach_copy_(dst, src)
+            del dst, src
+        finally:
+            if collecting:
+                gc.enable()
+        # One by one: TP-gathered tensors (one batched all-gather per group first), and the rest.
+        largest = 0
+        gather_bytes = 0
+        if program.slow:
+            slow = [items[k] for k in program.slow]
+            gathered, gather_bytes = self._gather([it for it in slow if it.mine])
+            for k, it in zip(program.slow, slow):
+                source = gathered.pop(it.entry.name, None)
+                if source is None:
+                    source = self.local[it.entry.name]
+                full = source() if callable(source) else source
+                largest = max(largest, full.numel() * full.element_size())
+                targets = [view_tensor(buffer, meta) for meta in metas[k]]
+                convert_into(it.entry.resolved.mapping.op, full, self._context(it), targets)
+                del full, targets
+        self.stats.batched += program.batched
+        self.stats.unbatched += len(program.slow)
         self.stats.peak_staging_bytes = max(self.stats.peak_staging_bytes, total + gather_bytes + largest)
         self._broadcast(buffer, items, metas)
-        return Bucket(bp.index, buffer, tuple(m for ms in metas for m in ms))
+        return Bucket(bp.index, buffer, program.metas)
 
     def _group_rank(self, entry: TensorEntry) -> int:
         return self.topology.group_rank(entry.group)
@@ -189,6 +331,8 @@ class BucketStream(Iterator[Bucket]):
 
     def _broadcast(self, buffer: Tensor, items: Sequence[_Item], metas: Sequence[Sequence[TensorMeta]]) -> None:
         topo = self.topology
+        if topo.pp_size == 1 and (self.mode != "full" or topo.ep_size == 1):
+            return
         spans = [
             (it.entry.pp_owner, it.entry.ep_owner, ms[0].offset, ms[-1].offset + ms[-1].nbytes)
             for it, ms in zip(items, metas)
@@ -269,6 +413,7 @@ def stream_hf_weights(
     mode: Mode = "full",
     align: int = ALIGN,
     topology: Topology | None = None,
+    split_dtypes: bool = False,
 ) -> BucketStream:
     """Stream a Megatron-Core model's weights as buckets of HF tensors. Call on every rank.
 
@@ -293,6 +438,9 @@ def stream_hf_weights(
     packs tensors back to back, largest element size first (the layout SGLang's distributed
     receiver computes from names, dtypes and shapes alone).
 
+    ``split_dtypes``: every bucket holds one dtype (for engines whose flat buckets are typed, LMDeploy's):
+    the tensors are grouped by dtype (in order within each) and buckets are cut between groups.
+
     The table, checks and plan are made here, eagerly (so a bad model raises now, on every rank
     alike); the buckets are made one at a time as the returned iterator is advanced.
     """
@@ -303,7 +451,73 @@ def stream_hf_weights(
     cfg = load_hf_config(hf_config)
     spec = ModelSpec.from_hf_config(cfg)
     converter = get_converter(spec.model_type)
-    local = local_tensors(model_chunks, topo, spec.num_experts)
+    chunks = as_chunks(model_chunks)
+    key = (tuple(map(id, chunks)), spec, id(converter), mode, bucket_bytes, align, split_dtypes, _layout_key(topo))
+    kept = _PLANS.get(chunks[0], {})
+    plan = kept.get(key)
+    reuse = plan is not None and plan.guard.holds(chunks)
+    if not _everyone(reuse, topo, plan.device if plan is not None else _first_device(chunks)):
+        plan = _make_plan(key, chunks, cfg, spec, converter, topo, mode, bucket_bytes, align, split_dtypes)
+        kept.pop(key, None)
+        kept[key] = plan
+        while len(kept) > _KEEP:
+            kept.pop(next(iter(kept)))
+        _PLANS[chunks[0]] = kept
+        planned = True
+    else:
+        planned = False
+    stream = BucketStream(
+        spec=spec,
+        mode=mode,
+        topology=topo,
+        plan=plan.buckets,
+        items=plan.items,
+        local=plan.local,
+        device=plan.device,
+        align=align,
+        shared=plan,
+    )
+    stream.stats.planned = planned
+    stream.stats.setup_seconds = time.perf_counter() - start
+    return stream
+
+
+# Plans kept per model (its first chunk), a few per model (e.g. a full and a per-rank stream).
+_PLANS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, StreamPlan]]" = weakref.WeakKeyDictionary()
+_KEEP = 4
+plan_builds = 0  # how many plans were made in this process (the tests count them)
+
+
+def clear_plans() -> None:
+    """Forget every kept plan (the next stream of each model plans again)."""
+    _PLANS.clear()
+
+
+def _layout_key(topo: Topology) -> tuple:
+    groups = (topo.tp_group, topo.pp_group, topo.ep_group, topo.etp_group, topo.world_group)
+    return (topo.tp_size, topo.tp_rank, topo.pp_size, topo.pp_rank, topo.ep_size, topo.ep_rank, topo.etp_size,
+            topo.etp_rank, tuple(map(id, groups)))
+
+
+def _first_device(chunks: Sequence[nn.Module]) -> torch.device:
+    for chunk in chunks:
+        for p in chunk.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+def _everyone(ok: bool, topo: Topology, device: torch.device) -> bool:
+    """Whether every rank says ``ok`` (one all-reduce; a single process decides alone)."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(topo.world_group) == 1:
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=topo.world_group)
+    return bool(flag.item())
+
+
+def _make_plan(key, chunks, cfg, spec, converter, topo, mode, bucket_bytes, align, split_dtypes) -> StreamPlan:
+    global plan_builds
+    local = local_tensors(chunks, topo, spec.num_experts)
     meta = RankMeta(
         *topo.coords,
         tensors=tuple((t.name, tuple(t.tensor.shape), dtype_name(t.tensor.dtype), t.expert) for t in local),
@@ -312,22 +526,55 @@ def stream_hf_weights(
         _exchange(meta, topo), converter, spec, expected_hf_shapes(cfg), tp_size=topo.tp_size, etp_size=topo.etp_size
     )
     items = [_item(e, spec, topo, mode) for e in table if mode == "full" or e.ep_owner in (None, topo.ep_rank)]
+    keys = None
+    if split_dtypes:
+        first_seen: dict[torch.dtype, int] = {}
+        for it in items:
+            first_seen.setdefault(it.entry.dtype, len(first_seen))
+        items = sorted(items, key=lambda it: first_seen[it.entry.dtype])  # stable: table order within a dtype
+        keys = [it.entry.dtype for it in items]
     planning = [
         [o.nbytes for o in (it.outputs if mode == "full" else it.entry.shard_outputs(spec, 0))] for it in items
     ]
-    plan = plan_buckets(planning, bucket_bytes, align)
-    stream = BucketStream(
-        spec=spec,
-        mode=mode,
-        topology=topo,
-        plan=plan,
-        items=items,
-        local={t.name: t.tensor for t in local},
-        device=_device_of(local),
-        align=align,
+    plan_builds += 1
+    return StreamPlan(
+        key=key, spec=spec, mode=mode, topology=topo, buckets=plan_buckets(planning, bucket_bytes, align, keys=keys),
+        items=items, local={t.name: t.tensor for t in local}, device=_device_of(local), align=align,
+        guard=_Guard(chunks),
     )
-    stream.stats.setup_seconds = time.perf_counter() - start
-    return stream
+
+
+class _Guard:
+    """Tells, quickly, whether model chunks are still what a plan was made from: the same modules
+    holding the same parameters (and weight buffers), each on the same storage with the same shape
+    and dtype, and no module, parameter or buffer added or removed anywhere."""
+
+    def __init__(self, chunks: Sequence[nn.Module]):
+        self.chunks = [weakref.ref(c) for c in chunks]
+        modules = [m for c in chunks for m in unwrap(c).modules()]
+        self.dicts = [d for m in modules for d in (m._parameters, m._buffers, m._modules)]
+        self.lengths = list(map(len, self.dicts))
+        weight_buffers = {w.rsplit(".", 1)[-1] for w in WEIGHT_BUFFERS}
+        held = [(m._parameters, n, p) for m in modules for n, p in m._parameters.items() if p is not None]
+        held += [(m._buffers, n, b) for m in modules for n, b in m._buffers.items()
+                 if b is not None and n in weight_buffers]
+        self.owners = [d for d, _, _ in held]
+        self.names = [n for _, n, _ in held]
+        self.tensors = [t for _, _, t in held]
+        self.ptrs = [t.data_ptr() for t in self.tensors]
+        self.shapes = [t.shape for t in self.tensors]
+        self.dtypes = [t.dtype for t in self.tensors]
+
+    def holds(self, chunks: Sequence[nn.Module]) -> bool:
+        if len(chunks) != len(self.chunks) or any(r() is not c for r, c in zip(self.chunks, chunks)):
+            return False
+        if list(map(len, self.dicts)) != self.lengths:
+            return False
+        if not all(map(operator.is_, map(dict.get, self.owners, self.names), self.tensors)):
+            return False
+        ts = self.tensors
+        return ([t.data_ptr() for t in ts] == self.ptrs and [t.shape for t in ts] == self.shapes
+                and [t.dtype for t in ts] == self.dtypes)
 
 
 def _item(entry: TensorEntry, spec: ModelSpec, topo: Topology, mode: Mode) -> _Item:

@@ -13,11 +13,14 @@ from weightstream.streaming.adapters.base import (
     HTTPEngine,
     RankBucket,
 )
+from weightstream.streaming.adapters.lmdeploy import LMDeployEngine
 from weightstream.streaming.adapters.reference import ENGINE_NAME, ReferenceEngine
 from weightstream.streaming.adapters.sglang import SGLangEngine
 from weightstream.streaming.adapters.vllm import VLLMEngine
 
-ADAPTERS: dict[str, type] = {"sglang": SGLangEngine, "reference": ReferenceEngine, "vllm": VLLMEngine}
+ADAPTERS: dict[str, type] = {
+    "sglang": SGLangEngine, "reference": ReferenceEngine, "vllm": VLLMEngine, "lmdeploy": LMDeployEngine,
+}
 
 
 def register_adapter(name: str, cls: type, *, overwrite: bool = False) -> None:
@@ -35,7 +38,14 @@ def detect(url: str, *, api_key: str | None = None, timeout_s: float = 60.0) -> 
     except EngineError as exc:
         if "HTTP 404" not in exc.detail:
             raise
-        # vLLM serves no /get_server_info; /get_world_size is one of its dev-mode routes.
+        # Neither LMDeploy nor vLLM serves /get_server_info. LMDeploy always serves /distserve/engine_info;
+        # /get_world_size is one of vLLM's dev-mode routes.
+        try:
+            probe.get("/distserve/engine_info", step="distserve/engine_info (detecting LMDeploy)")
+            return "lmdeploy"
+        except EngineError as exc2:
+            if "HTTP 404" not in exc2.detail:
+                raise
         probe.get("/get_world_size", step="get_world_size (detecting vLLM; is VLLM_SERVER_DEV_MODE=1 set?)")
         return "vllm"
     if isinstance(reply, dict) and reply.get("engine") == ENGINE_NAME:
@@ -54,6 +64,7 @@ def make_adapter(engine: str, url: str, **options: Any) -> EngineAdapter:
 
 
 __all__ = [
-    "ADAPTERS", "EngineAdapter", "EngineError", "EngineInfo", "GroupSpec", "RankBucket", "ReferenceEngine",
+    "ADAPTERS", "EngineAdapter", "EngineError", "EngineInfo", "GroupSpec", "LMDeployEngine", "RankBucket",
+    "ReferenceEngine",
     "SGLangEngine", "VLLMEngine", "detect", "make_adapter", "register_adapter",
 ]

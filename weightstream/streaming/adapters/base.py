@@ -26,6 +26,7 @@ IPC = "ipc"  # receives a bucket's buffer as a CUDA IPC handle / shared-memory f
 P2P = "p2p"  # each engine TP rank receives its own per-rank bucket from trainer TP rank r (send/recv)
 ROLLBACK = "rollback"  # an aborted update puts the last committed weights back
 RELEASE_MEMORY = "release_memory"  # frees weights / KV cache while the trainer runs, re-creates them after
+SINGLE_DTYPE = "single_dtype"  # every bucket must hold tensors of one dtype (the planner cuts them so)
 
 
 class EngineError(WeightstreamError):
