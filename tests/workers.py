@@ -283,3 +283,72 @@ def run_release_cycle(case: Case, url: str, transport: str) -> dict:
             out["logits"] = eng.logits(INPUT_IDS)
             out["generated"] = eng.generate(INPUT_IDS[0], max_new_tokens=4)["output_ids"]
     return out
+
+
+def _snapshot(stream) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for b in stream for name, t in b.named_tensors()}
+
+
+def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[n].dtype == b[n].dtype and a[n].shape == b[n].shape
+        and torch.equal(a[n].reshape(-1).view(torch.uint8), b[n].reshape(-1).view(torch.uint8)) for n in a)
+
+
+def run_plan_reuse(src: str, tp: int) -> dict:
+    """Streams of one live model, again and again, with the model changed in between in the ways a
+    trainer changes it (values in place) and in ways that must re-plan (a parameter replaced, new
+    storage on one rank only, other bucket settings, a new parallel layout)."""
+    from weightstream.streaming import stream as stream_mod
+
+    case = Case(src, Layout(tp, 1), dtype="bfloat16", router_dtype="float32")
+    cfg, chunks = _build(case)
+    rank = dist.get_rank()
+    model = unwrap(chunks[0])
+    steps: list[dict] = []
+
+    def step(label: str, **kw) -> dict[str, torch.Tensor]:
+        before = stream_mod.plan_builds
+        s = stream_hf_weights(chunks, cfg, bucket_bytes=kw.pop("bucket_bytes", 32 << 10), **kw)
+        got = _snapshot(s)
+        steps.append({"label": label, "planned": s.stats.planned, "builds": stream_mod.plan_builds - before,
+                      "batched": s.stats.batched, "unbatched": s.stats.unbatched, "tensors": s.stats.tensors})
+        return got
+
+    first = step("first")
+    again = step("again")
+    out: dict = {"rank": rank, "again_equal": _same_bits(first, again)}
+    with torch.no_grad():  # what an optimizer step does: values change in place, storage stays
+        for p in model.parameters():
+            p.mul_(2)
+    doubled = step("in place x2")
+    out["doubled_equal"] = _same_bits(doubled, {n: t * 2 for n, t in first.items()})
+
+    layer = model.decoder.layers[0]
+    qkv = layer.self_attention.linear_qkv
+    with torch.no_grad():
+        qkv.weight = nn.Parameter(qkv.weight.detach() + 1)  # a parameter replaced
+    replaced = step("parameter replaced")
+    stream_mod.clear_plans()
+    fresh = step("fresh plan after clear_plans")
+    out["replaced_equal_fresh"] = _same_bits(replaced, fresh)
+
+    if rank == tp - 1:  # new storage on one rank only: every rank must re-plan
+        norm = layer.self_attention.linear_proj.weight
+        norm.data = norm.data.clone()
+    step("new storage on the last rank")
+    step("kept again")
+    step("another bucket size", bucket_bytes=16 << 10)
+    step("per_rank", mode="per_rank")
+    step("first bucket size again")
+    step("split dtypes", split_dtypes=True)
+    split = stream_hf_weights(chunks, cfg, bucket_bytes=32 << 10, split_dtypes=True)
+    dtypes = [sorted({str(m.dtype) for m in b.metas}) for b in split]
+    out["split_dtypes_per_bucket"] = dtypes
+    split_stream = stream_hf_weights(chunks, cfg, bucket_bytes=32 << 10, split_dtypes=True)
+    out["split_equal"] = _same_bits(_snapshot(split_stream), step("unsplit"))
+
+    initialize_parallel(tp, 1)  # new process groups: the layout key changes
+    step("new parallel state")
+    out["steps"] = steps
+    return out
