@@ -64,7 +64,7 @@ class LMDeployEngine(HTTPEngine):
     def __init__(self, url: str, **kw: Any):
         super().__init__(url, **kw)
         self._finish: str | None = None  # the route of this session's buckets: it carries finished=True
-        self._sleeping: set[str] = set()
+        self._sleeping: set[str] | None = None  # None: not known (LMDeploy tells only whether it sleeps)
         self._warned_abort = False
 
     # -- what the engine is ------------------------------------------------------------------
@@ -193,13 +193,14 @@ class LMDeployEngine(HTTPEngine):
         from our buffer, which stays untouched until it has answered."""
         dtype = _one_dtype(bucket, getattr(self, "url", "lmdeploy"), f"update_weights (bucket {bucket.index})")
         size = dtype.itemsize
+        misplaced = [m.name for m in bucket.metas if m.offset % size]
+        if misplaced:
+            raise EngineError(getattr(self, "url", "lmdeploy"), "update_weights",
+                              f"tensors not at a multiple of their element size {size}: {misplaced}")
         used = max(m.offset + m.nbytes for m in bucket.metas)
         flat = bucket.buffer.narrow(0, 0, used).view(dtype)
         metadata = []
         for m in bucket.metas:
-            if m.offset % size:
-                raise EngineError(getattr(self, "url", "lmdeploy"), "update_weights",
-                                  f"{m.name} starts at byte {m.offset}, not a multiple of its element size {size}")
             start = m.offset // size
             metadata.append(SimpleNamespace(name=m.name, shape=torch.Size(m.shape), dtype=m.dtype,
                                             start_idx=start, end_idx=start + m.numel, numel=m.numel))
@@ -231,16 +232,19 @@ class LMDeployEngine(HTTPEngine):
         self._sleeping = set(TAGS)
 
     def resume_memory(self, tags: Sequence[str] | None = None) -> None:
-        """``/wakeup?tags=...``. The KV cache is woken after the weights (LMDeploy warms up with them)."""
-        wanted = [t for t in (tags or TAGS) if t in TAGS]
-        if "kv_cache" in wanted and "weights" in self._sleeping and "weights" not in wanted:
-            wanted.insert(0, "weights")  # level 1 offloaded them: they come back first
-        wanted = [t for t in TAGS if t in wanted and t in self._sleeping] if self._sleeping else wanted
+        """``/wakeup?tags=...``. The KV cache is woken after the weights (LMDeploy warms up with them): asked
+        for the KV cache alone while the weights may still sleep (level 1 offloaded them), the weights come
+        back first (LMDeploy answers a wakeup of an awake tag with a no-op)."""
+        asked = set(tags or TAGS)
+        if "kv_cache" in asked and (self._sleeping is None or "weights" in self._sleeping):
+            asked.add("weights")
+        wanted = [t for t in TAGS if t in asked and (self._sleeping is None or t in self._sleeping)]
         if not wanted:
             return
         query = "&".join(f"tags={t}" for t in wanted)
         self.post(f"/wakeup?{query}", {}, step=f"wakeup ({', '.join(wanted)})")
-        self._sleeping -= set(wanted)
+        if self._sleeping is not None:
+            self._sleeping -= set(wanted)
 
     def is_sleeping(self) -> bool:
         return bool(self.get("/is_sleeping", step="is_sleeping").get("is_sleeping"))
