@@ -80,8 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="measure weightstream: --soak N runs N consecutive updates into a reference engine and checks for leaks",
+        help="measure weightstream: --transport T times one path against the machine's ceiling; "
+             "--soak N runs N consecutive updates into a reference engine and checks for leaks",
         description=(
+            "--transport stream|broadcast|ipc|checkpoint: build the --preset model (--tiny: its topology at small "
+            "widths), run it cold once and warm --repeats times, and measure the raw ceiling of the same bytes in "
+            "the same run (device copy; plain broadcast; safetensors' save_file); prints ours, ceiling, ratio, "
+            "cold vs warm, peak extra memory and the phase split. "
             "--soak N: N consecutive updates through one WeightSync into a reference engine running as its own "
             "service on this machine, alternating two sets of weights and switching transport every "
             "--switch-every updates, checksums on; the engine's logits are compared with the HF model's every "
@@ -90,13 +95,21 @@ def build_parser() -> argparse.ArgumentParser:
             "passed (leak thresholds are the caller's to judge, from the report or --json)."
         ),
     )
-    bench.add_argument("--soak", type=int, required=True, metavar="N", help="number of updates")
+    what = bench.add_mutually_exclusive_group(required=True)
+    what.add_argument("--soak", type=int, metavar="N", help="number of updates")
+    what.add_argument("--transport", action="append", choices=["stream", "broadcast", "ipc", "checkpoint"],
+                      help="path to time (repeatable)")
+    bench.add_argument("--tiny", action="store_true", help="the preset's topology at small widths (CPU-sized)")
+    bench.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="(default bfloat16)")
+    bench.add_argument("--repeats", type=int, default=3, help="warm runs after the cold one (default 3)")
+    bench.add_argument("--plot", default=None, metavar="F.png", help="bar chart of ours vs ceiling (needs matplotlib)")
     bench.add_argument("--transports", default="broadcast,ipc",
                        help="comma-separated transports to rotate through (default broadcast,ipc)")
     bench.add_argument("--switch-every", type=int, default=2, help="updates per transport before switching (default 2)")
     bench.add_argument("--preset", default="tiny-qwen3", choices=sorted(PRESETS), help="model (default tiny-qwen3)")
     bench.add_argument("--engine-tp", type=int, default=1, help="TP size of the reference engine (default 1)")
-    bench.add_argument("--bucket-mb", type=_mb, default=_mb("0.25"), help="bucket size in MiB (default 0.25)")
+    bench.add_argument("--bucket-mb", type=_mb, default=None,
+                       help="bucket size in MiB (default 0.25 for --soak, 512 for --transport)")
     bench.add_argument("--check-every", type=int, default=100, help="compare the engine's logits every N updates")
     bench.add_argument("--sample-every", type=int, default=10, help="sample resources every N updates")
     bench.add_argument("--json", default=None, help="also write the report (with every sample) here")
@@ -303,6 +316,21 @@ def cmd_engine(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import json
 
+    if args.transport:
+        from weightstream.bench.speed import plot, run_bench, write_json
+
+        results = []
+        for transport in args.transport:
+            res = run_bench(args.preset, transport, tiny=args.tiny, dtype=args.dtype,
+                            bucket_bytes=args.bucket_mb or (512 << 20), repeats=args.repeats)
+            print(res.render(), flush=True)
+            results.append(res)
+        if args.json:
+            write_json(results, args.json)
+        if args.plot:
+            print(plot(results, args.plot))
+        return 0
+
     from weightstream.bench.soak import run_soak
 
     transports = tuple(t.strip() for t in args.transports.split(",") if t.strip())
@@ -311,7 +339,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"unknown transports {unknown}; choose among broadcast, ipc, p2p", file=sys.stderr)
         return 2
     report = run_soak(args.soak, transports=transports, switch_every=args.switch_every, preset=args.preset,
-                      engine_tp=args.engine_tp, bucket_bytes=args.bucket_mb, check_every=args.check_every,
+                      engine_tp=args.engine_tp, bucket_bytes=args.bucket_mb or _mb("0.25"), check_every=args.check_every,
                       sample_every=args.sample_every, progress=sys.stderr.isatty())
     print(report.render())
     if args.json:

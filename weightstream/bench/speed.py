@@ -1,0 +1,341 @@
+"""``weightstream bench --transport ...``: how fast weightstream moves a model, against the raw ceiling of
+the same machine, measured in the same run on the same bytes.
+
+- ``stream``: ``stream_hf_weights`` with no sink (convert + pack) vs a device copy of the same bytes, bucket
+  by bucket;
+- ``broadcast``: ``WeightSync.update`` from a trainer on the first device into a reference engine on the
+  second vs a plain broadcast of the same bytes in buckets of the same size (NCCL on GPUs, gloo on CPUs);
+- ``ipc``: ``WeightSync.update`` into a reference engine on the trainer's device vs a device copy;
+- ``checkpoint`` (CPU case): ``save_hf_checkpoint`` vs ``safetensors.torch.save_file`` of the same tensors.
+
+``--tiny`` keeps a preset's topology (layers, experts, tensor count) at small widths, so that the
+per-tensor overhead can be measured on a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+TRANSPORTS = ("stream", "broadcast", "ipc", "checkpoint")
+IDS = [[3, 14, 15, 92, 65, 35, 89, 79]]
+TINY = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, vocab_size=1024, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8)
+
+
+@dataclass
+class BenchResult:
+    preset: str
+    transport: str
+    device: str
+    dtype: str
+    bucket_bytes: int
+    bytes: int = 0
+    tensors: int = 0
+    buckets: int = 0
+    cold_s: float = 0.0  # first run (plan, groups, handles)
+    warm_s: list[float] = field(default_factory=list)  # every later run
+    ceiling_s: float = 0.0
+    ceiling: str = ""
+    peak_extra_bytes: int | None = None
+    phases: dict[str, float] = field(default_factory=dict)  # of the best warm run
+    check: str = ""  # what was checked after the runs, and how it came out
+
+    @property
+    def best_s(self) -> float:
+        return min(self.warm_s) if self.warm_s else self.cold_s
+
+    @property
+    def ratio(self) -> float:
+        return self.best_s / self.ceiling_s if self.ceiling_s else float("nan")
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(best_s=self.best_s, ratio=self.ratio)
+        return d
+
+    def render(self) -> str:
+        us = self.best_s / max(self.tensors, 1) * 1e6
+        peak = "n/a" if self.peak_extra_bytes is None else f"{self.peak_extra_bytes / 2**20:.1f} MiB"
+        lines = [
+            f"weightstream bench: {self.preset}, {self.transport}, {self.dtype}, {self.device}, "
+            f"buckets of {self.bucket_bytes / 2**20:g} MiB",
+            f"  {self.bytes / 1e6:.1f} MB, {self.tensors} tensors, {self.buckets} buckets",
+            f"  ours (best warm)  {self.best_s * 1e3:9.1f} ms   ({us:.2f} us per tensor)",
+            f"  ceiling           {self.ceiling_s * 1e3:9.1f} ms   ({self.ceiling})",
+            f"  ratio             {self.ratio:9.2f}x",
+            f"  cold (first)      {self.cold_s * 1e3:9.1f} ms   ({self.cold_s / self.best_s:.2f}x warm)",
+            f"  peak extra memory {peak}",
+        ]
+        if self.phases:
+            lines.append("  phases (best warm): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.phases.items()))
+        if self.check:
+            lines.append(f"  check: {self.check}")
+        return "\n".join(lines)
+
+
+def bench_config(preset: str, tiny: bool, dtype: str):
+    from weightstream.models.presets import preset_config
+
+    cfg = preset_config(preset)
+    if tiny:
+        for k, v in TINY.items():
+            if hasattr(cfg, k):
+                setattr(cfg, k, v)
+    cfg.dtype = dtype
+    return cfg
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_ceiling(total: int, bucket_bytes: int, device: torch.device, repeats: int) -> float:
+    """A device copy of ``total`` bytes into fresh buckets of ``bucket_bytes`` (best of ``repeats``)."""
+    src = torch.empty(min(total, bucket_bytes), dtype=torch.uint8, device=device)
+    src.fill_(1)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        _sync(device)
+        t = time.perf_counter()
+        left = total
+        while left > 0:
+            n = min(left, bucket_bytes)
+            torch.empty(n, dtype=torch.uint8, device=device).copy_(src[:n])
+            left -= n
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _trainer(cfg, dtype: str):
+    from weightstream.models.megatron import build_gpt_model, initialize_parallel
+
+    initialize_parallel(1, 1)
+    chunks = build_gpt_model(cfg, dtype=getattr(torch, dtype))
+    device = next(chunks[0].parameters()).device
+    return chunks, device
+
+
+def stream_job(cfg, dtype: str, bucket_bytes: int, repeats: int) -> dict:
+    """One rank: stream with no sink, cold then ``repeats`` warm; then the copy ceiling."""
+    from weightstream.streaming.stream import stream_hf_weights
+
+    chunks, device = _trainer(cfg, dtype)
+    _sync(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    runs = []
+    for _ in range(repeats + 1):
+        _sync(device)
+        t = time.perf_counter()
+        s = stream_hf_weights(chunks, cfg, bucket_bytes=bucket_bytes)
+        for _b in s:
+            pass
+        _sync(device)
+        runs.append((time.perf_counter() - t, s.stats))
+    peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
+    stats = runs[-1][1]
+    best = min(runs[1:], key=lambda r: r[0]) if len(runs) > 1 else runs[0]
+    return {"device": str(device), "cold_s": runs[0][0], "warm_s": [r[0] for r in runs[1:]], "bytes": stats.bytes,
+            "tensors": stats.tensors, "buckets": stats.buckets, "peak_extra_bytes": peak,
+            "phases": {"setup": best[1].setup_seconds, "pack": best[1].seconds},
+            "ceiling_s": copy_ceiling(stats.bytes, bucket_bytes, device, repeats)}
+
+
+def update_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype: str, repeats: int) -> dict:
+    """Trainer rank (one device): update the engine cold then ``repeats`` warm; report each."""
+    from weightstream.models.spec import load_hf_config
+    from weightstream.update import WeightSync
+
+    cfg = load_hf_config(cfg_dir)
+    chunks, device = _trainer(cfg, dtype)
+    _sync(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    reports = []
+    with WeightSync([url], transport=transport, bucket_bytes=bucket_bytes, timeout_s=300) as sync:
+        for _ in range(repeats + 1):
+            _sync(device)
+            t = time.perf_counter()
+            rep = sync.update(chunks, cfg)
+            _sync(device)
+            reports.append({"wall": time.perf_counter() - t, "transport": rep.transport, "bytes": rep.bytes,
+                            "buckets": rep.buckets, "tensors": rep.tensors, "seconds": rep.seconds})
+    peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
+    ceiling = copy_ceiling(reports[-1]["bytes"], bucket_bytes, device, repeats) if transport == "ipc" else None
+    from weightstream.models.megatron import megatron_logits
+
+    logits = megatron_logits(chunks, torch.tensor(IDS), cfg.vocab_size).float().cpu()
+    return {"device": str(device), "reports": reports, "peak_extra_bytes": peak, "copy_ceiling_s": ceiling,
+            "logits": logits}
+
+
+def raw_broadcast_job(total: int, chunk: int, repeats: int) -> dict:
+    """The wire's ceiling: a plain broadcast of ``total`` bytes in ``chunk``-byte pieces, rank 0 -> 1."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    buf = torch.empty(min(total, chunk), dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        _sync(device)
+        t = time.perf_counter()
+        left = total
+        while left > 0:
+            n = min(left, chunk)
+            dist.broadcast(buf[:n], src=0)
+            left -= n
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return {"seconds": min(times[1:]) if len(times) > 1 else times[0]}
+
+
+def run_bench(preset: str, transport: str, *, tiny: bool = False, dtype: str = "bfloat16",
+              bucket_bytes: int = 512 << 20, repeats: int = 3, engine_device: str | None = None) -> BenchResult:
+    """One row of the benchmark table (see the module docstring)."""
+    from weightstream.launch import launch
+
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    cfg = bench_config(preset, tiny, dtype)
+    label = preset + (" (tiny widths)" if tiny else "")
+    res = BenchResult(label, transport, "", dtype, bucket_bytes)
+    if transport == "stream":
+        (r,) = launch(1, stream_job, cfg, dtype, bucket_bytes, repeats, backend=backend)
+        res.device, res.cold_s, res.warm_s = r["device"], r["cold_s"], r["warm_s"]
+        res.bytes, res.tensors, res.buckets = r["bytes"], r["tensors"], r["buckets"]
+        res.ceiling_s, res.ceiling = r["ceiling_s"], "device copy of the same bytes into fresh buckets"
+        res.peak_extra_bytes, res.phases = r["peak_extra_bytes"], r["phases"]
+        return res
+    if transport == "checkpoint":
+        return _checkpoint_bench(res, cfg, dtype, bucket_bytes, repeats)
+    return _update_bench(res, cfg, transport, dtype, bucket_bytes, repeats, engine_device, backend)
+
+
+def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_bytes: int, repeats: int,
+                  engine_device: str | None, backend: str) -> BenchResult:
+    from weightstream.engine.server import serve, stop
+    from weightstream.launch import launch
+    from weightstream.streaming.adapters import ReferenceEngine
+
+    cuda = torch.cuda.is_available()
+    if engine_device is None:
+        engine_device = ("cuda:1" if transport == "broadcast" and torch.cuda.device_count() > 1 else "cuda:0") \
+            if cuda else "cpu"
+    tmp = tempfile.mkdtemp(prefix="ws-bench-")
+    try:
+        cfg.save_pretrained(tmp)
+        server = serve(tmp, 1, device=engine_device, dtype=dtype)
+        try:
+            (r,) = launch(1, update_job, tmp, server.url, transport, bucket_bytes, dtype, repeats, backend=backend,
+                          timeout_s=600)
+            theirs = ReferenceEngine(server.url).logits(IDS).float()
+            ours = r["logits"]
+            diff = (theirs - ours).abs().max().item()
+            scale = ours.abs().max().item()
+            res.check = (f"engine logits after the last update vs the Megatron model's: max |diff| {diff:.3g} "
+                         f"(logits up to {scale:.3g}, {dtype})")
+        finally:
+            stop(server)
+        reports = r["reports"]
+        res.device = f"trainer {r['device']}, engine {engine_device}"
+        res.cold_s, res.warm_s = reports[0]["wall"], [x["wall"] for x in reports[1:]]
+        best = min(reports[1:], key=lambda x: x["wall"]) if len(reports) > 1 else reports[0]
+        res.bytes, res.tensors, res.buckets = best["bytes"], best["tensors"], best["buckets"]
+        res.phases = {k: v for k, v in best["seconds"].items() if k != "total"}
+        res.peak_extra_bytes = r["peak_extra_bytes"]
+        if transport == "ipc":
+            res.ceiling_s, res.ceiling = r["copy_ceiling_s"], "device copy of the same bytes"
+        else:
+            raw = launch(2, raw_broadcast_job, res.bytes, bucket_bytes, repeats, backend=backend)
+            res.ceiling_s, res.ceiling = raw[0]["seconds"], f"plain {backend} broadcast of the same bytes, same buckets"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return res
+
+
+def _checkpoint_bench(res: BenchResult, cfg, dtype: str, bucket_bytes: int, repeats: int) -> BenchResult:
+    from weightstream.launch import launch
+
+    (r,) = launch(1, checkpoint_job, cfg, dtype, bucket_bytes, repeats, backend="gloo")
+    res.device = "cpu"
+    res.cold_s, res.warm_s = r["cold_s"], r["warm_s"]
+    res.bytes, res.tensors, res.buckets = r["bytes"], r["tensors"], r["buckets"]
+    res.ceiling_s, res.ceiling = r["ceiling_s"], "safetensors.torch.save_file of the same tensors (one file)"
+    res.check = f"written files equal save_file's tensors bit for bit: {r['equal']}"
+    return res
+
+
+def checkpoint_job(cfg, dtype: str, bucket_bytes: int, repeats: int) -> dict:
+    from safetensors.torch import load_file, save_file
+
+    from weightstream.disk import CheckpointReader
+    from weightstream.streaming.checkpoint import save_hf_checkpoint
+
+    chunks, _ = _trainer(cfg, dtype)
+    tmp = tempfile.mkdtemp(prefix="ws-bench-ckpt-")
+    try:
+        times, report = [], None
+        for i in range(repeats + 1):
+            out = os.path.join(tmp, f"ours{i % 2}")
+            shutil.rmtree(out, ignore_errors=True)
+            t = time.perf_counter()
+            report = save_hf_checkpoint(chunks, cfg, out, bucket_bytes=bucket_bytes)
+            times.append(time.perf_counter() - t)
+        with CheckpointReader(out) as reader:
+            tensors = {n: reader.get(n).clone() for n in reader.names()}
+        ref_times = []
+        for _ in range(repeats):
+            path = os.path.join(tmp, "ref.safetensors")
+            t = time.perf_counter()
+            save_file(tensors, path)
+            ref_times.append(time.perf_counter() - t)
+        ref = load_file(path)
+        equal = ref.keys() == tensors.keys() and all(torch.equal(ref[n].view(-1).view(torch.uint8),
+                                                                 tensors[n].reshape(-1).view(torch.uint8))
+                                                     for n in ref)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        return {"cold_s": times[0], "warm_s": times[1:], "bytes": nbytes, "tensors": len(tensors),
+                "buckets": report.stats.buckets, "ceiling_s": min(ref_times), "equal": equal}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_json(results: list[BenchResult], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump([r.as_dict() for r in results], f, indent=1)
+
+
+def plot(results: list[BenchResult], path: str) -> str:
+    """Bars: ours vs ceiling per row. Needs matplotlib; says so where it is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot written (pip install matplotlib)"
+    labels = [f"{r.preset}\n{r.transport}" for r in results]
+    xs = range(len(results))
+    fig, ax = plt.subplots(figsize=(max(4, 2 * len(results)), 4))
+    ax.bar([x - 0.2 for x in xs], [r.best_s * 1e3 for r in results], width=0.4, label="weightstream")
+    ax.bar([x + 0.2 for x in xs], [r.ceiling_s * 1e3 for r in results], width=0.4, label="ceiling, same run")
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylabel("ms")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    return f"plot written to {path}"
+
