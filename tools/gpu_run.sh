@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # Run on the GPU machine from the repo root, with the megatron-core wheel carried in .whl/:
-#   bash tools/gpu_run.sh [check] [stream] [update]
+#   bash tools/gpu_run.sh check                      # tiny Qwen3 into the reference engine, logits vs HF
+#   bash tools/gpu_run.sh bench ARGS...              # weightstream bench ARGS (JSON under $OUT when set)
 set -euo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+if [ ! -d /tmp/site/megatron ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 -c "import torch, megatron.core, transformers; print('torch', torch.__version__, 'mcore', megatron.core.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
-python3 tools/gpu_jobs.py "$@"
+what="${1:-check}"; shift || true
+case "$what" in
+  check) python3 tools/gpu_jobs.py ;;
+  bench) python3 -m weightstream.cli bench "$@" ;;
+  *) echo "usage: gpu_run.sh check | bench ARGS..." >&2; exit 2 ;;
+esac

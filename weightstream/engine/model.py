@@ -176,10 +176,12 @@ class ShardedCausalLM:
             parent = model.get_submodule(parent_name)
             if COLUMN.search("." + name):
                 out = _split(module.out_features, self.size, name)
-                setattr(parent, attr, nn.Linear(module.in_features, out, bias=module.bias is not None))
+                setattr(parent, attr, nn.Linear(module.in_features, out, bias=module.bias is not None,
+                                                dtype=module.weight.dtype, device=module.weight.device))
             elif ROW.search("." + name):
                 inp = _split(module.in_features, self.size, name)
-                linear = nn.Linear(inp, module.out_features, bias=module.bias is not None)
+                linear = nn.Linear(inp, module.out_features, bias=module.bias is not None,
+                                   dtype=module.weight.dtype, device=module.weight.device)
                 setattr(parent, attr, RowParallelLinear(linear, self.group))
 
     def _shard_experts(self, experts: nn.Module) -> None:
@@ -187,8 +189,9 @@ class ShardedCausalLM:
         keep this rank's I-slice of every expert; the partial sums are all-reduced after the block."""
         e, two_i, h = experts.gate_up_proj.shape
         inter = _split(two_i // 2, self.size, "expert intermediate size")
-        experts.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inter, h, device=experts.gate_up_proj.device))
-        experts.down_proj = nn.Parameter(torch.empty(e, h, inter, device=experts.down_proj.device))
+        dtype = experts.gate_up_proj.dtype
+        experts.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inter, h, dtype=dtype, device=experts.gate_up_proj.device))
+        experts.down_proj = nn.Parameter(torch.empty(e, h, inter, dtype=dtype, device=experts.down_proj.device))
         group = self.group
 
         def reduce_output(module, args, output):
@@ -229,6 +232,11 @@ class ShardedCausalLM:
         with :meth:`exchange_vocab_pieces`."""
         loaded, problems = [], []
         self.pending_vocab: list[tuple[str, int, Tensor]] = getattr(self, "pending_vocab", [])
+        # Checked one by one, copied together: one _foreach_copy_ for the backups of the tensors this
+        # session touches first, one for the new values.
+        dst: list[Tensor] = []
+        src: list[Tensor] = []
+        keep: list[tuple[str, Tensor]] = []
         for name, tensor, shard in weights:
             entry = self.params.get(name)
             if entry is None:
@@ -238,19 +246,21 @@ class ShardedCausalLM:
             if self.released_bytes:
                 problems.append(f"{name}: the weights are released; resume them before loading")
                 continue
-            self._keep(name, param)
             try:
                 if name in VOCAB and shard is not None:
                     if shard.dim != 0 or shard.full != param.shape[0] or tensor.shape[1:] != param.shape[1:]:
                         raise ValueError(f"vocabulary piece {shard} does not fit {tuple(param.shape)}")
+                    self._keep(name, param)
                     param.narrow(0, shard.start, shard.length).copy_(tensor)
                     self.pending_vocab.append((name, shard.start, tensor.detach().to(param.device, copy=True)))
-                elif dim is None:
+                    loaded.append(name)
+                    self._loaded_in_session.add(name)
+                    continue
+                if dim is None:
                     if shard is not None:
                         raise ValueError(f"got a shard {shard} of a tensor the engine holds whole")
                     if tuple(tensor.shape) != tuple(param.shape):
                         raise ValueError(f"shape {tuple(tensor.shape)} != engine's {tuple(param.shape)}")
-                    param.copy_(tensor)
                 else:
                     n = param.shape[dim]
                     if shard is None:
@@ -265,11 +275,22 @@ class ShardedCausalLM:
                         )
                     if tuple(tensor.shape) != tuple(param.shape):
                         raise ValueError(f"shape {tuple(tensor.shape)} != engine's shard {tuple(param.shape)}")
-                    param.copy_(tensor)
+                if tensor.dtype != param.dtype or tensor.device != param.device:
+                    tensor = tensor.to(device=param.device, dtype=param.dtype)
+                if self.backup is not None and name not in self.backup:
+                    keep.append((name, param))
+                dst.append(param)
+                src.append(tensor)
                 loaded.append(name)
                 self._loaded_in_session.add(name)
             except (ValueError, RuntimeError) as exc:
                 problems.append(f"{name}: {exc}")
+        if keep:
+            copies = [torch.empty_like(p) for _, p in keep]
+            torch._foreach_copy_(copies, [p for _, p in keep])
+            self.backup.update((name, c) for (name, _), c in zip(keep, copies))
+        if dst:
+            torch._foreach_copy_(dst, src)
         return LoadReport(loaded, problems)
 
     @torch.no_grad()

@@ -131,10 +131,10 @@ class Worker:
             for meta, m in zip(metas, obj["metadata"]):
                 if meta.offset + meta.nbytes != int(m.end_idx):
                     raise ValueError(f"{meta.name}: metadata end {m.end_idx} != start + size")
-            return self._apply(Bucket(self.bucket_count, buffer, metas), expected_checksum)
-        return self._load([(name, t, None) for name, t in obj])
+            return self._apply(Bucket(self.bucket_count, buffer, metas), expected_checksum, foreign=True)
+        return self._load([(name, t, None) for name, t in obj], foreign=True)
 
-    def _apply(self, bucket: Bucket, expected_checksum):
+    def _apply(self, bucket: Bucket, expected_checksum, foreign: bool = False):
         index = self.bucket_count
         self.bucket_count += 1
         self._inject_fault(index, bucket.buffer)
@@ -146,12 +146,15 @@ class Worker:
                     f"bucket {index} arrived corrupted (checksum {got} != sender's {expected_checksum}); "
                     f"nothing of it was loaded; its tensors: {names}"
                 )
-        return self._load([(m.name, view_tensor(bucket.buffer, m), m.shard) for m in bucket.metas])
+        return self._load([(m.name, view_tensor(bucket.buffer, m), m.shard) for m in bucket.metas], foreign)
 
-    def _load(self, tensors):
+    def _load(self, tensors, foreign: bool = False):
+        """``foreign``: the tensors live in the sender's memory (IPC), which it may free or reuse as soon as
+        we answer, so the copies are finished first. A buffer of our own (broadcast, P2P) is freed into
+        this stream's allocator, which orders its reuse after the copies: the answer goes at once and
+        the next bucket's receive overlaps this one's copies."""
         report = self.model.load_weights(tensors)
-        if self.device.type == "cuda":
-            # The sender may free or reuse its buffer as soon as we answer: finish reading it first.
+        if foreign and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if report.problems:
             raise RuntimeError(f"{len(report.problems)} tensors could not be loaded: " + "; ".join(report.problems))
