@@ -22,6 +22,7 @@ from torch import nn
 
 from weightstream.disk import INDEX_NAME, shard_name
 from weightstream.models.spec import dtype_name, load_hf_config
+from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.plan import plan_buckets
 from weightstream.streaming.stream import DEFAULT_BUCKET_BYTES, StreamStats, stream_hf_weights
 
@@ -138,8 +139,24 @@ class SafetensorsSink:
         if self.mine or self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
 
+    def _on_host(self, bucket):
+        """The bucket in host memory: one copy of its whole buffer into a pinned staging buffer kept by the
+        sink (grown as needed), instead of a device-to-host copy per tensor."""
+        buffer = bucket.buffer
+        if buffer.device.type == "cpu":
+            return bucket
+        staging = getattr(self, "_staging", None)
+        if staging is None or staging.numel() < buffer.numel():
+            staging = self._staging = torch.empty(buffer.numel(), dtype=torch.uint8, pin_memory=True)
+        host = staging.narrow(0, 0, buffer.numel())
+        host.copy_(buffer, non_blocking=True)
+        torch.cuda.current_stream(buffer.device).synchronize()
+        return Bucket(bucket.index, host, bucket.metas)
+
     def send(self, bucket) -> None:
-        for name, tensor in bucket.named_tensors():
+        if not any(self.file_of[m.name] in self.mine for m in bucket.metas):
+            return
+        for name, tensor in self._on_host(bucket).named_tensors():
             i = self.file_of[name]
             if i not in self.mine:
                 continue
@@ -169,6 +186,7 @@ class SafetensorsSink:
         for w in self.open_files.values():
             w.abort()
         self.open_files.clear()
+        self._staging = None
 
     @property
     def total_size(self) -> int:
