@@ -225,6 +225,40 @@ class ShardedCausalLM:
     def expected_names(self) -> list[str]:
         return sorted(self.params)
 
+    def whole_targets(self, metas) -> list[Tensor] | None:
+        """For a bucket of whole tensors that this rank holds whole (engine TP 1, or tensors not split):
+        each tensor's parameter as a flat view, in order; None where any tensor needs more than a copy
+        (a shard, a narrowed or vocabulary tensor, an unknown name, another shape or dtype), which then
+        goes through :meth:`load_weights`."""
+        out = []
+        for m in metas:
+            entry = self.params.get(m.name)
+            if entry is None or m.shard is not None or (m.name in VOCAB and self.size > 1):
+                return None
+            param, dim = entry
+            if (dim is not None and self.size > 1) or tuple(param.shape) != tuple(m.shape) or param.dtype != m.dtype:
+                return None
+            if not param.is_contiguous():
+                return None
+            out.append(param.view(-1))
+        return out
+
+    @torch.no_grad()
+    def load_flat(self, names: list[str], targets: list[Tensor], sources: list[Tensor]) -> LoadReport:
+        """Copy ``sources`` (flat) into ``targets`` (flat views of parameters, from :meth:`whole_targets`),
+        keeping the session's backups, with two batched copies."""
+        if self.released_bytes:
+            return LoadReport([], [f"{n}: the weights are released; resume them before loading" for n in names])
+        if self.backup is not None:
+            keep = [(n, t) for n, t in zip(names, targets) if n not in self.backup]
+            if keep:
+                copies = [torch.empty_like(t) for _, t in keep]
+                torch._foreach_copy_(copies, [t for _, t in keep])
+                self.backup.update((n, c.view(self.params[n][0].shape)) for (n, _), c in zip(keep, copies))
+        torch._foreach_copy_(targets, sources)
+        self._loaded_in_session.update(names)
+        return LoadReport(names, [])
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, Tensor, Shard | None]]) -> LoadReport:
         """Copy tensors in. Whole tensors are narrowed to this rank's part; shards must be this rank's.

@@ -12,6 +12,7 @@ import signal
 import time
 import traceback
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -53,6 +54,9 @@ class Worker:
         self.model = ShardedCausalLM(self.config, rank, size, dist.group.WORLD, device, dtype)
         self.groups: dict[str, Any] = {}
         self.bucket_count = 0
+        # Dense broadcast buckets seen before (by names, dtypes, shapes): the parameters they load into,
+        # checked once, and how to cut the received buffer; an update repeats the same buckets.
+        self.programs: dict[tuple, Any] = {}
         self.fault = os.environ.get(FAULT_ENV, "")
         self._load_initial(model_dir)
 
@@ -98,7 +102,20 @@ class Worker:
     def update_distributed(self, names, dtypes, shapes, group_name, load_format, expected_checksum):
         group = self._group(group_name)
         if load_format == "flattened_bucket":
-            metas = dense_layout(names, dtypes, shapes)
+            key = (tuple(names), tuple(dtypes), tuple(tuple(s) for s in shapes))
+            program = self.programs.get(key)
+            if program is None:
+                program = self.programs[key] = self._program(dense_layout(names, dtypes, shapes))
+            if program.targets is not None and expected_checksum is None and not self.fault:
+                raw = torch.empty(-(-program.total // 8) * 8, dtype=torch.uint8, device=self.device)
+                dist.broadcast(raw.narrow(0, 0, program.total), group=group, group_src=0)
+                self.bucket_count += 1
+                sources = []
+                for dtype, sizes in program.runs:
+                    typed = raw.view(dtype)
+                    sources += typed.split_with_sizes([*sizes, typed.numel() - sum(sizes)])[1::2]
+                return self._report(self.model.load_flat(program.names, program.ordered_targets, sources))
+            metas = program.metas
             total = metas[-1].offset + metas[-1].nbytes if metas else 0
             buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
             dist.broadcast(buffer, group=group, group_src=0)
@@ -148,6 +165,29 @@ class Worker:
                 )
         return self._load([(m.name, view_tensor(bucket.buffer, m), m.shard) for m in bucket.metas], foreign)
 
+    def _program(self, metas: list[TensorMeta]) -> SimpleNamespace:
+        total = metas[-1].offset + metas[-1].nbytes if metas else 0
+        targets = self.model.whole_targets(metas) if metas else None
+        program = SimpleNamespace(metas=metas, total=total, targets=targets, runs=[], names=[], ordered_targets=[])
+        if targets is not None:
+            by_dtype: dict[torch.dtype, list] = {}
+            for m, t in zip(metas, targets):
+                by_dtype.setdefault(m.dtype, []).append((m.offset // m.dtype.itemsize, m.numel, m.name, t))
+            for dtype, entries in by_dtype.items():
+                sizes, pos = [], 0
+                for off, n, name, t in entries:
+                    sizes += [off - pos, n]
+                    pos = off + n
+                    program.names.append(name)
+                    program.ordered_targets.append(t)
+                program.runs.append((dtype, sizes))
+        return program
+
+    def _report(self, report):
+        if report.problems:
+            raise RuntimeError(f"{len(report.problems)} tensors could not be loaded: " + "; ".join(report.problems))
+        return {"loaded": report.loaded}
+
     def _load(self, tensors, foreign: bool = False):
         """``foreign``: the tensors live in the sender's memory (IPC), which it may free or reuse as soon as
         we answer, so the copies are finished first. A buffer of our own (broadcast, P2P) is freed into
@@ -156,9 +196,7 @@ class Worker:
         report = self.model.load_weights(tensors)
         if foreign and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        if report.problems:
-            raise RuntimeError(f"{len(report.problems)} tensors could not be loaded: " + "; ".join(report.problems))
-        return {"loaded": report.loaded}
+        return self._report(report)
 
     def begin_session(self):
         self.model.begin_session()
@@ -181,10 +219,12 @@ class Worker:
         """SGLang's tags: ``weights`` frees the weights (re-created, zeroed, by ``resume_memory``; an update
         must then load every tensor before the engine serves again); this engine keeps no KV cache and
         captures no CUDA graphs, so ``kv_cache`` and ``cuda_graph`` free nothing."""
+        self.programs.clear()  # the parameters' storage goes away
         freed = self.model.release_weights() if "weights" in tags else 0
         return {"freed_bytes": freed, **self.memory()}
 
     def resume_memory(self, tags):
+        self.programs.clear()
         restored = self.model.resume_weights() if "weights" in tags else 0
         return {"restored_bytes": restored, **self.memory()}
 
