@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 
+import pytest
 import torch
 
 from weightstream.disk import CheckpointReader
@@ -114,3 +117,32 @@ def assert_logits_close(megatron: torch.Tensor, hf: torch.Tensor, atol: float = 
     assert megatron.shape == hf.shape
     diff = (megatron - hf).abs().max().item()
     assert diff <= atol, f"logits differ by {diff:.3g}"
+
+
+def engine_python(engine: str, probe: str) -> str:
+    """The python named by ``WEIGHTSTREAM_<ENGINE>_PYTHON`` that can ``import`` ``probe``; the test is skipped
+    without one, and failed instead when ``WEIGHTSTREAM_REQUIRE_<ENGINE>=1``."""
+    var, require = f"WEIGHTSTREAM_{engine.upper()}_PYTHON", f"WEIGHTSTREAM_REQUIRE_{engine.upper()}"
+    python = os.environ.get(var)
+    why = None
+    if not python:
+        why = f"{var} is not set"
+    else:
+        proc = subprocess.run([python, "-c", f"import {probe}"], capture_output=True, text=True, timeout=120)
+        if proc.returncode:
+            why = f"{python} cannot import {engine}: {proc.stderr.strip().splitlines()[-1:]}"
+    if why:
+        if os.environ.get(require) == "1":
+            pytest.fail(f"{require}=1 but {why}")
+        pytest.skip(why)
+    return python
+
+
+def run_engine_check(python: str, script, cwd) -> dict:
+    """Run an engine check script with ``python`` (without our PYTHONPATH); its last stdout line, as JSON."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([python, str(script)], capture_output=True, text=True, timeout=420, cwd=cwd, env=env)
+    assert proc.returncode == 0, f"{script} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -9,12 +9,11 @@ failed instead when ``WEIGHTSTREAM_REQUIRE_SGLANG=1``.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests.checks import engine_python, run_engine_check
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = ROOT / "tests" / "engines" / "sglang_check.py"
@@ -27,31 +26,9 @@ ROUTES = {  # every route the adapter uses
 }
 
 
-def _sglang_python() -> str:
-    python = os.environ.get("WEIGHTSTREAM_SGLANG_PYTHON")
-    required = os.environ.get("WEIGHTSTREAM_REQUIRE_SGLANG") == "1"
-    why = None
-    if not python:
-        why = "WEIGHTSTREAM_SGLANG_PYTHON is not set"
-    else:
-        probe = subprocess.run([python, "-c", "import sglang, sglang.srt.weight_sync.tensor_bucket"],
-                               capture_output=True, text=True, timeout=120)
-        if probe.returncode:
-            why = f"{python} cannot import sglang: {probe.stderr.strip().splitlines()[-1:]}"
-    if why:
-        if required:
-            pytest.fail(f"WEIGHTSTREAM_REQUIRE_SGLANG=1 but {why}")
-        pytest.skip(why)
-    return python
-
-
 @pytest.fixture(scope="module")
 def result() -> dict:
-    python = _sglang_python()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([python, str(CHECK)], capture_output=True, text=True, timeout=420, cwd=ROOT, env=env)
-    assert proc.returncode == 0, f"sglang_check.py failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_engine_check(engine_python("sglang", "sglang, sglang.srt.weight_sync.tensor_bucket"), CHECK, ROOT)
 
 
 def test_sglang_version(result):

@@ -62,9 +62,7 @@ import json
 import logging
 import os
 import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -79,17 +77,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))  # weightstream from this checkout
+sys.path.insert(0, str(HERE))  # common
 
 import torch  # noqa: E402
+from common import ipc_in_child, same_bits  # noqa: E402
 
 TP_SIZE = 2
 GROUP = "weight_update_group"
 AGENT_MODULE = "lmdeploy.pytorch.engine.model_agent.agent"
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape)
-            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
 
 
 def original_tensors(rank: int = 0, dtype=torch.bfloat16) -> list[tuple[str, torch.Tensor]]:
@@ -590,21 +585,16 @@ def ipc_child(bodies_path: str, expected_path: str) -> None:
 
 def check_ipc(bucket_json: str, finished_json: str, expected: dict) -> dict:
     body = json.loads(bucket_json)
-    res = {"n_payloads_sent": len(body["serialized_named_tensors"]), "engine_tp_size": TP_SIZE}
-    res["one_payload_per_rank"] = res["n_payloads_sent"] == TP_SIZE
-    res["payloads_are_base64_str"] = all(isinstance(p, str) for p in body["serialized_named_tensors"])
-    with tempfile.TemporaryDirectory() as tmp:
-        bp, ep = os.path.join(tmp, "bodies.json"), os.path.join(tmp, "expected.pt")
-        Path(bp).write_text(json.dumps([bucket_json, finished_json]))
-        torch.save(expected, ep)
-        proc = subprocess.run([sys.executable, __file__, "--ipc-child", bp, ep], capture_output=True,
-                              text=True, timeout=240)
-    res["child_rc"] = proc.returncode
-    try:
-        child = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        res.update(child=None, child_stderr=proc.stderr[-3000:], ok=False)
-        return res
+    res, child = ipc_in_child(__file__, body["serialized_named_tensors"], TP_SIZE,
+                              json.dumps([bucket_json, finished_json]), expected)
+    if child is not None:
+        ranks = child.get("ranks", [])
+        res["ok"] = (res["ok"] and not child.get("error") and child.get("n_payloads") == TP_SIZE
+                     and len(ranks) == TP_SIZE
+                     and all(r.get("error") is None and r.get("tensors_equal") and r.get("names_equal")
+                             and r.get("dtypes_equal") and r.get("shapes_equal") and r.get("finished_semantics")
+                             for r in ranks))
+    return res
     res["child"] = child
     res["other_process"] = child["pid"] != os.getpid()
     ranks = child.get("ranks", [])

@@ -28,9 +28,7 @@ import ast
 import base64
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import traceback
 import warnings
 from pathlib import Path
@@ -44,16 +42,12 @@ sys.path.insert(0, str(ROOT))  # weightstream from this checkout
 
 import torchvision_standin  # noqa: E402,F401  (before anything imports sglang.srt.managers.io_struct)
 import torch  # noqa: E402
+from common import ipc_in_child, same_bits  # noqa: E402
 
 # The extra fields weightstream sends that SGLang ignores (unknown JSON keys are dropped by its decoder).
 OUR_EXTRAS = {"timeout_s", "weightstream_checksum", "weightstream_checksums"}
 TP_SIZE = 2
 GROUP = "weight_update_group"
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape)
-            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
 
 
 def original_tensors(rank: int = 0) -> list[tuple[str, torch.Tensor]]:
@@ -319,27 +313,11 @@ def ipc_child(json_path: str, expected_path: str) -> None:
 
 def check_ipc(sent_ipc: dict, expected: dict) -> dict:
     body = json.loads(sent_ipc["json"])
-    res = {"n_payloads_sent": len(body["serialized_named_tensors"]), "engine_tp_size": TP_SIZE}
-    res["one_payload_per_rank"] = res["n_payloads_sent"] == TP_SIZE
-    res["payloads_are_base64_str"] = all(isinstance(p, str) for p in body["serialized_named_tensors"])
-    with tempfile.TemporaryDirectory() as tmp:
-        jp, ep = os.path.join(tmp, "body.json"), os.path.join(tmp, "expected.pt")
-        Path(jp).write_text(sent_ipc["json"])
-        torch.save(expected, ep)
-        proc = subprocess.run([sys.executable, __file__, "--ipc-child", jp, ep], capture_output=True,
-                              text=True, timeout=240)
-    res["child_rc"] = proc.returncode
-    try:
-        child = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        res.update(child=None, child_stderr=proc.stderr[-3000:], ok=False)
-        return res
-    res["child"] = child
-    res["other_process"] = child["pid"] != os.getpid()
-    res["ok"] = (proc.returncode == 0 and res["other_process"] and res["one_payload_per_rank"]
-                 and child["n_payloads"] == TP_SIZE and len(child["ranks"]) == TP_SIZE
-                 and all(r.get("success") and r.get("tensors_equal") and r.get("names_equal")
-                         and r.get("dtypes_equal") and r.get("shapes_equal") for r in child["ranks"]))
+    res, child = ipc_in_child(__file__, body["serialized_named_tensors"], TP_SIZE, sent_ipc["json"], expected)
+    if child is not None:
+        res["ok"] = (res["ok"] and child["n_payloads"] == TP_SIZE and len(child["ranks"]) == TP_SIZE
+                     and all(r.get("success") and r.get("tensors_equal") and r.get("names_equal")
+                             and r.get("dtypes_equal") and r.get("shapes_equal") for r in child["ranks"]))
     return res
 
 
