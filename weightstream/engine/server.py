@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from weightstream.engine.worker import FAULT_ENV
 from weightstream.launch import free_port
 from weightstream.models.spec import dtype_from_name
 from weightstream.streaming.serialization import gpu_uuid
@@ -69,6 +70,10 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "names": ((list,), True), "dtypes": ((list,), True), "shapes": ((list,), True), "group_name": ((str,), False),
         "load_format": (_OPT_STR, False), "weight_version": (_OPT_STR, False), "flush_cache": ((bool,), False),
         "weightstream_checksum": (_OPT_STR, False),
+    },
+    "/weightstream/update_weights_from_distributed_ahead": {
+        "buckets": ((list,), True), "group_name": ((str,), False), "load_format": (_OPT_STR, False),
+        "weight_version": (_OPT_STR, False),
     },
     "/update_weights_from_tensor": {
         "serialized_named_tensors": ((list, str), True), "load_format": (_OPT_STR, False),
@@ -128,6 +133,15 @@ def check_body(path: str, body: dict) -> None:
             problems.append(f"unknown dtypes {bad[:5]}")
         if not _int_lists(shapes, 2):
             problems.append("shapes must be lists of non-negative integers")
+    if not problems and path == "/weightstream/update_weights_from_distributed_ahead":
+        for i, bucket in enumerate(body["buckets"]):
+            if not isinstance(bucket, dict):
+                problems.append(f"bucket {i} must be an object")
+                continue
+            try:
+                check_body("/update_weights_from_distributed", bucket)
+            except BadRequest as exc:
+                problems.append(f"bucket {i}: {exc.message.split(': ', 1)[-1]}")
     if not problems and path in ("/generate", "/weightstream/logits"):
         ids = body["input_ids"]
         if not ids or not (_int_lists(ids, 1) or _int_lists(ids, 2)) or (isinstance(ids[0], list) and not all(ids)):
@@ -143,6 +157,7 @@ class Engine:
                  command_timeout_s: float = 300.0, start_timeout_s: float = 300.0):
         self.model_dir = os.path.abspath(model_dir)
         self.tp = tp
+        self.fault = os.environ.get(FAULT_ENV, "")  # a test fault, injected into the workers bucket by bucket
         with open(os.path.join(self.model_dir, "config.json")) as f:
             config = json.load(f)
         self.vocab_size = int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size"))
@@ -416,6 +431,7 @@ class EngineServer(ThreadingHTTPServer):
             ("POST", "/init_weights_update_group"): self.init_group,
             ("POST", "/destroy_weights_update_group"): self.destroy_group,
             ("POST", "/update_weights_from_distributed"): self.update_distributed,
+            ("POST", "/weightstream/update_weights_from_distributed_ahead"): self.update_distributed_ahead,
             ("POST", "/update_weights_from_tensor"): self.update_tensor,
             ("POST", "/weightstream/update_weights_from_p2p"): self.update_p2p,
             ("POST", "/begin_weight_update"): self.begin,
@@ -452,7 +468,8 @@ class EngineServer(ThreadingHTTPServer):
             "engine": ENGINE_NAME, "tp_size": e.tp, "pp_size": 1, "dp_size": 1, "model_path": e.model_dir,
             "weight_version": e.weight_version, "device": e.devices[0].split(":")[0], "gpu_uuids": e.gpu_uuids(),
             "hostname": socket.gethostname(), "pid": os.getpid(), "dtype": e.dtype,
-            "capabilities": ["broadcast", "ipc", "p2p", "rollback", "release_memory"],
+            "capabilities": ["broadcast", "ipc", "p2p", "rollback", "release_memory"]
+            + ([] if e.fault else ["broadcast_ahead"]),
             "update_session_open": e.session_open,
             "worker_pids": [p.pid for p in e.procs],
         }
@@ -498,6 +515,14 @@ class EngineServer(ThreadingHTTPServer):
             "update_distributed", names=list(b["names"]), dtypes=list(b["dtypes"]),
             shapes=[list(s) for s in b["shapes"]], group_name=b.get("group_name", "weight_update_group"),
             load_format=b.get("load_format"), expected_checksum=b.get("weightstream_checksum"),
+        ), b)
+
+    def update_distributed_ahead(self, b):
+        self._in_session("update_weights_from_distributed_ahead")
+        return self._guarded(lambda: self.engine.call(
+            "update_distributed_ahead", buckets=[{"names": list(x["names"]), "dtypes": list(x["dtypes"]),
+                                                  "shapes": [list(s) for s in x["shapes"]]} for x in b["buckets"]],
+            group_name=b.get("group_name", "weight_update_group"), load_format=b.get("load_format"),
         ), b)
 
     def update_tensor(self, b):

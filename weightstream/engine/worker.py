@@ -102,30 +102,59 @@ class Worker:
     def update_distributed(self, names, dtypes, shapes, group_name, load_format, expected_checksum):
         group = self._group(group_name)
         if load_format == "flattened_bucket":
-            key = (tuple(names), tuple(dtypes), tuple(tuple(s) for s in shapes))
-            program = self.programs.get(key)
-            if program is None:
-                program = self.programs[key] = self._program(dense_layout(names, dtypes, shapes))
-            if program.targets is not None and expected_checksum is None and not self.fault:
-                raw = torch.empty(-(-program.total // 8) * 8, dtype=torch.uint8, device=self.device)
-                dist.broadcast(raw.narrow(0, 0, program.total), group=group, group_src=0)
-                self.bucket_count += 1
-                sources = []
-                for dtype, sizes in program.runs:
-                    typed = raw.view(dtype)
-                    sources += typed.split_with_sizes([*sizes, typed.numel() - sum(sizes)])[1::2]
-                return self._report(self.model.load_flat(program.names, program.ordered_targets, sources))
-            metas = program.metas
-            total = metas[-1].offset + metas[-1].nbytes if metas else 0
-            buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
-            dist.broadcast(buffer, group=group, group_src=0)
-            return self._apply(Bucket(self.bucket_count, buffer, tuple(metas)), expected_checksum)
+            program = self._dense_program(names, dtypes, shapes)
+            raw = self._receive_dense(program, group)
+            return self._load_dense(program, raw, expected_checksum)
         tensors = []
         for name, dt, shape in zip(names, dtypes, shapes, strict=True):
             t = torch.empty(tuple(shape), dtype=dtype_from_name(dt), device=self.device)
             dist.broadcast(t, group=group, group_src=0)
             tensors.append((name, t, None))
         return self._load(tensors)
+
+    def update_distributed_ahead(self, buckets, group_name, load_format):
+        """Every bucket of an update, received back to back. After a failure the rest are still received
+        (the sender broadcasts them all) but not loaded; the failure is raised at the end, naming the bucket."""
+        if load_format != "flattened_bucket":
+            raise ValueError(f"load_format {load_format!r}: buckets sent ahead are flattened buckets")
+        group = self._group(group_name)
+        loaded, failure = [], None
+        for i, b in enumerate(buckets):
+            program = self._dense_program(b["names"], b["dtypes"], b["shapes"])
+            raw = self._receive_dense(program, group)
+            if failure is not None:
+                continue
+            try:
+                loaded += self._load_dense(program, raw, None)["loaded"]
+            except Exception as exc:  # noqa: BLE001 -- the rest is drained, then this is raised
+                failure = f"bucket {i}: {exc}"
+        if failure is not None:
+            raise RuntimeError(failure)
+        return {"loaded": loaded}
+
+    def _dense_program(self, names, dtypes, shapes) -> SimpleNamespace:
+        key = (tuple(names), tuple(dtypes), tuple(tuple(s) for s in shapes))
+        program = self.programs.get(key)
+        if program is None:
+            program = self.programs[key] = self._program(dense_layout(names, dtypes, shapes))
+        return program
+
+    def _receive_dense(self, program, group) -> torch.Tensor:
+        """The bucket's bytes, broadcast into a buffer of ours (rounded up so that it views as any dtype)."""
+        raw = torch.empty(-(-program.total // 8) * 8, dtype=torch.uint8, device=self.device)
+        dist.broadcast(raw.narrow(0, 0, program.total), group=group, group_src=0)
+        return raw
+
+    def _load_dense(self, program, raw, expected_checksum):
+        if program.targets is not None and expected_checksum is None and not self.fault:
+            self.bucket_count += 1
+            sources = []
+            for dtype, sizes in program.runs:
+                typed = raw.view(dtype)
+                sources += typed.split_with_sizes([*sizes, typed.numel() - sum(sizes)])[1::2]
+            return self._report(self.model.load_flat(program.names, program.ordered_targets, sources))
+        bucket = Bucket(self.bucket_count, raw.narrow(0, 0, program.total), tuple(program.metas))
+        return self._apply(bucket, expected_checksum)
 
     def update_p2p(self, group_name, src, metas, nbytes, expected_checksum):
         group = self._group(group_name)

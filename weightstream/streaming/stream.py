@@ -175,6 +175,15 @@ class BucketStream(Iterator[Bucket]):
         ]
         return items, metas, total
 
+    def bucket_metas(self, index: int) -> tuple[TensorMeta, ...]:
+        """The metadata of bucket ``index`` as this rank will yield it, before it is made (its copy
+        program is made now if it was not yet; no communication)."""
+        programs = self.shared.programs if self.shared is not None else {}
+        program = programs.get(index)
+        if program is None:
+            program = programs[index] = self._program(self.plan[index])
+        return program.metas
+
     def metas_for_rank(self, index: int, tp_rank: int) -> list[TensorMeta]:
         """The metadata of bucket ``index`` as TP rank ``tp_rank`` makes it (per_rank mode: the shards
         differ by rank), computed locally, without communication."""

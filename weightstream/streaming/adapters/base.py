@@ -27,6 +27,9 @@ P2P = "p2p"  # each engine TP rank receives its own per-rank bucket from trainer
 ROLLBACK = "rollback"  # an aborted update puts the last committed weights back
 RELEASE_MEMORY = "release_memory"  # frees weights / KV cache while the trainer runs, re-creates them after
 SINGLE_DTYPE = "single_dtype"  # every bucket must hold tensors of one dtype (the planner cuts them so)
+# takes the metadata of every bucket of an update in one request, then receives the broadcasts back to back
+# (no HTTP round trip between two buckets on the wire)
+BROADCAST_AHEAD = "broadcast_ahead"
 
 
 class EngineError(WeightstreamError):

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from weightstream.models.spec import dtype_name
 from weightstream.streaming.adapters.base import BROADCAST, IPC, P2P, RELEASE_MEMORY, ROLLBACK, RankBucket
+from weightstream.streaming.bucket import TensorMeta
 from weightstream.streaming.adapters.sglang import SGLangEngine
 
 ENGINE_NAME = "weightstream-reference"
@@ -30,6 +31,16 @@ class ReferenceEngine(SGLangEngine):
             return
         self._session = False
         self.post("/weightstream/abort_weight_update", {}, step="abort_weight_update", timeout_s=timeout_s)
+
+    def receive_broadcast_ahead(self, buckets: Sequence[Sequence[TensorMeta]], timeout_s: float) -> None:
+        """The metadata of every dense bucket of this update, in order, before the first is broadcast; the
+        engine receives them back to back and answers once all are loaded (or once one failed: it still
+        receives the rest, so that the broadcasts match, and loads none of them)."""
+        self.post("/weightstream/update_weights_from_distributed_ahead", {
+            "group_name": self.group_name, "weight_version": self._version, "load_format": "flattened_bucket",
+            "buckets": [{"names": [m.name for m in b], "dtypes": [dtype_name(m.dtype) for m in b],
+                         "shapes": [list(m.shape) for m in b]} for b in buckets],
+        }, step=f"update_weights_from_distributed_ahead ({len(buckets)} buckets)", timeout_s=timeout_s)
 
     def receive_p2p(self, index: int, ranks: Sequence[RankBucket]) -> None:
         """Metadata of what each engine rank receives by send/recv in this bucket."""

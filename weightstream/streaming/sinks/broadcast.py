@@ -12,11 +12,13 @@ import torch
 import torch.distributed as dist
 
 from weightstream.launch import free_port
-from weightstream.streaming.adapters.base import EngineAdapter, GroupSpec
+from weightstream.bounds import Deadline
+from weightstream.errors import UpdateError
+from weightstream.streaming.adapters.base import BROADCAST_AHEAD, EngineAdapter, GroupSpec
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.groups import init_custom_process_group
 from weightstream.streaming.serialization import checksum
-from weightstream.streaming.sinks.base import InFlight, PipelinedSink
+from weightstream.streaming.sinks.base import InFlight, PipelinedSink, future_errors
 
 
 def default_backend() -> str:
@@ -43,6 +45,7 @@ class BroadcastSink(PipelinedSink):
         self.sender = _is_sender()
         self._pool: ThreadPoolExecutor | None = None
         self._inflight = InFlight(timeout_s, [e.url for e in self.engines])
+        self._ahead: list = []  # the engines' replies to the metadata of every bucket, sent ahead
 
     # -- group lifetime (separate steps: connect once, update many times) ------------------------
 
@@ -71,13 +74,50 @@ class BroadcastSink(PipelinedSink):
     # -- per update ------------------------------------------------------------------------------
 
     def open(self, stream) -> None:
+        """Connect; where every engine takes the metadata of all buckets ahead (and no per-bucket checksum
+        is asked for), send it now: the buckets then go on the wire back to back."""
         self.connect()
+        self._ahead = []
+        if not self.sender or self.checksums or not len(stream):
+            return
+        if all(e.info().can(BROADCAST_AHEAD) for e in self.engines):
+            metas = [stream.bucket_metas(i) for i in range(len(stream))]
+            # The engine answers once it has loaded the last bucket: bounded by the whole update's bytes.
+            bound = self.timeout_s * (1 + len(metas) / 8)
+            self._ahead = [self._pool.submit(e.receive_broadcast_ahead, metas, bound) for e in self.engines]
+            self._ahead_bound = bound
+
+    def _finish(self) -> None:
+        """Finish the bucket in flight; a transfer that failed while the engines had the metadata ahead is
+        reported with what the engines answered, where they already did (a dead engine says so)."""
+        try:
+            self._inflight.finish()
+        except UpdateError as exc:
+            said = [str(f.exception()) for f in self._ahead if f.done() and f.exception() is not None]
+            if said:
+                raise UpdateError(exc.phase, f"{exc.detail} | the engines said: {' | '.join(said)}",
+                                  exc.engines) from None
+            raise
 
     def send(self, bucket: Bucket) -> None:
         if not self.sender:
             return
-        self._inflight.finish()
+        self._finish()
         digest = checksum(bucket.buffer) if self.checksums else None
-        posts = [self._pool.submit(e.receive_broadcast, bucket, digest) for e in self.engines]
+        posts = [] if self._ahead else [self._pool.submit(e.receive_broadcast, bucket, digest) for e in self.engines]
         work = dist.broadcast(bucket.buffer, group=self.group, group_src=0, async_op=True)
         self._inflight.start(bucket, work, posts)
+
+    def close(self) -> None:
+        if not self.sender:
+            return
+        self._finish()
+        ahead, self._ahead = self._ahead, []
+        if ahead:
+            problems = future_errors(ahead, Deadline(self._ahead_bound + 2.0))
+            if problems:
+                raise UpdateError("buckets", " | ".join(problems), [e.url for e in self.engines])
+
+    def abort(self) -> None:
+        self._ahead = []
+        super().abort()
