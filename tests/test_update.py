@@ -83,6 +83,9 @@ def test_broadcast_tp2_pp2_two_updates(sources, engine_dir, tmp_path):
         assert rep.transport == "broadcast" and "engine TP 1 != trainer TP 2" in rep.reason
         assert rep.tensors == 47 and rep.buckets > 3 and rep.weight_version == version
         assert set(rep.seconds) >= {"pause", "connect", "transfer", "commit", "resume", "total"}
+    # Checksums are per bucket: one request each. Without them the reference engine takes every bucket's
+    # metadata in one request and receives the buckets back to back.
+    assert [rep.metadata_ahead for rep in reports] == [False, True]
 
 
 def test_two_engines_through_one_broadcast_group(sources, engine_dir):
@@ -92,7 +95,7 @@ def test_two_engines_through_one_broadcast_group(sources, engine_dir):
                             [{"transport": "auto", "bucket_bytes": SMALL}]))
         la, lb = ReferenceEngine(a.url).logits(INPUT_IDS), ReferenceEngine(b.url).logits(INPUT_IDS)
         versions = ReferenceEngine(a.url).weight_version(), ReferenceEngine(b.url).weight_version()
-    assert rep.transport == "broadcast" and "2 engines" in rep.reason
+    assert rep.transport == "broadcast" and "2 engines" in rep.reason and rep.metadata_ahead
     ref = hf_logits(src, INPUT_IDS)
     assert_logits_close(la, ref)
     assert_logits_close(lb, ref)

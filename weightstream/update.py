@@ -54,6 +54,7 @@ class UpdateReport:
     weight_version: str | None = None
     engines: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+    metadata_ahead: bool = False  # broadcast: every bucket's metadata went ahead in one request (rank 0)
 
     def summary(self) -> str:
         total = self.seconds.get("total", 0.0)
@@ -268,6 +269,7 @@ class WeightSync:
                     sink.close()
             except BaseException as exc:  # noqa: BLE001
                 err = err or _as_update_error(phase, exc, urls)
+        report.metadata_ahead = bool(getattr(sink, "ahead_used", False)) if stream is not None else False
         if stream is not None:
             report.buckets, report.tensors, report.bytes = stream.stats.buckets, stream.stats.tensors, stream.stats.bytes
             report.gathers = stream.stats.gathers

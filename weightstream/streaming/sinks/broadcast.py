@@ -78,6 +78,7 @@ class BroadcastSink(PipelinedSink):
         is asked for), send it now: the buckets then go on the wire back to back."""
         self.connect()
         self._ahead = []
+        self.ahead_used = False
         if not self.sender or self.checksums or not len(stream):
             return
         if all(e.info().can(BROADCAST_AHEAD) for e in self.engines):
@@ -86,6 +87,7 @@ class BroadcastSink(PipelinedSink):
             bound = self.timeout_s * (1 + len(metas) / 8)
             self._ahead = [self._pool.submit(e.receive_broadcast_ahead, metas, bound) for e in self.engines]
             self._ahead_bound = bound
+            self.ahead_used = True
 
     def _finish(self) -> None:
         """Finish the bucket in flight; a transfer that failed while the engines had the metadata ahead is
