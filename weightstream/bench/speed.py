@@ -19,7 +19,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -98,22 +100,38 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _timed(device: torch.device, runs: int, fn: Callable[[], Any]) -> tuple[list[tuple[float, Any]], int | None]:
+    """``fn()`` ``runs`` times, each timed between device synchronisations, with what it returned; and the
+    peak GPU memory the runs added over what was allocated before them (None on a CPU)."""
+    cuda = device.type == "cuda"
+    _sync(device)
+    base = torch.cuda.memory_allocated(device) if cuda else 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    out = []
+    for _ in range(runs):
+        _sync(device)
+        t = time.perf_counter()
+        value = fn()
+        _sync(device)
+        out.append((time.perf_counter() - t, value))
+    return out, (torch.cuda.max_memory_allocated(device) - base if cuda else None)
+
+
 def copy_ceiling(total: int, bucket_bytes: int, device: torch.device, repeats: int) -> float:
     """A device copy of ``total`` bytes into fresh buckets of ``bucket_bytes`` (best of ``repeats``)."""
     src = torch.empty(min(total, bucket_bytes), dtype=torch.uint8, device=device)
     src.fill_(1)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        _sync(device)
-        t = time.perf_counter()
+
+    def copy_all() -> None:
         left = total
         while left > 0:
             n = min(left, bucket_bytes)
             torch.empty(n, dtype=torch.uint8, device=device).copy_(src[:n])
             left -= n
-        _sync(device)
-        best = min(best, time.perf_counter() - t)
-    return best
+
+    runs, _ = _timed(device, repeats + 1, copy_all)
+    return min(t for t, _ in runs)
 
 
 def _trainer(cfg, dtype: str):
@@ -130,20 +148,14 @@ def stream_job(cfg, dtype: str, bucket_bytes: int, repeats: int) -> dict:
     from weightstream.streaming.stream import stream_hf_weights
 
     chunks, device = _trainer(cfg, dtype)
-    _sync(device)
-    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    runs = []
-    for _ in range(repeats + 1):
-        _sync(device)
-        t = time.perf_counter()
+
+    def stream_all():
         s = stream_hf_weights(chunks, cfg, bucket_bytes=bucket_bytes)
         for _b in s:
             pass
-        _sync(device)
-        runs.append((time.perf_counter() - t, s.stats))
-    peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
+        return s.stats
+
+    runs, peak = _timed(device, repeats + 1, stream_all)
     stats = runs[-1][1]
     best = min(runs[1:], key=lambda r: r[0]) if len(runs) > 1 else runs[0]
     return {"device": str(device), "cold_s": runs[0][0], "warm_s": [r[0] for r in runs[1:]], "bytes": stats.bytes,
@@ -167,20 +179,10 @@ def update_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype:
 
         with CheckpointReader(cfg_dir) as reader:
             load_hf_weights(chunks, cfg, reader)
-    _sync(device)
-    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    reports = []
     with WeightSync([url], transport=transport, bucket_bytes=bucket_bytes, timeout_s=300) as sync:
-        for _ in range(repeats + 1):
-            _sync(device)
-            t = time.perf_counter()
-            rep = sync.update(chunks, cfg)
-            _sync(device)
-            reports.append({"wall": time.perf_counter() - t, "transport": rep.transport, "bytes": rep.bytes,
-                            "buckets": rep.buckets, "tensors": rep.tensors, "seconds": rep.seconds})
-    peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
+        runs, peak = _timed(device, repeats + 1, lambda: sync.update(chunks, cfg))
+    reports = [{"wall": t, "transport": rep.transport, "bytes": rep.bytes, "buckets": rep.buckets,
+                "tensors": rep.tensors, "seconds": rep.seconds} for t, rep in runs]
     ceiling = copy_ceiling(reports[-1]["bytes"], bucket_bytes, device, repeats) if transport == "ipc" else None
     from weightstream.models.megatron import megatron_logits
 

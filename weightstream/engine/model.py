@@ -10,7 +10,7 @@ per-rank shards (checked to be exactly this rank's).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -161,9 +161,17 @@ class ShardedCausalLM:
         restored, self.released, self.released_bytes = self.released_bytes, [], 0
         return restored
 
-    def _keep(self, name: str, param: Tensor) -> None:
-        if self.backup is not None and name not in self.backup:
-            self.backup[name] = param.detach().clone()
+    def _keep(self, tensors: Sequence[tuple[str, Tensor]]) -> None:
+        """Back up, in one batched copy, what this session is about to overwrite for the first time:
+        ``(name, the parameter or a view of all of it)``."""
+        if self.backup is None:
+            return
+        first = [(n, t) for n, t in tensors if n not in self.backup]
+        if not first:
+            return
+        copies = [torch.empty_like(t) for _, t in first]
+        torch._foreach_copy_(copies, [t for _, t in first])
+        self.backup.update((n, c.view(self.params[n][0].shape)) for (n, _), c in zip(first, copies))
 
     def _shard_modules(self, model: nn.Module) -> None:
         for name, module in list(model.named_modules()):
@@ -249,12 +257,7 @@ class ShardedCausalLM:
         keeping the session's backups, with two batched copies."""
         if self.released_bytes:
             return LoadReport([], [f"{n}: the weights are released; resume them before loading" for n in names])
-        if self.backup is not None:
-            keep = [(n, t) for n, t in zip(names, targets) if n not in self.backup]
-            if keep:
-                copies = [torch.empty_like(t) for _, t in keep]
-                torch._foreach_copy_(copies, [t for _, t in keep])
-                self.backup.update((n, c.view(self.params[n][0].shape)) for (n, _), c in zip(keep, copies))
+        self._keep(list(zip(names, targets)))
         torch._foreach_copy_(targets, sources)
         self._loaded_in_session.update(names)
         return LoadReport(names, [])
@@ -268,9 +271,9 @@ class ShardedCausalLM:
         self.pending_vocab: list[tuple[str, int, Tensor]] = getattr(self, "pending_vocab", [])
         # Checked one by one, copied together: one _foreach_copy_ for the backups of the tensors this
         # session touches first, one for the new values.
+        names: list[str] = []
         dst: list[Tensor] = []
         src: list[Tensor] = []
-        keep: list[tuple[str, Tensor]] = []
         for name, tensor, shard in weights:
             entry = self.params.get(name)
             if entry is None:
@@ -284,7 +287,7 @@ class ShardedCausalLM:
                 if name in VOCAB and shard is not None:
                     if shard.dim != 0 or shard.full != param.shape[0] or tensor.shape[1:] != param.shape[1:]:
                         raise ValueError(f"vocabulary piece {shard} does not fit {tuple(param.shape)}")
-                    self._keep(name, param)
+                    self._keep([(name, param)])
                     param.narrow(0, shard.start, shard.length).copy_(tensor)
                     self.pending_vocab.append((name, shard.start, tensor.detach().to(param.device, copy=True)))
                     loaded.append(name)
@@ -311,18 +314,14 @@ class ShardedCausalLM:
                         raise ValueError(f"shape {tuple(tensor.shape)} != engine's shard {tuple(param.shape)}")
                 if tensor.dtype != param.dtype or tensor.device != param.device:
                     tensor = tensor.to(device=param.device, dtype=param.dtype)
-                if self.backup is not None and name not in self.backup:
-                    keep.append((name, param))
+                names.append(name)
                 dst.append(param)
                 src.append(tensor)
                 loaded.append(name)
                 self._loaded_in_session.add(name)
             except (ValueError, RuntimeError) as exc:
                 problems.append(f"{name}: {exc}")
-        if keep:
-            copies = [torch.empty_like(p) for _, p in keep]
-            torch._foreach_copy_(copies, [p for _, p in keep])
-            self.backup.update((name, c) for (name, _), c in zip(keep, copies))
+        self._keep(list(zip(names, dst)))
         if dst:
             torch._foreach_copy_(dst, src)
         return LoadReport(loaded, problems)

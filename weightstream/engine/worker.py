@@ -19,7 +19,15 @@ import torch
 import torch.distributed as dist
 
 from weightstream.models.spec import dtype_from_name
-from weightstream.streaming.bucket import Bucket, Shard, TensorMeta, view_tensor
+from weightstream.streaming.bucket import (
+    Bucket,
+    Shard,
+    TensorMeta,
+    typed_buffer,
+    typed_runs,
+    typed_views,
+    view_tensor,
+)
 from weightstream.streaming.groups import destroy_group, init_custom_process_group, tcp_store
 from weightstream.streaming.serialization import checksum, loads_b64
 
@@ -140,19 +148,16 @@ class Worker:
         return program
 
     def _receive_dense(self, program, group) -> torch.Tensor:
-        """The bucket's bytes, broadcast into a buffer of ours (rounded up so that it views as any dtype)."""
-        raw = torch.empty(-(-program.total // 8) * 8, dtype=torch.uint8, device=self.device)
+        """The bucket's bytes, broadcast into a buffer of ours (that views as any dtype)."""
+        raw = typed_buffer(program.total, self.device)
         dist.broadcast(raw.narrow(0, 0, program.total), group=group, group_src=0)
         return raw
 
     def _load_dense(self, program, raw, expected_checksum):
-        if program.targets is not None and expected_checksum is None and not self.fault:
+        if program.runs is not None and expected_checksum is None and not self.fault:
             self.bucket_count += 1
-            sources = []
-            for dtype, sizes in program.runs:
-                typed = raw.view(dtype)
-                sources += typed.split_with_sizes([*sizes, typed.numel() - sum(sizes)])[1::2]
-            return self._report(self.model.load_flat(program.names, program.ordered_targets, sources))
+            sources = [v for dtype, sizes, _ in program.runs for v in typed_views(raw, dtype, sizes)]
+            return self._report(self.model.load_flat(program.names, program.targets, sources))
         bucket = Bucket(self.bucket_count, raw.narrow(0, 0, program.total), tuple(program.metas))
         return self._apply(bucket, expected_checksum)
 
@@ -195,22 +200,15 @@ class Worker:
         return self._load([(m.name, view_tensor(bucket.buffer, m), m.shard) for m in bucket.metas], foreign)
 
     def _program(self, metas: list[TensorMeta]) -> SimpleNamespace:
+        """``runs`` (how to cut the buffer, with each tensor's name and parameter) where every tensor of the
+        bucket loads by a plain copy, else None; ``names`` and ``targets`` in the order the runs cut."""
         total = metas[-1].offset + metas[-1].nbytes if metas else 0
         targets = self.model.whole_targets(metas) if metas else None
-        program = SimpleNamespace(metas=metas, total=total, targets=targets, runs=[], names=[], ordered_targets=[])
-        if targets is not None:
-            by_dtype: dict[torch.dtype, list] = {}
-            for m, t in zip(metas, targets):
-                by_dtype.setdefault(m.dtype, []).append((m.offset // m.dtype.itemsize, m.numel, m.name, t))
-            for dtype, entries in by_dtype.items():
-                sizes, pos = [], 0
-                for off, n, name, t in entries:
-                    sizes += [off - pos, n]
-                    pos = off + n
-                    program.names.append(name)
-                    program.ordered_targets.append(t)
-                program.runs.append((dtype, sizes))
-        return program
+        runs = None if targets is None else typed_runs(
+            (m.dtype, m.offset, m.numel, (m.name, t)) for m, t in zip(metas, targets))
+        pairs = [pair for _, _, payload in runs or () for pair in payload]
+        return SimpleNamespace(metas=metas, total=total, runs=runs, names=[n for n, _ in pairs],
+                               targets=[t for _, t in pairs])
 
     def _report(self, report):
         if report.problems:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from weightstream.models.spec import dtype_name
-from weightstream.streaming.plan import ALIGN, layout
+from weightstream.streaming.plan import ALIGN, layout, round_up
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,35 @@ class TensorMeta:
 def view_tensor(buffer: Tensor, meta: TensorMeta) -> Tensor:
     """The tensor ``meta`` describes, as a view into ``buffer`` (a flat uint8 tensor)."""
     return buffer.narrow(0, meta.offset, meta.nbytes).view(meta.dtype).view(meta.shape)
+
+
+def typed_buffer(nbytes: int, device: torch.device | str) -> Tensor:
+    """A flat uint8 buffer of at least ``nbytes`` that views as any dtype (its size rounded up to 16)."""
+    return torch.empty(round_up(max(nbytes, 1), 16), dtype=torch.uint8, device=device)
+
+
+def typed_runs(entries: Iterable[tuple[torch.dtype, int, int, Any]]) -> list[tuple[torch.dtype, list[int], list]]:
+    """How to cut many tensors out of one flat buffer with one split per dtype. ``entries``:
+    ``(dtype, byte offset, numel, payload)``, each offset a multiple of its element size. Per dtype, in
+    offset order: the split sizes in elements (gap, tensor, gap, tensor, ...) and the payloads."""
+    by_dtype: dict[torch.dtype, list[tuple[int, int, Any]]] = {}
+    for dtype, offset, numel, payload in entries:
+        by_dtype.setdefault(dtype, []).append((offset // dtype.itemsize, numel, payload))
+    runs = []
+    for dtype, items in by_dtype.items():
+        items.sort(key=lambda e: e[0])
+        sizes, pos = [], 0
+        for off, n, _ in items:
+            sizes += [off - pos, n]
+            pos = off + n
+        runs.append((dtype, sizes, [payload for _, _, payload in items]))
+    return runs
+
+
+def typed_views(raw: Tensor, dtype: torch.dtype, sizes: list[int]) -> tuple[Tensor, ...]:
+    """The flat tensors of one run of :func:`typed_runs`, as views of ``raw`` (a :func:`typed_buffer`)."""
+    typed = raw.view(dtype)
+    return typed.split_with_sizes([*sizes, typed.numel() - sum(sizes)])[1::2]
 
 
 @dataclass(slots=True)

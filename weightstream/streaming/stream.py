@@ -34,8 +34,16 @@ from weightstream.converters.ops import OpContext, convert_into
 from weightstream.converters.registry import get_converter
 from weightstream.models.hf import expected_hf_shapes
 from weightstream.models.spec import ModelSpec, dtype_name, load_hf_config
-from weightstream.streaming.bucket import Bucket, Shard, TensorMeta, view_tensor
-from weightstream.streaming.plan import ALIGN, BucketPlan, layout, plan_buckets, round_up
+from weightstream.streaming.bucket import (
+    Bucket,
+    Shard,
+    TensorMeta,
+    typed_buffer,
+    typed_runs,
+    typed_views,
+    view_tensor,
+)
+from weightstream.streaming.plan import ALIGN, BucketPlan, layout, plan_buckets
 from weightstream.streaming.source import WEIGHT_BUFFERS, LocalTensor, as_chunks, local_tensors, unwrap
 from weightstream.streaming.table import HFOut, RankMeta, TensorEntry, build_table
 from weightstream.streaming.topology import Topology
@@ -78,32 +86,23 @@ class _Program:
     nbytes: int  # bytes of its tensors (the buffer less the alignment gaps)
     items: list[_Item]  # in layout order
     item_metas: list[list[TensorMeta]]
-    # Batched copies, per dtype: split sizes (in elements: gap, tensor, gap, tensor, ...) of the buffer
-    # viewed as that dtype, and the flat source views of the tensors, in offset order.
+    # Batched copies: per dtype, how to cut the buffer (typed_runs) and the flat source views.
     runs: list[tuple[torch.dtype, list[int], list[Tensor]]]
     strided: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int, Tensor]]  # non-contiguous sources
     slow: list[int]  # items converted one by one (TP-gathered, or an op that makes new tensors)
     batched: int
 
-    @property
-    def alloc(self) -> int:
-        return round_up(max(self.total, 1), 16)
-
 
 @dataclass
 class StreamPlan:
-    """What a stream of one model needs before any data moves, made once and kept: the global table,
-    the bucket plan, and per bucket its copy program (made when the bucket is first produced)."""
+    """What a stream of one model needs before any data moves, made once and kept (under a key of the
+    model, config, converter, layout and bucket settings): the global table, the bucket plan, and per
+    bucket its copy program (made when the bucket is first produced)."""
 
-    key: tuple
-    spec: ModelSpec
-    mode: Mode
-    topology: Topology
     buckets: list[BucketPlan]
     items: list[_Item]
     local: dict[str, Tensor]
     device: torch.device
-    align: int
     guard: "_Guard"
     programs: dict[int, _Program] = field(default_factory=dict)
 
@@ -123,6 +122,7 @@ class BucketStream(Iterator[Bucket]):
     stats: StreamStats = field(default_factory=StreamStats)
     shared: StreamPlan | None = None
     _gen: Iterator[Bucket] | None = None
+    _programs: dict[int, _Program] = field(default_factory=dict)  # without a kept plan
 
     def __len__(self) -> int:
         return len(self.plan)
@@ -146,12 +146,9 @@ class BucketStream(Iterator[Bucket]):
     # -- production -------------------------------------------------------------------------
 
     def _produce(self) -> Iterator[Bucket]:
-        programs = self.shared.programs if self.shared is not None else {}
         for bp in self.plan:
             start = time.perf_counter()
-            program = programs.get(bp.index)
-            if program is None:
-                program = programs[bp.index] = self._program(bp)
+            program = self._program_for(bp.index)
             bucket = self._build(bp, program)
             self.stats.seconds += time.perf_counter() - start
             self.stats.buckets += 1
@@ -178,11 +175,15 @@ class BucketStream(Iterator[Bucket]):
     def bucket_metas(self, index: int) -> tuple[TensorMeta, ...]:
         """The metadata of bucket ``index`` as this rank will yield it, before it is made (its copy
         program is made now if it was not yet; no communication)."""
-        programs = self.shared.programs if self.shared is not None else {}
+        return self._program_for(index).metas
+
+    def _program_for(self, index: int) -> _Program:
+        """Bucket ``index``'s copy program, made on first use and kept with the plan."""
+        programs = self.shared.programs if self.shared is not None else self._programs
         program = programs.get(index)
         if program is None:
             program = programs[index] = self._program(self.plan[index])
-        return program.metas
+        return program
 
     def metas_for_rank(self, index: int, tp_rank: int) -> list[TensorMeta]:
         """The metadata of bucket ``index`` as TP rank ``tp_rank`` makes it (per_rank mode: the shards
@@ -219,7 +220,7 @@ class BucketStream(Iterator[Bucket]):
 
     def _program(self, bp: BucketPlan) -> _Program:
         items, metas, total = self._layout([self.items[i] for i in bp.items])
-        flat: dict[torch.dtype, list[tuple[int, int, Tensor]]] = {}
+        flat: list[tuple[torch.dtype, int, int, Tensor]] = []
         strided: list = []
         slow: list[int] = []
         batched = 0
@@ -235,7 +236,7 @@ class BucketStream(Iterator[Bucket]):
                 if meta.offset % size:
                     raise AssertionError(f"{meta.name} at byte {meta.offset} is not aligned to {size}")
                 if view.is_contiguous():
-                    flat.setdefault(meta.dtype, []).append((meta.offset // size, meta.numel, view.view(-1)))
+                    flat.append((meta.dtype, meta.offset, meta.numel, view.view(-1)))
                 else:
                     strides, acc = [], 1
                     for d in reversed(view.shape):
@@ -243,21 +244,13 @@ class BucketStream(Iterator[Bucket]):
                         acc *= d
                     strided.append((meta.dtype, tuple(view.shape), tuple(reversed(strides)), meta.offset // size, view))
                 batched += 1
-        runs = []
-        for dtype, entries in flat.items():
-            entries.sort(key=lambda e: e[0])
-            sizes, pos = [], 0
-            for off, n, _ in entries:
-                sizes += [off - pos, n]
-                pos = off + n
-            runs.append((dtype, sizes, [src for _, _, src in entries]))
         flat_metas = tuple(m for ms in metas for m in ms)
-        return _Program(total, flat_metas, sum(m.nbytes for m in flat_metas), items, metas, runs, strided, slow,
-                        batched)
+        return _Program(total, flat_metas, sum(m.nbytes for m in flat_metas), items, metas, typed_runs(flat),
+                        strided, slow, batched)
 
     def _build(self, bp: BucketPlan, program: _Program) -> Bucket:
         items, metas, total = program.items, program.item_metas, program.total
-        raw = torch.empty(program.alloc, dtype=torch.uint8, device=self.device)
+        raw = typed_buffer(total, self.device)
         buffer = raw.narrow(0, 0, total)
         # Batched: every tensor that is a view of a live parameter, one _foreach_copy_.
         dst: list[Tensor] = []
@@ -268,10 +261,7 @@ class BucketStream(Iterator[Bucket]):
         gc.disable()
         try:
             for dtype, sizes, sources in program.runs:
-                typed = raw.view(dtype)
-                parts = typed.split_with_sizes([*sizes, typed.numel() - sum(sizes)])
-                dst += parts[1::2]
-                del parts
+                dst += typed_views(raw, dtype, sizes)
                 src += sources
             for dtype, shape, strides, offset, source in program.strided:
                 dst.append(raw.view(dtype).as_strided(shape, strides, offset))
@@ -466,7 +456,7 @@ def stream_hf_weights(
     plan = kept.get(key)
     reuse = plan is not None and plan.guard.holds(chunks)
     if not _everyone(reuse, topo, plan.device if plan is not None else _first_device(chunks)):
-        plan = _make_plan(key, chunks, cfg, spec, converter, topo, mode, bucket_bytes, align, split_dtypes)
+        plan = _make_plan(chunks, cfg, spec, converter, topo, mode, bucket_bytes, align, split_dtypes)
         kept.pop(key, None)
         kept[key] = plan
         while len(kept) > _KEEP:
@@ -524,7 +514,7 @@ def _everyone(ok: bool, topo: Topology, device: torch.device) -> bool:
     return bool(flag.item())
 
 
-def _make_plan(key, chunks, cfg, spec, converter, topo, mode, bucket_bytes, align, split_dtypes) -> StreamPlan:
+def _make_plan(chunks, cfg, spec, converter, topo, mode, bucket_bytes, align, split_dtypes) -> StreamPlan:
     global plan_builds
     local = local_tensors(chunks, topo, spec.num_experts)
     meta = RankMeta(
@@ -547,9 +537,8 @@ def _make_plan(key, chunks, cfg, spec, converter, topo, mode, bucket_bytes, alig
     ]
     plan_builds += 1
     return StreamPlan(
-        key=key, spec=spec, mode=mode, topology=topo, buckets=plan_buckets(planning, bucket_bytes, align, keys=keys),
-        items=items, local={t.name: t.tensor for t in local}, device=_device_of(local), align=align,
-        guard=_Guard(chunks),
+        buckets=plan_buckets(planning, bucket_bytes, align, keys=keys), items=items,
+        local={t.name: t.tensor for t in local}, device=_device_of(local), guard=_Guard(chunks),
     )
 
 
