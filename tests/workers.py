@@ -16,7 +16,7 @@ from weightstream.jobs import Layout
 from weightstream.models.megatron import build_gpt_model, initialize_parallel, load_hf_weights, megatron_logits
 from weightstream.models.spec import load_hf_config
 from weightstream.streaming.checkpoint import save_hf_checkpoint
-from weightstream.streaming.source import unwrap
+from weightstream.streaming.sources.megatron import unwrap
 from weightstream.streaming.stream import stream_hf_weights
 
 INPUT_IDS = [[3, 14, 159, 265, 358, 979, 323, 846, 26, 433], [999, 0, 1, 2, 500, 501, 77, 88, 99, 111]]

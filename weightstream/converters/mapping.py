@@ -3,7 +3,12 @@
 A converter is a list of :class:`Mapping` entries, each tying one Megatron parameter pattern to
 its HF names through a :class:`~weightstream.converters.ops.TensorOp`. Patterns use ``*`` for a
 layer or expert index and ``**`` for any dotted path; the HF side refers to the same captures with
-``*``/``**`` in the same order. Mappings are compiled once.
+``*``/``**`` in the same order, and ``{e}`` in an HF name makes one name per routed expert (the op
+then makes its tensors once per expert, expert by expert). Mappings are compiled once.
+
+A family also declares, in the same language, how transformers holds the model in memory where that
+differs from the checkpoint names engines load (``Converter.memory``: transformers 5 keeps MoE experts
+fused in 3-D parameters); :meth:`Converter.in_memory` is the converter from those names.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ class Mapping:
     ``when`` limits the mapping to the specs it holds for.
     """
 
-    megatron: str
+    megatron: str  # the source pattern (a Megatron name; an in-memory HF name in ``Converter.memory``)
     hf: tuple[str, ...]
     op: TensorOp = IDENTITY
     tp_dim: int | None = None
@@ -79,15 +84,25 @@ class Mapping:
         if len(self.hf) != self.op.arity:
             raise ValueError(
                 f"mapping {self.megatron!r}: op {type(self.op).__name__} makes {self.op.arity} "
-                f"tensors but {len(self.hf)} HF names are given"
+                f"tensors{' per expert' if self.per_expert else ''} but {len(self.hf)} HF names are given"
             )
         if self.tp_group not in ("tp", "etp"):
             raise ValueError(f"mapping {self.megatron!r}: tp_group must be 'tp' or 'etp'")
         object.__setattr__(self, "_regex", compile_pattern(self.megatron))
 
+    @property
+    def per_expert(self) -> bool:
+        return any("{e}" in h for h in self.hf)
+
     def match(self, name: str) -> tuple[str, ...] | None:
         m = self._regex.match(name)
         return None if m is None else m.groups()
+
+    def hf_names(self, captures: Sequence[str], spec: ModelSpec) -> tuple[str, ...]:
+        names = [fill_pattern(p, captures) for p in self.hf]
+        if not self.per_expert:
+            return tuple(names)
+        return tuple(n.replace("{e}", str(e)) for e in range(spec.num_experts) for n in names)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +133,9 @@ class Converter:
     # Whether each TP shard converts on its own (per_rank mode). True for every op that keeps
     # whole query groups / gate-up halves / rows per shard, as the built-in ops do.
     per_rank: bool = True
+    # How transformers holds the model in memory, where it differs from the checkpoint's HF names
+    # (source patterns are in-memory names); every other in-memory name is the checkpoint name.
+    memory: tuple[Mapping, ...] = ()
 
     def resolve(self, megatron_name: str, spec: ModelSpec) -> Resolved | None:
         """The first mapping that holds for ``spec`` and matches ``megatron_name``."""
@@ -126,9 +144,17 @@ class Converter:
                 continue
             captures = mapping.match(megatron_name)
             if captures is not None:
-                hf = tuple(fill_pattern(p, captures) for p in mapping.hf)
-                return Resolved(megatron_name, mapping, hf)
+                return Resolved(megatron_name, mapping, mapping.hf_names(captures, spec))
         return None
+
+    def in_memory(self) -> "Converter":
+        """The converter from the names and layout transformers holds in memory (an FSDP2 / DTensor
+        source) to the checkpoint names: the family's ``memory`` mappings, then every other name as is."""
+        built = _IN_MEMORY.get(id(self))
+        if built is None or built[0] is not self:
+            mappings = self.memory + (Mapping("**", "**"),)
+            built = _IN_MEMORY[id(self)] = (self, replace(self, mappings=mappings, memory=()))
+        return built[1]
 
     def derive(
         self,
@@ -137,12 +163,17 @@ class Converter:
         add: Iterable[Mapping] = (),
         remove: Iterable[str] = (),
         features: Callable[[Any], dict[str, Any]] | None = None,
+        memory: Iterable[Mapping] = (),
     ) -> "Converter":
         """A new family from this one: drop the mappings whose Megatron patterns are in ``remove``,
-        append ``add``, and optionally replace ``features``."""
+        append ``add`` (and ``memory`` to the in-memory mappings), and optionally replace ``features``."""
         removed = set(remove)
         unknown = removed - {m.megatron for m in self.mappings}
         if unknown:
             raise ValueError(f"cannot remove unknown mappings from {self.model_type}: {sorted(unknown)}")
         kept = tuple(m for m in self.mappings if m.megatron not in removed)
-        return replace(self, model_type=model_type, mappings=kept + tuple(add), features=features or self.features)
+        return replace(self, model_type=model_type, mappings=kept + tuple(add), features=features or self.features,
+                       memory=self.memory + tuple(memory))
+
+
+_IN_MEMORY: dict[int, tuple[Converter, Converter]] = {}

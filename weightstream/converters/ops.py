@@ -191,6 +191,34 @@ class Unrepresentable:
         raise NotRepresentable(self.reason)
 
 
+@dataclass(frozen=True, slots=True)
+class FusedExperts:
+    """transformers' fused expert parameter ``(E, rows, cols)`` <-> one HF tensor per expert (and per part).
+
+    ``parts=2``: ``gate_up_proj`` of shape ``(E, 2I, H)``, expert e's rows ``[0, I)`` its ``gate_proj`` and
+    ``[I, 2I)`` its ``up_proj``; ``parts=1``: ``down_proj`` of shape ``(E, H, I)``, expert e's slice its
+    ``down_proj``. Tensors are made expert by expert (gate, up of expert 0, then of expert 1, ...), as
+    views of the fused parameter.
+    """
+
+    parts: int = 1
+
+    @property
+    def arity(self) -> int:  # per expert
+        return self.parts
+
+    def to_hf(self, tensor: Tensor, ctx: OpContext) -> list[Tensor]:
+        experts = ctx.spec.num_experts
+        if tensor.dim() != 3 or tensor.shape[0] != experts:
+            raise ValueError(f"fused experts: expected ({experts}, rows, cols), got {tuple(tensor.shape)}")
+        rows = _check_divisible("fused expert rows", tensor.shape[1], self.parts)
+        return [tensor[e].narrow(0, p * rows, rows) for e in range(experts) for p in range(self.parts)]
+
+    def to_megatron(self, parts: Sequence[Tensor], ctx: OpContext, megatron_shape: torch.Size) -> Tensor:
+        per = [torch.cat(parts[e * self.parts : (e + 1) * self.parts], dim=0) for e in range(len(parts) // self.parts)]
+        return torch.stack(per, dim=0)
+
+
 IDENTITY = Identity()
 QKV = SplitQKV()
 GATED = SplitGated()

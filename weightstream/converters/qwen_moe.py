@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from weightstream.converters.mapping import Mapping
-from weightstream.converters.ops import GATED, Unrepresentable
+from weightstream.converters.ops import GATED, FusedExperts, Unrepresentable
 from weightstream.converters.qwen2 import QWEN2, H, L, qwen2_features
 from weightstream.converters.qwen3 import QWEN3, qwen3_features
 from weightstream.converters.registry import register_converter
@@ -63,6 +63,14 @@ SHARED_EXPERT = (
 )
 
 
+# transformers 5 holds each layer's routed experts fused: gate_up_proj (E, 2I, H), down_proj (E, H, I).
+FUSED_EXPERTS = (
+    Mapping(f"{H}.mlp.experts.gate_up_proj", (f"{H}.mlp.experts.{{e}}.gate_proj.weight",
+                                               f"{H}.mlp.experts.{{e}}.up_proj.weight"), FusedExperts(2)),
+    Mapping(f"{H}.mlp.experts.down_proj", f"{H}.mlp.experts.{{e}}.down_proj.weight", FusedExperts(1)),
+)
+
+
 def dense_layers(config: Any) -> frozenset[int]:
     """The layers an HF Qwen MoE config makes dense: those in ``mlp_only_layers``, and those that
     ``decoder_sparse_step`` skips (layer i is sparse when ``(i + 1) % step == 0``)."""
@@ -92,8 +100,10 @@ def qwen3_moe_features(config: Any) -> dict[str, Any]:
 
 
 # Each MoE family is its dense family (embeddings, attention, dense MLP for dense layers) plus experts.
-QWEN2_MOE = QWEN2.derive("qwen2_moe", add=ROUTER + ROUTED_EXPERTS + SHARED_EXPERT, features=qwen2_moe_features)
-QWEN3_MOE = QWEN3.derive("qwen3_moe", add=ROUTER + ROUTED_EXPERTS, features=qwen3_moe_features)
+QWEN2_MOE = QWEN2.derive("qwen2_moe", add=ROUTER + ROUTED_EXPERTS + SHARED_EXPERT, features=qwen2_moe_features,
+                         memory=FUSED_EXPERTS)
+QWEN3_MOE = QWEN3.derive("qwen3_moe", add=ROUTER + ROUTED_EXPERTS, features=qwen3_moe_features,
+                         memory=FUSED_EXPERTS)
 
 register_converter("qwen3_moe", QWEN3_MOE)
 register_converter("qwen2_moe", QWEN2_MOE)

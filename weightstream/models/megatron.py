@@ -20,7 +20,7 @@ from weightstream.converters.ops import NotRepresentable, OpContext
 from weightstream.converters.registry import get_converter
 from weightstream.errors import ProblemList
 from weightstream.models.spec import ModelSpec, load_hf_config
-from weightstream.streaming.source import local_tensors
+from weightstream.streaming.sources.megatron import local_tensors
 from weightstream.streaming.topology import Topology
 
 
@@ -304,7 +304,7 @@ def megatron_logits(model_chunks: nn.Module | Sequence[nn.Module], input_ids: Te
     """
     from megatron.core import parallel_state as ps
 
-    from weightstream.streaming.source import as_chunks, unwrap
+    from weightstream.streaming.sources.megatron import as_chunks, unwrap
 
     chunks = [unwrap(c) for c in as_chunks(model_chunks)]
     topo = Topology.current()

@@ -1,16 +1,17 @@
-"""``stream_hf_weights``: a Megatron-Core model's weights as lazy, bounded buckets of HF tensors.
+"""``stream_hf_weights``: a model's weights as lazy, bounded buckets of HF tensors.
 
 Flow for one call (on every rank of the job):
 
-1. source: this rank's tensors under global names;
-2. metadata exchange (one ``all_gather_object``) and the global table (same on all ranks);
-3. plan: buckets of at most ``bucket_bytes``, and for each bucket its copy program;
-4. per bucket, lazily: gather TP/expert-TP shards of the tensors this rank's stage owns (one
-   batched all-gather per group), convert, pack into the flat buffer, then broadcast each
-   stage's (and each expert owner's) region over the EP and PP groups.
+1. source (:mod:`weightstream.streaming.sources`): the global table (same on all ranks) and this
+   rank's live tensors: a Megatron-Core model, an FSDP2/DTensor model, or a Megatron checkpoint on disk;
+2. plan: buckets of at most ``bucket_bytes``, and for each bucket its copy program;
+3. per bucket, lazily: what the converter reads for the tensors this rank makes is taken as a view of a
+   live tensor, or fetched from the source (one batched all-gather per group; read from disk); each is
+   converted and packed into the flat buffer; then the source shares each rank's part of the bucket
+   with the others (Megatron: over the EP and PP groups).
 
-Steps 1-3 are made once and kept (:class:`StreamPlan`, cached per model): a later call on the same
-model chunks, config, converter, parallel layout and bucket settings reuses them after checking, in a
+Steps 1-2 are made once and kept (:class:`StreamPlan`, cached per model): a later call on the same
+model, config, converter, parallel layout and bucket settings reuses them after checking, in a
 few milliseconds, that no parameter was replaced, moved to new storage, added or removed (all ranks
 agree through one all-reduce). Packing is then batched: the converted tensors are views of the live
 parameters, prepared once, and each bucket is filled by one ``torch._foreach_copy_`` per dtype.
@@ -19,7 +20,6 @@ parameters, prepared once, and each bucket is filled by one ``torch._foreach_cop
 from __future__ import annotations
 
 import gc
-import operator
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from weightstream.converters.ops import OpContext, convert_into
 from weightstream.converters.registry import get_converter
 from weightstream.models.hf import expected_hf_shapes
-from weightstream.models.spec import ModelSpec, dtype_name, load_hf_config
+from weightstream.models.spec import ModelSpec, load_hf_config
 from weightstream.streaming.bucket import (
     Bucket,
     Shard,
@@ -44,8 +44,9 @@ from weightstream.streaming.bucket import (
     view_tensor,
 )
 from weightstream.streaming.plan import ALIGN, BucketPlan, layout, plan_buckets
-from weightstream.streaming.source import WEIGHT_BUFFERS, LocalTensor, as_chunks, local_tensors, unwrap
-from weightstream.streaming.table import HFOut, RankMeta, TensorEntry, build_table
+from weightstream.streaming.sources.base import ModuleGuard, Source, as_source, first_device
+from weightstream.streaming.sources.megatron import WEIGHT_BUFFERS
+from weightstream.streaming.table import HFOut, TensorEntry
 from weightstream.streaming.topology import Topology
 
 Mode = Literal["full", "per_rank"]
@@ -103,7 +104,7 @@ class StreamPlan:
     items: list[_Item]
     local: dict[str, Tensor]
     device: torch.device
-    guard: "_Guard"
+    guard: ModuleGuard | None
     programs: dict[int, _Program] = field(default_factory=dict)
 
 
@@ -114,6 +115,7 @@ class BucketStream(Iterator[Bucket]):
     spec: ModelSpec
     mode: Mode
     topology: Topology
+    source: Source
     plan: list[BucketPlan]
     items: list[_Item]
     local: dict[str, Tensor]
@@ -201,9 +203,9 @@ class BucketStream(Iterator[Bucket]):
     def _views(self, it: _Item, metas: Sequence[TensorMeta]) -> list[Tensor] | None:
         """The item's HF tensors as views of the live parameter (what a batched copy reads), or None
         where they are not views of it (gathered over TP, or an op that computes new tensors)."""
-        if self.mode == "full" and it.entry.shard_dim is not None:
+        source = self.source.direct(it.entry, self.mode, self.local)
+        if source is None:
             return None
-        source = self.local[it.entry.name]
         op = it.entry.resolved.mapping.op
         try:
             views = (getattr(op, "pieces", None) or op.to_hf)(source, self._context(it))
@@ -277,11 +279,12 @@ class BucketStream(Iterator[Bucket]):
         gather_bytes = 0
         if program.slow:
             slow = [items[k] for k in program.slow]
-            gathered, gather_bytes = self._gather([it for it in slow if it.mine])
+            fetched, gather_bytes = self.source.fetch([it.entry for it in slow if it.mine], self.mode, self.local,
+                                                      self.stats)
             for k, it in zip(program.slow, slow):
-                source = gathered.pop(it.entry.name, None)
-                if source is None:
-                    source = self.local[it.entry.name]
+                if not it.mine:
+                    continue
+                source = fetched.pop(it.entry.name)
                 full = source() if callable(source) else source
                 largest = max(largest, full.numel() * full.element_size())
                 targets = [view_tensor(buffer, meta) for meta in metas[k]]
@@ -296,116 +299,17 @@ class BucketStream(Iterator[Bucket]):
     def _group_rank(self, entry: TensorEntry) -> int:
         return self.topology.group_rank(entry.group)
 
-    def _gather(self, mine: Sequence[_Item]) -> tuple[dict[str, Any], int]:
-        """One all-gather per group (TP, expert-TP) for the split tensors among ``mine``.
-
-        Returns name -> callable giving the whole (concatenated) tensor, and the bytes staged."""
-        if self.mode != "full":
-            return {}, 0
-        out: dict[str, Any] = {}
-        staged = 0
-        for group_name in ("tp", "etp"):
-            split = [it.entry for it in mine if it.entry.shard_dim is not None and it.entry.group == group_name]
-            if not split:
-                continue
-            parts = split[0].parts
-            sizes = [[self._nbytes(self.local[e.name])] for e in split]
-            offsets, total = layout(sizes)
-            # In-place all-gather: this rank's shards are packed straight into its slot of the output.
-            recv = torch.empty(total * parts, dtype=torch.uint8, device=self.device)
-            send = recv.narrow(0, self.topology.group_rank(group_name) * total, total)
-            for e, (off,) in zip(split, offsets):
-                t = self.local[e.name]
-                send.narrow(0, off, self._nbytes(t)).copy_(t.contiguous().view(-1).view(torch.uint8))
-            dist.all_gather_into_tensor(recv, send, group=self.topology.group(group_name))
-            self.stats.gathers += 1
-            staged += recv.numel()
-            for e, (off,) in zip(split, offsets):
-                out[e.name] = _Concat(recv, total, off, e)
-        return out, staged
-
-    @staticmethod
-    def _nbytes(t: Tensor) -> int:
-        return t.numel() * t.element_size()
-
     def _broadcast(self, buffer: Tensor, items: Sequence[_Item], metas: Sequence[Sequence[TensorMeta]]) -> None:
-        topo = self.topology
-        if topo.pp_size == 1 and (self.mode != "full" or topo.ep_size == 1):
-            return
         spans = [
             (it.entry.pp_owner, it.entry.ep_owner, ms[0].offset, ms[-1].offset + ms[-1].nbytes)
             for it, ms in zip(items, metas)
             if ms
         ]
-        works = []
-        if self.mode == "full" and topo.ep_size > 1:
-            for (pp, ep), lo, hi in _runs(spans, key=lambda s: (s[0], s[1])):
-                if ep is not None and pp == topo.pp_rank:
-                    works.append(dist.broadcast(buffer[lo:hi], group=topo.ep_group, group_src=ep, async_op=True))
-            # A stage passes on, over PP, experts it has just received over EP: they must have arrived.
-            for w in works:
-                w.wait()
-            self.stats.broadcasts += len(works)
-            works = []
-        if topo.pp_size > 1:
-            for (pp,), lo, hi in _runs(spans, key=lambda s: (s[0],)):
-                works.append(dist.broadcast(buffer[lo:hi], group=topo.pp_group, group_src=pp, async_op=True))
-        for w in works:
-            w.wait()
-        self.stats.broadcasts += len(works)
-
-
-def _runs(spans, key):
-    """Maximal runs of consecutive spans with equal ``key``: yields (key, lo, hi) byte ranges."""
-    run_key, lo, hi = None, 0, 0
-    for span in spans:
-        k = key(span)
-        if run_key is not None and k == run_key:
-            hi = span[3]
-            continue
-        if run_key is not None:
-            yield run_key, lo, hi
-        run_key, lo, hi = k, span[2], span[3]
-    if run_key is not None:
-        yield run_key, lo, hi
-
-
-class _Concat:
-    """The whole tensor, made on demand from the all-gathered shards (so only one is materialised at a time)."""
-
-    __slots__ = ("recv", "stride", "offset", "entry")
-
-    def __init__(self, recv: Tensor, stride: int, offset: int, entry: TensorEntry):
-        self.recv, self.stride, self.offset, self.entry = recv, stride, offset, entry
-
-    def __call__(self) -> Tensor:
-        e = self.entry
-        nbytes = e.dtype.itemsize
-        for d in e.local_shape:
-            nbytes *= d
-        shards = [
-            self.recv.narrow(0, r * self.stride + self.offset, nbytes).view(e.dtype).view(e.local_shape)
-            for r in range(e.parts)
-        ]
-        return torch.cat(shards, dim=e.shard_dim)
-
-
-def _exchange(meta: RankMeta, topo: Topology) -> list[RankMeta]:
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(topo.world_group) == 1:
-        return [meta]
-    gathered: list[Any] = [None] * dist.get_world_size(topo.world_group)
-    dist.all_gather_object(gathered, meta, group=topo.world_group)
-    return gathered
-
-
-def _device_of(local: Sequence[LocalTensor]) -> torch.device:
-    for t in local:
-        return t.tensor.device
-    return torch.device("cpu")
+        self.source.share(buffer, spans, self.mode, self.stats)
 
 
 def stream_hf_weights(
-    model_chunks: nn.Module | Sequence[nn.Module],
+    model: nn.Module | Sequence[nn.Module] | Source,
     hf_config: Any,
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -414,14 +318,17 @@ def stream_hf_weights(
     topology: Topology | None = None,
     split_dtypes: bool = False,
 ) -> BucketStream:
-    """Stream a Megatron-Core model's weights as buckets of HF tensors. Call on every rank.
+    """Stream a model's weights as buckets of HF tensors. Call on every rank.
 
-    ``model_chunks``: a ``GPTModel`` (possibly wrapped in DDP / Float16Module) or the list of
-    VPP chunks. ``hf_config``: a transformers config, a dict with ``model_type``, or a directory.
+    ``model``: Megatron-Core model chunks (a ``GPTModel``, possibly wrapped in DDP / Float16Module, or
+    the list of VPP chunks); a transformers model (or an ``nn.Module`` with HF names) whose parameters
+    are FSDP2 / tensor-parallel DTensors or plain tensors; or any :class:`Source`, such as
+    :class:`~weightstream.streaming.sources.checkpoint.MegatronCheckpointSource` for a checkpoint on
+    disk. ``hf_config``: a transformers config, a dict with ``model_type``, or a directory.
 
-    ``mode="full"``: each HF tensor whole, on every rank (TP shards all-gathered once per bucket,
-    PP stages and EP owners broadcast). ``mode="per_rank"``: no TP gather; TP rank r yields the HF
-    shards an engine's TP rank r holds, each with its :class:`Shard` placement.
+    ``mode="full"``: each HF tensor whole, on every rank (shards all-gathered once per bucket and
+    group, PP stages and EP owners broadcast). ``mode="per_rank"``: no TP gather; TP rank r yields the
+    HF shards an engine's TP rank r holds, each with its :class:`Shard` placement.
 
     Mixture of experts: routed experts always carry their global index (``mlp.experts.{E}``, with
     ``E = ep_rank * experts_per_rank + e``). In full mode every rank yields every expert, gathered
@@ -446,22 +353,28 @@ def stream_hf_weights(
     if mode not in ("full", "per_rank"):
         raise ValueError(f"mode must be 'full' or 'per_rank', got {mode!r}")
     start = time.perf_counter()
-    topo = topology or Topology.current()
+    source = as_source(model, topology)
+    topo = source.topology
     cfg = load_hf_config(hf_config)
     spec = ModelSpec.from_hf_config(cfg)
     converter = get_converter(spec.model_type)
-    chunks = as_chunks(model_chunks)
-    key = (tuple(map(id, chunks)), spec, id(converter), mode, bucket_bytes, align, split_dtypes, _layout_key(topo))
-    kept = _PLANS.get(chunks[0], {})
-    plan = kept.get(key)
-    reuse = plan is not None and plan.guard.holds(chunks)
-    if not _everyone(reuse, topo, plan.device if plan is not None else _first_device(chunks)):
-        plan = _make_plan(chunks, cfg, spec, converter, topo, mode, bucket_bytes, align, split_dtypes)
-        kept.pop(key, None)
-        kept[key] = plan
-        while len(kept) > _KEEP:
-            kept.pop(next(iter(kept)))
-        _PLANS[chunks[0]] = kept
+    modules = list(source.modules())
+    plan = None
+    kept: dict[tuple, StreamPlan] = {}
+    if modules:
+        key = (tuple(map(id, modules)), spec, id(converter), mode, bucket_bytes, align, split_dtypes,
+               _layout_key(topo))
+        kept = _PLANS.get(modules[0], {})
+        plan = kept.get(key)
+    reuse = plan is not None and plan.guard is not None and plan.guard.holds(modules)
+    if not modules or not _everyone(reuse, topo, plan.device if plan is not None else first_device(modules)):
+        plan = _make_plan(source, modules, cfg, spec, converter, mode, bucket_bytes, align, split_dtypes)
+        if modules:
+            kept.pop(key, None)
+            kept[key] = plan
+            while len(kept) > _KEEP:
+                kept.pop(next(iter(kept)))
+            _PLANS[modules[0]] = kept
         planned = True
     else:
         planned = False
@@ -469,6 +382,7 @@ def stream_hf_weights(
         spec=spec,
         mode=mode,
         topology=topo,
+        source=source,
         plan=plan.buckets,
         items=plan.items,
         local=plan.local,
@@ -481,7 +395,7 @@ def stream_hf_weights(
     return stream
 
 
-# Plans kept per model (its first chunk), a few per model (e.g. a full and a per-rank stream).
+# Plans kept per model (its first module), a few per model (e.g. a full and a per-rank stream).
 _PLANS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, StreamPlan]]" = weakref.WeakKeyDictionary()
 _KEEP = 4
 plan_builds = 0  # how many plans were made in this process (the tests count them)
@@ -498,13 +412,6 @@ def _layout_key(topo: Topology) -> tuple:
             topo.etp_rank, tuple(map(id, groups)))
 
 
-def _first_device(chunks: Sequence[nn.Module]) -> torch.device:
-    for chunk in chunks:
-        for p in chunk.parameters():
-            return p.device
-    return torch.device("cpu")
-
-
 def _everyone(ok: bool, topo: Topology, device: torch.device) -> bool:
     """Whether every rank says ``ok`` (one all-reduce; a single process decides alone)."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(topo.world_group) == 1:
@@ -514,16 +421,10 @@ def _everyone(ok: bool, topo: Topology, device: torch.device) -> bool:
     return bool(flag.item())
 
 
-def _make_plan(chunks, cfg, spec, converter, topo, mode, bucket_bytes, align, split_dtypes) -> StreamPlan:
+def _make_plan(source, modules, cfg, spec, converter, mode, bucket_bytes, align, split_dtypes) -> StreamPlan:
     global plan_builds
-    local = local_tensors(chunks, topo, spec.num_experts)
-    meta = RankMeta(
-        *topo.coords,
-        tensors=tuple((t.name, tuple(t.tensor.shape), dtype_name(t.tensor.dtype), t.expert) for t in local),
-    )
-    table = build_table(
-        _exchange(meta, topo), converter, spec, expected_hf_shapes(cfg), tp_size=topo.tp_size, etp_size=topo.etp_size
-    )
+    topo = source.topology
+    table, local = source.table(converter, spec, expected_hf_shapes(cfg))
     items = [_item(e, spec, topo, mode) for e in table if mode == "full" or e.ep_owner in (None, topo.ep_rank)]
     keys = None
     if split_dtypes:
@@ -536,43 +437,12 @@ def _make_plan(chunks, cfg, spec, converter, topo, mode, bucket_bytes, align, sp
         [o.nbytes for o in (it.outputs if mode == "full" else it.entry.shard_outputs(spec, 0))] for it in items
     ]
     plan_builds += 1
+    device = next((t.device for t in local.values()), None) or first_device(modules)
+    weight_buffers = [w.rsplit(".", 1)[-1] for w in WEIGHT_BUFFERS]
     return StreamPlan(
-        buckets=plan_buckets(planning, bucket_bytes, align, keys=keys), items=items,
-        local={t.name: t.tensor for t in local}, device=_device_of(local), guard=_Guard(chunks),
+        buckets=plan_buckets(planning, bucket_bytes, align, keys=keys), items=items, local=local, device=device,
+        guard=ModuleGuard(modules, weight_buffers) if modules else None,
     )
-
-
-class _Guard:
-    """Tells, quickly, whether model chunks are still what a plan was made from: the same modules
-    holding the same parameters (and weight buffers), each on the same storage with the same shape
-    and dtype, and no module, parameter or buffer added or removed anywhere."""
-
-    def __init__(self, chunks: Sequence[nn.Module]):
-        self.chunks = [weakref.ref(c) for c in chunks]
-        modules = [m for c in chunks for m in unwrap(c).modules()]
-        self.dicts = [d for m in modules for d in (m._parameters, m._buffers, m._modules)]
-        self.lengths = list(map(len, self.dicts))
-        weight_buffers = {w.rsplit(".", 1)[-1] for w in WEIGHT_BUFFERS}
-        held = [(m._parameters, n, p) for m in modules for n, p in m._parameters.items() if p is not None]
-        held += [(m._buffers, n, b) for m in modules for n, b in m._buffers.items()
-                 if b is not None and n in weight_buffers]
-        self.owners = [d for d, _, _ in held]
-        self.names = [n for _, n, _ in held]
-        self.tensors = [t for _, _, t in held]
-        self.ptrs = [t.data_ptr() for t in self.tensors]
-        self.shapes = [t.shape for t in self.tensors]
-        self.dtypes = [t.dtype for t in self.tensors]
-
-    def holds(self, chunks: Sequence[nn.Module]) -> bool:
-        if len(chunks) != len(self.chunks) or any(r() is not c for r, c in zip(self.chunks, chunks)):
-            return False
-        if list(map(len, self.dicts)) != self.lengths:
-            return False
-        if not all(map(operator.is_, map(dict.get, self.owners, self.names), self.tensors)):
-            return False
-        ts = self.tensors
-        return ([t.data_ptr() for t in ts] == self.ptrs and [t.shape for t in ts] == self.shapes
-                and [t.dtype for t in ts] == self.dtypes)
 
 
 def _item(entry: TensorEntry, spec: ModelSpec, topo: Topology, mode: Mode) -> _Item:

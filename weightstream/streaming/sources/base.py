@@ -1,0 +1,137 @@
+"""The source seam: where a stream's tensors come from.
+
+A source tells the planner every tensor of the model (global name, shape, dtype, and where its shards
+live) as rows of the global table, and, when a bucket is made, hands over what the converter reads for
+the tensors of that bucket. Planning, packing, sinks and engines are the same for every source:
+
+- :class:`~weightstream.streaming.sources.megatron.MegatronSource`: a live Megatron-Core model
+  (TP/PP/VPP/EP/expert-TP shards, gathered over the trainer's groups);
+- :class:`~weightstream.streaming.sources.dtensor.DTensorSource`: a transformers model sharded with
+  FSDP2 (``fully_shard``) and/or tensor parallel DTensors, or a plain HF module;
+- :class:`~weightstream.streaming.sources.checkpoint.MegatronCheckpointSource`: a Megatron-Core checkpoint
+  on disk (``torch_dist`` or the legacy per-rank files), read tensor by tensor in one process.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Union, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+from weightstream.converters.mapping import Converter
+from weightstream.models.spec import ModelSpec
+from weightstream.streaming.topology import Topology
+
+if TYPE_CHECKING:
+    from weightstream.streaming.stream import StreamStats
+    from weightstream.streaming.table import TensorEntry
+
+# What ``fetch`` hands back per tensor: the tensor the converter reads, or a function making it on
+# demand (so only one is materialised at a time).
+Fetched = Union[Tensor, Callable[[], Tensor]]
+
+
+@runtime_checkable
+class Source(Protocol):
+    """Where a stream's tensors come from (see the module doc)."""
+
+    topology: Topology  # this rank's coordinates: TP for per-rank shards, PP/EP for ``share``
+
+    def modules(self) -> Sequence[nn.Module]:
+        """The live modules the tensors belong to: a plan is kept per first module and checked against
+        them before reuse. Empty: plans are not kept (each stream plans afresh)."""
+        ...
+
+    def table(self, converter: Converter, spec: ModelSpec, expected: dict[str, tuple[int, ...]],
+              ) -> tuple[list["TensorEntry"], dict[str, Tensor]]:
+        """The global table (the same on every rank, in the same order; one error listing every
+        problem) and this rank's live tensors by table name. Collective over the source's ranks."""
+        ...
+
+    def direct(self, entry: "TensorEntry", mode: str, local: dict[str, Tensor]) -> Tensor | None:
+        """The tensor the converter reads for ``entry`` when it is one of this rank's live tensors as it
+        stands (its views are copied by the batched copies); None when it must be fetched."""
+        ...
+
+    def fetch(self, entries: Sequence["TensorEntry"], mode: str, local: dict[str, Tensor],
+              stats: "StreamStats") -> tuple[dict[str, Fetched], int]:
+        """What the converter reads for ``entries`` (this rank's, of one bucket, that ``direct`` does not
+        give), gathered with as few collectives as the source allows (every rank of the source calls it,
+        bucket by bucket), and the bytes staged for it."""
+        ...
+
+    def share(self, buffer: Tensor, spans: Sequence[tuple[int, int | None, int, int]], mode: str,
+              stats: "StreamStats") -> None:
+        """After a bucket is packed: pass each part of it from the ranks that made it to the others
+        (``spans``: (pp owner, ep owner, lo, hi) byte ranges). Nothing for a source whose every rank
+        makes the whole bucket."""
+        ...
+
+
+def local_data(t: Tensor) -> Tensor:
+    """The tensor that holds a parameter's data on this rank (a DTensor's local shard)."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, Tensor) else t
+
+
+class ModuleGuard:
+    """Tells, quickly, whether modules are still what a plan was made from: the same modules holding the
+    same parameters (and the buffers named in ``buffers``), each on the same storage with the same shape
+    and dtype, and no module, parameter or buffer added or removed anywhere."""
+
+    def __init__(self, modules: Sequence[nn.Module], buffers: Sequence[str] = ()):
+        self.roots = [weakref.ref(m) for m in modules]
+        every = [m for root in modules for m in root.modules()]
+        self.dicts = [d for m in every for d in (m._parameters, m._buffers, m._modules)]
+        self.lengths = list(map(len, self.dicts))
+        held = [(m._parameters, n, p) for m in every for n, p in m._parameters.items() if p is not None]
+        held += [(m._buffers, n, b) for m in every for n, b in m._buffers.items() if b is not None and n in buffers]
+        self.owners = [d for d, _, _ in held]
+        self.names = [n for _, n, _ in held]
+        self.tensors = [t for _, _, t in held]
+        self.ptrs = self._ptrs(self.tensors)
+        self.shapes = [t.shape for t in self.tensors]
+        self.dtypes = [t.dtype for t in self.tensors]
+
+    @staticmethod
+    def _ptrs(tensors: Sequence[Tensor]) -> list[int]:
+        return [local_data(t).data_ptr() for t in tensors]
+
+    def holds(self, modules: Sequence[nn.Module]) -> bool:
+        if len(modules) != len(self.roots) or any(r() is not m for r, m in zip(self.roots, modules)):
+            return False
+        if list(map(len, self.dicts)) != self.lengths:
+            return False
+        if not all(map(operator.is_, map(dict.get, self.owners, self.names), self.tensors)):
+            return False
+        ts = self.tensors
+        return self._ptrs(ts) == self.ptrs and [t.shape for t in ts] == self.shapes and [t.dtype for t in ts] == self.dtypes
+
+
+def first_device(modules: Sequence[nn.Module]) -> torch.device:
+    for m in modules:
+        for p in m.parameters():
+            return local_data(p).device
+    return torch.device("cpu")
+
+
+def as_source(model: Any, topology: Topology | None = None) -> Source:
+    """The source for what a user passed: a :class:`Source` as is; a transformers model (or an ``nn.Module``
+    with HF names) with DTensor or plain parameters -> DTensorSource; otherwise Megatron-Core chunks."""
+    if isinstance(model, Source) and not isinstance(model, nn.Module):
+        if topology is not None:
+            raise ValueError("topology= applies to Megatron-Core model chunks, not to a source")
+        return model
+    from weightstream.streaming.sources.dtensor import DTensorSource, is_hf_module
+    from weightstream.streaming.sources.megatron import MegatronSource, as_chunks, unwrap
+
+    chunks = as_chunks(model)
+    if len(chunks) == 1 and is_hf_module(unwrap(chunks[0])):
+        if topology is not None:
+            raise ValueError("topology= applies to Megatron-Core model chunks; a DTensor model carries its own mesh")
+        return DTensorSource(unwrap(chunks[0]))
+    return MegatronSource(chunks, topology or Topology.current())
