@@ -11,6 +11,9 @@ import torch
 
 from weightstream.disk import CheckpointReader
 
+# The prompts every logits check feeds (token ids below every tiny vocabulary).
+INPUT_IDS = [[3, 14, 159, 265, 358, 979, 323, 846, 26, 433], [999, 0, 1, 2, 500, 501, 77, 88, 99, 111]]
+
 
 def by_label(results_per_rank: list[list[dict]]) -> dict[str, list[dict]]:
     """Results of a launch that ran several labelled cases, grouped by label (all ranks)."""

@@ -19,7 +19,7 @@ from weightstream.streaming.checkpoint import save_hf_checkpoint
 from weightstream.streaming.sources.megatron import unwrap
 from weightstream.streaming.stream import stream_hf_weights
 
-INPUT_IDS = [[3, 14, 159, 265, 358, 979, 323, 846, 26, 433], [999, 0, 1, 2, 500, 501, 77, 88, 99, 111]]
+from tests.checks import INPUT_IDS  # noqa: E402,F401  (the prompts every logits check uses)
 
 
 @dataclass

@@ -9,6 +9,7 @@ that names the rank.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -45,7 +46,9 @@ def _worker(rank: int, world: int, port: int, backend: str, timeout_s: float, fn
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         try:
             value = fn(*args)
-            results.put((rank, True, value))
+            # Pickled here, tensors by value: a tensor sent through the queue as shared memory would need
+            # this process alive until the parent has read it.
+            results.put((rank, True, pickle.dumps(value)))
         finally:
             try:
                 from megatron.core import parallel_state as ps
@@ -120,7 +123,7 @@ def launch(
     failed = {r: v for r, (ok, v) in got.items() if not ok}
     if failed:
         raise LaunchError(_failures(got).lstrip("\n"))
-    return [got[r][1] for r in range(world_size)]
+    return [pickle.loads(got[r][1]) for r in range(world_size)]
 
 
 def _failures(got: dict[int, tuple[bool, Any]]) -> str:

@@ -35,6 +35,8 @@ from weightstream.streaming.plan import ALIGN
 from weightstream.streaming.serialization import gpu_uuid
 from weightstream.streaming.sinks import BroadcastSink, IPCSink, P2PSink
 from weightstream.streaming.stream import DEFAULT_BUCKET_BYTES, stream_hf_weights
+from weightstream.streaming.sources import as_source
+from weightstream.streaming.sources.megatron import MegatronSource
 from weightstream.streaming.topology import Topology
 
 log = logging.getLogger("weightstream")
@@ -104,7 +106,7 @@ def _local_gpu_uuids() -> set[str]:
 
 
 def choose_transport(requested: str, engines: Sequence[EngineAdapter], topo: Topology, spec: ModelSpec,
-                     colocated: bool | None) -> tuple[str, str]:
+                     colocated: bool | None, *, p2p_source: bool = True) -> tuple[str, str]:
     """(transport, why), from what the engines declare they can do. Only rank 0 calls it (it asks the engines)."""
     if requested not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {requested!r}")
@@ -123,6 +125,8 @@ def choose_transport(requested: str, engines: Sequence[EngineAdapter], topo: Top
         if colocated or (colocated is None and shared):
             return "ipc", "the engine shares this trainer's GPU (colocated)"
     failed = []
+    if not p2p_source:
+        failed.append("the trainer is not a Megatron-Core model (P2P sends from Megatron's TP ranks)")
     if len(engines) != 1:
         failed.append(f"{len(engines)} engines (P2P serves one)")
     for e, i in zip(engines[:1], infos):
@@ -209,7 +213,8 @@ class WeightSync:
         seconds: dict[str, float] = {}
         cfg = load_hf_config(hf_config)
         spec = ModelSpec.from_hf_config(cfg)
-        topo = Topology.current()
+        source = as_source(model_chunks)
+        topo = source.topology
         self.updates += 1
         version = weight_version if weight_version is not None else str(self.updates)
         rank0 = _rank() == 0
@@ -221,7 +226,8 @@ class WeightSync:
         if rank0:
             t = time.perf_counter()
             try:
-                decision = choose_transport(self.transport, self.engines, topo, spec, self.colocated)
+                decision = choose_transport(self.transport, self.engines, topo, spec, self.colocated,
+                                            p2p_source=isinstance(source, MegatronSource))
                 decision = (*decision, any(e.info().can(SINGLE_DTYPE) for e in self.engines))
                 for e in self.engines:
                     e.pause(self.pause_mode)
@@ -248,9 +254,8 @@ class WeightSync:
         t = time.perf_counter()
         try:
             sink = self._make_sink(kind)
-            stream = stream_hf_weights(model_chunks, cfg, bucket_bytes=self.bucket_bytes, mode=mode,
-                                       align=1 if kind == "broadcast" else ALIGN, topology=topo,
-                                       split_dtypes=one_dtype)
+            stream = stream_hf_weights(source, cfg, bucket_bytes=self.bucket_bytes, mode=mode,
+                                       align=1 if kind == "broadcast" else ALIGN, split_dtypes=one_dtype)
             tc = time.perf_counter()
             sink.open(stream)
             seconds["connect"] = time.perf_counter() - tc

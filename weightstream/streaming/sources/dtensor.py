@@ -14,6 +14,8 @@ unsharded (after a forward without resharding) streams from its plain parameters
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -60,9 +62,17 @@ def is_hf_module(module: nn.Module) -> bool:
     return any(is_dtensor(p) for p in module.parameters())
 
 
+def _shards(p) -> bool:
+    """Whether a placement splits the tensor (``Shard``, and ``_StridedShard``, which is not a ``Shard``)."""
+    return p.is_shard() or type(p).__name__ == "_StridedShard"
+
+
 def _shard_dims(placements) -> list[tuple[int, int]]:
     """(mesh dim, tensor dim) of every sharding placement."""
-    return [(i, p.dim) for i, p in enumerate(placements) if p.is_shard()]
+    for p in placements:
+        if p.is_partial():
+            raise ValueError(f"a parameter with a Partial placement ({placements}) holds no value to stream")
+    return [(i, p.dim) for i, p in enumerate(placements) if _shards(p)]
 
 
 class DTensorSource:
@@ -76,11 +86,11 @@ class DTensorSource:
 
     @staticmethod
     def _weights(model: nn.Module) -> list[tuple[str, Tensor]]:
-        named = list(model.named_parameters())  # tied weights once, under their first name
+        named = [(n, p.detach()) for n, p in model.named_parameters()]  # tied weights once, under their first name
         for prefix, m in model.named_modules():
             for n, b in m._buffers.items():
                 if b is not None and n not in m._non_persistent_buffers_set:
-                    named.append((f"{prefix}.{n}" if prefix else n, b))
+                    named.append((f"{prefix}.{n}" if prefix else n, b.detach()))
         return named
 
     def _tp_mesh(self):
@@ -196,12 +206,51 @@ def _group_of(mesh, dims: tuple[int, ...]):
     return group, coords
 
 
-def _block(e: TensorEntry, t: Tensor, coord: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+@functools.lru_cache(maxsize=1 << 16)
+def _runs_of(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: tuple[int, ...],
+             placements: tuple) -> tuple[tuple[tuple[int, int], ...] | None, ...]:
+    """Where the mesh rank at ``coord`` holds its shard: per tensor dim, None (the whole dim) or the runs
+    ``(start, length)`` of global indices it holds, in local order. Follows DTensor's own placement rules
+    (``Shard`` as ``torch.chunk``, uneven and empty shards included; ``_StridedShard``, whose shard may be
+    several runs, e.g. transformers' tensor-parallel fused experts)."""
+    from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
 
-    shape, offset = _compute_local_shape_and_global_offset(tuple(t.shape), tuple(t.device_mesh.shape), list(coord),
-                                                           t.placements)
-    return tuple(shape), tuple(offset)
+    sizes = list(global_shape)
+    index: dict[int, list[int]] = {}
+    for m, p in enumerate(placements):
+        if not _shards(p):
+            continue
+        if isinstance(p, _StridedShard):
+            n, offsets = p._local_shard_size_and_offset(sizes[p.dim], mesh_shape[m], coord[m],
+                                                        offset_mode=_StridedShardOffsetMode.ALL)
+            local = list(offsets)[:n] if n else []
+        else:
+            n, offset = p._local_shard_size_and_offset(sizes[p.dim], mesh_shape[m], coord[m])
+            local = list(range(offset, offset + n)) if n else []
+        prev = index.get(p.dim)
+        index[p.dim] = local if prev is None else [prev[i] for i in local]
+        sizes[p.dim] = n
+    out = []
+    for d in range(len(global_shape)):
+        if d not in index:
+            out.append(None)
+            continue
+        runs: list[list[int]] = []
+        for v in index[d]:
+            if runs and runs[-1][0] + runs[-1][1] == v:
+                runs[-1][1] += 1
+            else:
+                runs.append([v, 1])
+        out.append(tuple((a, b) for a, b in runs))
+    return tuple(out)
+
+
+def _block(e: TensorEntry, t: Tensor, coord: Sequence[int]):
+    """(local shape, per-dim runs) of the shard the mesh rank at ``coord`` holds."""
+    shape = tuple(t.shape)
+    runs = _runs_of(shape, tuple(t.device_mesh.shape), tuple(coord), tuple(t.placements))
+    local = tuple(n if r is None else sum(b for _, b in r) for n, r in zip(shape, runs))
+    return local, runs
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -241,8 +290,8 @@ def _gather(mesh, dims: tuple[int, ...], batch: Sequence[TensorEntry], local: di
 
 
 class _Assemble:
-    """The tensor made from every rank's block, on demand (one at a time): the whole tensor, or in per-rank
-    mode the union of the gathered blocks (this rank's TP shard)."""
+    """The tensor made from every rank's shard, on demand (one at a time): the whole tensor, or in per-rank
+    mode the part the gathered ranks hold together (this rank's TP shard, one block of the whole)."""
 
     __slots__ = ("recv", "parts", "entry", "per_rank")
 
@@ -251,15 +300,32 @@ class _Assemble:
 
     def __call__(self) -> Tensor:
         e = self.entry
-        live = [(at, shape, off) for at, (shape, off) in self.parts if _numel(shape)]
+        live = [(at, shape, runs) for at, (shape, runs) in self.parts if _numel(shape)]
         target = e.local_shape if (self.per_rank and e.shard_dim is not None) else e.full_shape
-        origin = [min(off[d] for _, _, off in live) for d in range(len(target))] if live else [0] * len(target)
+        origin = [0] * len(target)
+        if self.per_rank and e.shard_dim is not None and live:
+            d = e.shard_dim
+            origin[d] = min(r[d][0][0] if r[d] is not None else 0 for _, _, r in live)
         if sum(_numel(shape) for _, shape, _ in live) != _numel(target):
             raise ValueError(f"{e.name}: the gathered shards do not tile a tensor of shape {tuple(target)}")
         out = torch.empty(target, dtype=e.dtype, device=self.recv.device)
-        for at, shape, off in live:
-            view = out
-            for d, (o, n) in enumerate(zip(off, shape)):
-                view = view.narrow(d, o - origin[d], n)
-            view.copy_(self.recv.narrow(0, at, _numel(shape) * e.dtype.itemsize).view(e.dtype).view(shape))
+        for at, shape, runs in live:
+            data = self.recv.narrow(0, at, _numel(shape) * e.dtype.itemsize).view(e.dtype).view(shape)
+            # Each combination of one run per dim is a rectangular piece of the shard.
+            pieces = [[(origin[d], 0, n)] if r is None else _with_local(r) for d, (n, r) in enumerate(zip(shape, runs))]
+            for combo in itertools.product(*pieces):
+                src, dst = data, out
+                for d, (start, local, n) in enumerate(combo):
+                    src = src.narrow(d, local, n)
+                    dst = dst.narrow(d, start - origin[d], n)
+                dst.copy_(src)
         return out
+
+
+def _with_local(runs) -> list[tuple[int, int, int]]:
+    """(global start, local start, length) of each run."""
+    out, local = [], 0
+    for start, n in runs:
+        out.append((start, local, n))
+        local += n
+    return out
