@@ -7,6 +7,7 @@ import os
 import sys
 import tempfile
 import time
+from typing import Any
 from pathlib import Path
 
 DEMO_INPUT = [[1, 17, 42, 256, 999, 3, 511, 64, 128, 7, 900, 12]]
@@ -132,6 +133,28 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     engine.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="weights dtype (default float32)")
+
+    convert = sub.add_parser(
+        "convert",
+        help="convert a Megatron-Core checkpoint on disk (torch_dist or legacy per-rank) to an HF checkpoint",
+        description=(
+            "Read a Megatron-Core checkpoint (distributed torch_dist format, or the legacy mp_rank_XX[_YYY][_ZZZ] "
+            "files), saved under any TP/PP/VPP/EP layout, tensor by tensor in this one process, and write the HF "
+            "safetensors checkpoint that from_pretrained opens."
+        ),
+    )
+    convert.add_argument("checkpoint", help="the save directory (latest_checkpointed_iteration.txt, iter_*/) "
+                         "or one iteration's directory")
+    convert.add_argument("--hf-config", required=True, metavar="DIR|PRESET",
+                         help="the model's HF config: a directory with config.json, or a preset name")
+    convert.add_argument("--out", required=True, help="output directory")
+    convert.add_argument("--iteration", default=None, help="which iteration (default: the latest the tracker names)")
+    convert.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                         help="cast floating tensors (default: as stored)")
+    convert.add_argument("--bucket-mb", type=_mb, default=_mb("256"), help="bucket size in MiB (default 256)")
+    convert.add_argument("--shard-mb", type=_mb, default=_mb("4096"), help="safetensors file size in MiB (default 4096)")
+    convert.add_argument("--verify", default=None, metavar="HF_DIR",
+                         help="compare the result with this HF checkpoint, bit for bit")
 
     verify = sub.add_parser(
         "verify",
@@ -272,6 +295,44 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if proven else 1
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from weightstream.convert import convert_checkpoint
+    from weightstream.errors import WeightstreamError
+
+    hf_config: Any = args.hf_config
+    if not Path(hf_config).is_dir():
+        from weightstream.models.presets import PRESETS, preset_config
+
+        if hf_config not in PRESETS:
+            raise SystemExit(f"error: --hf-config {hf_config!r} is neither a directory nor a preset "
+                             f"(presets: {', '.join(sorted(PRESETS))})")
+        hf_config = preset_config(hf_config)
+    elif not Path(hf_config, "config.json").exists():
+        raise SystemExit(f"error: {hf_config} has no config.json")
+    bar = tqdm(desc="converting", unit="bucket", leave=False)
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    try:
+        report = convert_checkpoint(args.checkpoint, hf_config, args.out, iteration=args.iteration,
+                                    dtype=_dtype(args.dtype) if args.dtype else None, bucket_bytes=args.bucket_mb,
+                                    shard_bytes=args.shard_mb, progress=progress, verify=args.verify)
+    except WeightstreamError as exc:
+        bar.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    bar.close()
+    if report.verify is not None:
+        print(report.verify.render(args.verify, args.out))
+    print(report.summary())
+    return 0 if report.verify is None or report.verify.ok else 1
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from weightstream.verify import compare_checkpoints
 
@@ -355,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     args = build_parser().parse_args(argv)
     handler = {"demo": cmd_demo, "dump": cmd_dump, "verify": cmd_verify, "engine": cmd_engine,
-               "bench": cmd_bench}[args.command]
+               "bench": cmd_bench, "convert": cmd_convert}[args.command]
     return handler(args)
 
 

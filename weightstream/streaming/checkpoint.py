@@ -12,7 +12,7 @@ import json
 import os
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -104,6 +104,11 @@ class CheckpointReport:
     tensors: int
     total_size: int
     stats: StreamStats
+    entries: list = field(default_factory=list, repr=False)  # name, dtype, shape, bytes of every tensor written
+
+    def sizes(self) -> dict[str, int]:
+        """Bytes of each tensor written, by name."""
+        return {e.name: e.nbytes for e in self.entries}
 
 
 class SafetensorsSink:
@@ -194,7 +199,7 @@ class SafetensorsSink:
 
 
 def save_hf_checkpoint(
-    model_chunks: nn.Module | Sequence[nn.Module],
+    model_chunks: nn.Module | Sequence[nn.Module] | Any,
     hf_config: Any,
     out_dir: str | os.PathLike,
     *,
@@ -204,6 +209,8 @@ def save_hf_checkpoint(
     progress: Callable[[int, int], None] | None = None,
 ) -> CheckpointReport:
     """Write the model as an HF checkpoint (safetensors shards, index, ``config.json``). Call on every rank.
+    ``model_chunks``: anything :func:`stream_hf_weights` takes (Megatron-Core chunks, an FSDP2 / DTensor
+    transformers model, a source such as a Megatron checkpoint on disk).
 
     The stream into a :class:`SafetensorsSink`: memory is bounded by the stream (two buckets plus
     the largest tensor), whatever the shard size. ``progress(done, total)`` is called after each bucket.
@@ -220,7 +227,7 @@ def save_hf_checkpoint(
         sink.abort()
         raise
     sink.close()
-    return CheckpointReport(sink.out, sink.names, len(sink.entries), sink.total_size, stream.stats)
+    return CheckpointReport(sink.out, sink.names, len(sink.entries), sink.total_size, stream.stats, list(sink.entries))
 
 
 def _save_config(cfg, out: Path, dtype: torch.dtype | None) -> None:

@@ -1,0 +1,109 @@
+"""``convert_checkpoint``: a Megatron-Core checkpoint on disk -> an HF checkpoint, in one process.
+
+The checkpoint is read tensor by tensor (:class:`~weightstream.streaming.sources.checkpoint.MegatronCheckpointSource`)
+and streamed through the same planner, converter and safetensors writer as a live model, so the whole model
+is never held: memory stays within a bucket or two plus the largest tensor.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from weightstream.streaming.checkpoint import DEFAULT_SHARD_BYTES, save_hf_checkpoint
+from weightstream.streaming.sources.checkpoint import MegatronCheckpointSource
+from weightstream.verify import Comparison, compare_checkpoints
+
+DEFAULT_CONVERT_BUCKET_BYTES = 256 << 20
+
+
+@dataclass
+class ConvertReport:
+    out: Path
+    format: str  # "torch_dist" or "legacy"
+    iteration: int | str | None
+    tensors: int
+    bytes: int
+    files: int
+    seconds: float
+    rss_before: int  # bytes of resident memory when the conversion started
+    peak_rss: int  # the process's peak resident memory (bytes), which the conversion may have raised
+    largest_tensor: tuple[str, int]  # name, bytes
+    largest_layer: tuple[str, int]  # "model.layers.N", bytes of its HF tensors
+    verify: Comparison | None = None
+
+    def summary(self) -> str:
+        gb = self.bytes / 1e9
+        line = (f"{self.format} checkpoint (iteration {self.iteration}) -> {self.out}: {self.tensors} tensors, "
+                f"{gb:.2f} GB in {self.files} files, {self.seconds:.1f} s ({gb / max(self.seconds, 1e-9):.2f} GB/s); "
+                f"peak RSS {self.peak_rss / 1e9:.2f} GB ({self.rss_before / 1e9:.2f} GB before), largest layer "
+                f"{self.largest_layer[0]} {self.largest_layer[1] / 1e9:.3f} GB, largest tensor {self.largest_tensor[0]} "
+                f"{self.largest_tensor[1] / 1e9:.3f} GB")
+        if self.verify is not None:
+            line += "; verify: " + ("identical" if self.verify.ok else "DIFFERENT")
+        return line
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def convert_checkpoint(
+    checkpoint: str | os.PathLike,
+    hf_config: Any,
+    out_dir: str | os.PathLike,
+    *,
+    iteration: int | str | None = None,
+    dtype: torch.dtype | None = None,
+    bucket_bytes: int = DEFAULT_CONVERT_BUCKET_BYTES,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    progress: Callable[[int, int], None] | None = None,
+    verify: str | os.PathLike | None = None,
+) -> ConvertReport:
+    """Write the Megatron-Core checkpoint at ``checkpoint`` (distributed ``torch_dist`` or legacy per-rank
+    format, any TP/PP/VPP/EP layout; the save directory or one iteration's) as an HF checkpoint in ``out_dir``.
+
+    ``hf_config``: the HF config of the model (a directory, a transformers config or a dict); every shape
+    of the checkpoint is checked against it and every mismatch listed in one error. ``iteration``: which one
+    (default: the one ``latest_checkpointed_iteration.txt`` names). ``dtype``: cast floating tensors.
+    ``verify``: an HF checkpoint to compare the result with, tensor by tensor (bit for bit).
+    """
+    start = time.perf_counter()
+    rss_before = _rss()
+    source = MegatronCheckpointSource(checkpoint, iteration=iteration, dtype=dtype)
+    try:
+        report = save_hf_checkpoint(source, hf_config, out_dir, bucket_bytes=bucket_bytes, shard_bytes=shard_bytes,
+                                    progress=progress)
+    finally:
+        source.close()
+    seconds = time.perf_counter() - start
+    layers: dict[str, int] = {}
+    largest = ("", 0)
+    for name, nbytes in report.sizes().items():
+        if nbytes > largest[1]:
+            largest = (name, nbytes)
+        parts = name.split(".")
+        if len(parts) > 3 and parts[1] == "layers":
+            key = ".".join(parts[:3])
+            layers[key] = layers.get(key, 0) + nbytes
+    layer = max(layers.items(), key=lambda kv: kv[1]) if layers else ("", 0)
+    out = ConvertReport(Path(out_dir), source.format, source.iteration, report.tensors, report.total_size,
+                        len(report.files), seconds, rss_before, _peak_rss(), largest, layer)
+    if verify is not None:
+        out.verify = compare_checkpoints(verify, out_dir)
+    return out
