@@ -24,6 +24,10 @@ from weightstream.streaming.adapters import (
     VLLMEngine,
 )
 from weightstream.update import UpdateReport, WeightSync, update_weights
+from weightstream.convert import ConvertReport, convert_checkpoint
+from weightstream.streaming.sources import Source
+from weightstream.streaming.sources.checkpoint import CheckpointFormatError, MegatronCheckpointSource
+from weightstream.streaming.sources.dtensor import DTensorSource
 
 __version__ = "0.1.0"
 
@@ -33,4 +37,6 @@ __all__ = [
     "register_converter", "save_hf_checkpoint", "stream_hf_weights",
     "EngineAdapter", "EngineError", "EngineInfo", "LMDeployEngine", "ReferenceEngine", "SGLangEngine", "UpdateError", "VLLMEngine", "UpdateReport",
     "WeightSync", "update_weights",
+    "CheckpointFormatError", "ConvertReport", "DTensorSource", "MegatronCheckpointSource", "Source",
+    "convert_checkpoint",
 ]

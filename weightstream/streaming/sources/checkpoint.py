@@ -416,10 +416,15 @@ class _LegacyReader:
                     pieces.setdefault(gname, {})[group_rank] = _Piece(name, shape=tuple(tensor.shape), file=(t, p, e),
                                                                             chunk=chunk)
             metas.append(RankMeta(p, t, e, t if self.etp > 1 else 0, tuple(tensors)))
+        self._open.clear()
         return metas, pieces, self.tp, self.etp
 
     def read(self, pieces: Sequence[_Piece]) -> dict[_Piece, Tensor]:
-        return {p: self._state(p.file)[p.chunk][p.key].clone() for p in pieces}
+        out = {p: self._state(p.file)[p.chunk][p.key].clone() for p in pieces}
+        # Unmap what was read: the pages of the files stay out of this process's memory between buckets
+        # (opening a file again costs only its small pickled index).
+        self._open.clear()
+        return out
 
     def close(self) -> None:
         self._open.clear()
