@@ -153,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="cast floating tensors (default: as stored)")
     convert.add_argument("--bucket-mb", type=_mb, default=_mb("256"), help="bucket size in MiB (default 256)")
     convert.add_argument("--shard-mb", type=_mb, default=_mb("4096"), help="safetensors file size in MiB (default 4096)")
+    convert.add_argument("--procs", type=int, default=1,
+                         help="local processes sharing the work, each writing its own safetensors files (default 1)")
     convert.add_argument("--verify", default=None, metavar="HF_DIR",
                          help="compare the result with this HF checkpoint, bit for bit")
 
@@ -321,7 +323,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     try:
         report = convert_checkpoint(args.checkpoint, hf_config, args.out, iteration=args.iteration,
                                     dtype=_dtype(args.dtype) if args.dtype else None, bucket_bytes=args.bucket_mb,
-                                    shard_bytes=args.shard_mb, progress=progress, verify=args.verify)
+                                    shard_bytes=args.shard_mb, progress=progress, verify=args.verify,
+                                    procs=args.procs)
     except WeightstreamError as exc:
         bar.close()
         print(f"error: {exc}", file=sys.stderr)

@@ -74,6 +74,7 @@ def convert_checkpoint(
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     progress: Callable[[int, int], None] | None = None,
     verify: str | os.PathLike | None = None,
+    procs: int = 1,
 ) -> ConvertReport:
     """Write the Megatron-Core checkpoint at ``checkpoint`` (distributed ``torch_dist`` or legacy per-rank
     format, any TP/PP/VPP/EP layout; the save directory or one iteration's) as an HF checkpoint in ``out_dir``.
@@ -81,16 +82,23 @@ def convert_checkpoint(
     ``hf_config``: the HF config of the model (a directory, a transformers config or a dict); every shape
     of the checkpoint is checked against it and every mismatch listed in one error. ``iteration``: which one
     (default: the one ``latest_checkpointed_iteration.txt`` names). ``dtype``: cast floating tensors.
-    ``verify``: an HF checkpoint to compare the result with, tensor by tensor (bit for bit).
+    ``verify``: an HF checkpoint to compare the result with, tensor by tensor (bit for bit). ``procs``: local
+    processes sharing the work (each reads only what its safetensors files hold; ``peak_rss`` is then the
+    largest of theirs).
     """
     start = time.perf_counter()
     rss_before = _rss()
-    source = MegatronCheckpointSource(checkpoint, iteration=iteration, dtype=dtype)
-    try:
-        report = save_hf_checkpoint(source, hf_config, out_dir, bucket_bytes=bucket_bytes, shard_bytes=shard_bytes,
-                                    progress=progress)
-    finally:
-        source.close()
+    if procs > 1:
+        from weightstream.launch import launch
+        from weightstream.models.spec import load_hf_config
+
+        MegatronCheckpointSource(checkpoint, iteration=iteration)  # a bad path fails here, once
+        results = launch(procs, _convert_rank, checkpoint, load_hf_config(hf_config), os.fspath(out_dir), iteration,
+                         dtype, bucket_bytes, shard_bytes, backend="gloo", timeout_s=24 * 3600.0)
+        report, fmt, it, peak = results[0][0], results[0][1], results[0][2], max(r[3] for r in results)
+    else:
+        report, fmt, it, peak = _convert_rank(checkpoint, hf_config, out_dir, iteration, dtype, bucket_bytes,
+                                              shard_bytes, progress)
     seconds = time.perf_counter() - start
     layers: dict[str, int] = {}
     largest = ("", 0)
@@ -102,8 +110,22 @@ def convert_checkpoint(
             key = ".".join(parts[:3])
             layers[key] = layers.get(key, 0) + nbytes
     layer = max(layers.items(), key=lambda kv: kv[1]) if layers else ("", 0)
-    out = ConvertReport(Path(out_dir), source.format, source.iteration, report.tensors, report.total_size,
-                        len(report.files), seconds, rss_before, _peak_rss(), largest, layer)
+    out = ConvertReport(Path(out_dir), fmt, it, report.tensors, report.total_size, len(report.files), seconds,
+                        rss_before, peak, largest, layer)
     if verify is not None:
         out.verify = compare_checkpoints(verify, out_dir)
     return out
+
+
+def _convert_rank(checkpoint, hf_config, out_dir, iteration, dtype, bucket_bytes, shard_bytes, progress=None):
+    """One process's part (all of it when alone): (report, format, iteration, peak RSS)."""
+    import torch.distributed as dist
+
+    source = MegatronCheckpointSource(checkpoint, iteration=iteration, dtype=dtype)
+    writers = "spread" if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else "rank0"
+    try:
+        report = save_hf_checkpoint(source, hf_config, out_dir, bucket_bytes=bucket_bytes, shard_bytes=shard_bytes,
+                                    progress=progress, writers=writers)
+    finally:
+        source.close()
+    return report, source.format, source.iteration, _peak_rss()

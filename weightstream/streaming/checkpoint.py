@@ -158,8 +158,12 @@ class SafetensorsSink:
         torch.cuda.current_stream(buffer.device).synchronize()
         return Bucket(bucket.index, host, bucket.metas)
 
+    def wants(self, metas) -> bool:
+        """Whether a bucket holding ``metas`` has tensors of this rank's files."""
+        return any(self.file_of[m.name] in self.mine for m in metas)
+
     def send(self, bucket) -> None:
-        if not any(self.file_of[m.name] in self.mine for m in bucket.metas):
+        if not self.wants(bucket.metas):
             return
         for name, tensor in self._on_host(bucket).named_tensors():
             i = self.file_of[name]
@@ -218,11 +222,15 @@ def save_hf_checkpoint(
     sink = SafetensorsSink(out_dir, hf_config, shard_bytes=shard_bytes, writers=writers)
     stream = stream_hf_weights(model_chunks, sink.cfg, bucket_bytes=bucket_bytes, mode="full")
     sink.open(stream)
+    if getattr(stream.source, "independent", False):
+        # A rank that reads on its own (a checkpoint on disk) makes only the buckets its files need.
+        stream.select = lambda i: sink.wants(stream.bucket_metas(i))
+    total = stream.selected()
     try:
         for done, bucket in enumerate(stream, 1):
             sink.send(bucket)
             if progress is not None:
-                progress(done, len(stream))
+                progress(done, total)
     except BaseException:
         sink.abort()
         raise

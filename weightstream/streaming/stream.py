@@ -125,6 +125,9 @@ class BucketStream(Iterator[Bucket]):
     shared: StreamPlan | None = None
     _gen: Iterator[Bucket] | None = None
     _programs: dict[int, _Program] = field(default_factory=dict)  # without a kept plan
+    # Which buckets to make (None: all). Only for a source whose ranks make their buckets without each other
+    # (``source.independent``): ranks that skip different buckets would leave each other's collectives waiting.
+    select: Any = None
 
     def __len__(self) -> int:
         return len(self.plan)
@@ -147,8 +150,16 @@ class BucketStream(Iterator[Bucket]):
 
     # -- production -------------------------------------------------------------------------
 
+    def selected(self) -> int:
+        """How many buckets this stream will yield."""
+        return len(self.plan) if self.select is None else sum(1 for bp in self.plan if self.select(bp.index))
+
     def _produce(self) -> Iterator[Bucket]:
+        if self.select is not None and not getattr(self.source, "independent", False):
+            raise ValueError("only a source whose ranks work independently (a checkpoint on disk) can skip buckets")
         for bp in self.plan:
+            if self.select is not None and not self.select(bp.index):
+                continue
             start = time.perf_counter()
             program = self._program_for(bp.index)
             bucket = self._build(bp, program)

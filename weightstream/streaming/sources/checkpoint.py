@@ -122,6 +122,8 @@ class MegatronCheckpointSource:
     """A Megatron-Core checkpoint on disk as a stream's source (``stream_hf_weights``, ``save_hf_checkpoint``;
     see :func:`weightstream.convert_checkpoint`). ``dtype``: cast floating tensors to it as they are read."""
 
+    independent = True  # each process reads what it needs itself: no collective between ranks
+
     def __init__(self, path: str | os.PathLike, *, iteration: int | str | None = None,
                  dtype: torch.dtype | None = None):
         self.directory = resolve_iteration(path, iteration)
