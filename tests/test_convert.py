@@ -78,6 +78,15 @@ def test_convert_cli_with_dtype(saved, tmp_path):
     assert run.returncode == 1 and "dtypes differ" in run.stdout
 
 
+def test_convert_in_two_processes(saved, tmp_path):
+    """``procs=2``: each process reads only the buckets its own safetensors files need; one index."""
+    src, root, _ = saved["moe"]
+    report = convert_checkpoint(root / "torch_dist", src, tmp_path / "out", procs=2, bucket_bytes=40_000,
+                                shard_bytes=200_000, verify=src)
+    assert report.verify.ok, report.verify.render(src, str(tmp_path / "out"))
+    assert report.files >= 4
+
+
 def test_bad_input_gets_one_clear_error(saved, tmp_path):
     src, root, _ = saved["dense"]
     # Not a checkpoint.
