@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--transport", action="append", choices=["stream", "broadcast", "ipc", "checkpoint"],
                       help="path to time (repeatable)")
     bench.add_argument("--tiny", action="store_true", help="the preset's topology at small widths (CPU-sized)")
+    bench.add_argument("--reuse-buffers", action="store_true",
+                       help="--transport stream: pack into two kept buffers, as the sinks do (default: fresh buffers)")
     bench.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="(default bfloat16)")
     bench.add_argument("--repeats", type=int, default=3, help="warm runs after the cold one (default 3)")
     bench.add_argument("--plot", default=None, metavar="F.png", help="bar chart of ours vs ceiling (needs matplotlib)")
@@ -386,7 +388,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         results = []
         for transport in args.transport:
             res = run_bench(args.preset, transport, tiny=args.tiny, dtype=args.dtype,
-                            bucket_bytes=args.bucket_mb or (512 << 20), repeats=args.repeats)
+                            bucket_bytes=args.bucket_mb or (512 << 20), repeats=args.repeats,
+                            reuse_buffers=args.reuse_buffers)
             print(res.render(), flush=True)
             results.append(res)
         if args.json:

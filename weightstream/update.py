@@ -165,7 +165,7 @@ class WeightSync:
                  colocated: bool | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, checksums: bool = False,
                  timeout_s: float = 60.0, master_address: str = "127.0.0.1", master_port: int | None = None,
                  backend: str | None = None, pause_mode: str = "abort", api_key: str | None = None,
-                 group_name: str = "weightstream"):
+                 group_name: str = "weightstream", reuse_buffers: bool = True):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if not engines:
@@ -177,6 +177,7 @@ class WeightSync:
         self._adapter_options = dict(api_key=api_key, timeout_s=timeout_s, group_name=group_name)
         self.engines: list[EngineAdapter] = []  # made by _resolve_engines on the first update
         self.transport, self.colocated, self.bucket_bytes = transport, colocated, bucket_bytes
+        self.reuse_buffers = reuse_buffers  # pack into two buffers kept with the plan (stream_hf_weights)
         self.checksums, self.timeout_s, self.pause_mode = checksums, timeout_s, pause_mode
         self.master_address, self.master_port, self.backend = master_address, master_port, backend
         self.sinks: dict[str, Any] = {}  # one per transport used, kept across updates (groups are made once)
@@ -255,7 +256,8 @@ class WeightSync:
         try:
             sink = self._make_sink(kind)
             stream = stream_hf_weights(source, cfg, bucket_bytes=self.bucket_bytes, mode=mode,
-                                       align=1 if kind == "broadcast" else ALIGN, split_dtypes=one_dtype)
+                                       align=1 if kind == "broadcast" else ALIGN, split_dtypes=one_dtype,
+                                       reuse_buffers=self.reuse_buffers)
             tc = time.perf_counter()
             sink.open(stream)
             seconds["connect"] = time.perf_counter() - tc

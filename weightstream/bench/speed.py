@@ -143,14 +143,14 @@ def _trainer(cfg, dtype: str):
     return chunks, device
 
 
-def stream_job(cfg, dtype: str, bucket_bytes: int, repeats: int) -> dict:
+def stream_job(cfg, dtype: str, bucket_bytes: int, repeats: int, reuse_buffers: bool = False) -> dict:
     """One rank: stream with no sink, cold then ``repeats`` warm; then the copy ceiling."""
     from weightstream.streaming.stream import stream_hf_weights
 
     chunks, device = _trainer(cfg, dtype)
 
     def stream_all():
-        s = stream_hf_weights(chunks, cfg, bucket_bytes=bucket_bytes)
+        s = stream_hf_weights(chunks, cfg, bucket_bytes=bucket_bytes, reuse_buffers=reuse_buffers)
         for _b in s:
             pass
         return s.stats
@@ -179,7 +179,10 @@ def update_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype:
 
         with CheckpointReader(cfg_dir) as reader:
             load_hf_weights(chunks, cfg, reader)
-    with WeightSync([url], transport=transport, bucket_bytes=bucket_bytes, timeout_s=300) as sync:
+    # WEIGHTSTREAM_BENCH_FRESH_BUFFERS=1: a new buffer per bucket instead of the two kept ones (to compare).
+    reuse = os.environ.get("WEIGHTSTREAM_BENCH_FRESH_BUFFERS", "0") != "1"
+    with WeightSync([url], transport=transport, bucket_bytes=bucket_bytes, timeout_s=300,
+                    reuse_buffers=reuse) as sync:
         runs, peak = _timed(device, repeats + 1, lambda: sync.update(chunks, cfg))
     reports = [{"wall": t, "transport": rep.transport, "bytes": rep.bytes, "buckets": rep.buckets,
                 "tensors": rep.tensors, "seconds": rep.seconds} for t, rep in runs]
@@ -214,7 +217,8 @@ def raw_broadcast_job(total: int, chunk: int, repeats: int) -> dict:
 
 
 def run_bench(preset: str, transport: str, *, tiny: bool = False, dtype: str = "bfloat16",
-              bucket_bytes: int = 512 << 20, repeats: int = 3, engine_device: str | None = None) -> BenchResult:
+              bucket_bytes: int = 512 << 20, repeats: int = 3, engine_device: str | None = None,
+              reuse_buffers: bool = False) -> BenchResult:
     """One row of the benchmark table (see the module docstring)."""
     from weightstream.launch import launch
 
@@ -226,7 +230,9 @@ def run_bench(preset: str, transport: str, *, tiny: bool = False, dtype: str = "
     label = preset + (" (tiny widths)" if tiny else "")
     res = BenchResult(label, transport, "", dtype, bucket_bytes)
     if transport == "stream":
-        (r,) = launch(1, stream_job, cfg, dtype, bucket_bytes, repeats, backend=backend)
+        (r,) = launch(1, stream_job, cfg, dtype, bucket_bytes, repeats, reuse_buffers, backend=backend)
+        if reuse_buffers:
+            res.transport = "stream (kept buffers)"
         res.device, res.cold_s, res.warm_s = r["device"], r["cold_s"], r["warm_s"]
         res.bytes, res.tensors, res.buckets = r["bytes"], r["tensors"], r["buckets"]
         res.ceiling_s, res.ceiling = r["ceiling_s"], "device copy of the same bytes into fresh buckets"

@@ -11,6 +11,7 @@ import os
 import signal
 import time
 import traceback
+from collections import deque
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
@@ -62,6 +63,10 @@ class Worker:
         self.model = ShardedCausalLM(self.config, rank, size, dist.group.WORLD, device, dtype)
         self.groups: dict[str, Any] = {}
         self.bucket_count = 0
+        # The last IPC buffers received from a trainer, kept mapped: a trainer that packs into the same few
+        # buffers sends the same CUDA IPC handles, which torch then resolves from its cache without opening
+        # them again.
+        self.ipc_buffers: deque = deque(maxlen=4)
         # Dense broadcast buckets seen before (by names, dtypes, shapes): the parameters they load into,
         # checked once, and how to cut the received buffer; an update repeats the same buckets.
         self.programs: dict[tuple, Any] = {}
@@ -182,6 +187,8 @@ class Worker:
             for meta, m in zip(metas, obj["metadata"]):
                 if meta.offset + meta.nbytes != int(m.end_idx):
                     raise ValueError(f"{meta.name}: metadata end {m.end_idx} != start + size")
+            if buffer.is_cuda:
+                self.ipc_buffers.append(buffer)
             return self._apply(Bucket(self.bucket_count, buffer, metas), expected_checksum, foreign=True)
         return self._load([(name, t, None) for name, t in obj], foreign=True)
 

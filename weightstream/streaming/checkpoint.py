@@ -220,7 +220,7 @@ def save_hf_checkpoint(
     the largest tensor), whatever the shard size. ``progress(done, total)`` is called after each bucket.
     """
     sink = SafetensorsSink(out_dir, hf_config, shard_bytes=shard_bytes, writers=writers)
-    stream = stream_hf_weights(model_chunks, sink.cfg, bucket_bytes=bucket_bytes, mode="full")
+    stream = stream_hf_weights(model_chunks, sink.cfg, bucket_bytes=bucket_bytes, mode="full", reuse_buffers=True)
     sink.open(stream)
     if getattr(stream.source, "independent", False):
         # A rank that reads on its own (a checkpoint on disk) makes only the buckets its files need.

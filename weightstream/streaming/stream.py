@@ -92,6 +92,8 @@ class _Program:
     strided: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int, Tensor]]  # non-contiguous sources
     slow: list[int]  # items converted one by one (TP-gathered, or an op that makes new tensors)
     batched: int
+    # With kept buffers: the batched copies' destination and source lists, made once per kept buffer.
+    copies: dict[int, tuple[list[Tensor], list[Tensor]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -106,6 +108,7 @@ class StreamPlan:
     device: torch.device
     guard: ModuleGuard | None
     programs: dict[int, _Program] = field(default_factory=dict)
+    buffers: list[Tensor | None] = field(default_factory=lambda: [None, None])  # kept bucket buffers (reuse)
 
 
 @dataclass
@@ -123,6 +126,7 @@ class BucketStream(Iterator[Bucket]):
     align: int = ALIGN
     stats: StreamStats = field(default_factory=StreamStats)
     shared: StreamPlan | None = None
+    reuse_buffers: bool = False
     _gen: Iterator[Bucket] | None = None
     _programs: dict[int, _Program] = field(default_factory=dict)  # without a kept plan
     # Which buckets to make (None: all). Only for a source whose ranks make their buckets without each other
@@ -261,24 +265,50 @@ class BucketStream(Iterator[Bucket]):
         return _Program(total, flat_metas, sum(m.nbytes for m in flat_metas), items, metas, typed_runs(flat),
                         strided, slow, batched)
 
-    def _build(self, bp: BucketPlan, program: _Program) -> Bucket:
-        items, metas, total = program.items, program.item_metas, program.total
-        raw = typed_buffer(total, self.device)
-        buffer = raw.narrow(0, 0, total)
-        # Batched: every tensor that is a view of a live parameter, one _foreach_copy_.
+    def _buffer(self, bp: BucketPlan, total: int) -> Tensor:
+        """The bucket's flat buffer: a new one, or (``reuse_buffers``) one of two kept with the plan, bucket
+        i in buffer ``i % 2``: the consumer is done with bucket i once it asks for bucket i + 2."""
+        if not self.reuse_buffers or self.shared is None:
+            return typed_buffer(total, self.device)
+        slot = bp.index % 2
+        kept = self.shared.buffers[slot]
+        if kept is None or kept.numel() < total or kept.device != self.device:
+            largest = max(self._program_for(b.index).total for b in self.plan)
+            kept = self.shared.buffers[slot] = typed_buffer(largest, self.device)
+        return kept
+
+    def _copies(self, program: _Program, raw: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+        """The batched copies' destinations (views of ``raw``) and sources; kept with the program per kept
+        buffer, so a reused buffer costs no view making at all."""
+        key = raw.data_ptr()
+        made = program.copies.get(key) if self.reuse_buffers else None
+        if made is not None:
+            return made
         dst: list[Tensor] = []
         src: list[Tensor] = []
+        for dtype, sizes, sources in program.runs:
+            dst += typed_views(raw, dtype, sizes)
+            src += sources
+        for dtype, shape, strides, offset, source in program.strided:
+            dst.append(raw.view(dtype).as_strided(shape, strides, offset))
+            src.append(source)
+        if self.reuse_buffers:
+            if len(program.copies) >= 2:
+                program.copies.clear()  # the kept buffers were re-made
+            program.copies[key] = (dst, src)
+        return dst, src
+
+    def _build(self, bp: BucketPlan, program: _Program) -> Bucket:
+        items, metas, total = program.items, program.item_metas, program.total
+        raw = self._buffer(bp, total)
+        buffer = raw.narrow(0, 0, total)
+        # Batched: every tensor that is a view of a live parameter, one _foreach_copy_.
         # Thousands of short-lived views: a cyclic collection of the whole heap midway would cost more
         # than the copies (they hold no cycles).
         collecting = gc.isenabled()
         gc.disable()
         try:
-            for dtype, sizes, sources in program.runs:
-                dst += typed_views(raw, dtype, sizes)
-                src += sources
-            for dtype, shape, strides, offset, source in program.strided:
-                dst.append(raw.view(dtype).as_strided(shape, strides, offset))
-                src.append(source)
+            dst, src = self._copies(program, raw)
             if dst:
                 torch._foreach_copy_(dst, src)
             del dst, src
@@ -328,6 +358,7 @@ def stream_hf_weights(
     align: int = ALIGN,
     topology: Topology | None = None,
     split_dtypes: bool = False,
+    reuse_buffers: bool = False,
 ) -> BucketStream:
     """Stream a model's weights as buckets of HF tensors. Call on every rank.
 
@@ -357,6 +388,12 @@ def stream_hf_weights(
 
     ``split_dtypes``: every bucket holds one dtype (for engines whose flat buckets are typed, LMDeploy's):
     the tensors are grouped by dtype (in order within each) and buckets are cut between groups.
+
+    ``reuse_buffers``: buckets are packed into two buffers kept with the plan (bucket i into buffer
+    ``i % 2``, with its copy views made once), so a bucket is valid only until bucket i + 2 is asked for: for
+    consumers that are done with a bucket by then (every sink is; ``update_weights`` and
+    ``save_hf_checkpoint`` use it). The two buffers stay allocated while the plan is kept
+    (:func:`clear_plans` frees them).
 
     The table, checks and plan are made here, eagerly (so a bad model raises now, on every rank
     alike); the buckets are made one at a time as the returned iterator is advanced.
@@ -400,6 +437,7 @@ def stream_hf_weights(
         device=plan.device,
         align=align,
         shared=plan,
+        reuse_buffers=reuse_buffers and bool(modules),
     )
     stream.stats.planned = planned
     stream.stats.setup_seconds = time.perf_counter() - start

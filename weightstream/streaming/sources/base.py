@@ -93,13 +93,15 @@ class ModuleGuard:
         self.owners = [d for d, _, _ in held]
         self.names = [n for _, n, _ in held]
         self.tensors = [t for _, _, t in held]
+        self.wrapped = any(local_data(t) is not t for t in self.tensors)  # DTensors: their local shards' storage
         self.ptrs = self._ptrs(self.tensors)
         self.shapes = [t.shape for t in self.tensors]
         self.dtypes = [t.dtype for t in self.tensors]
 
-    @staticmethod
-    def _ptrs(tensors: Sequence[Tensor]) -> list[int]:
-        return [local_data(t).data_ptr() for t in tensors]
+    def _ptrs(self, tensors: Sequence[Tensor]) -> list[int]:
+        if self.wrapped:
+            return [local_data(t).data_ptr() for t in tensors]
+        return [t.data_ptr() for t in tensors]  # tens of thousands of tensors: no per-tensor lookup
 
     def holds(self, modules: Sequence[nn.Module]) -> bool:
         if len(modules) != len(self.roots) or any(r() is not m for r, m in zip(self.roots, modules)):

@@ -53,6 +53,8 @@ def is_dtensor(t: Any) -> bool:
 
 def is_hf_module(module: nn.Module) -> bool:
     """A transformers model, or any module holding DTensor parameters (Megatron-Core models hold none)."""
+    if type(module).__module__.startswith("megatron."):
+        return False  # decided without walking tens of thousands of parameters
     try:
         from transformers import PreTrainedModel
     except ImportError:  # pragma: no cover
