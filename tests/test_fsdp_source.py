@@ -137,3 +137,23 @@ def test_fsdp_update_into_engine(tmp_path):
         assert_logits_close(u["engine_logits"], want)
     saved, source = _saved(str(tmp_path / "saved")), _saved(src)
     assert set(saved) == set(source) and all(torch.equal(saved[n], source[n]) for n in source)
+
+
+def test_kept_buffers_alternate_and_stay_exact(tmp_path):
+    """``reuse_buffers``: bucket i is packed into kept buffer i % 2 (views made once), every stream of the
+    model bit-identical to ``save_pretrained``; a bucket stays valid until bucket i + 2 is made."""
+    model = random_hf_model(preset_config("tiny-qwen3-moe"), seed=45)
+    model.save_pretrained(tmp_path / "m")
+    want = _saved(str(tmp_path / "m"))
+    for _ in range(3):
+        got, ptrs, held = {"tensors": {}, "shards": {}}, [], {}
+        stream = stream_hf_weights(model, tmp_path / "m", bucket_bytes=SMALL // 2, reuse_buffers=True)
+        for bucket in stream:
+            ptrs.append(bucket.buffer.data_ptr())
+            got["tensors"].update({n: t.clone() for n, t in bucket.named_tensors()})
+            held[bucket.index] = bucket
+            if bucket.index >= 1:  # the previous bucket is still intact while this one is made
+                prev = held.pop(bucket.index - 1)
+                assert all(torch.equal(t, want[n]) for n, t in prev.named_tensors())
+        _check_stream(got, want)
+        assert len(stream) > 4 and len(set(ptrs)) == 2 and ptrs[0] == ptrs[2] != ptrs[1]
