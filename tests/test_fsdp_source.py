@@ -139,6 +139,27 @@ def test_fsdp_update_into_engine(tmp_path):
     assert set(saved) == set(source) and all(torch.equal(saved[n], source[n]) for n in source)
 
 
+def test_fsdp_moe_update_into_engine(tmp_path):
+    """A Qwen3-MoE model under FSDP2 (fused experts sharded over 2 ranks) into the reference engine by broadcast:
+    the engine's logits then equal the HF model's."""
+    src = save_random_checkpoint(preset_config("tiny-qwen3-moe"), tmp_path / "src", seed=73)
+    start = save_random_checkpoint(preset_config("tiny-qwen3-moe"), tmp_path / "engine", seed=74)
+    server = serve(start, 1)
+    try:
+        before = ReferenceEngine(server.url).logits(INPUT_IDS)
+        from tests.fsdp_workers import run_fsdp_cases
+
+        cases = [("run_fsdp_update", src, (2,), server.url, ["broadcast"], str(tmp_path / "saved"))]
+        results = launch(2, run_fsdp_cases, cases)
+    finally:
+        stop(server)
+    want = hf_logits(src, INPUT_IDS)
+    assert (before - want).abs().max() > 1e-2
+    ((update,),) = results[0]
+    assert update["report"].transport == "broadcast" and update["report"].tensors == len(_saved(src))
+    assert_logits_close(update["engine_logits"], want)
+
+
 def test_kept_buffers_alternate_and_stay_exact(tmp_path):
     """``reuse_buffers``: bucket i is packed into kept buffer i % 2 (views made once), every stream of the
     model bit-identical to ``save_pretrained``; a bucket stays valid until bucket i + 2 is made."""
