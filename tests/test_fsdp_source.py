@@ -115,49 +115,35 @@ def test_fsdp_2d_tensor_parallel(tmp_path):
         assert (q.dim, q.length * 2) == (0, q.full)
 
 
-def test_fsdp_update_into_engine(tmp_path):
-    """``update_weights`` of an FSDP2 model (2 ranks) into the reference engine, by broadcast and by IPC: the
-    engine's logits then equal the HF model's; ``save_hf_checkpoint`` of it is bit-identical to its source."""
-    src = save_random_checkpoint(preset_config("tiny-qwen3"), tmp_path / "src", seed=71)
-    start = save_random_checkpoint(preset_config("tiny-qwen3"), tmp_path / "engine", seed=72)
-    server = serve(start, 1)
-    try:
-        before = ReferenceEngine(server.url).logits(INPUT_IDS)
-        from tests.fsdp_workers import run_fsdp_cases
+def test_fsdp_updates_into_engines(tmp_path):
+    """``update_weights`` of FSDP2 models (2 ranks) into reference engines: Qwen3 by broadcast and by IPC,
+    Qwen3-MoE (fused experts sharded over the ranks) by broadcast. The engines' logits then equal the HF
+    models'; ``save_hf_checkpoint`` of each is bit-identical to its source."""
+    from tests.fsdp_workers import run_fsdp_cases
 
-        cases = [("run_fsdp_update", src, (2,), server.url, ["broadcast", "ipc"], str(tmp_path / "saved"))]
+    models = {"dense": ("tiny-qwen3", ["broadcast", "ipc"]), "moe": ("tiny-qwen3-moe", ["broadcast"])}
+    srcs, servers, before = {}, {}, {}
+    try:
+        for i, (key, (preset, _)) in enumerate(models.items()):
+            srcs[key] = save_random_checkpoint(preset_config(preset), tmp_path / f"{key}-src", seed=71 + 2 * i)
+            start = save_random_checkpoint(preset_config(preset), tmp_path / f"{key}-engine", seed=72 + 2 * i)
+            servers[key] = serve(start, 1)
+            before[key] = ReferenceEngine(servers[key].url).logits(INPUT_IDS)
+        cases = [("run_fsdp_update", srcs[k], (2,), servers[k].url, t, str(tmp_path / f"{k}-saved"))
+                 for k, (_, t) in models.items()]
         results = launch(2, run_fsdp_cases, cases)
     finally:
-        stop(server)
-    want = hf_logits(src, INPUT_IDS)
-    assert (before - want).abs().max() > 1e-2
-    (updates,) = results[0]
-    assert [u["report"].transport for u in updates] == ["broadcast", "ipc"]
-    for u in updates:
-        assert_logits_close(u["engine_logits"], want)
-    saved, source = _saved(str(tmp_path / "saved")), _saved(src)
-    assert set(saved) == set(source) and all(torch.equal(saved[n], source[n]) for n in source)
-
-
-def test_fsdp_moe_update_into_engine(tmp_path):
-    """A Qwen3-MoE model under FSDP2 (fused experts sharded over 2 ranks) into the reference engine by broadcast:
-    the engine's logits then equal the HF model's."""
-    src = save_random_checkpoint(preset_config("tiny-qwen3-moe"), tmp_path / "src", seed=73)
-    start = save_random_checkpoint(preset_config("tiny-qwen3-moe"), tmp_path / "engine", seed=74)
-    server = serve(start, 1)
-    try:
-        before = ReferenceEngine(server.url).logits(INPUT_IDS)
-        from tests.fsdp_workers import run_fsdp_cases
-
-        cases = [("run_fsdp_update", src, (2,), server.url, ["broadcast"], str(tmp_path / "saved"))]
-        results = launch(2, run_fsdp_cases, cases)
-    finally:
-        stop(server)
-    want = hf_logits(src, INPUT_IDS)
-    assert (before - want).abs().max() > 1e-2
-    ((update,),) = results[0]
-    assert update["report"].transport == "broadcast" and update["report"].tensors == len(_saved(src))
-    assert_logits_close(update["engine_logits"], want)
+        for server in servers.values():
+            stop(server)
+    for (key, (_, transports)), updates in zip(models.items(), results[0]):
+        want = hf_logits(srcs[key], INPUT_IDS)
+        assert (before[key] - want).abs().max() > 1e-2
+        assert [u["report"].transport for u in updates] == transports
+        for u in updates:
+            assert u["report"].tensors == len(_saved(srcs[key]))
+            assert_logits_close(u["engine_logits"], want)
+        saved, source = _saved(str(tmp_path / f"{key}-saved")), _saved(srcs[key])
+        assert set(saved) == set(source) and all(torch.equal(saved[n], source[n]) for n in source)
 
 
 def test_kept_buffers_alternate_and_stay_exact(tmp_path):
