@@ -471,6 +471,7 @@ class EngineServer(ThreadingHTTPServer):
             "capabilities": ["broadcast", "ipc", "p2p", "rollback", "release_memory"]
             + ([] if e.fault else ["broadcast_ahead"]),
             "update_session_open": e.session_open,
+            "update_session_loaded": e.session_loaded,  # tensors loaded in the open session so far
             "worker_pids": [p.pid for p in e.procs],
         }
 
