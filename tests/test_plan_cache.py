@@ -47,5 +47,7 @@ def test_plan_made_once_and_replanned_on_change(moe_bf16_fp32_router, tp):
         first = steps[0]
         if tp == 1:  # every tensor is a view of its parameter: all packed by the batched copies
             assert first["unbatched"] == 0 and first["batched"] == first["tensors"] > 0
+            # gate and up are the two halves of one Megatron parameter, back to back in the bucket: one copy
+            assert first["copies"] == first["batched"] - first["gate_projs"] and first["gate_projs"] > 0
         else:  # TP-split tensors are gathered, then converted one by one; the rest are batched
             assert first["unbatched"] > 0 and first["batched"] > 0

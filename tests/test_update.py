@@ -122,25 +122,36 @@ def test_p2p_without_any_gather_and_fallback(sources, engine_dir):
     assert_logits_close(l1, ref)
 
 
-def test_ipc_shared_memory_between_processes(sources, engine_dir):
+def test_ipc_shared_memory_between_processes(sources, engine_dir, tmp_path):
+    """Colocated updates through one WeightSync: the bucket metadata goes ahead, per bucket one frame on the
+    control channel per TP rank; each rank's two kept buffers are mapped by its engine rank once, in the
+    first update, and named by id after that."""
     src = sources["tiny-qwen3"]
-    with engine(engine_dir) as server:
-        (rep,) = _ok(launch(1, run_update, Case(src, Layout(1, 1)), [server.url],
-                            [{"transport": "ipc", "bucket_bytes": SMALL, "checksums": True}]))
-        logits = ReferenceEngine(server.url).logits(INPUT_IDS)
-        generated = ReferenceEngine(server.url).generate(INPUT_IDS[0], max_new_tokens=4)
-    assert rep.transport == "ipc" and rep.buckets > 3
-    assert_logits_close(logits, hf_logits(src, INPUT_IDS))
-    # Greedy generation by the engine equals greedy generation by the HF model of the source.
+    saved = [tmp_path / "one", tmp_path / "two"]
+    with engine(engine_dir, tp=2) as server:
+        eng = ReferenceEngine(server.url)
+        results = launch(2, run_update, Case(src, Layout(2, 1)), [server.url],
+                         [{"save_to": str(saved[0])}, {"reseed": 3, "save_to": str(saved[1])}],
+                         {"transport": "ipc", "bucket_bytes": SMALL})
+        reports = _ok(results)
+        generated = eng.generate(INPUT_IDS[0], max_new_tokens=4)
+        memory = eng.get("/weightstream/memory")["ranks"]
+    for rep in reports:
+        assert rep.transport == "ipc" and rep.buckets > 3 and rep.metadata_ahead
+    for rank in memory:
+        assert rank["ipc_buffers_opened"] == 2 and rank["ipc_buffers_held"] == 2, memory
+    for entry, where in zip(results[0], saved):
+        assert_logits_close(entry["engine_logits"], hf_logits(str(where), INPUT_IDS))
+    # Greedy generation by the engine equals greedy generation by the HF model of the weights sent last.
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(saved[1], dtype=torch.float32).eval()
     ids = list(INPUT_IDS[0])
     with torch.no_grad():
         for _ in range(4):
             ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
     assert generated["output_ids"] == ids[len(INPUT_IDS[0]):]
-    assert generated["meta_info"]["weight_version"] == "1"
+    assert generated["meta_info"]["weight_version"] == "2"
 
 
 def test_engine_not_there_fails_fast_and_clearly(sources):
@@ -152,14 +163,20 @@ def test_engine_not_there_fails_fast_and_clearly(sources):
     assert time.monotonic() - start < 60
 
 
-def test_engine_dying_mid_update_then_a_fresh_engine(sources, engine_dir):
+@pytest.mark.parametrize("transport", ["broadcast", "ipc"])
+def test_engine_dying_mid_update_then_a_fresh_engine(sources, engine_dir, transport):
     src = sources["tiny-qwen3"]
     with engine(engine_dir, fault="die@2") as dying:
+        start = time.monotonic()
         results = launch(2, run_update, Case(src, Layout(2, 1)), [dying.url],
-                         [{"transport": "broadcast", "bucket_bytes": SMALL, "timeout_s": 8}])
+                         [{"transport": transport, "bucket_bytes": SMALL, "timeout_s": 8}])
         for (r,) in results:
             assert "error" in r and "engine rank 0 died" in r["error"], r
+        assert "bucket 2" in results[0][0]["error"]
         assert not dying.engine.alive()
+        assert time.monotonic() - start < 60
+    if transport == "ipc":
+        return  # a fresh engine after a failure: once is enough
     with engine(engine_dir) as fresh:
         (rep,) = _ok(launch(2, run_update, Case(src, Layout(2, 1)), [fresh.url],
                             [{"transport": "broadcast", "bucket_bytes": SMALL, "timeout_s": 20}]))
@@ -223,3 +240,30 @@ def test_moe_ep2_trainer_into_tp2_engine(tmp_path):
     assert rep.transport == "broadcast" and "trainer EP 2" in rep.reason
     assert rep.tensors == 135
     assert_logits_close(logits, hf_logits(src, INPUT_IDS))
+
+
+def test_engine_without_rollback_refuses_half_updated_weights(sources, engine_dir):
+    """``rollback=False`` (as SGLang, no copy of the weights during an update): an aborted update leaves the
+    engine refusing to serve, naming why, until a complete update has loaded every tensor again."""
+    from weightstream.disk import CheckpointReader
+    from weightstream.streaming.adapters.base import ROLLBACK
+    from weightstream.streaming.bucket import Bucket
+
+    src = sources["tiny-qwen3"]
+    with CheckpointReader(src) as reader:
+        named = [(n, reader.get(n).clone()) for n in sorted(reader.keys())]
+    server = serve(engine_dir, 1, rollback=False)
+    try:
+        eng = ReferenceEngine(server.url)
+        assert not eng.info().can(ROLLBACK)
+        eng.begin_update("half")
+        eng.receive_ipc(0, [eng.encode_ipc(Bucket.pack(named[:10]))], None)
+        eng.abort_update()
+        with pytest.raises(EngineError, match="10 tensors were half-updated by an aborted update"):
+            eng.logits(INPUT_IDS)
+        eng.begin_update("whole")
+        eng.receive_ipc(0, [eng.encode_ipc(Bucket.pack(named))], None)
+        assert eng.commit_update() == "whole"
+        assert_logits_close(eng.logits(INPUT_IDS), hf_logits(src, INPUT_IDS))
+    finally:
+        stop(server)

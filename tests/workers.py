@@ -197,30 +197,34 @@ def run_error_case(case: Case, mutate: str, config_overrides: dict) -> dict:
     return {**out, "type": None}
 
 
-def run_update(case: Case, urls: list[str], updates: list[dict]) -> list[dict]:
+def run_update(case: Case, urls: list[str], updates: list[dict], one_sync: dict | None = None) -> list[dict]:
     """Build the trainer, then for each entry of ``updates`` (options for ``update_weights``, plus an
-    optional ``reseed`` to change the weights first and ``save_to`` to write them), update the engines."""
+    optional ``reseed`` to change the weights first and ``save_to`` to write them), update the engines.
+    ``one_sync``: the options of one ``WeightSync`` kept for every update (entries then give no options)."""
     from weightstream.update import WeightSync
 
     cfg, chunks = _build(case)
     out = []
+    kept = WeightSync(urls, **one_sync) if one_sync is not None else None
     for u in updates:
         u = dict(u)
         reseed = u.pop("reseed", None)
         save_to = u.pop("save_to", None)
         version = u.pop("weight_version", None)
         if reseed is not None:
-            gen = torch.Generator().manual_seed(reseed + dist.get_rank())
+            # The same seed on every rank: a tensor Megatron replicates over TP ranks stays the same on each.
+            gen = torch.Generator().manual_seed(reseed)
             with torch.no_grad():
                 for c in chunks:
                     for p in c.parameters():
                         p.add_(torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype) * 0.01)
         try:
-            sync = WeightSync(urls, **u)
+            sync = kept or WeightSync(urls, **u)
             try:
                 report = sync.update(chunks, cfg, weight_version=version)
             finally:
-                sync.close()
+                if kept is None:
+                    sync.close()
             entry = {"report": report}
             if dist.get_rank() == 0:
                 from weightstream.streaming.adapters import ReferenceEngine
@@ -231,6 +235,8 @@ def run_update(case: Case, urls: list[str], updates: list[dict]) -> list[dict]:
             out.append({"error": f"{type(exc).__name__}: {exc}"})
         if save_to:
             save_hf_checkpoint(chunks, cfg, save_to, bucket_bytes=case.bucket_bytes)
+    if kept is not None:
+        kept.close()
     return out
 
 
@@ -312,7 +318,8 @@ def run_plan_reuse(src: str, tp: int) -> dict:
         s = stream_hf_weights(chunks, cfg, bucket_bytes=kw.pop("bucket_bytes", 32 << 10), **kw)
         got = _snapshot(s)
         steps.append({"label": label, "planned": s.stats.planned, "builds": stream_mod.plan_builds - before,
-                      "batched": s.stats.batched, "unbatched": s.stats.unbatched, "tensors": s.stats.tensors})
+                      "batched": s.stats.batched, "unbatched": s.stats.unbatched, "tensors": s.stats.tensors,
+                      "copies": s.stats.copies, "gate_projs": sum("gate_proj" in n for n in got)})
         return got
 
     first = step("first")

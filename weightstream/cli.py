@@ -103,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tiny", action="store_true", help="the preset's topology at small widths (CPU-sized)")
     bench.add_argument("--reuse-buffers", action="store_true",
                        help="--transport stream: pack into two kept buffers, as the sinks do (default: fresh buffers)")
+    bench.add_argument("--no-rollback", action="store_true",
+                       help="--transport ipc/broadcast: the reference engine keeps no backup of its weights during an "
+                            "update (as SGLang); by default it keeps one (one more device copy per update)")
+    bench.add_argument("--per-bucket", action="store_true",
+                       help="--transport ipc/broadcast: one request per bucket, not the metadata of all buckets ahead "
+                            "(to compare; what engines without the ahead routes get)")
     bench.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="(default bfloat16)")
     bench.add_argument("--repeats", type=int, default=3, help="warm runs after the cold one (default 3)")
     bench.add_argument("--plot", default=None, metavar="F.png", help="bar chart of ours vs ceiling (needs matplotlib)")
@@ -135,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     engine.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="weights dtype (default float32)")
+    engine.add_argument("--no-rollback", action="store_true",
+                        help="keep no copy of the weights during an update (saves one model's memory and one copy "
+                             "per update, as SGLang keeps none); an aborted update then leaves the engine refusing "
+                             "to serve until a complete update")
 
     convert = sub.add_parser(
         "convert",
@@ -364,7 +374,8 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    server = serve(args.model, args.tp, args.host, args.port, args.api_key, args.device, args.dtype)
+    server = serve(args.model, args.tp, args.host, args.port, args.api_key, args.device, args.dtype,
+                   rollback=not args.no_rollback)
     print(f"weightstream engine: {args.model} (TP {args.tp}) serving on {server.url}", flush=True)
     code = 0
     while not done.wait(0.2):
@@ -389,7 +400,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for transport in args.transport:
             res = run_bench(args.preset, transport, tiny=args.tiny, dtype=args.dtype,
                             bucket_bytes=args.bucket_mb or (512 << 20), repeats=args.repeats,
-                            reuse_buffers=args.reuse_buffers)
+                            reuse_buffers=args.reuse_buffers, rollback=not args.no_rollback,
+                            ahead=not args.per_bucket)
             print(res.render(), flush=True)
             results.append(res)
         if args.json:

@@ -56,7 +56,7 @@ class UpdateReport:
     weight_version: str | None = None
     engines: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
-    metadata_ahead: bool = False  # broadcast: every bucket's metadata went ahead in one request (rank 0)
+    metadata_ahead: bool = False  # broadcast / IPC: every bucket's metadata went ahead in one request
 
     def summary(self) -> str:
         total = self.seconds.get("total", 0.0)
@@ -165,7 +165,7 @@ class WeightSync:
                  colocated: bool | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, checksums: bool = False,
                  timeout_s: float = 60.0, master_address: str = "127.0.0.1", master_port: int | None = None,
                  backend: str | None = None, pause_mode: str = "abort", api_key: str | None = None,
-                 group_name: str = "weightstream", reuse_buffers: bool = True):
+                 group_name: str = "weightstream", reuse_buffers: bool = True, metadata_ahead: bool = True):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if not engines:
@@ -178,6 +178,9 @@ class WeightSync:
         self.engines: list[EngineAdapter] = []  # made by _resolve_engines on the first update
         self.transport, self.colocated, self.bucket_bytes = transport, colocated, bucket_bytes
         self.reuse_buffers = reuse_buffers  # pack into two buffers kept with the plan (stream_hf_weights)
+        # Where the engines take it (``broadcast_ahead``, ``ipc_ahead``): the metadata of every bucket in one
+        # request; False: one request per bucket (what every engine takes).
+        self.metadata_ahead = metadata_ahead
         self.checksums, self.timeout_s, self.pause_mode = checksums, timeout_s, pause_mode
         self.master_address, self.master_port, self.backend = master_address, master_port, backend
         self.sinks: dict[str, Any] = {}  # one per transport used, kept across updates (groups are made once)
@@ -193,13 +196,15 @@ class WeightSync:
             # Both join the engines under one group name: one of them at a time.
             self.sinks.pop(other).disconnect()
         if kind == "ipc":
-            sink = IPCSink(self.engines[0], checksums=self.checksums)
+            sink = IPCSink(self.engines[0], checksums=self.checksums, timeout_s=self.timeout_s,
+                           ahead=self.metadata_ahead)
         elif kind == "p2p":
             sink = P2PSink(self.engines[0], master_address=self.master_address, master_port=self.master_port,
                            backend=self.backend, timeout_s=self.timeout_s, checksums=self.checksums)
         else:
             sink = BroadcastSink(self.engines, master_address=self.master_address, master_port=self.master_port,
-                                 backend=self.backend, timeout_s=self.timeout_s, checksums=self.checksums)
+                                 backend=self.backend, timeout_s=self.timeout_s, checksums=self.checksums,
+                                 ahead=self.metadata_ahead)
         self.sinks[kind] = sink
         return sink
 

@@ -165,7 +165,7 @@ def stream_job(cfg, dtype: str, bucket_bytes: int, repeats: int, reuse_buffers: 
 
 
 def update_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype: str, repeats: int,
-               load: bool = False) -> dict:
+               load: bool = False, ahead: bool = True) -> dict:
     """Trainer rank (one device): update the engine cold then ``repeats`` warm; report each. ``load``: the
     trainer's weights are the checkpoint in ``cfg_dir`` (else Megatron's random initialisation)."""
     from weightstream.models.spec import load_hf_config
@@ -182,7 +182,7 @@ def update_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype:
     # WEIGHTSTREAM_BENCH_FRESH_BUFFERS=1: a new buffer per bucket instead of the two kept ones (to compare).
     reuse = os.environ.get("WEIGHTSTREAM_BENCH_FRESH_BUFFERS", "0") != "1"
     with WeightSync([url], transport=transport, bucket_bytes=bucket_bytes, timeout_s=300,
-                    reuse_buffers=reuse) as sync:
+                    reuse_buffers=reuse, metadata_ahead=ahead) as sync:
         runs, peak = _timed(device, repeats + 1, lambda: sync.update(chunks, cfg))
     reports = [{"wall": t, "transport": rep.transport, "bytes": rep.bytes, "buckets": rep.buckets,
                 "tensors": rep.tensors, "seconds": rep.seconds} for t, rep in runs]
@@ -218,7 +218,7 @@ def raw_broadcast_job(total: int, chunk: int, repeats: int) -> dict:
 
 def run_bench(preset: str, transport: str, *, tiny: bool = False, dtype: str = "bfloat16",
               bucket_bytes: int = 512 << 20, repeats: int = 3, engine_device: str | None = None,
-              reuse_buffers: bool = False) -> BenchResult:
+              reuse_buffers: bool = False, rollback: bool = True, ahead: bool = True) -> BenchResult:
     """One row of the benchmark table (see the module docstring)."""
     from weightstream.launch import launch
 
@@ -240,11 +240,15 @@ def run_bench(preset: str, transport: str, *, tiny: bool = False, dtype: str = "
         return res
     if transport == "checkpoint":
         return _checkpoint_bench(res, cfg, dtype, bucket_bytes, repeats)
-    return _update_bench(res, cfg, transport, dtype, bucket_bytes, repeats, engine_device, backend)
+    if not rollback:
+        res.transport += " (engine without rollback)"
+    if not ahead:
+        res.transport += " (one request per bucket)"
+    return _update_bench(res, cfg, transport, dtype, bucket_bytes, repeats, engine_device, backend, rollback, ahead)
 
 
 def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_bytes: int, repeats: int,
-                  engine_device: str | None, backend: str) -> BenchResult:
+                  engine_device: str | None, backend: str, rollback: bool = True, ahead: bool = True) -> BenchResult:
     from weightstream.engine.server import serve, stop
     from weightstream.launch import launch
     from weightstream.streaming.adapters import ReferenceEngine
@@ -256,10 +260,10 @@ def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_byte
     tmp = tempfile.mkdtemp(prefix="ws-bench-")
     try:
         cfg.save_pretrained(tmp)
-        server = serve(tmp, 1, device=engine_device, dtype=dtype)
+        server = serve(tmp, 1, device=engine_device, dtype=dtype, rollback=rollback)
         try:
-            (r,) = launch(1, update_job, tmp, server.url, transport, bucket_bytes, dtype, repeats, backend=backend,
-                          timeout_s=600)
+            (r,) = launch(1, update_job, tmp, server.url, transport, bucket_bytes, dtype, repeats, False, ahead,
+                          backend=backend, timeout_s=600)
             try:
                 theirs = ReferenceEngine(server.url).logits(IDS).float()
                 ours = r["logits"]

@@ -93,20 +93,22 @@ class ShardedCausalLM:
         self.backup: dict[str, Tensor] | None = None  # during a session: what each touched tensor held before
         self.device = device
         self.released_bytes = 0
-        self.stale: set[str] = set()  # released weights no update has loaded since
+        self.stale: set[str] = set()  # released (or half-updated) weights no update has loaded since
+        self.stale_why = ""
+        self.rollback = True  # back up what a session overwrites (else an aborted session leaves weights stale)
         self._loaded_in_session: set[str] = set()
 
     # -- sessions: an update is committed whole or rolled back whole --------------------------------
 
     def begin_session(self) -> None:
-        self.backup = {}
+        self.backup = {} if self.rollback else None
         self.pending_vocab = []
         self._loaded_in_session: set[str] = set()
 
     def commit_session(self) -> None:
         missing = self.stale - self._loaded_in_session
         if missing:
-            raise RuntimeError(f"{len(missing)} tensors were released and this update did not load them "
+            raise RuntimeError(f"{len(missing)} tensors {self.stale_why} and this update did not load them "
                                f"(e.g. {sorted(missing)[:3]}); the update is not committed")
         self.exchange_vocab_pieces()
         self.backup = None
@@ -114,9 +116,14 @@ class ShardedCausalLM:
 
     @torch.no_grad()
     def rollback_session(self) -> int:
-        """Put back what the session overwrote; returns how many tensors were restored."""
+        """Put back what the session overwrote; returns how many tensors were restored. Without a backup
+        (``rollback`` off) what the session loaded is stale: the engine serves again once an update has
+        loaded it."""
         backup, self.backup = self.backup or {}, None
         self.pending_vocab = []
+        if not self.rollback and self._loaded_in_session:
+            self.stale |= self._loaded_in_session
+            self.stale_why = "were half-updated by an aborted update (this engine keeps no backup)"
         for name, old in backup.items():
             self.params[name][0].copy_(old)
         return len(backup)
@@ -149,6 +156,7 @@ class ShardedCausalLM:
             st.resize_(0)
         self.released_bytes = freed
         self.stale = set(self.params)
+        self.stale_why = "were released"
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return freed
@@ -350,8 +358,11 @@ class ShardedCausalLM:
                     param.narrow(0, start, shape[0]).copy_(buf)
 
     def check_servable(self) -> None:
-        if self.released_bytes or self.stale:
+        if self.released_bytes:
             raise RuntimeError("the weights were released: resume them and update them before generating")
+        if self.stale:
+            raise RuntimeError(f"{len(self.stale)} tensors {self.stale_why}: a complete update must load them "
+                               "before the engine serves")
 
     @torch.no_grad()
     def logits(self, input_ids: Tensor) -> Tensor:

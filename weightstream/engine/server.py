@@ -28,10 +28,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 from weightstream.engine.worker import FAULT_ENV
-from weightstream.launch import free_port
+from weightstream.launch import free_port, process_context, start_process
 from weightstream.models.spec import dtype_from_name
 from weightstream.streaming.serialization import gpu_uuid
 
@@ -74,6 +73,10 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "/weightstream/update_weights_from_distributed_ahead": {
         "buckets": ((list,), True), "group_name": ((str,), False), "load_format": (_OPT_STR, False),
         "weight_version": (_OPT_STR, False),
+    },
+    "/weightstream/update_weights_from_ipc_ahead": {
+        "buckets": ((list,), True), "channels": ((list,), True), "client": ((str,), True),
+        "timeout_s": (_NUMBER, False), "weight_version": (_OPT_STR, False),
     },
     "/update_weights_from_tensor": {
         "serialized_named_tensors": ((list, str), True), "load_format": (_OPT_STR, False),
@@ -142,6 +145,21 @@ def check_body(path: str, body: dict) -> None:
                 check_body("/update_weights_from_distributed", bucket)
             except BadRequest as exc:
                 problems.append(f"bucket {i}: {exc.message.split(': ', 1)[-1]}")
+    if not problems and path == "/weightstream/update_weights_from_ipc_ahead":
+        for i, bucket in enumerate(body["buckets"]):
+            if not isinstance(bucket, dict):
+                problems.append(f"bucket {i} must be an object")
+                continue
+            try:
+                check_body("/update_weights_from_distributed", bucket)
+            except BadRequest as exc:
+                problems.append(f"bucket {i}: {exc.message.split(': ', 1)[-1]}")
+                continue
+            offsets = bucket.get("offsets")
+            if not _int_lists(offsets, 1) or len(offsets) != len(bucket["names"]):
+                problems.append(f"bucket {i}: offsets must be one non-negative integer per tensor")
+        if not all(isinstance(c, str) and c.rpartition(":")[2].isdigit() for c in body["channels"]):
+            problems.append("channels must be 'host:port' strings, one per engine rank")
     if not problems and path in ("/generate", "/weightstream/logits"):
         ids = body["input_ids"]
         if not ids or not (_int_lists(ids, 1) or _int_lists(ids, 2)) or (isinstance(ids[0], list) and not all(ids)):
@@ -154,9 +172,10 @@ class Engine:
     """The worker processes of one engine and the state the HTTP routes act on."""
 
     def __init__(self, model_dir: str, tp: int = 1, *, device: str | None = None, dtype: str = "float32",
-                 command_timeout_s: float = 300.0, start_timeout_s: float = 300.0):
+                 command_timeout_s: float = 300.0, start_timeout_s: float = 300.0, rollback: bool = True):
         self.model_dir = os.path.abspath(model_dir)
         self.tp = tp
+        self.rollback = rollback  # keep what a session overwrites, to put it back if the session is aborted
         self.fault = os.environ.get(FAULT_ENV, "")  # a test fault, injected into the workers bucket by bucket
         with open(os.path.join(self.model_dir, "config.json")) as f:
             config = json.load(f)
@@ -182,17 +201,14 @@ class Engine:
         self.weights_released = False  # until an update has loaded every weight again
         from weightstream.engine.worker import worker_main
 
-        ctx = mp.get_context("spawn")
+        ctx = process_context()
         port = free_port()
         self.conns, self.procs = [], []
         for rank in range(tp):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=worker_main,
-                args=(rank, tp, self.model_dir, port, self.backend, self.devices[rank], dtype, child),
-                daemon=True,
-            )
-            proc.start()
+            proc = start_process(ctx, worker_main,
+                                 (rank, tp, self.model_dir, port, self.backend, self.devices[rank], dtype, child,
+                                  rollback), daemon=True)
             self.conns.append(parent)
             self.procs.append(proc)
         deadline = time.monotonic() + start_timeout_s
@@ -267,8 +283,7 @@ class Engine:
             if self.session_failed:
                 failed = self.session_failed
                 self._abort_locked()
-                raise EngineFailure(f"the session failed and was not committed: {failed}; the last committed "
-                                    f"weights (version {self.weight_version}) are back in place")
+                raise EngineFailure(f"the session failed and was not committed: {failed}; {self.after_abort()}")
             self.call("commit_session")
             self.session_open = False
             self.weights_released = False
@@ -281,8 +296,14 @@ class Engine:
             if not self.session_open:
                 return "no weight update session was open"
             self._abort_locked()
-            log(f"update session aborted ({why}); serving weight version {self.weight_version}")
-            return f"aborted; serving weight version {self.weight_version}"
+            log(f"update session aborted ({why}); {self.after_abort()}")
+            return f"aborted; {self.after_abort()}"
+
+    def after_abort(self) -> str:
+        if self.rollback:
+            return f"the last committed weights (version {self.weight_version}) are back in place"
+        return ("this engine keeps no backup (rollback off): what the session loaded is stale, and the engine "
+                "serves again after a complete update")
 
     def _abort_locked(self) -> None:
         self.session_open = False
@@ -433,6 +454,7 @@ class EngineServer(ThreadingHTTPServer):
             ("POST", "/update_weights_from_distributed"): self.update_distributed,
             ("POST", "/weightstream/update_weights_from_distributed_ahead"): self.update_distributed_ahead,
             ("POST", "/update_weights_from_tensor"): self.update_tensor,
+            ("POST", "/weightstream/update_weights_from_ipc_ahead"): self.update_ipc_ahead,
             ("POST", "/weightstream/update_weights_from_p2p"): self.update_p2p,
             ("POST", "/begin_weight_update"): self.begin,
             ("POST", "/end_weight_update"): self.end,
@@ -468,8 +490,8 @@ class EngineServer(ThreadingHTTPServer):
             "engine": ENGINE_NAME, "tp_size": e.tp, "pp_size": 1, "dp_size": 1, "model_path": e.model_dir,
             "weight_version": e.weight_version, "device": e.devices[0].split(":")[0], "gpu_uuids": e.gpu_uuids(),
             "hostname": socket.gethostname(), "pid": os.getpid(), "dtype": e.dtype,
-            "capabilities": ["broadcast", "ipc", "p2p", "rollback", "release_memory"]
-            + ([] if e.fault else ["broadcast_ahead"]),
+            "capabilities": ["broadcast", "ipc", "ipc_ahead", "p2p", "release_memory"]
+            + (["rollback"] if e.rollback else []) + ([] if e.fault else ["broadcast_ahead"]),
             "update_session_open": e.session_open,
             "update_session_loaded": e.session_loaded,  # tensors loaded in the open session so far
             "worker_pids": [p.pid for p in e.procs],
@@ -508,7 +530,7 @@ class EngineServer(ThreadingHTTPServer):
         except EngineFailure as exc:
             self.engine.session_failed = str(exc)
             raise EngineFailure(f"Failed to update weights: {exc}. This session will not be committed: "
-                                "ending or aborting it puts the last committed weights back.") from None
+                                f"ending or aborting it: {self.engine.after_abort()}.") from None
 
     def update_distributed(self, b):
         self._in_session("update_weights_from_distributed")
@@ -537,6 +559,19 @@ class EngineServer(ThreadingHTTPServer):
                      "expected_checksum": (b.get("weightstream_checksums") or [None] * self.engine.tp)[r]}
                     for r, p in enumerate(payloads)]
         return self._guarded(lambda: self.engine.call("update_tensor", per_rank=per_rank), b)
+
+    def update_ipc_ahead(self, b):
+        self._in_session("update_weights_from_ipc_ahead")
+        if len(b["channels"]) != self.engine.tp:
+            raise EngineFailure(f"got {len(b['channels'])} control channels for {self.engine.tp} engine TP ranks")
+        timeout_s = float(b.get("timeout_s") or self.engine.session_timeout_s)
+        buckets = [{"names": list(x["names"]), "dtypes": list(x["dtypes"]), "shapes": [list(s) for s in x["shapes"]],
+                    "offsets": list(x["offsets"])} for x in b["buckets"]]
+        per_rank = [{"buckets": buckets, "channel": c, "client": b["client"], "timeout_s": timeout_s}
+                    for c in b["channels"]]
+        # The workers answer once the last bucket is loaded: each frame waits at most timeout_s.
+        bound = timeout_s * (len(buckets) + 2)
+        return self._guarded(lambda: self.engine.call("update_ipc_ahead", per_rank=per_rank, wait_s=bound), b)
 
     def update_p2p(self, b):
         self._in_session("update_weights_from_p2p")
@@ -639,9 +674,11 @@ class EngineServer(ThreadingHTTPServer):
 
 
 def serve(model_dir: str, tp: int = 1, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
-          device: str | None = None, dtype: str = "float32") -> EngineServer:
-    """Start an engine and its HTTP server (serving in a background thread); returns the server."""
-    engine = Engine(model_dir, tp, device=device, dtype=dtype)
+          device: str | None = None, dtype: str = "float32", rollback: bool = True) -> EngineServer:
+    """Start an engine and its HTTP server (serving in a background thread); returns the server.
+    ``rollback=False``: no copy of the weights is kept during an update (as SGLang keeps none); an aborted
+    update then leaves the engine refusing to serve until a complete update has loaded every tensor."""
+    engine = Engine(model_dir, tp, device=device, dtype=dtype, rollback=rollback)
     try:
         server = EngineServer(engine, host, port, api_key)
     except BaseException:

@@ -7,11 +7,13 @@ TP group) for the forward pass and for completing vocabulary rows.
 
 from __future__ import annotations
 
+import base64
 import os
 import signal
 import time
 import traceback
 from collections import deque
+from contextlib import contextmanager
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
@@ -29,6 +31,7 @@ from weightstream.streaming.bucket import (
     typed_views,
     view_tensor,
 )
+from weightstream.streaming.channel import Channel
 from weightstream.streaming.groups import destroy_group, init_custom_process_group, tcp_store
 from weightstream.streaming.serialization import checksum, loads_b64
 
@@ -52,6 +55,52 @@ def dense_layout(names, dtypes, shapes) -> list[TensorMeta]:
     return metas
 
 
+class _Pipeline:
+    """Receiving bucket k + 1 while bucket k is loaded, on a GPU: two receive buffers kept by the worker,
+    the loads on a stream of their own, and an event per buffer that the next receive into it waits for
+    (on the device, not the host). On a CPU the steps simply run in turn."""
+
+    def __init__(self, worker: "Worker", largest: int):
+        self.worker = worker
+        self.cuda = worker.device.type == "cuda"
+        if not self.cuda:
+            return
+        bufs = worker.receive_buffers
+        if len(bufs) != 2 or bufs[0].numel() < largest:
+            worker.receive_buffers = bufs = [typed_buffer(largest, worker.device) for _ in range(2)]
+        if worker.load_stream is None:
+            worker.load_stream = torch.cuda.Stream(worker.device)
+        self.loaded = [torch.cuda.Event(), torch.cuda.Event()]
+        self.main = torch.cuda.current_stream(worker.device)
+
+    def receive(self, i: int, nbytes: int, group) -> torch.Tensor:
+        if not self.cuda:
+            raw = typed_buffer(nbytes, self.worker.device)
+            dist.broadcast(raw.narrow(0, 0, nbytes), group=group, group_src=0)
+            return raw
+        raw = self.worker.receive_buffers[i % 2]
+        self.main.wait_event(self.loaded[i % 2])  # bucket i - 2 was loaded out of this buffer
+        dist.broadcast(raw.narrow(0, 0, nbytes), group=group, group_src=0)  # after it: this stream has the bytes
+        return raw
+
+    @contextmanager
+    def loading(self, i: int):
+        if not self.cuda:
+            yield
+            return
+        stream = self.worker.load_stream
+        stream.wait_stream(self.main)
+        try:
+            with torch.cuda.stream(stream):
+                yield
+        finally:
+            self.loaded[i % 2].record(stream)
+
+    def finish(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.worker.device)
+
+
 class Worker:
     def __init__(self, rank: int, size: int, model_dir: str, device: torch.device, dtype: torch.dtype):
         from transformers import AutoConfig
@@ -67,6 +116,14 @@ class Worker:
         # buffers sends the same CUDA IPC handles, which torch then resolves from its cache without opening
         # them again.
         self.ipc_buffers: deque = deque(maxlen=4)
+        # Buffers a trainer sends ahead-style (``update_ipc_ahead``) and asks to keep, by its ids; they stay
+        # mapped across updates until that trainer says to drop them or another trainer connects.
+        self.ipc_client: str | None = None
+        self.ipc_kept: dict[int, torch.Tensor] = {}
+        self.ipc_opened = 0  # buffers opened from a handle by update_ipc_ahead (kept or not)
+        # GPU: broadcast buckets sent ahead are received into two kept buffers, loaded on a stream of their own.
+        self.receive_buffers: list[torch.Tensor] = []
+        self.load_stream = None
         # Dense broadcast buckets seen before (by names, dtypes, shapes): the parameters they load into,
         # checked once, and how to cut the received buffer; an update repeats the same buckets.
         self.programs: dict[tuple, Any] = {}
@@ -131,16 +188,19 @@ class Worker:
         if load_format != "flattened_bucket":
             raise ValueError(f"load_format {load_format!r}: buckets sent ahead are flattened buckets")
         group = self._group(group_name)
+        programs = [self._dense_program(b["names"], b["dtypes"], b["shapes"]) for b in buckets]
+        pipe = _Pipeline(self, max((p.total for p in programs), default=0))
         loaded, failure = [], None
-        for i, b in enumerate(buckets):
-            program = self._dense_program(b["names"], b["dtypes"], b["shapes"])
-            raw = self._receive_dense(program, group)
+        for i, program in enumerate(programs):
+            raw = pipe.receive(i, program.total, group)
             if failure is not None:
                 continue
             try:
-                loaded += self._load_dense(program, raw, None)["loaded"]
+                with pipe.loading(i):
+                    loaded += self._load_dense(program, raw, None)["loaded"]
             except Exception as exc:  # noqa: BLE001 -- the rest is drained, then this is raised
                 failure = f"bucket {i}: {exc}"
+        pipe.finish()
         if failure is not None:
             raise RuntimeError(failure)
         return {"loaded": loaded}
@@ -150,6 +210,15 @@ class Worker:
         program = self.programs.get(key)
         if program is None:
             program = self.programs[key] = self._program(dense_layout(names, dtypes, shapes))
+        return program
+
+    def _ipc_program(self, b) -> SimpleNamespace:
+        key = ("ipc", tuple(b["names"]), tuple(b["dtypes"]), tuple(map(tuple, b["shapes"])), tuple(b["offsets"]))
+        program = self.programs.get(key)
+        if program is None:
+            metas = [TensorMeta(n, dtype_from_name(d), tuple(int(x) for x in s), int(o))
+                     for n, d, s, o in zip(b["names"], b["dtypes"], b["shapes"], b["offsets"], strict=True)]
+            program = self.programs[key] = self._program(metas)
         return program
 
     def _receive_dense(self, program, group) -> torch.Tensor:
@@ -165,6 +234,65 @@ class Worker:
             return self._report(self.model.load_flat(program.names, program.targets, sources))
         bucket = Bucket(self.bucket_count, raw.narrow(0, 0, program.total), tuple(program.metas))
         return self._apply(bucket, expected_checksum)
+
+    def update_ipc_ahead(self, buckets, channel, client, timeout_s):
+        """Every bucket of a colocated update, announced ahead; per bucket the trainer sends one small frame
+        on the control ``channel`` naming the buffer (a handle is opened once per kept buffer) and, on a GPU,
+        this worker's stream waits for the trainer's event instead of either side synchronising. The reply
+        frame goes once the copies are queued; the trainer waits on our event before reusing the buffer.
+        The first failure is answered on the channel and raised (nothing after it is loaded)."""
+        if client != self.ipc_client:
+            self.ipc_client, self.ipc_kept = client, {}
+        programs = [self._ipc_program(b) for b in buckets]
+        cuda = self.device.type == "cuda"
+        chan = Channel.connect(channel, timeout_s)
+        loaded: list[str] = []
+        try:
+            chan.send({"hello": self.rank, "client": client, "have": sorted(self.ipc_kept)})
+            events = None
+            for k, program in enumerate(programs):
+                frame = chan.recv(timeout_s, f"frame of bucket {k} from the trainer")
+                try:
+                    if frame.get("k") != k:
+                        raise RuntimeError(f"expected bucket {k}, the trainer sent {frame.get('k')!r}")
+                    for dropped in frame.get("drop") or ():
+                        self.ipc_kept.pop(int(dropped), None)
+                    if cuda and frame.get("events"):
+                        events = [torch.cuda.Event.from_ipc_handle(self.device, base64.b64decode(h))
+                                  for h in frame["events"]]
+                    buf_id = int(frame["buf"])
+                    if frame.get("payload"):
+                        whole = loads_b64(frame["payload"])
+                        self.ipc_opened += 1
+                        if frame.get("keep"):
+                            self.ipc_kept[buf_id] = whole
+                    elif buf_id in self.ipc_kept:
+                        whole = self.ipc_kept[buf_id]
+                    else:
+                        raise RuntimeError(f"the trainer named buffer {buf_id}, which this engine does not hold")
+                    if program.total > int(frame["nbytes"]):
+                        raise RuntimeError(f"bucket {k} needs {program.total} bytes, the trainer sent {frame['nbytes']}")
+                    view = whole.narrow(0, int(frame["offset"]), int(frame["nbytes"]))
+                    if cuda:
+                        if events is None:
+                            raise RuntimeError("the trainer sent no CUDA events")
+                        torch.cuda.current_stream(self.device).wait_event(events[k % 2])
+                    loaded += self._load_dense(program, view, frame.get("checksum"))["loaded"]
+                    if cuda:
+                        events[2 + k % 2].record(torch.cuda.current_stream(self.device))
+                        if not frame.get("keep"):
+                            # A buffer used once is closed as it is dropped: the copies out of it finish first.
+                            torch.cuda.current_stream(self.device).synchronize()
+                    del view, whole
+                except Exception as exc:  # noqa: BLE001 -- answered on the channel, then raised
+                    chan.send({"k": k, "error": f"{type(exc).__name__}: {exc}"})
+                    raise
+                chan.send({"k": k})
+            if cuda:
+                torch.cuda.synchronize(self.device)
+        finally:
+            chan.close()
+        return {"loaded": loaded}
 
     def update_p2p(self, group_name, src, metas, nbytes, expected_checksum):
         group = self._group(group_name)
@@ -254,6 +382,7 @@ class Worker:
         must then load every tensor before the engine serves again); this engine keeps no KV cache and
         captures no CUDA graphs, so ``kv_cache`` and ``cuda_graph`` free nothing."""
         self.programs.clear()  # the parameters' storage goes away
+        self.receive_buffers = []
         freed = self.model.release_weights() if "weights" in tags else 0
         return {"freed_bytes": freed, **self.memory()}
 
@@ -267,7 +396,8 @@ class Worker:
         with open("/proc/self/status") as f:
             rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
         cuda = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
-        return {"rss_bytes": rss, "cuda_allocated_bytes": cuda}
+        return {"rss_bytes": rss, "cuda_allocated_bytes": cuda, "ipc_buffers_opened": self.ipc_opened,
+                "ipc_buffers_held": len(self.ipc_kept)}
 
     def logits(self, input_ids):
         out = self.model.logits(torch.tensor(input_ids))
@@ -314,7 +444,7 @@ def _fixed_mmap_threshold() -> None:
         pass
 
 
-def worker_main(rank, size, model_dir, port, backend, device, dtype, conn) -> None:
+def worker_main(rank, size, model_dir, port, backend, device, dtype, conn, rollback=True) -> None:
     _die_with_parent()
     _fixed_mmap_threshold()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server decides
@@ -327,6 +457,7 @@ def worker_main(rank, size, model_dir, port, backend, device, dtype, conn) -> No
         store = tcp_store("127.0.0.1", port, is_master=rank == 0, world_size=size, timeout=timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
         worker = Worker(rank, size, model_dir, torch.device(device), dtype_from_name(dtype))
+        worker.model.rollback = rollback
         conn.send((True, "ready"))
     except BaseException:  # noqa: BLE001
         conn.send((False, traceback.format_exc()))

@@ -85,6 +85,7 @@ class Bucket:
     index: int
     buffer: Tensor  # uint8, 1-D
     metas: tuple[TensorMeta, ...]
+    kept: bool = False  # the buffer is one the stream keeps and packs again (a receiver may keep it mapped)
 
     @property
     def nbytes(self) -> int:

@@ -67,6 +67,7 @@ class StreamStats:
     seconds: float = 0.0  # producing the buckets
     planned: bool = False  # this stream made its plan (False: it reused a kept one)
     batched: int = 0  # tensors packed by the batched copies
+    copies: int = 0  # copies those take (tensors back to back in the bucket and in one storage: one copy)
     unbatched: int = 0  # tensors converted one by one (TP-gathered tensors, ops that make new tensors)
 
 
@@ -262,8 +263,8 @@ class BucketStream(Iterator[Bucket]):
                     strided.append((meta.dtype, tuple(view.shape), tuple(reversed(strides)), meta.offset // size, view))
                 batched += 1
         flat_metas = tuple(m for ms in metas for m in ms)
-        return _Program(total, flat_metas, sum(m.nbytes for m in flat_metas), items, metas, typed_runs(flat),
-                        strided, slow, batched)
+        return _Program(total, flat_metas, sum(m.nbytes for m in flat_metas), items, metas,
+                        typed_runs(_coalesced(flat)), strided, slow, batched)
 
     def _buffer(self, bp: BucketPlan, total: int) -> Tensor:
         """The bucket's flat buffer: a new one, or (``reuse_buffers``) one of two kept with the plan, bucket
@@ -332,10 +333,11 @@ class BucketStream(Iterator[Bucket]):
                 convert_into(it.entry.resolved.mapping.op, full, self._context(it), targets)
                 del full, targets
         self.stats.batched += program.batched
+        self.stats.copies += sum(len(sources) for _, _, sources in program.runs) + len(program.strided)
         self.stats.unbatched += len(program.slow)
         self.stats.peak_staging_bytes = max(self.stats.peak_staging_bytes, total + gather_bytes + largest)
         self._broadcast(buffer, items, metas)
-        return Bucket(bp.index, buffer, program.metas)
+        return Bucket(bp.index, buffer, program.metas, kept=self.reuse_buffers and self.shared is not None)
 
     def _group_rank(self, entry: TensorEntry) -> int:
         return self.topology.group_rank(entry.group)
@@ -347,6 +349,24 @@ class BucketStream(Iterator[Bucket]):
             if ms
         ]
         self.source.share(buffer, spans, self.mode, self.stats)
+
+
+def _coalesced(flat: list[tuple[torch.dtype, int, int, Tensor]]) -> list[tuple[torch.dtype, int, int, Tensor]]:
+    """``flat`` copies (dtype, byte offset in the bucket, numel, flat source view) with every run of copies
+    that are back to back in the bucket *and* in one source storage made one copy (gate and up of one
+    parameter; neighbouring parameters of a contiguous parameter buffer, such as Megatron's DDP buffer)."""
+    out: list[tuple[torch.dtype, int, int, Tensor]] = []
+    for dtype, offset, numel, src in sorted(flat, key=lambda e: (str(e[0]), e[1])):
+        if out:
+            pdtype, poffset, pnumel, psrc = out[-1]
+            if (pdtype == dtype and poffset + pnumel * dtype.itemsize == offset
+                    and psrc.untyped_storage()._cdata == src.untyped_storage()._cdata
+                    and psrc.data_ptr() + pnumel * dtype.itemsize == src.data_ptr()):
+                out[-1] = (dtype, poffset, pnumel + numel, psrc.as_strided((pnumel + numel,), (1,),
+                                                                           psrc.storage_offset()))
+                continue
+        out.append((dtype, offset, numel, src))
+    return out
 
 
 def stream_hf_weights(

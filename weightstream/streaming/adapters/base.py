@@ -30,6 +30,9 @@ SINGLE_DTYPE = "single_dtype"  # every bucket must hold tensors of one dtype (th
 # takes the metadata of every bucket of an update in one request, then receives the broadcasts back to back
 # (no HTTP round trip between two buckets on the wire)
 BROADCAST_AHEAD = "broadcast_ahead"
+# takes the metadata of every bucket of a colocated update in one request, then per bucket one small frame on
+# a control channel per TP rank (a kept buffer's handle is opened once; CUDA events instead of synchronising)
+IPC_AHEAD = "ipc_ahead"
 
 
 class EngineError(WeightstreamError):

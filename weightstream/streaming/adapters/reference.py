@@ -6,7 +6,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from weightstream.models.spec import dtype_name
-from weightstream.streaming.adapters.base import BROADCAST, IPC, P2P, RELEASE_MEMORY, ROLLBACK, RankBucket
+from weightstream.streaming.adapters.base import (
+    BROADCAST,
+    IPC,
+    IPC_AHEAD,
+    P2P,
+    RELEASE_MEMORY,
+    ROLLBACK,
+    RankBucket,
+)
 from weightstream.streaming.bucket import TensorMeta
 from weightstream.streaming.adapters.sglang import SGLangEngine
 
@@ -23,7 +31,7 @@ class ReferenceEngine(SGLangEngine):
     name = "reference"
 
     def capabilities(self, server_info: dict) -> frozenset[str]:
-        return frozenset(server_info.get("capabilities") or (BROADCAST, IPC, P2P, ROLLBACK, RELEASE_MEMORY))
+        return frozenset(server_info.get("capabilities") or (BROADCAST, IPC, IPC_AHEAD, P2P, ROLLBACK, RELEASE_MEMORY))
 
     def abort_update(self, timeout_s: float | None = None) -> None:
         """Close the session without committing: the engine puts its last committed weights back."""
@@ -41,6 +49,19 @@ class ReferenceEngine(SGLangEngine):
             "buckets": [{"names": [m.name for m in b], "dtypes": [dtype_name(m.dtype) for m in b],
                          "shapes": [list(m.shape) for m in b]} for b in buckets],
         }, step=f"update_weights_from_distributed_ahead ({len(buckets)} buckets)", timeout_s=timeout_s)
+
+    def receive_ipc_ahead(self, buckets: Sequence[Sequence[TensorMeta]], channels: Sequence[str], client: str,
+                          timeout_s: float) -> None:
+        """The metadata of every bucket of a colocated update, in order, and the control channel each engine
+        TP rank connects to (``host:port``, the colocated trainer rank's); the engine answers once every
+        bucket is loaded, or once one failed. ``client`` names the trainer's buffers: the engine keeps
+        those it was asked to keep mapped for the next update from the same client. ``timeout_s``: the
+        bound of each wait on the trainer."""
+        self.post("/weightstream/update_weights_from_ipc_ahead", {
+            "weight_version": self._version, "client": client, "channels": list(channels), "timeout_s": timeout_s,
+            "buckets": [{"names": [m.name for m in b], "dtypes": [dtype_name(m.dtype) for m in b],
+                         "shapes": [list(m.shape) for m in b], "offsets": [m.offset for m in b]} for b in buckets],
+        }, step=f"update_weights_from_ipc_ahead ({len(buckets)} buckets)", timeout_s=timeout_s * (len(buckets) + 3))
 
     def receive_p2p(self, index: int, ranks: Sequence[RankBucket]) -> None:
         """Metadata of what each engine rank receives by send/recv in this bucket."""

@@ -34,13 +34,14 @@ class BroadcastSink(PipelinedSink):
 
     def __init__(self, engines: Sequence[EngineAdapter], *, master_address: str = "127.0.0.1",
                  master_port: int | None = None, backend: str | None = None, timeout_s: float = 60.0,
-                 checksums: bool = False):
+                 checksums: bool = False, ahead: bool = True):
         self.engines = list(engines)
         self.master_address = master_address
         self.master_port = master_port
         self.backend = backend or default_backend()
         self.timeout_s = timeout_s
         self.checksums = checksums
+        self.ahead = ahead  # where every engine takes it, the metadata of all buckets goes in one request
         self.group = None
         self.sender = _is_sender()
         self._pool: ThreadPoolExecutor | None = None
@@ -79,7 +80,7 @@ class BroadcastSink(PipelinedSink):
         self.connect()
         self._ahead = []
         self.ahead_used = False
-        if not self.sender or self.checksums or not len(stream):
+        if not self.sender or self.checksums or not self.ahead or not len(stream):
             return
         if all(e.info().can(BROADCAST_AHEAD) for e in self.engines):
             metas = [stream.bucket_metas(i) for i in range(len(stream))]

@@ -1,41 +1,222 @@
 """``IPCSink``: colocated delivery. Trainer rank r and engine TP rank r share a device; each bucket's
 flat buffer crosses as a CUDA IPC handle (by GPU UUID) or, on the CPU, as a shared-memory file.
-The trainer keeps the buffer alive until the engine says it has loaded it."""
+
+Two ways, by what the engine declares:
+
+- ahead (``ipc_ahead``): the metadata of every bucket goes in one request when the update opens; the engine
+  rank connects to a control channel of its trainer rank, and per bucket one frame of a few dozen bytes
+  crosses. A buffer the stream keeps (``reuse_buffers``) is sent as a handle once and then named by an id;
+  on a GPU the engine's stream waits on the trainer's event for the bucket, and the trainer's stream waits
+  on the engine's event before it packs that buffer again: neither side synchronises its device per bucket,
+  and the trainer packs bucket k + 1 while the engine loads bucket k.
+- per bucket (any other engine, e.g. SGLang's ``/update_weights_from_tensor``): every rank's handle is
+  gathered on trainer rank 0, which posts them; every rank holds its buffer until the engine answered.
+"""
 
 from __future__ import annotations
 
+import base64
+import uuid
+from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from weightstream.bounds import Deadline
 from weightstream.errors import UpdateError
-from weightstream.streaming.adapters.base import EngineAdapter
+from weightstream.streaming.adapters.base import IPC_AHEAD, EngineAdapter
 from weightstream.streaming.bucket import Bucket
-from weightstream.streaming.serialization import checksum
+from weightstream.streaming.channel import Channel, Listener
+from weightstream.streaming.serialization import checksum, dumps_b64
+
+KEPT_HANDLES = 4  # kept buffers whose handles the engine holds for this trainer (the stream keeps two)
 
 
 class IPCSink:
     name = "ipc"
 
-    def __init__(self, engine: EngineAdapter, *, checksums: bool = False):
+    def __init__(self, engine: EngineAdapter, *, checksums: bool = False, timeout_s: float = 60.0,
+                 ahead: bool = True):
         self.engine = engine
+        self.ahead = ahead  # use the engine's ipc_ahead where it has it
         self.checksums = checksums
+        self.timeout_s = timeout_s
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.engine_tp = 1
+        self.ahead_used = False
+        self._client = uuid.uuid4().hex  # names this trainer's buffers to the engine (rank 0's, on every rank)
+        self._listener: Listener | None = None
+        self._channel: Channel | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._ahead: Future | None = None
+        self._events: list[Any] | None = None  # CUDA: ready[0], ready[1], done[0], done[1]
+        self._known: OrderedDict[int, tuple[int, torch.Tensor]] = OrderedDict()  # storage -> (id, whole buffer)
+        self._next_id = 0
+        self._sent = 0
+        self._outstanding: deque[tuple[int, Any]] = deque()
+        self._device: torch.device | None = None
+
+    # -- per update ------------------------------------------------------------------------------
 
     def open(self, stream) -> None:
         if stream.mode != "full":
             raise ValueError("IPCSink sends whole tensors: it needs a full stream")
-        info = [self.engine.info().tp_size if self.rank == 0 else None]
+        info: list[Any] = [None]
+        if self.rank == 0:
+            i = self.engine.info()
+            ahead = self.ahead and i.can(IPC_AHEAD) and hasattr(self.engine, "receive_ipc_ahead")
+            info = [(i.tp_size, ahead, self._client)]
         if self.world > 1:
             dist.broadcast_object_list(info, group_src=0)
-        self.engine_tp = int(info[0])
+        self.engine_tp, ahead, self._client = int(info[0][0]), bool(info[0][1]), info[0][2]
         if self.engine_tp > self.world:
             raise ValueError(f"engine TP {self.engine_tp} needs as many colocated trainer ranks; the job has {self.world}")
+        self.ahead_used = ahead and len(stream) > 0
+        self._sent = 0
+        self._outstanding.clear()
+        if self.ahead_used:
+            self._open_ahead(stream)
+
+    def _open_ahead(self, stream) -> None:
+        sender = self.rank < self.engine_tp
+        if sender and self._listener is None:
+            self._listener = Listener()
+        mine = self._listener.address if sender else None
+        everyone = [mine]
+        if self.world > 1:
+            everyone = [None] * self.world if self.rank == 0 else None
+            dist.gather_object(mine, everyone, group_dst=0)
+        if self.rank == 0:
+            self._pool = self._pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="ws-ipc")
+            metas = [stream.bucket_metas(i) for i in range(len(stream))]
+            channels = everyone[: self.engine_tp]
+            self._ahead = self._pool.submit(self.engine.receive_ipc_ahead, metas, channels, self._client,
+                                            self.timeout_s)
+        if not sender:
+            return
+        self._channel = self._listener.accept(self.timeout_s, abandon=self._engine_gave_up)
+        hello = self._channel.recv(self.timeout_s, "greeting from the engine")
+        held = set(hello.get("have") or ()) if hello.get("client") == self._client else set()
+        for key in [k for k, (i, _) in self._known.items() if i not in held]:
+            del self._known[key]  # the engine no longer holds it: sent again when next used
+        if torch.cuda.is_available() and self._events is None:
+            self._events = [torch.cuda.Event(interprocess=True) for _ in range(4)]
+
+    def _engine_gave_up(self) -> str | None:
+        if self._ahead is not None and self._ahead.done() and self._ahead.exception() is not None:
+            return f"the engine refused the update: {self._ahead.exception()}"
+        return None
 
     def send(self, bucket: Bucket) -> None:
+        if not self.ahead_used:
+            self._send_one_request(bucket)
+            return
+        if self.rank >= self.engine_tp:
+            return
+        k = self._sent
+        self._sent += 1
+        buffer = bucket.buffer
+        cuda = buffer.is_cuda
+        self._device = buffer.device
+        storage = buffer.untyped_storage()
+        frame: dict[str, Any] = {"k": k, "offset": buffer.storage_offset(), "nbytes": buffer.numel(),
+                                 "keep": bucket.kept}
+        known = self._known.get(storage._cdata) if bucket.kept else None
+        hold = None
+        if known is not None:
+            frame["buf"] = known[0]
+        else:
+            whole = torch.empty(0, dtype=torch.uint8, device=buffer.device).set_(storage)
+            frame["buf"], self._next_id = self._next_id, self._next_id + 1
+            frame["payload"] = dumps_b64(whole)
+            if bucket.kept:
+                self._known[storage._cdata] = (frame["buf"], whole)
+                if len(self._known) > KEPT_HANDLES:
+                    _, (dropped, _) = self._known.popitem(last=False)
+                    frame["drop"] = [dropped]
+            else:
+                hold = whole  # alive until the engine has loaded it
+        if self.checksums:
+            frame["checksum"] = checksum(buffer)
+        if cuda:
+            if k == 0:
+                frame["events"] = [base64.b64encode(e.ipc_handle()).decode() for e in self._events]
+            self._events[k % 2].record(torch.cuda.current_stream(buffer.device))
+        self._channel.send(frame)
+        self._outstanding.append((k, hold))
+        while len(self._outstanding) > 1:  # bucket k - 1's buffer is packed again next
+            self._settle()
+
+    def _settle(self) -> None:
+        """The engine's answer to the oldest bucket in flight; on a GPU this stream then waits for the
+        engine's copies out of that buffer (an event), not the host."""
+        k, _ = self._outstanding[0]
+        try:
+            reply = self._channel.recv(self.timeout_s, f"answer to bucket {k} from the engine")
+        except TimeoutError as exc:
+            raise UpdateError(f"bucket {k}", f"{exc}{self._engine_said(0.0)}", [self.engine.url]) from None
+        except ConnectionError as exc:  # the engine's request ends at once too: say what it answered
+            raise UpdateError(f"bucket {k}", f"{exc}{self._engine_said(2.0)}", [self.engine.url]) from None
+        if reply.get("k") != k or "error" in reply:
+            raise UpdateError(f"bucket {k}", str(reply.get("error") or f"answer for bucket {reply.get('k')!r}"),
+                              [self.engine.url])
+        if self._events is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._events[2 + k % 2])
+        self._outstanding.popleft()
+
+    def _engine_said(self, wait_s: float) -> str:
+        """What the engine answered the update's request, if it does within ``wait_s`` (a dead engine says so)."""
+        if self._ahead is None:
+            return ""
+        try:
+            self._ahead.result(timeout=wait_s)
+        except FutureTimeout:
+            return ""
+        except Exception as exc:  # noqa: BLE001
+            return f" | the engine said: {exc}"
+        return ""
+
+    def close(self) -> None:
+        if not self.ahead_used:
+            return
+        try:
+            while self._outstanding:
+                self._settle()
+        finally:
+            if self._channel is not None:
+                self._channel.close()
+                self._channel = None
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            deadline = Deadline(self.timeout_s * 2 + 2.0)
+            try:
+                ahead.result(timeout=deadline.remaining())
+            except Exception as exc:  # noqa: BLE001
+                raise UpdateError("buckets", str(exc), [self.engine.url]) from None
+
+    def abort(self) -> None:
+        """After a failure: the channel is closed (the engine stops waiting at once) and this sink is done."""
+        self._outstanding.clear()
+        self._ahead = None
+        self.disconnect()
+
+    def disconnect(self, seconds: float | None = None) -> None:
+        for end in (self._channel, self._listener):
+            if end is not None:
+                end.close()
+        self._channel = self._listener = None
+        self._known.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    # -- one request per bucket (engines without ``ipc_ahead``) -------------------------------------
+
+    def _send_one_request(self, bucket: Bucket) -> None:
         if bucket.buffer.is_cuda:
             # The engine reads the buffer from another process, outside this stream's order.
             torch.cuda.current_stream(bucket.buffer.device).synchronize()
@@ -59,9 +240,3 @@ class IPCSink:
             dist.broadcast_object_list(status, group_src=0)
         if status[0] is not None:
             raise status[0]
-
-    def close(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device call: correctness check, then the benchmark rows given as "preset:transport[:flags]" words.
+#   bash tools/gpu_session.sh check qwen3-8b:ipc qwen3-8b:ipc:--no-rollback qwen3-30b-a3b:stream:--reuse-buffers
+# JSON of every row and the raw output go to $OUT (or ./gpu-out).
+set -uo pipefail
+OUT="${OUT:-gpu-out}"; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
+for row in "$@"; do
+  if [ "$row" = check ]; then
+    OUT="$OUT" timeout 300 bash tools/gpu_run.sh check 2>&1 | grep -v Warning | tail -5
+    continue
+  fi
+  IFS=: read -r preset transport flags <<<"$row"
+  name="${transport}_${preset}${flags:+_${flags//[- ]/}}"
+  echo "== $row"
+  start=$(date +%s)
+  timeout 400 bash tools/gpu_run.sh bench --preset "$preset" --transport "$transport" $flags --repeats 4 \
+    --json "$OUT/$name.json" 2>&1 | grep -v -i "warn" | tail -14
+  echo "   ($(( $(date +%s) - start )) s)"
+done
