@@ -12,6 +12,7 @@ import os
 import pickle
 import queue
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -51,16 +52,22 @@ def process_context():
     return mp.get_context("spawn")
 
 
-def _in_environment(env: dict[str, str], target: Callable[..., Any], *args: Any) -> None:
-    """Run ``target`` under the environment the parent had when it started this process (a process forked
-    from the fork server would otherwise see the environment of the moment the server started)."""
+def _in_environment(env: dict[str, str], cwd: str, path: list[str], target: Callable[..., Any], *args: Any) -> None:
+    """Run ``target`` with the environment, working directory and ``sys.path`` the parent had when it started
+    this process (a process forked from the fork server would otherwise have those of the moment the server
+    started)."""
     os.environ.clear()
     os.environ.update(env)
+    os.chdir(cwd)
+    sys.path[:] = path
     target(*args)
 
 
 def start_process(ctx, target: Callable[..., Any], args: tuple, *, daemon: bool):
-    proc = ctx.Process(target=_in_environment, args=(dict(os.environ), target, *args), daemon=daemon)
+    """``target(*args)`` in a new process of ``ctx`` (:func:`process_context`). ``target`` must be importable
+    in a fresh interpreter; anything that may not be (a user's function) goes pickled in ``args``."""
+    proc = ctx.Process(target=_in_environment, args=(dict(os.environ), os.getcwd(), list(sys.path), target, *args),
+                       daemon=daemon)
     proc.start()
     return proc
 
@@ -71,10 +78,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, backend: str, timeout_s: float, fn, args, results) -> None:
+def _worker(rank: int, world: int, port: int, backend: str, timeout_s: float, job: bytes, results) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
+        fn, args = pickle.loads(job)  # here, once this process has the parent's sys.path
         import torch.distributed as dist
 
         if backend == "nccl":
@@ -118,7 +126,8 @@ def launch(
     ctx = process_context()
     results = ctx.Queue()
     port = free_port()
-    procs = [start_process(ctx, _worker, (r, world_size, port, backend, timeout_s, fn, args, results), daemon=False)
+    job = pickle.dumps((fn, args))
+    procs = [start_process(ctx, _worker, (r, world_size, port, backend, timeout_s, job, results), daemon=False)
              for r in range(world_size)]
     got: dict[int, tuple[bool, Any]] = {}
     import time

@@ -125,7 +125,8 @@ class ShardedCausalLM:
             self.stale |= self._loaded_in_session
             self.stale_why = "were half-updated by an aborted update (this engine keeps no backup)"
         for name, old in backup.items():
-            self.params[name][0].copy_(old)
+            param = self.params[name][0]
+            param.copy_(old.view(param.shape))
         return len(backup)
 
     # -- memory: released between rollouts, re-created before the next update -----------------------
@@ -177,9 +178,14 @@ class ShardedCausalLM:
         first = [(n, t) for n, t in tensors if n not in self.backup]
         if not first:
             return
-        copies = [torch.empty_like(t) for _, t in first]
-        torch._foreach_copy_(copies, [t for _, t in first])
-        self.backup.update((n, c.view(self.params[n][0].shape)) for (n, _), c in zip(first, copies))
+        by_dtype: dict[torch.dtype, list[tuple[str, Tensor]]] = {}
+        for n, t in first:
+            by_dtype.setdefault(t.dtype, []).append((n, t))
+        for dtype, group in by_dtype.items():  # one allocation per dtype, not one per tensor
+            flat = torch.empty(sum(t.numel() for _, t in group), dtype=dtype, device=group[0][1].device)
+            copies = flat.split_with_sizes([t.numel() for _, t in group])
+            torch._foreach_copy_(list(copies), [t if t.dim() == 1 else t.reshape(-1) for _, t in group])
+            self.backup.update((n, c) for (n, _), c in zip(group, copies))  # flat: shaped back on rollback
 
     def _shard_modules(self, model: nn.Module) -> None:
         for name, module in list(model.named_modules()):

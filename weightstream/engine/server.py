@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
+from weightstream.engine.schema import bucket_problems, buckets_problems, int_lists
 from weightstream.engine.worker import FAULT_ENV
 from weightstream.launch import free_port, process_context, start_process
-from weightstream.models.spec import dtype_from_name
 from weightstream.streaming.serialization import gpu_uuid
 
 from weightstream.streaming.adapters.reference import ENGINE_NAME
@@ -75,8 +75,8 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "weight_version": (_OPT_STR, False),
     },
     "/weightstream/update_weights_from_ipc_ahead": {
-        "buckets": ((list,), True), "channels": ((list,), True), "client": ((str,), True),
-        "timeout_s": (_NUMBER, False), "weight_version": (_OPT_STR, False),
+        "plan": ((str,), True), "num_buckets": ((int,), True), "channels": ((list,), True),
+        "client": ((str,), True), "timeout_s": (_NUMBER, False), "weight_version": (_OPT_STR, False),
     },
     "/update_weights_from_tensor": {
         "serialized_named_tensors": ((list, str), True), "load_format": (_OPT_STR, False),
@@ -100,20 +100,6 @@ def _type_names(types: tuple[type, ...]) -> str:
     return " or ".join("null" if t is type(None) else t.__name__ for t in types)
 
 
-def _int_lists(value: Any, depth: int) -> bool:
-    if depth == 0:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-    return isinstance(value, list) and all(_int_lists(v, depth - 1) for v in value)
-
-
-def _is_dtype_name(name: Any) -> bool:
-    try:
-        dtype_from_name(name)
-        return True
-    except (ValueError, AttributeError):
-        return False
-
-
 def check_body(path: str, body: dict) -> None:
     """Raise one :class:`BadRequest` listing every problem of ``body`` for ``path``."""
     problems = []
@@ -126,43 +112,15 @@ def check_body(path: str, body: dict) -> None:
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             problems.append(f"field {name!r} must be {_type_names(types)}, got {type(value).__name__}")
     if not problems and path == "/update_weights_from_distributed":
-        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
-        if not (len(names) == len(dtypes) == len(shapes)):
-            problems.append(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
-        if not all(isinstance(n, str) for n in names):
-            problems.append("names must be strings")
-        bad = [d for d in dtypes if not _is_dtype_name(d)]
-        if bad:
-            problems.append(f"unknown dtypes {bad[:5]}")
-        if not _int_lists(shapes, 2):
-            problems.append("shapes must be lists of non-negative integers")
+        problems += bucket_problems(body)
     if not problems and path == "/weightstream/update_weights_from_distributed_ahead":
-        for i, bucket in enumerate(body["buckets"]):
-            if not isinstance(bucket, dict):
-                problems.append(f"bucket {i} must be an object")
-                continue
-            try:
-                check_body("/update_weights_from_distributed", bucket)
-            except BadRequest as exc:
-                problems.append(f"bucket {i}: {exc.message.split(': ', 1)[-1]}")
+        problems += buckets_problems(body["buckets"])
     if not problems and path == "/weightstream/update_weights_from_ipc_ahead":
-        for i, bucket in enumerate(body["buckets"]):
-            if not isinstance(bucket, dict):
-                problems.append(f"bucket {i} must be an object")
-                continue
-            try:
-                check_body("/update_weights_from_distributed", bucket)
-            except BadRequest as exc:
-                problems.append(f"bucket {i}: {exc.message.split(': ', 1)[-1]}")
-                continue
-            offsets = bucket.get("offsets")
-            if not _int_lists(offsets, 1) or len(offsets) != len(bucket["names"]):
-                problems.append(f"bucket {i}: offsets must be one non-negative integer per tensor")
         if not all(isinstance(c, str) and c.rpartition(":")[2].isdigit() for c in body["channels"]):
             problems.append("channels must be 'host:port' strings, one per engine rank")
     if not problems and path in ("/generate", "/weightstream/logits"):
         ids = body["input_ids"]
-        if not ids or not (_int_lists(ids, 1) or _int_lists(ids, 2)) or (isinstance(ids[0], list) and not all(ids)):
+        if not ids or not (int_lists(ids, 1) or int_lists(ids, 2)) or (isinstance(ids[0], list) and not all(ids)):
             problems.append("input_ids must be a non-empty list of token ids (or of such lists)")
     if problems:
         raise BadRequest(HTTPStatus.BAD_REQUEST, f"bad request to {path}: " + "; ".join(problems))
@@ -565,12 +523,10 @@ class EngineServer(ThreadingHTTPServer):
         if len(b["channels"]) != self.engine.tp:
             raise EngineFailure(f"got {len(b['channels'])} control channels for {self.engine.tp} engine TP ranks")
         timeout_s = float(b.get("timeout_s") or self.engine.session_timeout_s)
-        buckets = [{"names": list(x["names"]), "dtypes": list(x["dtypes"]), "shapes": [list(s) for s in x["shapes"]],
-                    "offsets": list(x["offsets"])} for x in b["buckets"]]
-        per_rank = [{"buckets": buckets, "channel": c, "client": b["client"], "timeout_s": timeout_s}
-                    for c in b["channels"]]
+        per_rank = [{"plan": b["plan"], "num_buckets": b["num_buckets"], "channel": c, "client": b["client"],
+                     "timeout_s": timeout_s} for c in b["channels"]]
         # The workers answer once the last bucket is loaded: each frame waits at most timeout_s.
-        bound = timeout_s * (len(buckets) + 2)
+        bound = timeout_s * (b["num_buckets"] + 3)
         return self._guarded(lambda: self.engine.call("update_ipc_ahead", per_rank=per_rank, wait_s=bound), b)
 
     def update_p2p(self, b):

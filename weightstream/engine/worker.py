@@ -31,6 +31,7 @@ from weightstream.streaming.bucket import (
     typed_views,
     view_tensor,
 )
+from weightstream.engine.schema import buckets_problems
 from weightstream.streaming.channel import Channel
 from weightstream.streaming.groups import destroy_group, init_custom_process_group, tcp_store
 from weightstream.streaming.serialization import checksum, loads_b64
@@ -121,6 +122,7 @@ class Worker:
         self.ipc_client: str | None = None
         self.ipc_kept: dict[int, torch.Tensor] = {}
         self.ipc_opened = 0  # buffers opened from a handle by update_ipc_ahead (kept or not)
+        self.ipc_plans: dict[str, list] = {}  # bucket programs of the trainers' plans, by their digest
         # GPU: broadcast buckets sent ahead are received into two kept buffers, loaded on a stream of their own.
         self.receive_buffers: list[torch.Tensor] = []
         self.load_stream = None
@@ -212,14 +214,21 @@ class Worker:
             program = self.programs[key] = self._program(dense_layout(names, dtypes, shapes))
         return program
 
-    def _ipc_program(self, b) -> SimpleNamespace:
-        key = ("ipc", tuple(b["names"]), tuple(b["dtypes"]), tuple(map(tuple, b["shapes"])), tuple(b["offsets"]))
-        program = self.programs.get(key)
-        if program is None:
-            metas = [TensorMeta(n, dtype_from_name(d), tuple(int(x) for x in s), int(o))
-                     for n, d, s, o in zip(b["names"], b["dtypes"], b["shapes"], b["offsets"], strict=True)]
-            program = self.programs[key] = self._program(metas)
-        return program
+    def _ipc_plan(self, plan: str, num_buckets: int, frame: dict) -> list | str:
+        """The programs of every bucket of ``plan`` from the trainer's metadata frame (kept for the next
+        update of the same plan), or what is wrong with the frame."""
+        buckets = frame.get("buckets")
+        problems = buckets_problems(buckets, offsets=True)
+        if not problems and len(buckets) != num_buckets:
+            problems.append(f"{len(buckets)} buckets described, {num_buckets} announced")
+        if problems:
+            return "bad bucket metadata: " + "; ".join(problems)
+        programs = [self._program([TensorMeta(n, dtype_from_name(d), tuple(s), o) for n, d, s, o in
+                                   zip(b["names"], b["dtypes"], b["shapes"], b["offsets"])]) for b in buckets]
+        self.ipc_plans[plan] = programs
+        while len(self.ipc_plans) > 4:
+            self.ipc_plans.pop(next(iter(self.ipc_plans)))
+        return programs
 
     def _receive_dense(self, program, group) -> torch.Tensor:
         """The bucket's bytes, broadcast into a buffer of ours (that views as any dtype)."""
@@ -235,7 +244,7 @@ class Worker:
         bucket = Bucket(self.bucket_count, raw.narrow(0, 0, program.total), tuple(program.metas))
         return self._apply(bucket, expected_checksum)
 
-    def update_ipc_ahead(self, buckets, channel, client, timeout_s):
+    def update_ipc_ahead(self, plan, num_buckets, channel, client, timeout_s):
         """Every bucket of a colocated update, announced ahead; per bucket the trainer sends one small frame
         on the control ``channel`` naming the buffer (a handle is opened once per kept buffer) and, on a GPU,
         this worker's stream waits for the trainer's event instead of either side synchronising. The reply
@@ -243,12 +252,18 @@ class Worker:
         The first failure is answered on the channel and raised (nothing after it is loaded)."""
         if client != self.ipc_client:
             self.ipc_client, self.ipc_kept = client, {}
-        programs = [self._ipc_program(b) for b in buckets]
         cuda = self.device.type == "cuda"
         chan = Channel.connect(channel, timeout_s)
         loaded: list[str] = []
         try:
-            chan.send({"hello": self.rank, "client": client, "have": sorted(self.ipc_kept)})
+            programs = self.ipc_plans.get(plan)
+            chan.send({"hello": self.rank, "client": client, "have": sorted(self.ipc_kept),
+                       "plan_known": programs is not None})
+            if programs is None:  # the layout of every bucket, once per plan of this trainer
+                programs = self._ipc_plan(plan, num_buckets, chan.recv(timeout_s, "bucket metadata from the trainer"))
+                if isinstance(programs, str):
+                    chan.send({"k": 0, "error": programs})
+                    raise ValueError(programs)
             events = None
             for k, program in enumerate(programs):
                 frame = chan.recv(timeout_s, f"frame of bucket {k} from the trainer")
@@ -382,12 +397,14 @@ class Worker:
         must then load every tensor before the engine serves again); this engine keeps no KV cache and
         captures no CUDA graphs, so ``kv_cache`` and ``cuda_graph`` free nothing."""
         self.programs.clear()  # the parameters' storage goes away
+        self.ipc_plans.clear()
         self.receive_buffers = []
         freed = self.model.release_weights() if "weights" in tags else 0
         return {"freed_bytes": freed, **self.memory()}
 
     def resume_memory(self, tags):
         self.programs.clear()
+        self.ipc_plans.clear()
         restored = self.model.resume_weights() if "weights" in tags else 0
         return {"restored_bytes": restored, **self.memory()}
 

@@ -20,6 +20,7 @@ parameters, prepared once, and each bucket is filled by one ``torch._foreach_cop
 from __future__ import annotations
 
 import gc
+import hashlib
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -110,6 +111,7 @@ class StreamPlan:
     guard: ModuleGuard | None
     programs: dict[int, _Program] = field(default_factory=dict)
     buffers: list[Tensor | None] = field(default_factory=lambda: [None, None])  # kept bucket buffers (reuse)
+    digest: str | None = None  # of every bucket's metadata (metadata_digest)
 
 
 @dataclass
@@ -194,6 +196,20 @@ class BucketStream(Iterator[Bucket]):
         """The metadata of bucket ``index`` as this rank will yield it, before it is made (its copy
         program is made now if it was not yet; no communication)."""
         return self._program_for(index).metas
+
+    def metadata_digest(self) -> str:
+        """A digest of every bucket's metadata as this rank yields it (names, dtypes, shapes, offsets, shards),
+        made once per kept plan: a receiver that has seen it already knows the layout of every bucket."""
+        if self.shared is not None and self.shared.digest is not None:
+            return self.shared.digest
+        h = hashlib.sha256()
+        for i in range(len(self.plan)):
+            h.update(repr([(m.name, str(m.dtype), m.shape, m.offset, m.shard) for m in self.bucket_metas(i)]).encode())
+            h.update(b"|")
+        digest = h.hexdigest()
+        if self.shared is not None:
+            self.shared.digest = digest
+        return digest
 
     def _program_for(self, index: int) -> _Program:
         """Bucket ``index``'s copy program, made on first use and kept with the plan."""

@@ -50,18 +50,24 @@ class ReferenceEngine(SGLangEngine):
                          "shapes": [list(m.shape) for m in b]} for b in buckets],
         }, step=f"update_weights_from_distributed_ahead ({len(buckets)} buckets)", timeout_s=timeout_s)
 
-    def receive_ipc_ahead(self, buckets: Sequence[Sequence[TensorMeta]], channels: Sequence[str], client: str,
+    def receive_ipc_ahead(self, plan: str, num_buckets: int, channels: Sequence[str], client: str,
                           timeout_s: float) -> None:
-        """The metadata of every bucket of a colocated update, in order, and the control channel each engine
-        TP rank connects to (``host:port``, the colocated trainer rank's); the engine answers once every
-        bucket is loaded, or once one failed. ``client`` names the trainer's buffers: the engine keeps
-        those it was asked to keep mapped for the next update from the same client. ``timeout_s``: the
-        bound of each wait on the trainer."""
+        """A colocated update of ``num_buckets`` buckets laid out as ``plan`` (a digest of their metadata), and
+        the control channel each engine TP rank connects to (``host:port``, the colocated trainer rank's);
+        an engine rank that does not know the plan asks for its metadata there (:meth:`ipc_plan_frame`).
+        The engine answers once every bucket is loaded, or once one failed. ``client`` names the trainer's
+        buffers: the engine keeps those it was asked to keep mapped for the next update from the same
+        client. ``timeout_s``: the bound of each wait on the trainer."""
         self.post("/weightstream/update_weights_from_ipc_ahead", {
             "weight_version": self._version, "client": client, "channels": list(channels), "timeout_s": timeout_s,
-            "buckets": [{"names": [m.name for m in b], "dtypes": [dtype_name(m.dtype) for m in b],
-                         "shapes": [list(m.shape) for m in b], "offsets": [m.offset for m in b]} for b in buckets],
-        }, step=f"update_weights_from_ipc_ahead ({len(buckets)} buckets)", timeout_s=timeout_s * (len(buckets) + 3))
+            "plan": plan, "num_buckets": num_buckets,
+        }, step=f"update_weights_from_ipc_ahead ({num_buckets} buckets)", timeout_s=timeout_s * (num_buckets + 4))
+
+    @staticmethod
+    def ipc_plan_frame(buckets: Sequence[Sequence[TensorMeta]]) -> dict:
+        """The control-channel frame with the metadata of every bucket of a plan, in order."""
+        return {"buckets": [{"names": [m.name for m in b], "dtypes": [dtype_name(m.dtype) for m in b],
+                             "shapes": [list(m.shape) for m in b], "offsets": [m.offset for m in b]} for b in buckets]}
 
     def receive_p2p(self, index: int, ranks: Sequence[RankBucket]) -> None:
         """Metadata of what each engine rank receives by send/recv in this bucket."""

@@ -92,10 +92,9 @@ class IPCSink:
             dist.gather_object(mine, everyone, group_dst=0)
         if self.rank == 0:
             self._pool = self._pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="ws-ipc")
-            metas = [stream.bucket_metas(i) for i in range(len(stream))]
             channels = everyone[: self.engine_tp]
-            self._ahead = self._pool.submit(self.engine.receive_ipc_ahead, metas, channels, self._client,
-                                            self.timeout_s)
+            self._ahead = self._pool.submit(self.engine.receive_ipc_ahead, stream.metadata_digest(), len(stream),
+                                            channels, self._client, self.timeout_s)
         if not sender:
             return
         self._channel = self._listener.accept(self.timeout_s, abandon=self._engine_gave_up)
@@ -103,6 +102,8 @@ class IPCSink:
         held = set(hello.get("have") or ()) if hello.get("client") == self._client else set()
         for key in [k for k, (i, _) in self._known.items() if i not in held]:
             del self._known[key]  # the engine no longer holds it: sent again when next used
+        if not hello.get("plan_known"):  # the layout of every bucket, once per plan
+            self._channel.send(self.engine.ipc_plan_frame([stream.bucket_metas(i) for i in range(len(stream))]))
         if torch.cuda.is_available() and self._events is None:
             self._events = [torch.cuda.Event(interprocess=True) for _ in range(4)]
 
