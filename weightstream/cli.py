@@ -84,9 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure weightstream: --transport T times one path against the machine's ceiling; "
              "--soak N runs N consecutive updates into a reference engine and checks for leaks",
         description=(
-            "--transport stream|broadcast|ipc|checkpoint: build the --preset model (--tiny: its topology at small "
-            "widths), run it cold once and warm --repeats times, and measure the raw ceiling of the same bytes in "
-            "the same run (device copy; plain broadcast; safetensors' save_file); prints ours, ceiling, ratio, "
+            "--transport stream|broadcast|ipc|p2p|checkpoint: build the --preset model (--tiny: its topology at small "
+            "widths; --tp N: a TP-N trainer on N GPUs, the engine's ranks on the next GPUs for broadcast and p2p), "
+            "run it cold once and warm --repeats times, and measure the raw ceiling of the same bytes in the same "
+            "run (device copy; plain broadcast; plain send/recv of each rank's bytes, all pairs at once; "
+            "safetensors' save_file); prints ours, ceiling, ratio, "
             "cold vs warm, peak extra memory and the phase split. "
             "--soak N: N consecutive updates through one WeightSync into a reference engine running as its own "
             "service on this machine, alternating two sets of weights and switching transport every "
@@ -98,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     what = bench.add_mutually_exclusive_group(required=True)
     what.add_argument("--soak", type=int, metavar="N", help="number of updates")
-    what.add_argument("--transport", action="append", choices=["stream", "broadcast", "ipc", "checkpoint"],
+    what.add_argument("--transport", action="append", choices=["stream", "broadcast", "ipc", "p2p", "checkpoint"],
                       help="path to time (repeatable)")
     bench.add_argument("--tiny", action="store_true", help="the preset's topology at small widths (CPU-sized)")
     bench.add_argument("--reuse-buffers", action="store_true",
@@ -116,7 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated transports to rotate through (default broadcast,ipc)")
     bench.add_argument("--switch-every", type=int, default=2, help="updates per transport before switching (default 2)")
     bench.add_argument("--preset", default="tiny-qwen3", choices=sorted(PRESETS), help="model (default tiny-qwen3)")
-    bench.add_argument("--engine-tp", type=int, default=1, help="TP size of the reference engine (default 1)")
+    bench.add_argument("--tp", type=int, default=1,
+                       help="--transport broadcast/ipc/p2p: the trainer's TP size, one GPU per rank (default 1)")
+    bench.add_argument("--engine-tp", type=int, default=None,
+                       help="TP size of the reference engine (default: --soak 1, --transport the trainer's TP); with "
+                            "broadcast and p2p its ranks sit on the GPUs after the trainer's")
     bench.add_argument("--bucket-mb", type=_mb, default=None,
                        help="bucket size in MiB (default 0.25 for --soak, 512 for --transport)")
     bench.add_argument("--check-every", type=int, default=100, help="compare the engine's logits every N updates")
@@ -138,7 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--port", type=int, default=30000, help="port (default 30000; 0 picks a free one)")
     engine.add_argument("--api-key", default=os.environ.get("WEIGHTSTREAM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $WEIGHTSTREAM_API_KEY, else none)")
-    engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    engine.add_argument("--device", default=None,
+                        help="cpu, cuda (rank r on GPU r), or one device per rank: cuda:2,cuda:3 "
+                             "(default: cuda when available)")
     engine.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="weights dtype (default float32)")
     engine.add_argument("--no-rollback", action="store_true",
@@ -401,7 +409,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             res = run_bench(args.preset, transport, tiny=args.tiny, dtype=args.dtype,
                             bucket_bytes=args.bucket_mb or (512 << 20), repeats=args.repeats,
                             reuse_buffers=args.reuse_buffers, rollback=not args.no_rollback,
-                            ahead=not args.per_bucket)
+                            ahead=not args.per_bucket, tp=args.tp, engine_tp=args.engine_tp)
             print(res.render(), flush=True)
             results.append(res)
         if args.json:
@@ -418,7 +426,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"unknown transports {unknown}; choose among broadcast, ipc, p2p", file=sys.stderr)
         return 2
     report = run_soak(args.soak, transports=transports, switch_every=args.switch_every, preset=args.preset,
-                      engine_tp=args.engine_tp, bucket_bytes=args.bucket_mb or _mb("0.25"), check_every=args.check_every,
+                      engine_tp=args.engine_tp or 1, bucket_bytes=args.bucket_mb or _mb("0.25"), check_every=args.check_every,
                       sample_every=args.sample_every, progress=sys.stderr.isatty())
     print(report.render())
     if args.json:

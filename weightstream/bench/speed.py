@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-TRANSPORTS = ("stream", "broadcast", "ipc", "checkpoint")
+TRANSPORTS = ("stream", "broadcast", "ipc", "p2p", "checkpoint")
 IDS = [[3, 14, 15, 92, 65, 35, 89, 79]]
 TINY = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, vocab_size=1024, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8)
@@ -134,10 +134,10 @@ def copy_ceiling(total: int, bucket_bytes: int, device: torch.device, repeats: i
     return min(t for t, _ in runs)
 
 
-def _trainer(cfg, dtype: str):
+def _trainer(cfg, dtype: str, tp: int = 1):
     from weightstream.models.megatron import build_gpt_model, initialize_parallel
 
-    initialize_parallel(1, 1)
+    initialize_parallel(tp, 1)
     chunks = build_gpt_model(cfg, dtype=getattr(torch, dtype))
     device = next(chunks[0].parameters()).device
     return chunks, device
@@ -165,14 +165,14 @@ def stream_job(cfg, dtype: str, bucket_bytes: int, repeats: int, reuse_buffers: 
 
 
 def update_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype: str, repeats: int,
-               load: bool = False, ahead: bool = True) -> dict:
-    """Trainer rank (one device): update the engine cold then ``repeats`` warm; report each. ``load``: the
-    trainer's weights are the checkpoint in ``cfg_dir`` (else Megatron's random initialisation)."""
+               load: bool = False, ahead: bool = True, tp: int = 1) -> dict:
+    """Trainer rank (one device each, TP ``tp``): update the engine cold then ``repeats`` warm; report each.
+    ``load``: the trainer's weights are the checkpoint in ``cfg_dir`` (else Megatron's random initialisation)."""
     from weightstream.models.spec import load_hf_config
     from weightstream.update import WeightSync
 
     cfg = load_hf_config(cfg_dir)
-    chunks, device = _trainer(cfg, dtype)
+    chunks, device = _trainer(cfg, dtype, tp)
     if load:
         from weightstream.disk import CheckpointReader
         from weightstream.models.megatron import load_hf_weights
@@ -197,6 +197,32 @@ def update_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype:
             "logits": logits}
 
 
+def raw_send_recv_job(per_rank: list[int], chunk: int, repeats: int) -> dict:
+    """P2P's ceiling: rank r of the first half sends ``per_rank[r]`` bytes to rank r of the second half, in
+    ``chunk``-byte pieces, all pairs at once (NCCL on GPUs, gloo on CPUs)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    half = dist.get_world_size() // 2
+    rank = dist.get_rank()
+    total = per_rank[rank % half]
+    buf = torch.empty(max(1, min(total, chunk)), dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        _sync(device)
+        t = time.perf_counter()
+        left = total
+        while left > 0:
+            n = min(left, chunk)
+            if rank < half:
+                dist.send(buf[:n], dst=rank + half)
+            else:
+                dist.recv(buf[:n], src=rank - half)
+            left -= n
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return {"seconds": min(times[1:]) if len(times) > 1 else times[0]}
+
+
 def raw_broadcast_job(total: int, chunk: int, repeats: int) -> dict:
     """The wire's ceiling: a plain broadcast of ``total`` bytes in ``chunk``-byte pieces, rank 0 -> 1."""
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -218,7 +244,8 @@ def raw_broadcast_job(total: int, chunk: int, repeats: int) -> dict:
 
 def run_bench(preset: str, transport: str, *, tiny: bool = False, dtype: str = "bfloat16",
               bucket_bytes: int = 512 << 20, repeats: int = 3, engine_device: str | None = None,
-              reuse_buffers: bool = False, rollback: bool = True, ahead: bool = True) -> BenchResult:
+              reuse_buffers: bool = False, rollback: bool = True, ahead: bool = True, tp: int = 1,
+              engine_tp: int | None = None) -> BenchResult:
     """One row of the benchmark table (see the module docstring)."""
     from weightstream.launch import launch
 
@@ -244,26 +271,34 @@ def run_bench(preset: str, transport: str, *, tiny: bool = False, dtype: str = "
         res.transport += " (engine without rollback)"
     if not ahead:
         res.transport += " (one request per bucket)"
-    return _update_bench(res, cfg, transport, dtype, bucket_bytes, repeats, engine_device, backend, rollback, ahead)
+    if tp > 1 or engine_tp not in (None, 1):
+        res.transport += f" (trainer TP {tp}, engine TP {engine_tp or tp})"
+    return _update_bench(res, cfg, transport, dtype, bucket_bytes, repeats, engine_device, backend, rollback, ahead,
+                         tp, engine_tp or tp)
 
 
 def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_bytes: int, repeats: int,
-                  engine_device: str | None, backend: str, rollback: bool = True, ahead: bool = True) -> BenchResult:
+                  engine_device: str | None, backend: str, rollback: bool = True, ahead: bool = True,
+                  tp: int = 1, engine_tp: int = 1) -> BenchResult:
     from weightstream.engine.server import serve, stop
     from weightstream.launch import launch
     from weightstream.streaming.adapters import ReferenceEngine
 
     cuda = torch.cuda.is_available()
-    if engine_device is None:
-        engine_device = ("cuda:1" if transport == "broadcast" and torch.cuda.device_count() > 1 else "cuda:0") \
-            if cuda else "cpu"
+    if engine_device is None and not cuda:
+        engine_device = "cpu"
+    elif engine_device is None:
+        # Colocated (IPC): the engine's ranks on the trainer's GPUs; otherwise on the next ones, where there are.
+        first = tp if transport != "ipc" and torch.cuda.device_count() >= tp + engine_tp else 0
+        engine_device = ",".join(f"cuda:{(first + r) % torch.cuda.device_count()}" for r in range(engine_tp))
     tmp = tempfile.mkdtemp(prefix="ws-bench-")
     try:
         cfg.save_pretrained(tmp)
-        server = serve(tmp, 1, device=engine_device, dtype=dtype, rollback=rollback)
+        server = serve(tmp, engine_tp, device=engine_device, dtype=dtype, rollback=rollback)
         try:
-            (r,) = launch(1, update_job, tmp, server.url, transport, bucket_bytes, dtype, repeats, False, ahead,
-                          backend=backend, timeout_s=600)
+            ranks = launch(tp, update_job, tmp, server.url, transport, bucket_bytes, dtype, repeats, False, ahead, tp,
+                           backend=backend, timeout_s=600)
+            r = ranks[0]
             try:
                 theirs = ReferenceEngine(server.url).logits(IDS).float()
                 ours = r["logits"]
@@ -286,9 +321,18 @@ def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_byte
         res.peak_extra_bytes = r["peak_extra_bytes"]
         if transport == "ipc":
             res.ceiling_s, res.ceiling = r["copy_ceiling_s"], "device copy of the same bytes"
+        elif best["transport"] == "p2p":
+            per_rank = [x["reports"][-1]["bytes"] for x in ranks]
+            res.bytes = sum(per_rank)
+            raw = launch(2 * tp, raw_send_recv_job, per_rank, bucket_bytes, repeats, backend=backend)
+            res.ceiling_s = max(x["seconds"] for x in raw)
+            res.ceiling = f"plain {backend} send/recv of each rank's bytes, {tp} pairs at once, same buckets"
         else:
-            raw = launch(2, raw_broadcast_job, res.bytes, bucket_bytes, repeats, backend=backend)
-            res.ceiling_s, res.ceiling = raw[0]["seconds"], f"plain {backend} broadcast of the same bytes, same buckets"
+            raw = launch(1 + engine_tp, raw_broadcast_job, res.bytes, bucket_bytes, repeats, backend=backend)
+            res.ceiling_s = raw[0]["seconds"]
+            res.ceiling = f"plain {backend} broadcast of the same bytes to {engine_tp} ranks, same buckets"
+        if best["transport"] != transport:
+            res.transport += f" (ran as {best['transport']})"
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return res

@@ -141,7 +141,13 @@ class Engine:
         self.dtype = dtype
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.devices = [f"cuda:{r % torch.cuda.device_count()}" if device == "cuda" else device for r in range(tp)]
+        if "," in device:  # one device per rank: "cuda:2,cuda:3"
+            self.devices = [d.strip() for d in device.split(",")]
+            if len(self.devices) != tp:
+                raise ValueError(f"{len(self.devices)} devices given for engine TP {tp}: {device!r}")
+        else:
+            self.devices = [f"cuda:{r % torch.cuda.device_count()}" if device == "cuda" else device
+                            for r in range(tp)]
         self.backend = "nccl" if device.startswith("cuda") else "gloo"
         self.command_timeout_s = command_timeout_s
         self.weight_version = "default"
