@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--preset", default="tiny-qwen3", choices=sorted(PRESETS), help="model (default tiny-qwen3)")
     bench.add_argument("--tp", type=int, default=1,
                        help="--transport broadcast/ipc/p2p: the trainer's TP size, one GPU per rank (default 1)")
+    bench.add_argument("--ep", type=int, default=1,
+                       help="--transport broadcast/ipc/p2p: the trainer's expert-parallel size (MoE presets; the "
+                            "trainer then has TP x EP ranks; default 1)")
     bench.add_argument("--engine-tp", type=int, default=None,
                        help="TP size of the reference engine (default: --soak 1, --transport the trainer's TP); with "
                             "broadcast and p2p its ranks sit on the GPUs after the trainer's")
@@ -409,7 +412,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             res = run_bench(args.preset, transport, tiny=args.tiny, dtype=args.dtype,
                             bucket_bytes=args.bucket_mb or (512 << 20), repeats=args.repeats,
                             reuse_buffers=args.reuse_buffers, rollback=not args.no_rollback,
-                            ahead=not args.per_bucket, tp=args.tp, engine_tp=args.engine_tp)
+                            ahead=not args.per_bucket, tp=args.tp, engine_tp=args.engine_tp, ep=args.ep)
             print(res.render(), flush=True)
             results.append(res)
         if args.json:

@@ -134,10 +134,10 @@ def copy_ceiling(total: int, bucket_bytes: int, device: torch.device, repeats: i
     return min(t for t, _ in runs)
 
 
-def _trainer(cfg, dtype: str, tp: int = 1):
+def _trainer(cfg, dtype: str, tp: int = 1, ep: int = 1):
     from weightstream.models.megatron import build_gpt_model, initialize_parallel
 
-    initialize_parallel(tp, 1)
+    initialize_parallel(tp, 1, ep=ep)
     chunks = build_gpt_model(cfg, dtype=getattr(torch, dtype))
     device = next(chunks[0].parameters()).device
     return chunks, device
@@ -165,14 +165,15 @@ def stream_job(cfg, dtype: str, bucket_bytes: int, repeats: int, reuse_buffers: 
 
 
 def update_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype: str, repeats: int,
-               load: bool = False, ahead: bool = True, tp: int = 1) -> dict:
-    """Trainer rank (one device each, TP ``tp``): update the engine cold then ``repeats`` warm; report each.
+               load: bool = False, ahead: bool = True, tp: int = 1, ep: int = 1) -> dict:
+    """Trainer rank (one device each, TP ``tp`` × EP ``ep``): update the engine cold then ``repeats`` warm;
+    report each.
     ``load``: the trainer's weights are the checkpoint in ``cfg_dir`` (else Megatron's random initialisation)."""
     from weightstream.models.spec import load_hf_config
     from weightstream.update import WeightSync
 
     cfg = load_hf_config(cfg_dir)
-    chunks, device = _trainer(cfg, dtype, tp)
+    chunks, device = _trainer(cfg, dtype, tp, ep)
     if load:
         from weightstream.disk import CheckpointReader
         from weightstream.models.megatron import load_hf_weights
@@ -245,7 +246,7 @@ def raw_broadcast_job(total: int, chunk: int, repeats: int) -> dict:
 def run_bench(preset: str, transport: str, *, tiny: bool = False, dtype: str = "bfloat16",
               bucket_bytes: int = 512 << 20, repeats: int = 3, engine_device: str | None = None,
               reuse_buffers: bool = False, rollback: bool = True, ahead: bool = True, tp: int = 1,
-              engine_tp: int | None = None) -> BenchResult:
+              engine_tp: int | None = None, ep: int = 1) -> BenchResult:
     """One row of the benchmark table (see the module docstring)."""
     from weightstream.launch import launch
 
@@ -271,15 +272,15 @@ def run_bench(preset: str, transport: str, *, tiny: bool = False, dtype: str = "
         res.transport += " (engine without rollback)"
     if not ahead:
         res.transport += " (one request per bucket)"
-    if tp > 1 or engine_tp not in (None, 1):
-        res.transport += f" (trainer TP {tp}, engine TP {engine_tp or tp})"
+    if tp > 1 or ep > 1 or engine_tp not in (None, 1):
+        res.transport += f" (trainer TP {tp}{f' EP {ep}' if ep > 1 else ''}, engine TP {engine_tp or tp})"
     return _update_bench(res, cfg, transport, dtype, bucket_bytes, repeats, engine_device, backend, rollback, ahead,
-                         tp, engine_tp or tp)
+                         tp, engine_tp or tp, ep)
 
 
 def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_bytes: int, repeats: int,
                   engine_device: str | None, backend: str, rollback: bool = True, ahead: bool = True,
-                  tp: int = 1, engine_tp: int = 1) -> BenchResult:
+                  tp: int = 1, engine_tp: int = 1, ep: int = 1) -> BenchResult:
     from weightstream.engine.server import serve, stop
     from weightstream.launch import launch
     from weightstream.streaming.adapters import ReferenceEngine
@@ -289,15 +290,15 @@ def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_byte
         engine_device = "cpu"
     elif engine_device is None:
         # Colocated (IPC): the engine's ranks on the trainer's GPUs; otherwise on the next ones, where there are.
-        first = tp if transport != "ipc" and torch.cuda.device_count() >= tp + engine_tp else 0
+        first = tp * ep if transport != "ipc" and torch.cuda.device_count() >= tp * ep + engine_tp else 0
         engine_device = ",".join(f"cuda:{(first + r) % torch.cuda.device_count()}" for r in range(engine_tp))
     tmp = tempfile.mkdtemp(prefix="ws-bench-")
     try:
         cfg.save_pretrained(tmp)
         server = serve(tmp, engine_tp, device=engine_device, dtype=dtype, rollback=rollback)
         try:
-            ranks = launch(tp, update_job, tmp, server.url, transport, bucket_bytes, dtype, repeats, False, ahead, tp,
-                           backend=backend, timeout_s=600)
+            ranks = launch(tp * ep, update_job, tmp, server.url, transport, bucket_bytes, dtype, repeats, False, ahead,
+                           tp, ep, backend=backend, timeout_s=600)
             r = ranks[0]
             try:
                 theirs = ReferenceEngine(server.url).logits(IDS).float()
