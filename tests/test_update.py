@@ -16,7 +16,7 @@ import torch
 
 from tests.checks import assert_logits_close
 from tests.conftest import hf_logits
-from tests.workers import INPUT_IDS, Case, run_update
+from tests.workers import INPUT_IDS, Case, run_prepared_update, run_update
 from weightstream.engine.server import serve, stop
 from weightstream.engine.worker import FAULT_ENV
 from weightstream.jobs import Layout
@@ -267,3 +267,16 @@ def test_engine_without_rollback_refuses_half_updated_weights(sources, engine_di
         assert_logits_close(eng.logits(INPUT_IDS), hf_logits(src, INPUT_IDS))
     finally:
         stop(server)
+
+
+def test_prepare_makes_the_plan_and_the_group_before_the_first_update(sources, engine_dir):
+    src = sources["tiny-qwen3"]
+    with engine(engine_dir) as server:
+        results = launch(2, run_prepared_update, Case(src, Layout(2, 1)), server.url,
+                         {"transport": "broadcast", "bucket_bytes": SMALL})
+        logits = ReferenceEngine(server.url).logits(INPUT_IDS)
+    for r in results:
+        assert r["prepared"] == "broadcast" and r["group_ready"]
+        assert r["builds_in_update"] == 0  # the update streamed with the plan prepare() made
+        assert r["report"].transport == "broadcast" and r["report"].weight_version == "1"
+    assert_logits_close(logits, hf_logits(src, INPUT_IDS))

@@ -359,3 +359,19 @@ def run_plan_reuse(src: str, tp: int) -> dict:
     step("new parallel state")
     out["steps"] = steps
     return out
+
+
+def run_prepared_update(case: Case, url: str, options: dict) -> dict:
+    """``WeightSync.prepare`` then one update: how many plans the update itself made, and its report."""
+    from weightstream.streaming import stream as stream_mod
+    from weightstream.update import WeightSync
+
+    cfg, chunks = _build(case)
+    with WeightSync([url], **options) as sync:
+        kind = sync.prepare(chunks, cfg)
+        group_ready = all(getattr(s, "group", True) is not None for s in sync.sinks.values()) if dist.get_rank() == 0 \
+            else True
+        before = stream_mod.plan_builds
+        report = sync.update(chunks, cfg)
+        return {"prepared": kind, "group_ready": group_ready, "builds_in_update": stream_mod.plan_builds - before,
+                "report": report}

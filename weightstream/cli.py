@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-rollback", action="store_true",
                        help="--transport ipc/broadcast: the reference engine keeps no backup of its weights during an "
                             "update (as SGLang); by default it keeps one (one more device copy per update)")
+    bench.add_argument("--prepare", action="store_true",
+                       help="--transport ipc/broadcast/p2p: call WeightSync.prepare() (plan, group) before the first "
+                            "update, timed apart; the cold figure is then the first update after it")
     bench.add_argument("--per-bucket", action="store_true",
                        help="--transport ipc/broadcast: one request per bucket, not the metadata of all buckets ahead "
                             "(to compare; what engines without the ahead routes get)")
@@ -412,7 +415,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             res = run_bench(args.preset, transport, tiny=args.tiny, dtype=args.dtype,
                             bucket_bytes=args.bucket_mb or (512 << 20), repeats=args.repeats,
                             reuse_buffers=args.reuse_buffers, rollback=not args.no_rollback,
-                            ahead=not args.per_bucket, tp=args.tp, engine_tp=args.engine_tp, ep=args.ep)
+                            ahead=not args.per_bucket, tp=args.tp, engine_tp=args.engine_tp, ep=args.ep,
+                            prepare=args.prepare)
             print(res.render(), flush=True)
             results.append(res)
         if args.json:

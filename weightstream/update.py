@@ -320,6 +320,48 @@ class WeightSync:
         report.seconds = seconds
         return report
 
+    def prepare(self, model_chunks: nn.Module | Sequence[nn.Module], hf_config: Any) -> str:
+        """What an update needs before its first bytes, done now: call it on every trainer rank once the model
+        and the engines are up (before training starts, say). The engines are asked what they are, the
+        transport is chosen, the stream's plan (table, buckets, copy programs) is made and kept, and the
+        group to the engines is formed (broadcast, P2P); the first :meth:`update` then costs about what a
+        later one does. The engines keep serving meanwhile (nothing is paused). Returns the transport; raises
+        on every rank what the first update would have raised."""
+        cfg = load_hf_config(hf_config)
+        spec = ModelSpec.from_hf_config(cfg)
+        source = as_source(model_chunks)
+        self._resolve_engines()
+        urls = [e.url for e in self.engines]
+        decision: Any = None
+        if _rank() == 0:
+            try:
+                decision = choose_transport(self.transport, self.engines, source.topology, spec, self.colocated,
+                                            p2p_source=isinstance(source, MegatronSource))
+                decision = (*decision, any(e.info().can(SINGLE_DTYPE) for e in self.engines))
+            except Exception as exc:  # noqa: BLE001 — shared with every rank below
+                decision = _as_update_error("connect", exc, urls)
+        decision = _share(decision)
+        if isinstance(decision, BaseException):
+            raise decision
+        kind, _, one_dtype = decision
+        err: BaseException | None = None
+        try:
+            stream = stream_hf_weights(source, cfg, bucket_bytes=self.bucket_bytes,
+                                       mode="per_rank" if kind == "p2p" else "full",
+                                       align=1 if kind == "broadcast" else ALIGN, split_dtypes=one_dtype,
+                                       reuse_buffers=self.reuse_buffers)
+            stream.metadata_digest()  # every bucket's copy program, made and kept with the plan
+            connect = getattr(self._make_sink(kind), "connect", None)
+            if connect is not None:
+                connect()
+        except BaseException as exc:  # noqa: BLE001
+            err = _as_update_error("group", exc, urls)
+        failure = _first_error(err)
+        if failure is not None:
+            self._teardown()
+            raise failure
+        return kind
+
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
         """Between rollouts, on every trainer rank: pause generation and have the engines free their memory
         (``tags``: SGLang's ``weights``, ``kv_cache``, ``cuda_graph``; all by default) while the trainer

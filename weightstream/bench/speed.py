@@ -42,7 +42,8 @@ class BenchResult:
     bytes: int = 0
     tensors: int = 0
     buckets: int = 0
-    cold_s: float = 0.0  # first run (plan, groups, handles)
+    cold_s: float = 0.0  # first run (plan, groups, handles; after WeightSync.prepare where prepare_s is set)
+    prepare_s: float | None = None  # WeightSync.prepare before the first update (--prepare)
     warm_s: list[float] = field(default_factory=list)  # every later run
     ceiling_s: float = 0.0
     ceiling: str = ""
@@ -73,7 +74,8 @@ class BenchResult:
             f"  ours (best warm)  {self.best_s * 1e3:9.1f} ms   ({us:.2f} us per tensor)",
             f"  ceiling           {self.ceiling_s * 1e3:9.1f} ms   ({self.ceiling})",
             f"  ratio             {self.ratio:9.2f}x",
-            f"  cold (first)      {self.cold_s * 1e3:9.1f} ms   ({self.cold_s / self.best_s:.2f}x warm)",
+            f"  cold (first)      {self.cold_s * 1e3:9.1f} ms   ({self.cold_s / self.best_s:.2f}x warm)"
+            + (f", after prepare() {self.prepare_s * 1e3:.1f} ms" if self.prepare_s is not None else ""),
             f"  peak extra memory {peak}",
         ]
         if self.phases:
@@ -165,7 +167,7 @@ def stream_job(cfg, dtype: str, bucket_bytes: int, repeats: int, reuse_buffers: 
 
 
 def update_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype: str, repeats: int,
-               load: bool = False, ahead: bool = True, tp: int = 1, ep: int = 1) -> dict:
+               load: bool = False, ahead: bool = True, tp: int = 1, ep: int = 1, prepare: bool = False) -> dict:
     """Trainer rank (one device each, TP ``tp`` × EP ``ep``): update the engine cold then ``repeats`` warm;
     report each.
     ``load``: the trainer's weights are the checkpoint in ``cfg_dir`` (else Megatron's random initialisation)."""
@@ -184,6 +186,9 @@ def update_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype:
     reuse = os.environ.get("WEIGHTSTREAM_BENCH_FRESH_BUFFERS", "0") != "1"
     with WeightSync([url], transport=transport, bucket_bytes=bucket_bytes, timeout_s=300,
                     reuse_buffers=reuse, metadata_ahead=ahead) as sync:
+        prepared = None
+        if prepare:
+            ((prepared, _),), _ = _timed(device, 1, lambda: sync.prepare(chunks, cfg))
         runs, peak = _timed(device, repeats + 1, lambda: sync.update(chunks, cfg))
     reports = [{"wall": t, "transport": rep.transport, "bytes": rep.bytes, "buckets": rep.buckets,
                 "tensors": rep.tensors, "seconds": rep.seconds} for t, rep in runs]
@@ -195,6 +200,7 @@ def update_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype:
     except Exception as exc:  # noqa: BLE001 -- e.g. Megatron's MoE router needs Transformer Engine on GPUs
         logits = f"the Megatron model's own forward failed: {type(exc).__name__}: {exc}"
     return {"device": str(device), "reports": reports, "peak_extra_bytes": peak, "copy_ceiling_s": ceiling,
+            "prepare_s": prepared,
             "logits": logits}
 
 
@@ -246,7 +252,7 @@ def raw_broadcast_job(total: int, chunk: int, repeats: int) -> dict:
 def run_bench(preset: str, transport: str, *, tiny: bool = False, dtype: str = "bfloat16",
               bucket_bytes: int = 512 << 20, repeats: int = 3, engine_device: str | None = None,
               reuse_buffers: bool = False, rollback: bool = True, ahead: bool = True, tp: int = 1,
-              engine_tp: int | None = None, ep: int = 1) -> BenchResult:
+              engine_tp: int | None = None, ep: int = 1, prepare: bool = False) -> BenchResult:
     """One row of the benchmark table (see the module docstring)."""
     from weightstream.launch import launch
 
@@ -275,12 +281,12 @@ def run_bench(preset: str, transport: str, *, tiny: bool = False, dtype: str = "
     if tp > 1 or ep > 1 or engine_tp not in (None, 1):
         res.transport += f" (trainer TP {tp}{f' EP {ep}' if ep > 1 else ''}, engine TP {engine_tp or tp})"
     return _update_bench(res, cfg, transport, dtype, bucket_bytes, repeats, engine_device, backend, rollback, ahead,
-                         tp, engine_tp or tp, ep)
+                         tp, engine_tp or tp, ep, prepare)
 
 
 def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_bytes: int, repeats: int,
                   engine_device: str | None, backend: str, rollback: bool = True, ahead: bool = True,
-                  tp: int = 1, engine_tp: int = 1, ep: int = 1) -> BenchResult:
+                  tp: int = 1, engine_tp: int = 1, ep: int = 1, prepare: bool = False) -> BenchResult:
     from weightstream.engine.server import serve, stop
     from weightstream.launch import launch
     from weightstream.streaming.adapters import ReferenceEngine
@@ -298,7 +304,7 @@ def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_byte
         server = serve(tmp, engine_tp, device=engine_device, dtype=dtype, rollback=rollback)
         try:
             ranks = launch(tp * ep, update_job, tmp, server.url, transport, bucket_bytes, dtype, repeats, False, ahead,
-                           tp, ep, backend=backend, timeout_s=600)
+                           tp, ep, prepare, backend=backend, timeout_s=600)
             r = ranks[0]
             try:
                 theirs = ReferenceEngine(server.url).logits(IDS).float()
@@ -316,6 +322,7 @@ def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_byte
         reports = r["reports"]
         res.device = f"trainer {r['device']}, engine {engine_device}"
         res.cold_s, res.warm_s = reports[0]["wall"], [x["wall"] for x in reports[1:]]
+        res.prepare_s = r["prepare_s"]
         best = min(reports[1:], key=lambda x: x["wall"]) if len(reports) > 1 else reports[0]
         res.bytes, res.tensors, res.buckets = best["bytes"], best["tensors"], best["buckets"]
         res.phases = {k: v for k, v in best["seconds"].items() if k != "total"}
