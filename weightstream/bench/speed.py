@@ -204,13 +204,10 @@ def update_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype:
             "logits": logits}
 
 
-def raw_send_recv_job(per_rank: list[int], chunk: int, repeats: int) -> dict:
-    """P2P's ceiling: rank r of the first half sends ``per_rank[r]`` bytes to rank r of the second half, in
-    ``chunk``-byte pieces, all pairs at once (NCCL on GPUs, gloo on CPUs)."""
+def _wire_job(total: int, chunk: int, repeats: int, move: Callable[[torch.Tensor], None]) -> dict:
+    """Best time of moving ``total`` bytes in ``chunk``-byte pieces with ``move(piece)`` on every rank
+    (after one warm-up), between barriers and device synchronisations."""
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    half = dist.get_world_size() // 2
-    rank = dist.get_rank()
-    total = per_rank[rank % half]
     buf = torch.empty(max(1, min(total, chunk)), dtype=torch.uint8, device=device)
     times = []
     for _ in range(repeats + 1):
@@ -220,33 +217,26 @@ def raw_send_recv_job(per_rank: list[int], chunk: int, repeats: int) -> dict:
         left = total
         while left > 0:
             n = min(left, chunk)
-            if rank < half:
-                dist.send(buf[:n], dst=rank + half)
-            else:
-                dist.recv(buf[:n], src=rank - half)
+            move(buf[:n])
             left -= n
         _sync(device)
         times.append(time.perf_counter() - t)
     return {"seconds": min(times[1:]) if len(times) > 1 else times[0]}
+
+
+def raw_send_recv_job(per_rank: list[int], chunk: int, repeats: int) -> dict:
+    """P2P's ceiling: rank r of the first half sends ``per_rank[r]`` bytes to rank r of the second half, in
+    ``chunk``-byte pieces, all pairs at once (NCCL on GPUs, gloo on CPUs)."""
+    half = dist.get_world_size() // 2
+    rank = dist.get_rank()
+    if rank < half:
+        return _wire_job(per_rank[rank], chunk, repeats, lambda piece: dist.send(piece, dst=rank + half))
+    return _wire_job(per_rank[rank - half], chunk, repeats, lambda piece: dist.recv(piece, src=rank - half))
 
 
 def raw_broadcast_job(total: int, chunk: int, repeats: int) -> dict:
-    """The wire's ceiling: a plain broadcast of ``total`` bytes in ``chunk``-byte pieces, rank 0 -> 1."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    buf = torch.empty(min(total, chunk), dtype=torch.uint8, device=device)
-    times = []
-    for _ in range(repeats + 1):
-        dist.barrier()
-        _sync(device)
-        t = time.perf_counter()
-        left = total
-        while left > 0:
-            n = min(left, chunk)
-            dist.broadcast(buf[:n], src=0)
-            left -= n
-        _sync(device)
-        times.append(time.perf_counter() - t)
-    return {"seconds": min(times[1:]) if len(times) > 1 else times[0]}
+    """The wire's ceiling: a plain broadcast of ``total`` bytes in ``chunk``-byte pieces from rank 0 to the rest."""
+    return _wire_job(total, chunk, repeats, lambda piece: dist.broadcast(piece, src=0))
 
 
 def run_bench(preset: str, transport: str, *, tiny: bool = False, dtype: str = "bfloat16",
