@@ -40,9 +40,11 @@ PRELOAD = [
 
 def process_context():
     """Where weightstream's processes (launched ranks, engine workers) come from: a fork server that has
-    imported torch, transformers and Megatron-Core once (Linux), else spawn. ``WEIGHTSTREAM_START_METHOD=spawn``
-    asks for spawn. Neither has CUDA initialised in the parent of the new process."""
-    method = os.environ.get("WEIGHTSTREAM_START_METHOD", "forkserver")
+    imported torch, transformers and Megatron-Core once (Linux, no CUDA), else spawn.
+    ``WEIGHTSTREAM_START_METHOD=spawn`` asks for spawn. Where CUDA is present, importing those modules may
+    initialise it in the fork server, and a process forked from it then cannot use CUDA: spawn there."""
+    default = "spawn" if torch.cuda.is_available() else "forkserver"
+    method = os.environ.get("WEIGHTSTREAM_START_METHOD", default)
     if method not in ("forkserver", "spawn"):
         raise ValueError(f"WEIGHTSTREAM_START_METHOD must be forkserver or spawn, got {method!r}")
     if method == "forkserver" and "forkserver" in mp.get_all_start_methods():
