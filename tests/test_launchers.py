@@ -1,6 +1,6 @@
 """Trainers started the way users start them — ``torchrun`` (whose workers see
 ``TORCHELASTIC_USE_AGENT_STORE``) and a plain single process — update a running reference engine by
-broadcast and by P2P; the engine's logits equal the HF model's after each update."""
+broadcast, by P2P and by IPC (its control channel per TP rank); the engine's logits equal the HF model's after each update."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -23,9 +24,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(cmd: list[str], timeout: float = 400) -> None:
+    # Output goes to a file, not a pipe: on the CPU, IPC shares buffers through torch's shared-memory manager,
+    # a process the trainer starts that lives while the engine's workers (its clients) do; it would hold a
+    # pipe open after the trainer exited.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+        log.seek(0)
+        assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{log.read()[-12000:]}"
 
 
 def _check(src: str, out, transport: str, torchrun: bool) -> None:
@@ -33,6 +39,8 @@ def _check(src: str, out, transport: str, torchrun: bool) -> None:
 
     reports = json.loads((out / "reports.json").read_text())
     assert [r["transport"] for r in reports] == [transport, transport], reports
+    if transport == "ipc":  # the reference engine takes the metadata ahead, with a control channel per rank
+        assert all(r["ahead"] for r in reports), reports
     assert [r["version"] for r in reports] == ["step-0", "step-1"]
     assert all(r["launcher_env"] == torchrun for r in reports)  # the variable that broke group formation was set
     first, second = torch.load(out / "logits0.pt"), torch.load(out / "logits1.pt")
@@ -41,7 +49,7 @@ def _check(src: str, out, transport: str, torchrun: bool) -> None:
     assert (second - first).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("transport,engine_tp", [("broadcast", 1), ("p2p", 2)])
+@pytest.mark.parametrize("transport,engine_tp", [("broadcast", 1), ("p2p", 2), ("ipc", 2)])
 def test_torchrun_trainer_updates_engine(tmp_path, transport, engine_tp):
     cfg = preset_config("tiny-qwen3")
     src = save_random_checkpoint(cfg, tmp_path / "src", seed=31)

@@ -125,7 +125,7 @@ def test_p2p_without_any_gather_and_fallback(sources, engine_dir):
 def test_ipc_shared_memory_between_processes(sources, engine_dir, tmp_path):
     """Colocated updates through one WeightSync: the bucket metadata goes ahead, per bucket one frame on the
     control channel per TP rank; each rank's two kept buffers are mapped by its engine rank once, in the
-    first update, and named by id after that."""
+    first update, and named by id after that; closing the WeightSync closes them in the engine."""
     src = sources["tiny-qwen3"]
     saved = [tmp_path / "one", tmp_path / "two"]
     with engine(engine_dir, tp=2) as server:
@@ -138,8 +138,11 @@ def test_ipc_shared_memory_between_processes(sources, engine_dir, tmp_path):
         memory = eng.get("/weightstream/memory")["ranks"]
     for rep in reports:
         assert rep.transport == "ipc" and rep.buckets > 3 and rep.metadata_ahead
-    for rank in memory:
-        assert rank["ipc_buffers_opened"] == 2 and rank["ipc_buffers_held"] == 2, memory
+    for step, entry in enumerate(results[0]):
+        for rank in entry["engine_memory"]:  # two kept buffers per rank, opened in the first update only
+            assert rank["ipc_buffers_opened"] == 2 and rank["ipc_buffers_held"] == 2, (step, entry["engine_memory"])
+    for rank in memory:  # after the WeightSync closed
+        assert rank["ipc_buffers_opened"] == 2 and rank["ipc_buffers_held"] == 0, memory
     for entry, where in zip(results[0], saved):
         assert_logits_close(entry["engine_logits"], hf_logits(str(where), INPUT_IDS))
     # Greedy generation by the engine equals greedy generation by the HF model of the weights sent last.

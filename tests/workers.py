@@ -230,6 +230,7 @@ def run_update(case: Case, urls: list[str], updates: list[dict], one_sync: dict 
                 from weightstream.streaming.adapters import ReferenceEngine
 
                 entry["engine_logits"] = ReferenceEngine(urls[0]).logits(INPUT_IDS)
+                entry["engine_memory"] = ReferenceEngine(urls[0]).get("/weightstream/memory")["ranks"]
             out.append(entry)
         except Exception as exc:  # noqa: BLE001
             out.append({"error": f"{type(exc).__name__}: {exc}"})

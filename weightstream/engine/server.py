@@ -78,6 +78,7 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "plan": ((str,), True), "num_buckets": ((int,), True), "channels": ((list,), True),
         "client": ((str,), True), "timeout_s": (_NUMBER, False), "weight_version": (_OPT_STR, False),
     },
+    "/weightstream/release_ipc_buffers": {"client": ((str,), True)},
     "/update_weights_from_tensor": {
         "serialized_named_tensors": ((list, str), True), "load_format": (_OPT_STR, False),
         "weight_version": (_OPT_STR, False), "flush_cache": ((bool,), False),
@@ -420,6 +421,7 @@ class EngineServer(ThreadingHTTPServer):
             ("POST", "/update_weights_from_tensor"): self.update_tensor,
             ("POST", "/weightstream/update_weights_from_ipc_ahead"): self.update_ipc_ahead,
             ("POST", "/weightstream/update_weights_from_p2p"): self.update_p2p,
+            ("POST", "/weightstream/release_ipc_buffers"): self.release_ipc,
             ("POST", "/begin_weight_update"): self.begin,
             ("POST", "/end_weight_update"): self.end,
             ("POST", "/weightstream/abort_weight_update"): self.abort,
@@ -534,6 +536,10 @@ class EngineServer(ThreadingHTTPServer):
         # The workers answer once the last bucket is loaded: each frame waits at most timeout_s.
         bound = timeout_s * (b["num_buckets"] + 3)
         return self._guarded(lambda: self.engine.call("update_ipc_ahead", per_rank=per_rank, wait_s=bound), b)
+
+    def release_ipc(self, b):
+        released = sum(r["released"] for r in self.engine.call("release_ipc", client=b["client"]))
+        return 200, {"success": True, "message": f"closed {released} IPC buffers of this client"}
 
     def update_p2p(self, b):
         self._in_session("update_weights_from_p2p")

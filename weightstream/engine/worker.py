@@ -408,6 +408,13 @@ class Worker:
         restored = self.model.resume_weights() if "weights" in tags else 0
         return {"restored_bytes": restored, **self.memory()}
 
+    def release_ipc(self, client):
+        """Close the buffers a trainer ``client`` kept mapped here (it is done with this engine)."""
+        held = len(self.ipc_kept) if client == self.ipc_client else 0
+        if held:
+            self.ipc_client, self.ipc_kept = None, {}
+        return {"released": held}
+
     def memory(self):
         """This worker's memory: the device's allocated bytes (CUDA) and the process's resident size."""
         with open("/proc/self/status") as f:

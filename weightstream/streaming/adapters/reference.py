@@ -63,6 +63,11 @@ class ReferenceEngine(SGLangEngine):
             "plan": plan, "num_buckets": num_buckets,
         }, step=f"update_weights_from_ipc_ahead ({num_buckets} buckets)", timeout_s=timeout_s * (num_buckets + 4))
 
+    def release_ipc_buffers(self, client: str, timeout_s: float | None = None) -> None:
+        """The trainer ``client`` is done: the engine closes the buffers it kept mapped for it."""
+        self.post("/weightstream/release_ipc_buffers", {"client": client}, step="release_ipc_buffers",
+                  timeout_s=timeout_s)
+
     @staticmethod
     def ipc_plan_frame(buckets: Sequence[Sequence[TensorMeta]]) -> dict:
         """The control-channel frame with the metadata of every bucket of a plan, in order."""

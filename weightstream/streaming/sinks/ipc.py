@@ -16,6 +16,7 @@ Two ways, by what the engine declares:
 from __future__ import annotations
 
 import base64
+import logging
 import uuid
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,6 +32,8 @@ from weightstream.streaming.adapters.base import IPC_AHEAD, EngineAdapter
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.channel import Channel, Listener
 from weightstream.streaming.serialization import checksum, dumps_b64
+
+log = logging.getLogger("weightstream")
 
 KEPT_HANDLES = 4  # kept buffers whose handles the engine holds for this trainer (the stream keeps two)
 
@@ -48,6 +51,7 @@ class IPCSink:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.engine_tp = 1
         self.ahead_used = False
+        self._engine_holds = False  # the engine may keep buffers of this client mapped (released at disconnect)
         self._client = uuid.uuid4().hex  # names this trainer's buffers to the engine (rank 0's, on every rank)
         self._listener: Listener | None = None
         self._channel: Channel | None = None
@@ -76,6 +80,7 @@ class IPCSink:
         if self.engine_tp > self.world:
             raise ValueError(f"engine TP {self.engine_tp} needs as many colocated trainer ranks; the job has {self.world}")
         self.ahead_used = ahead and len(stream) > 0
+        self._engine_holds = self._engine_holds or self.ahead_used
         self._sent = 0
         self._outstanding.clear()
         if self.ahead_used:
@@ -206,6 +211,9 @@ class IPCSink:
         self.disconnect()
 
     def disconnect(self, seconds: float | None = None) -> None:
+        """Done with this engine: the channel closes, and the engine closes the buffers it kept mapped for
+        this trainer (else they stay allocated there, and on the CPU the shared-memory manager that serves
+        them outlives the trainer)."""
         for end in (self._channel, self._listener):
             if end is not None:
                 end.close()
@@ -214,6 +222,12 @@ class IPCSink:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+        if self._engine_holds and self.rank == 0:
+            self._engine_holds = False
+            try:
+                self.engine.release_ipc_buffers(self._client, timeout_s=min(self.timeout_s, seconds or 10.0))
+            except Exception as exc:  # noqa: BLE001 -- best effort: the engine may be gone
+                log.warning("the engine at %s could not close this trainer's IPC buffers: %s", self.engine.url, exc)
 
     # -- one request per bucket (engines without ``ipc_ahead``) -------------------------------------
 
