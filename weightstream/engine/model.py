@@ -266,13 +266,15 @@ class ShardedCausalLM:
         return out
 
     @torch.no_grad()
-    def load_flat(self, names: list[str], targets: list[Tensor], sources: list[Tensor]) -> LoadReport:
-        """Copy ``sources`` (flat) into ``targets`` (flat views of parameters, from :meth:`whole_targets`),
-        keeping the session's backups, with two batched copies."""
+    def load_flat(self, names: list[str], groups: list[tuple[list[Tensor], Sequence[Tensor]]]) -> LoadReport:
+        """Copy each group's sources (flat) into its targets (flat views of parameters, from
+        :meth:`whole_targets`; ``names`` of all groups in order), keeping the session's backups, with one
+        batched copy per group and one per dtype for the backups."""
         if self.released_bytes:
             return LoadReport([], [f"{n}: the weights are released; resume them before loading" for n in names])
-        self._keep(list(zip(names, targets)))
-        torch._foreach_copy_(targets, sources)
+        self._keep(list(zip(names, (t for targets, _ in groups for t in targets))))
+        for targets, sources in groups:
+            torch._foreach_copy_(targets, list(sources))
         self._loaded_in_session.update(names)
         return LoadReport(names, [])
 

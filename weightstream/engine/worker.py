@@ -239,8 +239,9 @@ class Worker:
     def _load_dense(self, program, raw, expected_checksum):
         if program.runs is not None and expected_checksum is None and not self.fault:
             self.bucket_count += 1
-            sources = [v for dtype, sizes, _ in program.runs for v in typed_views(raw, dtype, sizes)]
-            return self._report(self.model.load_flat(program.names, program.targets, sources))
+            groups = [(targets, typed_views(raw, dtype, sizes))
+                      for (dtype, sizes, _), targets in zip(program.runs, program.targets)]
+            return self._report(self.model.load_flat(program.names, groups))
         bucket = Bucket(self.bucket_count, raw.narrow(0, 0, program.total), tuple(program.metas))
         return self._apply(bucket, expected_checksum)
 
@@ -351,14 +352,15 @@ class Worker:
 
     def _program(self, metas: list[TensorMeta]) -> SimpleNamespace:
         """``runs`` (how to cut the buffer, with each tensor's name and parameter) where every tensor of the
-        bucket loads by a plain copy, else None; ``names`` and ``targets`` in the order the runs cut."""
+        bucket loads by a plain copy, else None; ``names`` in the order the runs cut, and ``targets`` per
+        run (one dtype each: the batched copy of a run takes the GPU's fused kernels)."""
         total = metas[-1].offset + metas[-1].nbytes if metas else 0
         targets = self.model.whole_targets(metas) if metas else None
         runs = None if targets is None else typed_runs(
             (m.dtype, m.offset, m.numel, (m.name, t)) for m, t in zip(metas, targets))
-        pairs = [pair for _, _, payload in runs or () for pair in payload]
-        return SimpleNamespace(metas=metas, total=total, runs=runs, names=[n for n, _ in pairs],
-                               targets=[t for _, t in pairs])
+        return SimpleNamespace(metas=metas, total=total, runs=runs,
+                               names=[n for _, _, payload in runs or () for n, _ in payload],
+                               targets=[[t for _, t in payload] for _, _, payload in runs or ()])
 
     def _report(self, report):
         if report.problems:

@@ -94,8 +94,8 @@ class _Program:
     strided: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int, Tensor]]  # non-contiguous sources
     slow: list[int]  # items converted one by one (TP-gathered, or an op that makes new tensors)
     batched: int
-    # With kept buffers: the batched copies' destination and source lists, made once per kept buffer.
-    copies: dict[int, tuple[list[Tensor], list[Tensor]]] = field(default_factory=dict)
+    # With kept buffers: the batched copies' (destinations, sources) lists, made once per kept buffer.
+    copies: dict[int, list[tuple[list[Tensor], list[Tensor]]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -294,41 +294,38 @@ class BucketStream(Iterator[Bucket]):
             kept = self.shared.buffers[slot] = typed_buffer(largest, self.device)
         return kept
 
-    def _copies(self, program: _Program, raw: Tensor) -> tuple[list[Tensor], list[Tensor]]:
-        """The batched copies' destinations (views of ``raw``) and sources; kept with the program per kept
-        buffer, so a reused buffer costs no view making at all."""
+    def _copies(self, program: _Program, raw: Tensor) -> list[tuple[list[Tensor], list[Tensor]]]:
+        """The batched copies, as (destinations: views of ``raw``, sources) lists: one per dtype of flat
+        copies, each of which a GPU does in a few fused kernels (``_foreach_copy_`` falls back to one copy per
+        tensor for the whole list if any pair differs in dtype or is not dense), and one of the strided
+        copies. Kept with the program per kept buffer, so a reused buffer costs no view making at all."""
         key = raw.data_ptr()
         made = program.copies.get(key) if self.reuse_buffers else None
         if made is not None:
             return made
-        dst: list[Tensor] = []
-        src: list[Tensor] = []
-        for dtype, sizes, sources in program.runs:
-            dst += typed_views(raw, dtype, sizes)
-            src += sources
-        for dtype, shape, strides, offset, source in program.strided:
-            dst.append(raw.view(dtype).as_strided(shape, strides, offset))
-            src.append(source)
+        groups = [(list(typed_views(raw, dtype, sizes)), sources) for dtype, sizes, sources in program.runs]
+        if program.strided:
+            groups.append(([raw.view(dtype).as_strided(shape, strides, offset)
+                            for dtype, shape, strides, offset, _ in program.strided],
+                           [source for *_, source in program.strided]))
         if self.reuse_buffers:
             if len(program.copies) >= 2:
                 program.copies.clear()  # the kept buffers were re-made
-            program.copies[key] = (dst, src)
-        return dst, src
+            program.copies[key] = groups
+        return groups
 
     def _build(self, bp: BucketPlan, program: _Program) -> Bucket:
         items, metas, total = program.items, program.item_metas, program.total
         raw = self._buffer(bp, total)
         buffer = raw.narrow(0, 0, total)
-        # Batched: every tensor that is a view of a live parameter, one _foreach_copy_.
+        # Batched: every tensor that is a view of a live parameter, one _foreach_copy_ per dtype.
         # Thousands of short-lived views: a cyclic collection of the whole heap midway would cost more
         # than the copies (they hold no cycles).
         collecting = gc.isenabled()
         gc.disable()
         try:
-            dst, src = self._copies(program, raw)
-            if dst:
+            for dst, src in self._copies(program, raw):
                 torch._foreach_copy_(dst, src)
-            del dst, src
         finally:
             if collecting:
                 gc.enable()
