@@ -286,6 +286,10 @@ class WeightSync:
             report.buckets, report.tensors, report.bytes = stream.stats.buckets, stream.stats.tensors, stream.stats.bytes
             report.gathers = stream.stats.gathers
         seconds["transfer"] = time.perf_counter() - t - seconds.get("connect", 0.0)
+        if stream is not None:  # of which: this rank making the buckets, and waiting for the engine's answers
+            seconds["transfer:pack"] = stream.stats.seconds
+            if getattr(sink, "waited", None) is not None:
+                seconds["transfer:wait"] = sink.waited
         failure = _first_error(err)
 
         # 3. Rank 0 commits, then resumes generation.

@@ -10,8 +10,9 @@ per-rank shards (checked to be exactly this rank's).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -266,15 +267,15 @@ class ShardedCausalLM:
         return out
 
     @torch.no_grad()
-    def load_flat(self, names: list[str], groups: list[tuple[list[Tensor], Sequence[Tensor]]]) -> LoadReport:
-        """Copy each group's sources (flat) into its targets (flat views of parameters, from
-        :meth:`whole_targets`; ``names`` of all groups in order), keeping the session's backups, with one
-        batched copy per group and one per dtype for the backups."""
+    def load_flat(self, names: list[str], targets: list[list[Tensor]], copies: list[Callable[[], Any]]) -> LoadReport:
+        """Run ``copies`` (batched copies into ``targets``, flat views of parameters from
+        :meth:`whole_targets`, per dtype; ``names`` of all of them in order), keeping the session's backups
+        first, with one batched copy per dtype."""
         if self.released_bytes:
             return LoadReport([], [f"{n}: the weights are released; resume them before loading" for n in names])
-        self._keep(list(zip(names, (t for targets, _ in groups for t in targets))))
-        for targets, sources in groups:
-            torch._foreach_copy_(targets, list(sources))
+        self._keep(list(zip(names, (t for group in targets for t in group))))
+        for copy in copies:
+            copy()
         self._loaded_in_session.update(names)
         return LoadReport(names, [])
 

@@ -556,7 +556,8 @@ class EngineServer(ThreadingHTTPServer):
         return 200, {"success": True, "message": "weight update session opened"}
 
     def end(self, b):
-        return 200, {"success": True, "message": self.engine.commit_session()}
+        message = self.engine.commit_session()  # the engine has no cache of its own to flush
+        return 200, {"success": True, "message": message, "weight_version": self.engine.weight_version}
 
     def abort(self, b):
         return 200, {"success": True, "message": self.engine.abort_session("asked by the trainer")}

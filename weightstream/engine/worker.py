@@ -33,6 +33,7 @@ from weightstream.streaming.bucket import (
 )
 from weightstream.engine.schema import buckets_problems
 from weightstream.streaming.channel import Channel
+from weightstream.streaming.piececopy import batched_copy
 from weightstream.streaming.groups import destroy_group, init_custom_process_group, tcp_store
 from weightstream.streaming.serialization import checksum, loads_b64
 
@@ -236,12 +237,20 @@ class Worker:
         dist.broadcast(raw.narrow(0, 0, program.total), group=group, group_src=0)
         return raw
 
-    def _load_dense(self, program, raw, expected_checksum):
+    def _load_dense(self, program, raw, expected_checksum, kept: bool = False):
+        """``kept``: ``raw`` is a buffer this worker holds across updates (its addresses stay), so the copies
+        out of it are made once, per buffer (:func:`~weightstream.streaming.piececopy.batched_copy`)."""
         if program.runs is not None and expected_checksum is None and not self.fault:
             self.bucket_count += 1
-            groups = [(targets, typed_views(raw, dtype, sizes))
-                      for (dtype, sizes, _), targets in zip(program.runs, program.targets)]
-            return self._report(self.model.load_flat(program.names, groups))
+            copies = program.copies.get(raw.data_ptr()) if kept else None
+            if copies is None:
+                copies = [batched_copy(targets, list(typed_views(raw, dtype, sizes)), stable=kept)
+                          for (dtype, sizes, _), targets in zip(program.runs, program.targets)]
+                if kept:
+                    if len(program.copies) >= 4:
+                        program.copies.clear()
+                    program.copies[raw.data_ptr()] = copies
+            return self._report(self.model.load_flat(program.names, program.targets, copies))
         bucket = Bucket(self.bucket_count, raw.narrow(0, 0, program.total), tuple(program.metas))
         return self._apply(bucket, expected_checksum)
 
@@ -293,7 +302,7 @@ class Worker:
                         if events is None:
                             raise RuntimeError("the trainer sent no CUDA events")
                         torch.cuda.current_stream(self.device).wait_event(events[k % 2])
-                    loaded += self._load_dense(program, view, frame.get("checksum"))["loaded"]
+                    loaded += self._load_dense(program, view, frame.get("checksum"), kept=bool(frame.get("keep")))["loaded"]
                     if cuda:
                         events[2 + k % 2].record(torch.cuda.current_stream(self.device))
                         if not frame.get("keep"):
@@ -358,7 +367,7 @@ class Worker:
         targets = self.model.whole_targets(metas) if metas else None
         runs = None if targets is None else typed_runs(
             (m.dtype, m.offset, m.numel, (m.name, t)) for m, t in zip(metas, targets))
-        return SimpleNamespace(metas=metas, total=total, runs=runs,
+        return SimpleNamespace(metas=metas, total=total, runs=runs, copies={},
                                names=[n for _, _, payload in runs or () for n, _ in payload],
                                targets=[[t for _, t in payload] for _, _, payload in runs or ()])
 

@@ -23,8 +23,9 @@ import gc
 import hashlib
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -44,6 +45,7 @@ from weightstream.streaming.bucket import (
     typed_views,
     view_tensor,
 )
+from weightstream.streaming.piececopy import batched_copy
 from weightstream.streaming.plan import ALIGN, BucketPlan, layout, plan_buckets
 from weightstream.streaming.sources.base import ModuleGuard, Source, as_source, first_device
 from weightstream.streaming.sources.megatron import WEIGHT_BUFFERS
@@ -94,8 +96,8 @@ class _Program:
     strided: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int, Tensor]]  # non-contiguous sources
     slow: list[int]  # items converted one by one (TP-gathered, or an op that makes new tensors)
     batched: int
-    # With kept buffers: the batched copies' (destinations, sources) lists, made once per kept buffer.
-    copies: dict[int, list[tuple[list[Tensor], list[Tensor]]]] = field(default_factory=dict)
+    # With kept buffers: the batched copies, made once per kept buffer.
+    copies: dict[int, list[Callable[[], Any]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -294,25 +296,28 @@ class BucketStream(Iterator[Bucket]):
             kept = self.shared.buffers[slot] = typed_buffer(largest, self.device)
         return kept
 
-    def _copies(self, program: _Program, raw: Tensor) -> list[tuple[list[Tensor], list[Tensor]]]:
-        """The batched copies, as (destinations: views of ``raw``, sources) lists: one per dtype of flat
-        copies, each of which a GPU does in a few fused kernels (``_foreach_copy_`` falls back to one copy per
-        tensor for the whole list if any pair differs in dtype or is not dense), and one of the strided
-        copies. Kept with the program per kept buffer, so a reused buffer costs no view making at all."""
+    def _copies(self, program: _Program, raw: Tensor) -> list[Callable[[], Any]]:
+        """The batched copies into ``raw``: per dtype, the flat copies in one call, and the strided copies in
+        one. ``_foreach_copy_`` takes one list of one dtype and dense pairs in a few fused launches (a single
+        other pair sends the whole list down one copy per tensor); with kept buffers on a GPU, where the
+        addresses stay, a :class:`PieceCopy` does the flat copies of a dtype in one launch. Kept with the
+        program per kept buffer, so a reused buffer costs no view making at all."""
         key = raw.data_ptr()
-        made = program.copies.get(key) if self.reuse_buffers else None
+        kept = self.reuse_buffers and self.shared is not None
+        made = program.copies.get(key) if kept else None
         if made is not None:
             return made
-        groups = [(list(typed_views(raw, dtype, sizes)), sources) for dtype, sizes, sources in program.runs]
+        calls = [batched_copy(list(typed_views(raw, dtype, sizes)), sources, stable=kept)
+                 for dtype, sizes, sources in program.runs]
         if program.strided:
-            groups.append(([raw.view(dtype).as_strided(shape, strides, offset)
-                            for dtype, shape, strides, offset, _ in program.strided],
-                           [source for *_, source in program.strided]))
-        if self.reuse_buffers:
+            calls.append(partial(torch._foreach_copy_, [raw.view(dtype).as_strided(shape, strides, offset)
+                                                        for dtype, shape, strides, offset, _ in program.strided],
+                                 [source for *_, source in program.strided]))
+        if kept:
             if len(program.copies) >= 2:
                 program.copies.clear()  # the kept buffers were re-made
-            program.copies[key] = groups
-        return groups
+            program.copies[key] = calls
+        return calls
 
     def _build(self, bp: BucketPlan, program: _Program) -> Bucket:
         items, metas, total = program.items, program.item_metas, program.total
@@ -324,8 +329,8 @@ class BucketStream(Iterator[Bucket]):
         collecting = gc.isenabled()
         gc.disable()
         try:
-            for dst, src in self._copies(program, raw):
-                torch._foreach_copy_(dst, src)
+            for copy in self._copies(program, raw):
+                copy()
         finally:
             if collecting:
                 gc.enable()

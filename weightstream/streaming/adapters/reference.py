@@ -33,6 +33,13 @@ class ReferenceEngine(SGLangEngine):
     def capabilities(self, server_info: dict) -> frozenset[str]:
         return frozenset(server_info.get("capabilities") or (BROADCAST, IPC, IPC_AHEAD, P2P, ROLLBACK, RELEASE_MEMORY))
 
+    def commit_update(self) -> str | None:
+        """One request: the reference engine's ``/end_weight_update`` answers with the weight version it
+        now serves (it keeps no KV cache to flush)."""
+        self._session = False
+        reply = self.post("/end_weight_update", {}, step="end_weight_update")
+        return None if reply.get("weight_version") is None else str(reply["weight_version"])
+
     def abort_update(self, timeout_s: float | None = None) -> None:
         """Close the session without committing: the engine puts its last committed weights back."""
         if not self._session:

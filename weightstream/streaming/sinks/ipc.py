@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import time
 import uuid
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -63,6 +64,7 @@ class IPCSink:
         self._sent = 0
         self._outstanding: deque[tuple[int, Any]] = deque()
         self._device: torch.device | None = None
+        self.waited = 0.0  # seconds of this update spent waiting for the engine's answers
 
     # -- per update ------------------------------------------------------------------------------
 
@@ -82,6 +84,7 @@ class IPCSink:
         self.ahead_used = ahead and len(stream) > 0
         self._engine_holds = self._engine_holds or self.ahead_used
         self._sent = 0
+        self.waited = 0.0
         self._outstanding.clear()
         if self.ahead_used:
             self._open_ahead(stream)
@@ -161,6 +164,7 @@ class IPCSink:
         """The engine's answer to the oldest bucket in flight; on a GPU this stream then waits for the
         engine's copies out of that buffer (an event), not the host."""
         k, _ = self._outstanding[0]
+        t = time.perf_counter()
         try:
             reply = self._channel.recv(self.timeout_s, f"answer to bucket {k} from the engine")
         except TimeoutError as exc:
@@ -170,6 +174,7 @@ class IPCSink:
         if reply.get("k") != k or "error" in reply:
             raise UpdateError(f"bucket {k}", str(reply.get("error") or f"answer for bucket {reply.get('k')!r}"),
                               [self.engine.url])
+        self.waited += time.perf_counter() - t
         if self._events is not None:
             torch.cuda.current_stream(self._device).wait_event(self._events[2 + k % 2])
         self._outstanding.popleft()
