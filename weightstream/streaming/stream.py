@@ -96,6 +96,7 @@ class _Program:
     strided: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int, Tensor]]  # non-contiguous sources
     slow: list[int]  # items converted one by one (TP-gathered, or an op that makes new tensors)
     batched: int
+    spans: list[tuple[int, int | None, int, int]]  # per item (PP owner, EP owner, first byte, end): Source.share
     # With kept buffers: the batched copies, made once per kept buffer.
     copies: dict[int, list[Callable[[], Any]]] = field(default_factory=dict)
 
@@ -281,8 +282,10 @@ class BucketStream(Iterator[Bucket]):
                     strided.append((meta.dtype, tuple(view.shape), tuple(reversed(strides)), meta.offset // size, view))
                 batched += 1
         flat_metas = tuple(m for ms in metas for m in ms)
+        spans = [(it.entry.pp_owner, it.entry.ep_owner, ms[0].offset, ms[-1].offset + ms[-1].nbytes)
+                 for it, ms in zip(items, metas) if ms]
         return _Program(total, flat_metas, sum(m.nbytes for m in flat_metas), items, metas,
-                        typed_runs(_coalesced(flat)), strided, slow, batched)
+                        typed_runs(_coalesced(flat)), strided, slow, batched, spans)
 
     def _buffer(self, bp: BucketPlan, total: int) -> Tensor:
         """The bucket's flat buffer: a new one, or (``reuse_buffers``) one of two kept with the plan, bucket
@@ -354,19 +357,12 @@ class BucketStream(Iterator[Bucket]):
         self.stats.copies += sum(len(sources) for _, _, sources in program.runs) + len(program.strided)
         self.stats.unbatched += len(program.slow)
         self.stats.peak_staging_bytes = max(self.stats.peak_staging_bytes, total + gather_bytes + largest)
-        self._broadcast(buffer, items, metas)
+        self.source.share(buffer, program.spans, self.mode, self.stats)
         return Bucket(bp.index, buffer, program.metas, kept=self.reuse_buffers and self.shared is not None)
 
     def _group_rank(self, entry: TensorEntry) -> int:
         return self.topology.group_rank(entry.group)
 
-    def _broadcast(self, buffer: Tensor, items: Sequence[_Item], metas: Sequence[Sequence[TensorMeta]]) -> None:
-        spans = [
-            (it.entry.pp_owner, it.entry.ep_owner, ms[0].offset, ms[-1].offset + ms[-1].nbytes)
-            for it, ms in zip(items, metas)
-            if ms
-        ]
-        self.source.share(buffer, spans, self.mode, self.stats)
 
 
 def _coalesced(flat: list[tuple[torch.dtype, int, int, Tensor]]) -> list[tuple[torch.dtype, int, int, Tensor]]:

@@ -101,7 +101,7 @@ class ModuleGuard:
     def _ptrs(self, tensors: Sequence[Tensor]) -> list[int]:
         if self.wrapped:
             return [local_data(t).data_ptr() for t in tensors]
-        return [t.data_ptr() for t in tensors]  # tens of thousands of tensors: no per-tensor lookup
+        return list(map(Tensor.data_ptr, tensors))  # tens of thousands of tensors: no per-tensor lookup
 
     def holds(self, modules: Sequence[nn.Module]) -> bool:
         if len(modules) != len(self.roots) or any(r() is not m for r, m in zip(self.roots, modules)):
