@@ -281,5 +281,6 @@ def test_prepare_makes_the_plan_and_the_group_before_the_first_update(sources, e
     for r in results:
         assert r["prepared"] == "broadcast" and r["group_ready"]
         assert r["builds_in_update"] == 0  # the update streamed with the plan prepare() made
+        assert r["copies_in_update"] == 0  # and with the batched copies into its kept buffers
         assert r["report"].transport == "broadcast" and r["report"].weight_version == "1"
     assert_logits_close(logits, hf_logits(src, INPUT_IDS))

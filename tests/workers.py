@@ -372,7 +372,7 @@ def run_prepared_update(case: Case, url: str, options: dict) -> dict:
         kind = sync.prepare(chunks, cfg)
         group_ready = all(getattr(s, "group", True) is not None for s in sync.sinks.values()) if dist.get_rank() == 0 \
             else True
-        before = stream_mod.plan_builds
+        before, copies = stream_mod.plan_builds, stream_mod.copy_builds
         report = sync.update(chunks, cfg)
         return {"prepared": kind, "group_ready": group_ready, "builds_in_update": stream_mod.plan_builds - before,
-                "report": report}
+                "copies_in_update": stream_mod.copy_builds - copies, "report": report}

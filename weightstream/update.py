@@ -327,7 +327,8 @@ class WeightSync:
     def prepare(self, model_chunks: nn.Module | Sequence[nn.Module], hf_config: Any) -> str:
         """What an update needs before its first bytes, done now: call it on every trainer rank once the model
         and the engines are up (before training starts, say). The engines are asked what they are, the
-        transport is chosen, the stream's plan (table, buckets, copy programs) is made and kept, and the
+        transport is chosen, the stream's plan (table, buckets, copy programs, the kept buffers and the batched
+        copies into them; on a GPU the copy kernel compiled) is made and kept, and the
         group to the engines is formed (broadcast, P2P); the first :meth:`update` then costs about what a
         later one does. The engines keep serving meanwhile (nothing is paused). Returns the transport; raises
         on every rank what the first update would have raised."""
@@ -355,6 +356,7 @@ class WeightSync:
                                        align=1 if kind == "broadcast" else ALIGN, split_dtypes=one_dtype,
                                        reuse_buffers=self.reuse_buffers)
             stream.metadata_digest()  # every bucket's copy program, made and kept with the plan
+            stream.prepare_copies()  # the kept buffers and the copies into them
             connect = getattr(self._make_sink(kind), "connect", None)
             if connect is not None:
                 connect()

@@ -117,3 +117,10 @@ def batched_copy(dst: list[Tensor], src: list[Tensor], *, stable: bool) -> Calla
                     and d.device == s.device for d, s in zip(dst, src, strict=True))):
         return PieceCopy(dst, src)
     return partial(torch._foreach_copy_, dst, src)
+
+
+def warm_kernel(device: torch.device) -> None:
+    """Compile the kernel (a first launch takes a second or two) before it is needed, where it is used."""
+    if available(device):
+        one = torch.zeros(8, dtype=torch.int64, device=device)
+        PieceCopy([one[:4]], [one[4:]])()

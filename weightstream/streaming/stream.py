@@ -45,7 +45,7 @@ from weightstream.streaming.bucket import (
     typed_views,
     view_tensor,
 )
-from weightstream.streaming.piececopy import batched_copy
+from weightstream.streaming.piececopy import batched_copy, warm_kernel
 from weightstream.streaming.plan import ALIGN, BucketPlan, layout, plan_buckets
 from weightstream.streaming.sources.base import ModuleGuard, Source, as_source, first_device
 from weightstream.streaming.sources.megatron import WEIGHT_BUFFERS
@@ -214,6 +214,17 @@ class BucketStream(Iterator[Bucket]):
             self.shared.digest = digest
         return digest
 
+    def prepare_copies(self) -> None:
+        """With kept buffers: allocate them and make every bucket's batched copies into its buffer now (on a
+        GPU, the copy kernel compiled and its address tables uploaded), so that the first stream costs about
+        what a later one does."""
+        if not (self.reuse_buffers and self.shared is not None):
+            return
+        for bp in self.plan:
+            program = self._program_for(bp.index)
+            self._copies(program, self._buffer(bp, program.total))
+        warm_kernel(self.device)
+
     def _program_for(self, index: int) -> _Program:
         """Bucket ``index``'s copy program, made on first use and kept with the plan."""
         programs = self.shared.programs if self.shared is not None else self._programs
@@ -305,11 +316,13 @@ class BucketStream(Iterator[Bucket]):
         other pair sends the whole list down one copy per tensor); with kept buffers on a GPU, where the
         addresses stay, a :class:`PieceCopy` does the flat copies of a dtype in one launch. Kept with the
         program per kept buffer, so a reused buffer costs no view making at all."""
+        global copy_builds
         key = raw.data_ptr()
         kept = self.reuse_buffers and self.shared is not None
         made = program.copies.get(key) if kept else None
         if made is not None:
             return made
+        copy_builds += 1
         calls = [batched_copy(list(typed_views(raw, dtype, sizes)), sources, stable=kept)
                  for dtype, sizes, sources in program.runs]
         if program.strided:
@@ -482,6 +495,7 @@ def stream_hf_weights(
 _PLANS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, StreamPlan]]" = weakref.WeakKeyDictionary()
 _KEEP = 4
 plan_builds = 0  # how many plans were made in this process (the tests count them)
+copy_builds = 0  # how many buckets' batched copies were made
 
 
 def clear_plans() -> None:
