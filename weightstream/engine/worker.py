@@ -261,7 +261,8 @@ class Worker:
         frame goes once the copies are queued; the trainer waits on our event before reusing the buffer.
         The first failure is answered on the channel and raised (nothing after it is loaded)."""
         if client != self.ipc_client:
-            self.ipc_client, self.ipc_kept = client, {}
+            self._close_ipc_buffers(None)
+            self.ipc_client = client
         cuda = self.device.type == "cuda"
         chan = Channel.connect(channel, timeout_s)
         loaded: list[str] = []
@@ -280,8 +281,8 @@ class Worker:
                 try:
                     if frame.get("k") != k:
                         raise RuntimeError(f"expected bucket {k}, the trainer sent {frame.get('k')!r}")
-                    for dropped in frame.get("drop") or ():
-                        self.ipc_kept.pop(int(dropped), None)
+                    if frame.get("drop"):
+                        self._close_ipc_buffers([int(d) for d in frame["drop"]])
                     if cuda and frame.get("events"):
                         events = [torch.cuda.Event.from_ipc_handle(self.device, base64.b64decode(h))
                                   for h in frame["events"]]
@@ -423,8 +424,18 @@ class Worker:
         """Close the buffers a trainer ``client`` kept mapped here (it is done with this engine)."""
         held = len(self.ipc_kept) if client == self.ipc_client else 0
         if held:
-            self.ipc_client, self.ipc_kept = None, {}
+            self._close_ipc_buffers(None)
+            self.ipc_client = None
         return {"released": held}
+
+    def _close_ipc_buffers(self, ids: list[int] | None) -> None:
+        """Drop kept IPC buffers (``None``: all), with the batched copies made out of them, which hold views
+        of them: a buffer is closed once nothing refers to it."""
+        for i in list(self.ipc_kept) if ids is None else ids:
+            self.ipc_kept.pop(i, None)
+        for programs in self.ipc_plans.values():
+            for program in programs:
+                program.copies.clear()
 
     def memory(self):
         """This worker's memory: the device's allocated bytes (CUDA) and the process's resident size."""

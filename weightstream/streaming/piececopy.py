@@ -23,19 +23,20 @@ from torch import Tensor
 PIECE_BYTES = 512 << 10
 _BLOCK = 2048  # elements a program moves per step
 
-_kernel = None
-_unavailable: str | None = None
+_kernel: Any = None
+_tried = False
 
 
 def _compile():
-    global _kernel, _unavailable
-    if _kernel is not None or _unavailable is not None:
+    """The Triton kernel, compiled on its first launch; None without Triton."""
+    global _kernel, _tried
+    if _tried:
         return _kernel
+    _tried = True
     try:
         import triton
         import triton.language as tl
-    except ImportError as exc:
-        _unavailable = f"triton is not installed ({exc})"
+    except ImportError:
         return None
 
     @triton.jit
@@ -58,9 +59,6 @@ def available(device: torch.device) -> bool:
     if device.type != "cuda" or os.environ.get("WEIGHTSTREAM_PIECE_COPY", "1") == "0":
         return False
     return _compile() is not None
-
-
-_ELEMS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
 def plan_pieces(dst: Sequence[Tensor], src: Sequence[Tensor], piece_bytes: int = PIECE_BYTES
@@ -93,19 +91,18 @@ class PieceCopy:
     the addresses in the table stay theirs."""
 
     def __init__(self, dst: Sequence[Tensor], src: Sequence[Tensor]):
+        import triton.language as tl
+
         self.held = (list(dst), list(src))
         unit, srcs, dsts, lens = plan_pieces(dst, src)
-        self.elem = _ELEMS[unit]
-        device = dst[0].device
-        self.table = torch.tensor([srcs, dsts, lens], dtype=torch.int64).to(device)
+        self.elem = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}[unit]
+        self.table = torch.tensor([srcs, dsts, lens], dtype=torch.int64).to(dst[0].device)
         self.pieces = len(lens)
+        self.kernel = _compile()
 
     def __call__(self) -> None:
         if self.pieces:
-            import triton.language as tl
-
-            elem = {torch.int64: tl.int64, torch.int32: tl.int32, torch.int16: tl.int16, torch.int8: tl.int8}[self.elem]
-            _compile()[(self.pieces,)](self.table[0], self.table[1], self.table[2], ELEM=elem, BLOCK=_BLOCK)
+            self.kernel[(self.pieces,)](self.table[0], self.table[1], self.table[2], ELEM=self.elem, BLOCK=_BLOCK)
 
 
 def batched_copy(dst: list[Tensor], src: list[Tensor], *, stable: bool) -> Callable[[], Any]:
