@@ -272,15 +272,23 @@ def test_engine_without_rollback_refuses_half_updated_weights(sources, engine_di
         stop(server)
 
 
-def test_prepare_makes_the_plan_and_the_group_before_the_first_update(sources, engine_dir):
+@pytest.mark.parametrize("transport", ["broadcast", "ipc"])
+def test_prepare_makes_the_plan_and_the_group_before_the_first_update(sources, engine_dir, transport):
+    """prepare() makes the plan, the kept buffers and the copies into them, and the group (broadcast); with
+    IPC the engine learns the plan and maps the two kept buffers then, and the update opens none."""
     src = sources["tiny-qwen3"]
     with engine(engine_dir) as server:
         results = launch(2, run_prepared_update, Case(src, Layout(2, 1)), server.url,
-                         {"transport": "broadcast", "bucket_bytes": SMALL})
+                         {"transport": transport, "bucket_bytes": SMALL})
         logits = ReferenceEngine(server.url).logits(INPUT_IDS)
     for r in results:
-        assert r["prepared"] == "broadcast" and r["group_ready"]
+        assert r["prepared"] == transport and r["group_ready"]
         assert r["builds_in_update"] == 0  # the update streamed with the plan prepare() made
         assert r["copies_in_update"] == 0  # and with the batched copies into its kept buffers
-        assert r["report"].transport == "broadcast" and r["report"].weight_version == "1"
+        assert r["report"].transport == transport and r["report"].weight_version == "1"
+    if transport == "ipc":
+        after_prepare, after_update = results[0]["engine_memory"]
+        assert results[0]["report"].metadata_ahead
+        assert [(m["ipc_buffers_opened"], m["ipc_buffers_held"]) for m in after_prepare] == [(2, 2)]
+        assert [(m["ipc_buffers_opened"], m["ipc_buffers_held"]) for m in after_update] == [(2, 2)]
     assert_logits_close(logits, hf_logits(src, INPUT_IDS))

@@ -372,7 +372,15 @@ def run_prepared_update(case: Case, url: str, options: dict) -> dict:
         kind = sync.prepare(chunks, cfg)
         group_ready = all(getattr(s, "group", True) is not None for s in sync.sinks.values()) if dist.get_rank() == 0 \
             else True
+        memory = []
+        if dist.get_rank() == 0:
+            from weightstream.streaming.adapters import ReferenceEngine
+
+            memory.append(ReferenceEngine(url).get("/weightstream/memory")["ranks"])
         before, copies = stream_mod.plan_builds, stream_mod.copy_builds
         report = sync.update(chunks, cfg)
+        if dist.get_rank() == 0:
+            memory.append(ReferenceEngine(url).get("/weightstream/memory")["ranks"])
         return {"prepared": kind, "group_ready": group_ready, "builds_in_update": stream_mod.plan_builds - before,
-                "copies_in_update": stream_mod.copy_builds - copies, "report": report}
+                "copies_in_update": stream_mod.copy_builds - copies, "report": report,
+                "engine_memory": memory}

@@ -356,8 +356,12 @@ class WeightSync:
                                        align=1 if kind == "broadcast" else ALIGN, split_dtypes=one_dtype,
                                        reuse_buffers=self.reuse_buffers)
             stream.metadata_digest()  # every bucket's copy program, made and kept with the plan
+            sink = self._make_sink(kind)
+            ahead = getattr(sink, "prepare", None)  # IPC: the engine learns the plan and maps the kept buffers
+            if ahead is not None:
+                ahead(stream)  # (first: on the CPU, sharing a buffer moves it into shared memory)
             stream.prepare_copies()  # the kept buffers and the copies into them
-            connect = getattr(self._make_sink(kind), "connect", None)
+            connect = getattr(sink, "connect", None)
             if connect is not None:
                 connect()
         except BaseException as exc:  # noqa: BLE001

@@ -79,6 +79,10 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "client": ((str,), True), "timeout_s": (_NUMBER, False), "weight_version": (_OPT_STR, False),
     },
     "/weightstream/release_ipc_buffers": {"client": ((str,), True)},
+    "/weightstream/prepare_ipc_ahead": {
+        "plan": ((str,), True), "num_buckets": ((int,), True), "channels": ((list,), True),
+        "client": ((str,), True), "timeout_s": (_NUMBER, False),
+    },
     "/update_weights_from_tensor": {
         "serialized_named_tensors": ((list, str), True), "load_format": (_OPT_STR, False),
         "weight_version": (_OPT_STR, False), "flush_cache": ((bool,), False),
@@ -116,7 +120,7 @@ def check_body(path: str, body: dict) -> None:
         problems += bucket_problems(body)
     if not problems and path == "/weightstream/update_weights_from_distributed_ahead":
         problems += buckets_problems(body["buckets"])
-    if not problems and path == "/weightstream/update_weights_from_ipc_ahead":
+    if not problems and path in ("/weightstream/update_weights_from_ipc_ahead", "/weightstream/prepare_ipc_ahead"):
         if not all(isinstance(c, str) and c.rpartition(":")[2].isdigit() for c in body["channels"]):
             problems.append("channels must be 'host:port' strings, one per engine rank")
     if not problems and path in ("/generate", "/weightstream/logits"):
@@ -422,6 +426,7 @@ class EngineServer(ThreadingHTTPServer):
             ("POST", "/weightstream/update_weights_from_ipc_ahead"): self.update_ipc_ahead,
             ("POST", "/weightstream/update_weights_from_p2p"): self.update_p2p,
             ("POST", "/weightstream/release_ipc_buffers"): self.release_ipc,
+            ("POST", "/weightstream/prepare_ipc_ahead"): self.prepare_ipc_ahead,
             ("POST", "/begin_weight_update"): self.begin,
             ("POST", "/end_weight_update"): self.end,
             ("POST", "/weightstream/abort_weight_update"): self.abort,
@@ -528,14 +533,24 @@ class EngineServer(ThreadingHTTPServer):
 
     def update_ipc_ahead(self, b):
         self._in_session("update_weights_from_ipc_ahead")
-        if len(b["channels"]) != self.engine.tp:
-            raise EngineFailure(f"got {len(b['channels'])} control channels for {self.engine.tp} engine TP ranks")
-        timeout_s = float(b.get("timeout_s") or self.engine.session_timeout_s)
-        per_rank = [{"plan": b["plan"], "num_buckets": b["num_buckets"], "channel": c, "client": b["client"],
-                     "timeout_s": timeout_s} for c in b["channels"]]
+        timeout_s, per_rank = self._ipc_ranks(b)
         # The workers answer once the last bucket is loaded: each frame waits at most timeout_s.
         bound = timeout_s * (b["num_buckets"] + 3)
         return self._guarded(lambda: self.engine.call("update_ipc_ahead", per_rank=per_rank, wait_s=bound), b)
+
+    def prepare_ipc_ahead(self, b):
+        """Outside any session: the workers learn a trainer's plan and map its kept buffers."""
+        timeout_s, per_rank = self._ipc_ranks(b)
+        held = self.engine.call("prepare_ipc_ahead", per_rank=per_rank, wait_s=timeout_s * 4)
+        return 200, {"success": True, "message": f"prepared; IPC buffers held per rank: {[h['held'] for h in held]}"}
+
+    def _ipc_ranks(self, b) -> tuple[float, list[dict]]:
+        """The bound of each wait on the trainer, and each worker's arguments (its channel)."""
+        if len(b["channels"]) != self.engine.tp:
+            raise EngineFailure(f"got {len(b['channels'])} control channels for {self.engine.tp} engine TP ranks")
+        timeout_s = float(b.get("timeout_s") or self.engine.session_timeout_s)
+        return timeout_s, [{"plan": b["plan"], "num_buckets": b["num_buckets"], "channel": c, "client": b["client"],
+                            "timeout_s": timeout_s} for c in b["channels"]]
 
     def release_ipc(self, b):
         released = sum(r["released"] for r in self.engine.call("release_ipc", client=b["client"]))

@@ -242,15 +242,8 @@ class Worker:
         out of it are made once, per buffer (:func:`~weightstream.streaming.piececopy.batched_copy`)."""
         if program.runs is not None and expected_checksum is None and not self.fault:
             self.bucket_count += 1
-            copies = program.copies.get(raw.data_ptr()) if kept else None
-            if copies is None:
-                copies = [batched_copy(targets, list(typed_views(raw, dtype, sizes)), stable=kept)
-                          for (dtype, sizes, _), targets in zip(program.runs, program.targets)]
-                if kept:
-                    if len(program.copies) >= 4:
-                        program.copies.clear()
-                    program.copies[raw.data_ptr()] = copies
-            return self._report(self.model.load_flat(program.names, program.targets, copies))
+            return self._report(self.model.load_flat(program.names, program.targets,
+                                                     self._copies_from(program, raw, kept)))
         bucket = Bucket(self.bucket_count, raw.narrow(0, 0, program.total), tuple(program.metas))
         return self._apply(bucket, expected_checksum)
 
@@ -260,21 +253,10 @@ class Worker:
         this worker's stream waits for the trainer's event instead of either side synchronising. The reply
         frame goes once the copies are queued; the trainer waits on our event before reusing the buffer.
         The first failure is answered on the channel and raised (nothing after it is loaded)."""
-        if client != self.ipc_client:
-            self._close_ipc_buffers(None)
-            self.ipc_client = client
         cuda = self.device.type == "cuda"
-        chan = Channel.connect(channel, timeout_s)
+        chan, programs = self._ipc_connect(plan, num_buckets, channel, client, timeout_s)
         loaded: list[str] = []
         try:
-            programs = self.ipc_plans.get(plan)
-            chan.send({"hello": self.rank, "client": client, "have": sorted(self.ipc_kept),
-                       "plan_known": programs is not None})
-            if programs is None:  # the layout of every bucket, once per plan of this trainer
-                programs = self._ipc_plan(plan, num_buckets, chan.recv(timeout_s, "bucket metadata from the trainer"))
-                if isinstance(programs, str):
-                    chan.send({"k": 0, "error": programs})
-                    raise ValueError(programs)
             events = None
             for k, program in enumerate(programs):
                 frame = chan.recv(timeout_s, f"frame of bucket {k} from the trainer")
@@ -319,6 +301,52 @@ class Worker:
         finally:
             chan.close()
         return {"loaded": loaded}
+
+    def prepare_ipc_ahead(self, plan, num_buckets, channel, client, timeout_s):
+        """Before a trainer's first update: learn its plan's layout, map its kept buffers and make each
+        bucket's copies out of the buffer it will arrive in, so that the update itself does none of it. One
+        frame: ``{"buffers": [{"buf", "payload"?}, ...], "slots": [buf id of bucket k % len(slots)]}``."""
+        chan, programs = self._ipc_connect(plan, num_buckets, channel, client, timeout_s)
+        try:
+            frame = chan.recv(timeout_s, "the trainer's kept buffers")
+            try:
+                for named in frame.get("buffers") or ():
+                    if named.get("payload"):
+                        self.ipc_kept[int(named["buf"])] = loads_b64(named["payload"])
+                        self.ipc_opened += 1
+                slots = [self.ipc_kept.get(int(i)) for i in frame.get("slots") or ()]
+                for k, program in enumerate(programs):
+                    whole = slots[k % len(slots)] if slots else None
+                    if whole is not None and program.runs is not None and program.total <= whole.numel():
+                        self._copies_from(program, whole.narrow(0, 0, program.total), kept=True)
+            except Exception as exc:  # noqa: BLE001 -- answered on the channel, then raised
+                chan.send({"error": f"{type(exc).__name__}: {exc}"})
+                raise
+            chan.send({"ok": True})
+        finally:
+            chan.close()
+        return {"held": len(self.ipc_kept)}
+
+    def _ipc_connect(self, plan, num_buckets, channel, client, timeout_s):
+        """Connect to the trainer rank's control channel, greet it (the buffers we hold of it, whether we know
+        ``plan``) and take the plan's layout if we did not: the channel and each bucket's program."""
+        if client != self.ipc_client:
+            self._close_ipc_buffers(None)
+            self.ipc_client = client
+        chan = Channel.connect(channel, timeout_s)
+        try:
+            programs = self.ipc_plans.get(plan)
+            chan.send({"hello": self.rank, "client": client, "have": sorted(self.ipc_kept),
+                       "plan_known": programs is not None})
+            if programs is None:  # the layout of every bucket, once per plan of this trainer
+                programs = self._ipc_plan(plan, num_buckets, chan.recv(timeout_s, "bucket metadata from the trainer"))
+                if isinstance(programs, str):
+                    chan.send({"k": 0, "error": programs})
+                    raise ValueError(programs)
+        except BaseException:
+            chan.close()
+            raise
+        return chan, programs
 
     def update_p2p(self, group_name, src, metas, nbytes, expected_checksum):
         group = self._group(group_name)
@@ -371,6 +399,19 @@ class Worker:
         return SimpleNamespace(metas=metas, total=total, runs=runs, copies={},
                                names=[n for _, _, payload in runs or () for n, _ in payload],
                                targets=[[t for _, t in payload] for _, _, payload in runs or ()])
+
+    @staticmethod
+    def _copies_from(program, raw, kept: bool) -> list:
+        """The batched copies of ``program`` out of ``raw``; kept with the program for a kept buffer."""
+        copies = program.copies.get(raw.data_ptr()) if kept else None
+        if copies is None:
+            copies = [batched_copy(targets, list(typed_views(raw, dtype, sizes)), stable=kept)
+                      for (dtype, sizes, _), targets in zip(program.runs, program.targets)]
+            if kept:
+                if len(program.copies) >= 4:
+                    program.copies.clear()
+                program.copies[raw.data_ptr()] = copies
+        return copies
 
     def _report(self, report):
         if report.problems:

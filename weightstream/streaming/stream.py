@@ -214,6 +214,15 @@ class BucketStream(Iterator[Bucket]):
             self.shared.digest = digest
         return digest
 
+    def kept_buffers(self) -> list[Tensor]:
+        """The buffers this stream packs buckets into again and again (``reuse_buffers``), allocated now if
+        they were not."""
+        if not (self.reuse_buffers and self.shared is not None):
+            return []
+        for bp in self.plan[:2]:
+            self._buffer(bp, self._program_for(bp.index).total)
+        return [b for b in self.shared.buffers if b is not None]
+
     def prepare_copies(self) -> None:
         """With kept buffers: allocate them and make every bucket's batched copies into its buffer now (on a
         GPU, the copy kernel compiled and its address tables uploaded), so that the first stream costs about

@@ -70,6 +70,16 @@ class ReferenceEngine(SGLangEngine):
             "plan": plan, "num_buckets": num_buckets,
         }, step=f"update_weights_from_ipc_ahead ({num_buckets} buckets)", timeout_s=timeout_s * (num_buckets + 4))
 
+    def prepare_ipc_ahead(self, plan: str, num_buckets: int, channels: Sequence[str], client: str,
+                          timeout_s: float) -> None:
+        """Before the first update, outside a session: each engine rank connects to its control channel as
+        for :meth:`receive_ipc_ahead`, learns the plan if it does not know it, and maps the buffers the
+        trainer names in one frame (``{"buffers": [...]}``), keeping them for this client's updates."""
+        self.post("/weightstream/prepare_ipc_ahead", {
+            "client": client, "channels": list(channels), "timeout_s": timeout_s, "plan": plan,
+            "num_buckets": num_buckets,
+        }, step="prepare_ipc_ahead", timeout_s=timeout_s * 5)
+
     def release_ipc_buffers(self, client: str, timeout_s: float | None = None) -> None:
         """The trainer ``client`` is done: the engine closes the buffers it kept mapped for it."""
         self.post("/weightstream/release_ipc_buffers", {"client": client}, step="release_ipc_buffers",

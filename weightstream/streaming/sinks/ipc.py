@@ -69,6 +69,33 @@ class IPCSink:
     # -- per update ------------------------------------------------------------------------------
 
     def open(self, stream) -> None:
+        self._decide(stream)
+        self._sent = 0
+        self.waited = 0.0
+        self._outstanding.clear()
+        if self.ahead_used:
+            self._open_ahead(stream)
+
+    def prepare(self, stream) -> None:
+        """Before the first update (``WeightSync.prepare``), on every rank: an engine that takes the metadata
+        ahead learns this plan's layout and maps this trainer's two kept buffers now, so that the first
+        update sends neither. The engine keeps serving meanwhile."""
+        self._decide(stream)
+        kept = stream.kept_buffers()
+        if not (self.ahead_used and kept):
+            return
+        self._open_ahead(stream, prepare=True)
+        if self.rank < self.engine_tp:
+            names = [self._name_buffer(b.untyped_storage(), b.device, keep=True)[0] for b in kept]
+            # Bucket k is packed into kept buffer k % 2 from its start: the engine makes its copies out of it now.
+            self._channel.send({"buffers": names, "slots": [n["buf"] for n in names]})
+            reply = self._channel.recv(self.timeout_s, "the engine's answer to the kept buffers")
+            if "error" in reply:
+                raise UpdateError("prepare", str(reply["error"]), [self.engine.url])
+        self.close()
+
+    def _decide(self, stream) -> None:
+        """Rank 0 asks the engine (its TP size; whether it takes the metadata ahead) and tells every rank."""
         if stream.mode != "full":
             raise ValueError("IPCSink sends whole tensors: it needs a full stream")
         info: list[Any] = [None]
@@ -83,13 +110,11 @@ class IPCSink:
             raise ValueError(f"engine TP {self.engine_tp} needs as many colocated trainer ranks; the job has {self.world}")
         self.ahead_used = ahead and len(stream) > 0
         self._engine_holds = self._engine_holds or self.ahead_used
-        self._sent = 0
-        self.waited = 0.0
-        self._outstanding.clear()
-        if self.ahead_used:
-            self._open_ahead(stream)
 
-    def _open_ahead(self, stream) -> None:
+    def _open_ahead(self, stream, prepare: bool = False) -> None:
+        """The engine's request (the update, or with ``prepare`` its preparation) goes from rank 0; each
+        engine rank connects to its trainer rank's control channel and is told the plan's layout if it does
+        not know it."""
         sender = self.rank < self.engine_tp
         if sender and self._listener is None:
             self._listener = Listener()
@@ -101,8 +126,9 @@ class IPCSink:
         if self.rank == 0:
             self._pool = self._pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="ws-ipc")
             channels = everyone[: self.engine_tp]
-            self._ahead = self._pool.submit(self.engine.receive_ipc_ahead, stream.metadata_digest(), len(stream),
-                                            channels, self._client, self.timeout_s)
+            post = self.engine.prepare_ipc_ahead if prepare else self.engine.receive_ipc_ahead
+            self._ahead = self._pool.submit(post, stream.metadata_digest(), len(stream), channels, self._client,
+                                            self.timeout_s)
         if not sender:
             return
         self._channel = self._listener.accept(self.timeout_s, abandon=self._engine_gave_up)
@@ -134,21 +160,8 @@ class IPCSink:
         storage = buffer.untyped_storage()
         frame: dict[str, Any] = {"k": k, "offset": buffer.storage_offset(), "nbytes": buffer.numel(),
                                  "keep": bucket.kept}
-        known = self._known.get(storage._cdata) if bucket.kept else None
-        hold = None
-        if known is not None:
-            frame["buf"] = known[0]
-        else:
-            whole = torch.empty(0, dtype=torch.uint8, device=buffer.device).set_(storage)
-            frame["buf"], self._next_id = self._next_id, self._next_id + 1
-            frame["payload"] = dumps_b64(whole)
-            if bucket.kept:
-                self._known[storage._cdata] = (frame["buf"], whole)
-                if len(self._known) > KEPT_HANDLES:
-                    _, (dropped, _) = self._known.popitem(last=False)
-                    frame["drop"] = [dropped]
-            else:
-                hold = whole  # alive until the engine has loaded it
+        named, hold = self._name_buffer(storage, buffer.device, keep=bucket.kept)
+        frame.update(named)
         if self.checksums:
             frame["checksum"] = checksum(buffer)
         if cuda:
@@ -159,6 +172,24 @@ class IPCSink:
         self._outstanding.append((k, hold))
         while len(self._outstanding) > 1:  # bucket k - 1's buffer is packed again next
             self._settle()
+
+    def _name_buffer(self, storage, device: torch.device, keep: bool) -> tuple[dict[str, Any], Any]:
+        """How a frame names the buffer of ``storage``: the id of a kept buffer the engine holds, or a new id
+        and its handle (kept by the engine if ``keep``, with the oldest kept one dropped past
+        ``KEPT_HANDLES``). Also what must stay alive until the engine answered (a buffer not kept)."""
+        known = self._known.get(storage._cdata) if keep else None
+        if known is not None:
+            return {"buf": known[0]}, None
+        whole = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+        named: dict[str, Any] = {"buf": self._next_id, "payload": dumps_b64(whole), "keep": keep}
+        self._next_id += 1
+        if not keep:
+            return named, whole  # alive until the engine has loaded it
+        self._known[storage._cdata] = (named["buf"], whole)
+        if len(self._known) > KEPT_HANDLES:
+            _, (dropped, _) = self._known.popitem(last=False)
+            named["drop"] = [dropped]
+        return named, None
 
     def _settle(self) -> None:
         """The engine's answer to the oldest bucket in flight; on a GPU this stream then waits for the
