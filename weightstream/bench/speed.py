@@ -49,6 +49,7 @@ class BenchResult:
     ceiling: str = ""
     peak_extra_bytes: int | None = None
     phases: dict[str, float] = field(default_factory=dict)  # of the best warm run
+    cold_phases: dict[str, float] = field(default_factory=dict)  # of the first run (updates)
     check: str = ""  # what was checked after the runs, and how it came out
 
     @property
@@ -78,8 +79,9 @@ class BenchResult:
             + (f", after prepare() {self.prepare_s * 1e3:.1f} ms" if self.prepare_s is not None else ""),
             f"  peak extra memory {peak}",
         ]
-        if self.phases:
-            lines.append("  phases (best warm): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.phases.items()))
+        for what, phases in (("best warm", self.phases), ("cold", self.cold_phases)):
+            if phases:
+                lines.append(f"  phases ({what}): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in phases.items()))
         if self.check:
             lines.append(f"  check: {self.check}")
         return "\n".join(lines)
@@ -316,6 +318,7 @@ def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_byte
         best = min(reports[1:], key=lambda x: x["wall"]) if len(reports) > 1 else reports[0]
         res.bytes, res.tensors, res.buckets = best["bytes"], best["tensors"], best["buckets"]
         res.phases = {k: v for k, v in best["seconds"].items() if k != "total"}
+        res.cold_phases = {k: v for k, v in reports[0]["seconds"].items() if k != "total"}
         res.peak_extra_bytes = r["peak_extra_bytes"]
         if transport == "ipc":
             res.ceiling_s, res.ceiling = r["copy_ceiling_s"], "device copy of the same bytes"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +44,19 @@ class TensorMeta:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+
+@contextmanager
+def no_cyclic_gc():
+    """Python's cyclic collector paused: making or copying thousands of tensor views (which hold no cycles)
+    would otherwise set off collections of the whole heap midway, costing more than the copies."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def view_tensor(buffer: Tensor, meta: TensorMeta) -> Tensor:

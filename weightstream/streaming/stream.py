@@ -19,7 +19,6 @@ parameters, prepared once, and each bucket is filled by one ``torch._foreach_cop
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import time
 import weakref
@@ -39,6 +38,7 @@ from weightstream.models.spec import ModelSpec, load_hf_config
 from weightstream.streaming.bucket import (
     Bucket,
     Shard,
+    no_cyclic_gc,
     TensorMeta,
     typed_buffer,
     typed_runs,
@@ -349,16 +349,9 @@ class BucketStream(Iterator[Bucket]):
         raw = self._buffer(bp, total)
         buffer = raw.narrow(0, 0, total)
         # Batched: every tensor that is a view of a live parameter, one _foreach_copy_ per dtype.
-        # Thousands of short-lived views: a cyclic collection of the whole heap midway would cost more
-        # than the copies (they hold no cycles).
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
+        with no_cyclic_gc():
             for copy in self._copies(program, raw):
                 copy()
-        finally:
-            if collecting:
-                gc.enable()
         # One by one: TP-gathered tensors (one batched all-gather per group first), and the rest.
         largest = 0
         gather_bytes = 0
