@@ -38,8 +38,8 @@ from weightstream.models.spec import ModelSpec, load_hf_config
 from weightstream.streaming.bucket import (
     Bucket,
     Shard,
-    no_cyclic_gc,
     TensorMeta,
+    no_cyclic_gc,
     typed_buffer,
     typed_runs,
     typed_views,
@@ -214,10 +214,15 @@ class BucketStream(Iterator[Bucket]):
             self.shared.digest = digest
         return digest
 
+    @property
+    def _keeps_buffers(self) -> bool:
+        """Buckets are packed into the two buffers kept with the plan (``reuse_buffers``, with a kept plan)."""
+        return self.reuse_buffers and self.shared is not None
+
     def kept_buffers(self) -> list[Tensor]:
         """The buffers this stream packs buckets into again and again (``reuse_buffers``), allocated now if
         they were not."""
-        if not (self.reuse_buffers and self.shared is not None):
+        if not self._keeps_buffers:
             return []
         for bp in self.plan[:2]:
             self._buffer(bp, self._program_for(bp.index).total)
@@ -227,7 +232,7 @@ class BucketStream(Iterator[Bucket]):
         """With kept buffers: allocate them and make every bucket's batched copies into its buffer now (on a
         GPU, the copy kernel compiled and its address tables uploaded), so that the first stream costs about
         what a later one does."""
-        if not (self.reuse_buffers and self.shared is not None):
+        if not self._keeps_buffers:
             return
         for bp in self.plan:
             program = self._program_for(bp.index)
@@ -310,7 +315,7 @@ class BucketStream(Iterator[Bucket]):
     def _buffer(self, bp: BucketPlan, total: int) -> Tensor:
         """The bucket's flat buffer: a new one, or (``reuse_buffers``) one of two kept with the plan, bucket
         i in buffer ``i % 2``: the consumer is done with bucket i once it asks for bucket i + 2."""
-        if not self.reuse_buffers or self.shared is None:
+        if not self._keeps_buffers:
             return typed_buffer(total, self.device)
         slot = bp.index % 2
         kept = self.shared.buffers[slot]
@@ -327,7 +332,7 @@ class BucketStream(Iterator[Bucket]):
         program per kept buffer, so a reused buffer costs no view making at all."""
         global copy_builds
         key = raw.data_ptr()
-        kept = self.reuse_buffers and self.shared is not None
+        kept = self._keeps_buffers
         made = program.copies.get(key) if kept else None
         if made is not None:
             return made
@@ -373,11 +378,10 @@ class BucketStream(Iterator[Bucket]):
         self.stats.unbatched += len(program.slow)
         self.stats.peak_staging_bytes = max(self.stats.peak_staging_bytes, total + gather_bytes + largest)
         self.source.share(buffer, program.spans, self.mode, self.stats)
-        return Bucket(bp.index, buffer, program.metas, kept=self.reuse_buffers and self.shared is not None)
+        return Bucket(bp.index, buffer, program.metas, kept=self._keeps_buffers)
 
     def _group_rank(self, entry: TensorEntry) -> int:
         return self.topology.group_rank(entry.group)
-
 
 
 def _coalesced(flat: list[tuple[torch.dtype, int, int, Tensor]]) -> list[tuple[torch.dtype, int, int, Tensor]]:
