@@ -79,10 +79,6 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "client": ((str,), True), "timeout_s": (_NUMBER, False), "weight_version": (_OPT_STR, False),
     },
     "/weightstream/release_ipc_buffers": {"client": ((str,), True)},
-    "/weightstream/prepare_ipc_ahead": {
-        "plan": ((str,), True), "num_buckets": ((int,), True), "channels": ((list,), True),
-        "client": ((str,), True), "timeout_s": (_NUMBER, False),
-    },
     "/update_weights_from_tensor": {
         "serialized_named_tensors": ((list, str), True), "load_format": (_OPT_STR, False),
         "weight_version": (_OPT_STR, False), "flush_cache": ((bool,), False),
@@ -99,6 +95,11 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "/release_memory_occupation": {"tags": ((list, type(None)), False)},
     "/resume_memory_occupation": {"tags": ((list, type(None)), False)},
 }
+
+
+# Preparing a colocated update takes the update's fields, less the weight version (no update is open).
+SCHEMAS["/weightstream/prepare_ipc_ahead"] = {
+    k: v for k, v in SCHEMAS["/weightstream/update_weights_from_ipc_ahead"].items() if k != "weight_version"}
 
 
 def _type_names(types: tuple[type, ...]) -> str:
