@@ -11,6 +11,7 @@ import sys
 import time
 from contextlib import ExitStack
 
+import pytest
 import torch
 
 from tests.checks import assert_logits_close
@@ -88,25 +89,33 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", ra
 import weightstream as ws
 from weightstream.disk import CheckpointReader
 from weightstream.models.megatron import build_gpt_model, initialize_parallel, load_hf_weights
-from weightstream.streaming.sinks import BroadcastSink
-src, url = sys.argv[1], sys.argv[2]
+from weightstream.streaming.sinks import BroadcastSink, IPCSink
+src, url, timeout_s, transport = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
 initialize_parallel(1, 1)
 chunks = build_gpt_model(src)
 with CheckpointReader(src) as reader:
     load_hf_weights(chunks, src, reader)
-send = BroadcastSink.send
+sink = BroadcastSink if transport == "broadcast" else IPCSink
+send = sink.send
 def send_then_die(self, bucket):
     send(self, bucket)
     if bucket.index == 2:
-        self._inflight.finish()
+        if transport == "broadcast":
+            self._inflight.finish()
+        else:
+            assert bucket.written  # buckets 0 to 2 are in the engine's weights already
         print("dying", flush=True)
         os._exit(9)
-BroadcastSink.send = send_then_die
-ws.update_weights(chunks, src, url, transport="broadcast", bucket_bytes=100_000, timeout_s=float(sys.argv[3]))
+sink.send = send_then_die
+ws.update_weights(chunks, src, url, transport=transport, bucket_bytes=100_000, timeout_s=timeout_s)
 """
 
 
-def test_trainer_killed_mid_update_engine_rolls_back_by_its_bound(tmp_path):
+@pytest.mark.parametrize("transport", ["broadcast", "ipc"])
+def test_trainer_killed_mid_update_engine_rolls_back_by_its_bound(tmp_path, transport):
+    """The trainer dies after three buckets: loaded by the engine (broadcast), or written by the trainer
+    straight into the engine's weights (IPC at engine TP 1). The engine gives the session up by its bound
+    and serves its last committed weights."""
     cfg = preset_config("tiny-qwen3")
     src = save_random_checkpoint(cfg, tmp_path / "src", seed=43)
     eng_dir = save_random_checkpoint(cfg, tmp_path / "eng", seed=44)
@@ -116,11 +125,11 @@ def test_trainer_killed_mid_update_engine_rolls_back_by_its_bound(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with engine(eng_dir) as server:
         eng = ReferenceEngine(server.url, timeout_s=30)
-        proc = subprocess.run([sys.executable, str(script), src, server.url, str(T)], capture_output=True, text=True,
-                              timeout=300, env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"})
+        proc = subprocess.run([sys.executable, str(script), src, server.url, str(T), transport], capture_output=True,
+                              text=True, timeout=300, env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"})
         died = time.monotonic()
         assert proc.returncode == 9 and "dying" in proc.stdout, proc.stderr[-3000:]
-        assert server.engine.session_open  # three buckets loaded, the trainer gone without a word
+        assert server.engine.session_open  # three buckets in, the trainer gone without a word
         while server.engine.session_open and time.monotonic() - died < 60:
             time.sleep(0.1)
         recovered = time.monotonic() - died

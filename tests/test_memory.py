@@ -4,6 +4,7 @@ generation is then exactly the HF model's."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -29,12 +30,17 @@ def _greedy(model_dir: str, ids: list[int], n: int) -> list[int]:
     return ids[-n:]
 
 
-def test_release_then_update_recreates_the_weights(tmp_path):
+@pytest.mark.parametrize("how", ["buffers", "direct"])
+def test_release_then_update_recreates_the_weights(tmp_path, how):
+    """``buffers``: checksummed buckets the engine copies in. ``direct``: an update first writes straight into
+    the engine's weights (mapped into the trainer), so releasing them must make the trainer let go of them
+    first; the next update writes into the re-created weights."""
     cfg = Qwen3Config(**CONFIG)
     src = save_random_checkpoint(cfg, tmp_path / "src", seed=61)
     eng_dir = save_random_checkpoint(cfg, tmp_path / "eng", seed=62)
+    options = {"checksums": True} if how == "buffers" else {}
     with engine(eng_dir, tp=1) as server:
-        (out,) = launch(1, run_release_cycle, Case(src, Layout(1, 1)), server.url, "ipc")
+        (out,) = launch(1, run_release_cycle, Case(src, Layout(1, 1)), server.url, "ipc", options, how == "direct")
     (before,), (released,), (after,) = out["before"], out["released"], out["after"]
     weights = sum(t.numel() * t.element_size() for t in AutoModelForCausalLM.from_pretrained(eng_dir).parameters())
     dropped = before["rss_bytes"] - released["rss_bytes"]
@@ -44,5 +50,8 @@ def test_release_then_update_recreates_the_weights(tmp_path):
     assert after["rss_bytes"] - released["rss_bytes"] >= 0.7 * weights
     assert "released" in out["served_while_released"]
     assert out["report"].weight_version == "after-release" and out["report"].transport == "ipc"
+    assert out["report"].direct == (how == "direct")
+    if how == "direct":
+        assert out["first"].direct and out["first"].weight_version == "first"
     assert_logits_close(out["logits"], hf_logits(src, INPUT_IDS))
     assert out["generated"] == _greedy(src, INPUT_IDS[0], 4)

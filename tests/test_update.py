@@ -157,6 +157,30 @@ def test_ipc_shared_memory_between_processes(sources, engine_dir, tmp_path):
     assert generated["meta_info"]["weight_version"] == "2"
 
 
+def test_ipc_writes_straight_into_the_engine_weights(tmp_path):
+    """Colocated with an engine at TP 1 (every tensor one whole weight of it), the trainer writes each tensor
+    straight into the engine's weights, mapped into the trainer once: one copy, no bucket buffer on either
+    side. MoE: the engine's experts are fused per layer; the trainer's grouped experts go in as pieces of them."""
+    cfg = preset_config("tiny-qwen3-moe")
+    src = save_random_checkpoint(cfg, tmp_path / "src", seed=71)
+    eng_dir = save_random_checkpoint(cfg, tmp_path / "eng", seed=72)
+    saved = [tmp_path / "one", tmp_path / "two"]
+    with engine(eng_dir) as server:
+        results = launch(1, run_update, Case(src, Layout(1, 1), grouped_experts=True), [server.url],
+                         [{"save_to": str(saved[0])}, {"reseed": 3, "save_to": str(saved[1])}],
+                         {"transport": "ipc", "bucket_bytes": SMALL})
+        reports = _ok(results)
+        memory = ReferenceEngine(server.url).get("/weightstream/memory")["ranks"]
+    for rep in reports:
+        assert rep.transport == "ipc" and rep.direct and rep.metadata_ahead and rep.buckets > 3
+    for step, entry in enumerate(results[0]):
+        (rank,) = entry["engine_memory"]
+        assert (rank["direct_updates"], rank["ipc_buffers_opened"]) == (step + 1, 0)
+    assert [m["direct_updates"] for m in memory] == [2]
+    for entry, where in zip(results[0], saved):
+        assert_logits_close(entry["engine_logits"], hf_logits(str(where), INPUT_IDS))
+
+
 def test_engine_not_there_fails_fast_and_clearly(sources):
     start = time.monotonic()
     results = launch(2, run_update, Case(sources["tiny-qwen3"], Layout(2, 1)), ["http://127.0.0.1:9"],
@@ -272,23 +296,30 @@ def test_engine_without_rollback_refuses_half_updated_weights(sources, engine_di
         stop(server)
 
 
-@pytest.mark.parametrize("transport", ["broadcast", "ipc"])
+@pytest.mark.parametrize("transport", ["broadcast", "ipc", "ipc-buffers"])
 def test_prepare_makes_the_plan_and_the_group_before_the_first_update(sources, engine_dir, transport):
-    """prepare() makes the plan, the kept buffers and the copies into them, and the group (broadcast); with
-    IPC the engine learns the plan and maps the two kept buffers then, and the update opens none."""
+    """prepare() makes the plan, the copies and the group (broadcast), so the update makes none of them.
+    IPC into an engine at TP 1: the engine exports its weights then, and the trainer's rank 0 writes into
+    them (the copies into them made in prepare); with ``direct=False`` the engine instead learns the plan
+    and maps the two kept buffers in prepare, and the update opens none."""
     src = sources["tiny-qwen3"]
+    options = {"transport": transport.split("-")[0], "bucket_bytes": SMALL}
+    if transport == "ipc-buffers":
+        options["direct"] = False
     with engine(engine_dir) as server:
-        results = launch(2, run_prepared_update, Case(src, Layout(2, 1)), server.url,
-                         {"transport": transport, "bucket_bytes": SMALL})
+        results = launch(2, run_prepared_update, Case(src, Layout(2, 1)), server.url, options)
         logits = ReferenceEngine(server.url).logits(INPUT_IDS)
     for r in results:
-        assert r["prepared"] == transport and r["group_ready"]
+        assert r["prepared"] == options["transport"] and r["group_ready"]
         assert r["builds_in_update"] == 0  # the update streamed with the plan prepare() made
-        assert r["copies_in_update"] == 0  # and with the batched copies into its kept buffers
-        assert r["report"].transport == transport and r["report"].weight_version == "1"
-    if transport == "ipc":
+        assert r["copies_in_update"] == 0  # and with the batched copies prepare() made
+        assert r["report"].transport == options["transport"] and r["report"].weight_version == "1"
+    if transport != "broadcast":
         after_prepare, after_update = results[0]["engine_memory"]
         assert results[0]["report"].metadata_ahead
-        assert [(m["ipc_buffers_opened"], m["ipc_buffers_held"]) for m in after_prepare] == [(2, 2)]
-        assert [(m["ipc_buffers_opened"], m["ipc_buffers_held"]) for m in after_update] == [(2, 2)]
+        assert results[0]["report"].direct == (transport == "ipc")
+        opened = 0 if transport == "ipc" else 2
+        assert [(m["ipc_buffers_opened"], m["ipc_buffers_held"]) for m in after_prepare] == [(opened, opened)]
+        assert [(m["ipc_buffers_opened"], m["ipc_buffers_held"]) for m in after_update] == [(opened, opened)]
+        assert [m["direct_updates"] for m in after_update] == [1 if transport == "ipc" else 0]
     assert_logits_close(logits, hf_logits(src, INPUT_IDS))

@@ -263,16 +263,20 @@ def run_timed_updates(case: Case, targets: list[tuple[list[str], dict]]) -> list
     return out
 
 
-def run_release_cycle(case: Case, url: str, transport: str) -> dict:
+def run_release_cycle(case: Case, url: str, transport: str, options: dict | None = None,
+                      update_first: bool = False) -> dict:
     """A colocated RL round as users write it: the engine frees its memory while the trainer trains, then
-    one update re-creates and refills it. Rank 0 reports the engine's memory and answers at each step."""
+    one update re-creates and refills it. Rank 0 reports the engine's memory and answers at each step.
+    ``update_first``: one update before the release (whatever the engine and the trainer keep of it)."""
     from weightstream.streaming.adapters import EngineError, ReferenceEngine
     from weightstream.update import WeightSync
 
     cfg, chunks = _build(case)
     eng = ReferenceEngine(url, timeout_s=120)
     out: dict = {}
-    with WeightSync([url], transport=transport, checksums=True, timeout_s=60) as sync:
+    with WeightSync([url], transport=transport, timeout_s=60, **(options or {})) as sync:
+        if update_first:
+            out["first"] = sync.update(chunks, cfg, weight_version="first")
         if dist.get_rank() == 0:
             out["before"] = eng.get("/weightstream/memory")["ranks"]
         sync.release_memory()

@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prepare", action="store_true",
                        help="--transport ipc/broadcast/p2p: call WeightSync.prepare() (plan, group) before the first "
                             "update, timed apart; the cold figure is then the first update after it")
+    bench.add_argument("--no-direct", action="store_true",
+                       help="--transport ipc: pack into buffers the engine copies out of, instead of writing straight "
+                            "into the engine's weights where it offers them (to compare)")
     bench.add_argument("--per-bucket", action="store_true",
                        help="--transport ipc/broadcast: one request per bucket, not the metadata of all buckets ahead "
                             "(to compare; what engines without the ahead routes get)")
@@ -416,7 +419,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                             bucket_bytes=args.bucket_mb or (512 << 20), repeats=args.repeats,
                             reuse_buffers=args.reuse_buffers, rollback=not args.no_rollback,
                             ahead=not args.per_bucket, tp=args.tp, engine_tp=args.engine_tp, ep=args.ep,
-                            prepare=args.prepare)
+                            prepare=args.prepare, direct=not args.no_direct)
             print(res.render(), flush=True)
             results.append(res)
         if args.json:

@@ -57,6 +57,7 @@ class UpdateReport:
     engines: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     metadata_ahead: bool = False  # broadcast / IPC: every bucket's metadata went ahead in one request
+    direct: bool = False  # IPC: the trainer wrote every tensor straight into the engine's weights (one copy)
 
     def summary(self) -> str:
         total = self.seconds.get("total", 0.0)
@@ -165,7 +166,8 @@ class WeightSync:
                  colocated: bool | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, checksums: bool = False,
                  timeout_s: float = 60.0, master_address: str = "127.0.0.1", master_port: int | None = None,
                  backend: str | None = None, pause_mode: str = "abort", api_key: str | None = None,
-                 group_name: str = "weightstream", reuse_buffers: bool = True, metadata_ahead: bool = True):
+                 group_name: str = "weightstream", reuse_buffers: bool = True, metadata_ahead: bool = True,
+                 direct: bool = True):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if not engines:
@@ -181,6 +183,9 @@ class WeightSync:
         # Where the engines take it (``broadcast_ahead``, ``ipc_ahead``): the metadata of every bucket in one
         # request; False: one request per bucket (what every engine takes).
         self.metadata_ahead = metadata_ahead
+        # IPC, where the engine offers its weights (the reference engine at TP 1): the trainer writes each
+        # tensor straight into them, one copy; False: into buffers the engine copies out of (two copies).
+        self.direct = direct
         self.checksums, self.timeout_s, self.pause_mode = checksums, timeout_s, pause_mode
         self.master_address, self.master_port, self.backend = master_address, master_port, backend
         self.sinks: dict[str, Any] = {}  # one per transport used, kept across updates (groups are made once)
@@ -197,7 +202,7 @@ class WeightSync:
             self.sinks.pop(other).disconnect()
         if kind == "ipc":
             sink = IPCSink(self.engines[0], checksums=self.checksums, timeout_s=self.timeout_s,
-                           ahead=self.metadata_ahead)
+                           ahead=self.metadata_ahead, direct=self.direct)
         elif kind == "p2p":
             sink = P2PSink(self.engines[0], master_address=self.master_address, master_port=self.master_port,
                            backend=self.backend, timeout_s=self.timeout_s, checksums=self.checksums)
@@ -282,6 +287,7 @@ class WeightSync:
             except BaseException as exc:  # noqa: BLE001
                 err = err or _as_update_error(phase, exc, urls)
         report.metadata_ahead = bool(getattr(sink, "ahead_used", False)) if stream is not None else False
+        report.direct = bool(getattr(sink, "writing", False)) if stream is not None else False
         if stream is not None:
             report.buckets, report.tensors, report.bytes = stream.stats.buckets, stream.stats.tensors, stream.stats.bytes
             report.gathers = stream.stats.gathers
@@ -380,6 +386,9 @@ class WeightSync:
         self._resolve_engines()
         tags = list(tags) if tags else ["weights", "kv_cache", "cuda_graph"]
         urls = [e.url for e in self.engines]
+        ipc = self.sinks.get("ipc")
+        if ipc is not None and "weights" in tags:
+            ipc.forget_targets()  # the engine's weights mapped here would keep their memory from being freed
         err: Any = None
         if _rank() == 0:
             try:

@@ -169,7 +169,8 @@ def stream_job(cfg, dtype: str, bucket_bytes: int, repeats: int, reuse_buffers: 
 
 
 def update_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype: str, repeats: int,
-               load: bool = False, ahead: bool = True, tp: int = 1, ep: int = 1, prepare: bool = False) -> dict:
+               load: bool = False, ahead: bool = True, tp: int = 1, ep: int = 1, prepare: bool = False,
+               direct: bool = True) -> dict:
     """Trainer rank (one device each, TP ``tp`` × EP ``ep``): update the engine cold then ``repeats`` warm;
     report each.
     ``load``: the trainer's weights are the checkpoint in ``cfg_dir`` (else Megatron's random initialisation)."""
@@ -187,13 +188,13 @@ def update_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype:
     # WEIGHTSTREAM_BENCH_FRESH_BUFFERS=1: a new buffer per bucket instead of the two kept ones (to compare).
     reuse = os.environ.get("WEIGHTSTREAM_BENCH_FRESH_BUFFERS", "0") != "1"
     with WeightSync([url], transport=transport, bucket_bytes=bucket_bytes, timeout_s=300,
-                    reuse_buffers=reuse, metadata_ahead=ahead) as sync:
+                    reuse_buffers=reuse, metadata_ahead=ahead, direct=direct) as sync:
         prepared = None
         if prepare:
             ((prepared, _),), _ = _timed(device, 1, lambda: sync.prepare(chunks, cfg))
         runs, peak = _timed(device, repeats + 1, lambda: sync.update(chunks, cfg))
     reports = [{"wall": t, "transport": rep.transport, "bytes": rep.bytes, "buckets": rep.buckets,
-                "tensors": rep.tensors, "seconds": rep.seconds} for t, rep in runs]
+                "tensors": rep.tensors, "seconds": rep.seconds, "direct": rep.direct} for t, rep in runs]
     ceiling = copy_ceiling(reports[-1]["bytes"], bucket_bytes, device, repeats) if transport == "ipc" else None
     from weightstream.models.megatron import megatron_logits
 
@@ -244,7 +245,7 @@ def raw_broadcast_job(total: int, chunk: int, repeats: int) -> dict:
 def run_bench(preset: str, transport: str, *, tiny: bool = False, dtype: str = "bfloat16",
               bucket_bytes: int = 512 << 20, repeats: int = 3, engine_device: str | None = None,
               reuse_buffers: bool = False, rollback: bool = True, ahead: bool = True, tp: int = 1,
-              engine_tp: int | None = None, ep: int = 1, prepare: bool = False) -> BenchResult:
+              engine_tp: int | None = None, ep: int = 1, prepare: bool = False, direct: bool = True) -> BenchResult:
     """One row of the benchmark table (see the module docstring)."""
     from weightstream.launch import launch
 
@@ -273,12 +274,13 @@ def run_bench(preset: str, transport: str, *, tiny: bool = False, dtype: str = "
     if tp > 1 or ep > 1 or engine_tp not in (None, 1):
         res.transport += f" (trainer TP {tp}{f' EP {ep}' if ep > 1 else ''}, engine TP {engine_tp or tp})"
     return _update_bench(res, cfg, transport, dtype, bucket_bytes, repeats, engine_device, backend, rollback, ahead,
-                         tp, engine_tp or tp, ep, prepare)
+                         tp, engine_tp or tp, ep, prepare, direct)
 
 
 def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_bytes: int, repeats: int,
                   engine_device: str | None, backend: str, rollback: bool = True, ahead: bool = True,
-                  tp: int = 1, engine_tp: int = 1, ep: int = 1, prepare: bool = False) -> BenchResult:
+                  tp: int = 1, engine_tp: int = 1, ep: int = 1, prepare: bool = False,
+                  direct: bool = True) -> BenchResult:
     from weightstream.engine.server import serve, stop
     from weightstream.launch import launch
     from weightstream.streaming.adapters import ReferenceEngine
@@ -296,7 +298,7 @@ def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_byte
         server = serve(tmp, engine_tp, device=engine_device, dtype=dtype, rollback=rollback)
         try:
             ranks = launch(tp * ep, update_job, tmp, server.url, transport, bucket_bytes, dtype, repeats, False, ahead,
-                           tp, ep, prepare, backend=backend, timeout_s=600)
+                           tp, ep, prepare, direct, backend=backend, timeout_s=600)
             r = ranks[0]
             try:
                 theirs = ReferenceEngine(server.url).logits(IDS).float()
@@ -314,6 +316,9 @@ def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_byte
         reports = r["reports"]
         res.device = f"trainer {r['device']}, engine {engine_device}"
         res.cold_s, res.warm_s = reports[0]["wall"], [x["wall"] for x in reports[1:]]
+        if transport == "ipc":
+            res.transport += (" (one copy: written into the engine's weights)" if reports[-1]["direct"] else
+                              " (two copies: through buffers the engine copies out of)")
         res.prepare_s = r["prepare_s"]
         best = min(reports[1:], key=lambda x: x["wall"]) if len(reports) > 1 else reports[0]
         res.bytes, res.tensors, res.buckets = best["bytes"], best["tensors"], best["buckets"]

@@ -155,11 +155,17 @@ class ShardedCausalLM:
                 continue
             self.released.append((st, st.nbytes()))
             freed += st.nbytes()
-            st.resize_(0)
+            if st.device.type == "cpu" and st.is_shared():
+                # Shared memory (a colocated trainer was given it to write into) cannot be resized in place:
+                # its memory is swapped for none, and unmapped as the swapped-out storage is dropped.
+                st._swap_data_ptr_(torch.UntypedStorage(0))
+            else:
+                st.resize_(0)
         self.released_bytes = freed
         self.stale = set(self.params)
         self.stale_why = "were released"
         if self.device.type == "cuda":
+            torch.cuda.ipc_collect()  # storages a trainer had mapped (and has let go of) are freed now too
             torch.cuda.empty_cache()
         return freed
 
@@ -278,6 +284,16 @@ class ShardedCausalLM:
             copy()
         self._loaded_in_session.update(names)
         return LoadReport(names, [])
+
+    @torch.no_grad()
+    def begin_writes(self, names: list[str], targets: list[Tensor]) -> None:
+        """A colocated trainer is about to write ``names`` straight into ``targets`` (flat views of their
+        parameters, from :meth:`whole_targets`): their backups are kept first, and they count as loaded by
+        this session (an abort puts them back, or, without backups, marks them stale)."""
+        if self.released_bytes:
+            raise RuntimeError("the weights are released; resume them before an update writes into them")
+        self._keep(list(zip(names, targets)))
+        self._loaded_in_session.update(names)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, Tensor, Shard | None]]) -> LoadReport:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightstream.models.spec import dtype_from_name
+from weightstream.models.spec import dtype_from_name, dtype_name
 from weightstream.streaming.bucket import (
     Bucket,
     Shard,
@@ -36,7 +36,7 @@ from weightstream.engine.schema import buckets_problems
 from weightstream.streaming.channel import Channel
 from weightstream.streaming.piececopy import batched_copy
 from weightstream.streaming.groups import destroy_group, init_custom_process_group, tcp_store
-from weightstream.streaming.serialization import checksum, loads_b64
+from weightstream.streaming.serialization import checksum, dumps_b64, loads_b64
 
 FAULT_ENV = "WEIGHTSTREAM_ENGINE_FAULT"
 
@@ -125,6 +125,11 @@ class Worker:
         self.ipc_kept: dict[int, torch.Tensor] = {}
         self.ipc_opened = 0  # buffers opened from a handle by update_ipc_ahead (kept or not)
         self.ipc_plans: dict[str, list] = {}  # bucket programs of the trainers' plans, by their digest
+        # Where a colocated trainer may write a plan's tensors itself (one copy): per plan digest, the id of
+        # the export and its frame (our weights' storages as handles, each tensor's place in them). Made
+        # again whenever the weights' storage changes (released, resumed).
+        self.exports: dict[str, tuple[str, dict]] = {}
+        self.direct_updates = 0  # updates the trainer wrote straight into our weights
         # GPU: broadcast buckets sent ahead are received into two kept buffers, loaded on a stream of their own.
         self.receive_buffers: list[torch.Tensor] = []
         self.load_stream = None
@@ -259,6 +264,9 @@ class Worker:
         chan, programs = self._ipc_connect(plan, num_buckets, channel, client, timeout_s)
         loaded: list[str] = []
         try:
+            answer = self._offer_writes(chan, plan, programs, timeout_s)
+            if answer is not None:
+                return self._take_writes(chan, programs, answer, timeout_s * (num_buckets + 1))
             events = None
             for k, program in enumerate(programs):
                 frame = chan.recv(timeout_s, f"frame of bucket {k} from the trainer")
@@ -310,6 +318,7 @@ class Worker:
         frame: ``{"buffers": [{"buf", "payload"?}, ...], "slots": [buf id of bucket k % len(slots)]}``."""
         chan, programs = self._ipc_connect(plan, num_buckets, channel, client, timeout_s)
         try:
+            self._offer_writes(chan, plan, programs, timeout_s)
             frame = chan.recv(timeout_s, "the trainer's kept buffers")
             try:
                 for named in frame.get("buffers") or ():
@@ -332,6 +341,79 @@ class Worker:
         finally:
             chan.close()
         return {"held": len(self.ipc_kept)}
+
+    def _offer_writes(self, chan, plan, programs, timeout_s) -> dict | None:
+        """Offer the trainer to write the plan's tensors straight into our weights, where every tensor of it is
+        one whole weight of ours (loaded by a plain copy): ``{"direct": bool}``. Its answer says whether it
+        will, and which export of ours it holds (``have``); where it will, the export follows: its id, and
+        unless the trainer holds it, our weights' storages and each tensor's place in them. Returns the
+        answer where it will, else None."""
+        can = self._can_take_writes(programs)
+        chan.send({"direct": can})
+        answer = chan.recv(timeout_s, "the trainer's answer to the offer of direct writes")
+        if not answer.get("direct"):
+            return None
+        if not can:
+            raise RuntimeError("the trainer asked to write into weights this engine did not offer")
+        export_id, frame = self._export(plan, programs)
+        chan.send({"export": export_id} if answer.get("have") == export_id else {"export": export_id, **frame})
+        return answer
+
+    def _can_take_writes(self, programs) -> bool:
+        """Whether every tensor of the plan is one whole weight of ours (not a shard, nor a vocabulary piece, of
+        the dtype it arrives in) and the weights are there."""
+        return not (self.fault or self.model.released_bytes or not programs or any(p.runs is None for p in programs))
+
+    def _export(self, plan, programs) -> tuple[str, dict]:
+        """The export of ``plan``'s weights, (id, frame), made once per plan and weight storage."""
+        made = self.exports.get(plan)
+        if made is not None:
+            return made
+        import uuid
+
+        storages: dict[int, int] = {}
+        wholes, where = [], []
+        for program in programs:
+            for t in (t for group in program.targets for t in group):
+                st = t.untyped_storage()
+                idx = storages.get(st._cdata)
+                if idx is None:
+                    idx = storages[st._cdata] = len(wholes)
+                    wholes.append(torch.empty(0, dtype=torch.uint8, device=self.device).set_(st))
+                where.append([idx, t.storage_offset() * t.element_size(), t.numel(), dtype_name(t.dtype)])
+        names = [n for program in programs for n in program.names]
+        # (On the CPU, sharing moves each storage into shared memory, in place: our views follow it.)
+        made = self.exports[plan] = (uuid.uuid4().hex, {"targets": {"payload": dumps_b64(wholes), "names": names,
+                                                                     "where": where}})
+        return made
+
+    def _take_writes(self, chan, programs, answer: dict, bound_s: float) -> dict:
+        """The trainer writes every tensor of the plan into our weights: we back up what it overwrites (the
+        session rolls back whole), say ready (on a GPU: an event its stream waits on), and wait for its
+        "done" (on a GPU: our stream waits on its event, then the device finishes before we answer)."""
+        cuda = self.device.type == "cuda"
+        names = [n for program in programs for n in program.names]
+        try:
+            events = [torch.cuda.Event.from_ipc_handle(self.device, base64.b64decode(h))
+                      for h in answer.get("events") or ()] if cuda else None
+            if cuda and len(events) != 4:
+                raise RuntimeError("the trainer sent no CUDA events")
+            self.model.begin_writes(names, [t for program in programs for group in program.targets for t in group])
+            if cuda:
+                events[2].record(torch.cuda.current_stream(self.device))
+        except Exception as exc:  # noqa: BLE001 -- answered on the channel, then raised
+            chan.send({"error": f"{type(exc).__name__}: {exc}"})
+            raise
+        chan.send({"ready": True})
+        done = chan.recv(bound_s, "the trainer's writes into our weights")
+        if "error" in done or not done.get("done"):
+            raise RuntimeError(f"the trainer did not finish its writes: {done.get('error') or done}")
+        if cuda:
+            torch.cuda.current_stream(self.device).wait_event(events[0])
+            torch.cuda.synchronize(self.device)
+        self.direct_updates += 1
+        chan.send({"ok": True})
+        return {"loaded": names}
 
     def _ipc_connect(self, plan, num_buckets, channel, client, timeout_s):
         """Connect to the trainer rank's control channel, greet it (the buffers we hold of it, whether we know
@@ -457,6 +539,7 @@ class Worker:
         captures no CUDA graphs, so ``kv_cache`` and ``cuda_graph`` free nothing."""
         self.programs.clear()  # the parameters' storage goes away
         self.ipc_plans.clear()
+        self.exports.clear()
         self.receive_buffers = []
         freed = self.model.release_weights() if "weights" in tags else 0
         return {"freed_bytes": freed, **self.memory()}
@@ -464,6 +547,7 @@ class Worker:
     def resume_memory(self, tags):
         self.programs.clear()
         self.ipc_plans.clear()
+        self.exports.clear()
         restored = self.model.resume_weights() if "weights" in tags else 0
         return {"restored_bytes": restored, **self.memory()}
 
@@ -490,7 +574,7 @@ class Worker:
             rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
         cuda = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
         return {"rss_bytes": rss, "cuda_allocated_bytes": cuda, "ipc_buffers_opened": self.ipc_opened,
-                "ipc_buffers_held": len(self.ipc_kept)}
+                "ipc_buffers_held": len(self.ipc_kept), "direct_updates": self.direct_updates}
 
     def logits(self, input_ids):
         out = self.model.logits(torch.tensor(input_ids))

@@ -101,6 +101,7 @@ class Bucket:
     buffer: Tensor  # uint8, 1-D
     metas: tuple[TensorMeta, ...]
     kept: bool = False  # the buffer is one the stream keeps and packs again (a receiver may keep it mapped)
+    written: bool = False  # the tensors went straight into the receiver's memory (write_into): no bytes here
 
     @property
     def nbytes(self) -> int:

@@ -97,8 +97,11 @@ class _Program:
     slow: list[int]  # items converted one by one (TP-gathered, or an op that makes new tensors)
     batched: int
     spans: list[tuple[int, int | None, int, int]]  # per item (PP owner, EP owner, first byte, end): Source.share
-    # With kept buffers: the batched copies, made once per kept buffer.
-    copies: dict[int, list[Callable[[], Any]]] = field(default_factory=dict)
+    # Every batched tensor by name: (dtype, numel or strided shape, source view) (``write_into``'s copies).
+    named: list[tuple[str, torch.dtype, Tensor]]
+    # With kept buffers: the batched copies, made once per kept buffer (key: its address); with
+    # ``write_into``: the copies into a receiver's tensors (key: ("into", the receiver's key)).
+    copies: dict[Any, list[Callable[[], Any]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -115,6 +118,13 @@ class StreamPlan:
     programs: dict[int, _Program] = field(default_factory=dict)
     buffers: list[Tensor | None] = field(default_factory=lambda: [None, None])  # kept bucket buffers (reuse)
     digest: str | None = None  # of every bucket's metadata (metadata_digest)
+    checked_into: Any = None  # the key of the last write_into targets checked against every bucket
+
+    def forget_copies(self, key: Any) -> None:
+        """Drop every bucket's copies kept under ``key`` (``("into", k)``: those into the targets ``k`` of
+        :meth:`BucketStream.write_into`, which hold views of them)."""
+        for program in self.programs.values():
+            program.copies.pop(key, None)
 
 
 @dataclass
@@ -138,6 +148,9 @@ class BucketStream(Iterator[Bucket]):
     # Which buckets to make (None: all). Only for a source whose ranks make their buckets without each other
     # (``source.independent``): ranks that skip different buckets would leave each other's collectives waiting.
     select: Any = None
+    # ``write_into``: the receiver's tensors by HF name, written straight into (no bucket buffer), and their key.
+    _into: dict[str, Tensor] | None = None
+    _into_key: Any = None
 
     def __len__(self) -> int:
         return len(self.plan)
@@ -172,7 +185,7 @@ class BucketStream(Iterator[Bucket]):
                 continue
             start = time.perf_counter()
             program = self._program_for(bp.index)
-            bucket = self._build(bp, program)
+            bucket = self._build(bp, program) if self._into is None else self._build_into(bp, program)
             self.stats.seconds += time.perf_counter() - start
             self.stats.buckets += 1
             self.stats.tensors += len(bucket.metas)
@@ -229,15 +242,52 @@ class BucketStream(Iterator[Bucket]):
         return [b for b in self.shared.buffers if b is not None]
 
     def prepare_copies(self) -> None:
-        """With kept buffers: allocate them and make every bucket's batched copies into its buffer now (on a
-        GPU, the copy kernel compiled and its address tables uploaded), so that the first stream costs about
-        what a later one does."""
-        if not self._keeps_buffers:
+        """With kept buffers: allocate them and make every bucket's batched copies into its buffer now; with
+        :meth:`write_into`: make the copies into the targets now (on a GPU, either way, the copy kernel
+        compiled and its address tables uploaded), so that the first stream costs about what a later one
+        does."""
+        if self._into is not None:
+            for bp in self.plan:
+                self._copies_into(self._program_for(bp.index))
+        elif self._keeps_buffers:
+            for bp in self.plan:
+                program = self._program_for(bp.index)
+                self._copies(program, self._buffer(bp, program.total))
+        else:
             return
-        for bp in self.plan:
-            program = self._program_for(bp.index)
-            self._copies(program, self._buffer(bp, program.total))
         warm_kernel(self.device)
+
+    def can_write_into(self) -> bool:
+        """Whether this rank makes every tensor of every bucket itself, whole (a full stream of a source with
+        no pipeline or expert parallelism to share over, kept plan): then :meth:`write_into` applies."""
+        return self.mode == "full" and self.shared is not None and all(it.mine for it in self.items)
+
+    def write_into(self, targets: dict[str, Tensor], key: Any) -> None:
+        """Have every tensor written straight into ``targets[name]`` (a contiguous tensor of the tensor's dtype
+        and size: a receiver's own weight, mapped into this process) instead of into a bucket buffer. The
+        buckets this stream then yields carry their metadata and no bytes (``Bucket.written``). ``key``
+        names the targets: the copies into them are made once per plan and key, so the key must change
+        whenever a target moves. One error lists every tensor ``targets`` lacks or cannot hold."""
+        if not self.can_write_into():
+            raise ValueError("write_into needs a full stream in which this rank makes every tensor (no pipeline or "
+                             "expert parallelism to share buckets over) with a kept plan")
+        if self.shared.checked_into == key:  # checked when these targets were first given
+            self._into, self._into_key = targets, ("into", key)
+            return
+        problems = []
+        for bp in self.plan:
+            for m in self._program_for(bp.index).metas:
+                t = targets.get(m.name)
+                if t is None:
+                    problems.append(f"{m.name}: no target")
+                elif t.dtype != m.dtype or t.numel() != m.numel or not t.is_contiguous() or t.device != self.device:
+                    problems.append(f"{m.name}: target is {t.dtype} x {t.numel()} on {t.device}"
+                                    f"{'' if t.is_contiguous() else ', not contiguous'}; the tensor is {m.dtype} x "
+                                    f"{m.numel} on {self.device}")
+        if problems:
+            raise ValueError(f"{len(problems)} tensors cannot be written into the targets: " + "; ".join(problems))
+        self._into, self._into_key = targets, ("into", key)
+        self.shared.checked_into = key
 
     def _program_for(self, index: int) -> _Program:
         """Bucket ``index``'s copy program, made on first use and kept with the plan."""
@@ -283,6 +333,7 @@ class BucketStream(Iterator[Bucket]):
     def _program(self, bp: BucketPlan) -> _Program:
         items, metas, total = self._layout([self.items[i] for i in bp.items])
         flat: list[tuple[torch.dtype, int, int, Tensor]] = []
+        named: list[tuple[str, torch.dtype, Tensor]] = []
         strided: list = []
         slow: list[int] = []
         batched = 0
@@ -294,6 +345,7 @@ class BucketStream(Iterator[Bucket]):
                 slow.append(k)
                 continue
             for meta, view in zip(item_metas, views):
+                named.append((meta.name, meta.dtype, view))
                 size = meta.dtype.itemsize
                 if meta.offset % size:
                     raise AssertionError(f"{meta.name} at byte {meta.offset} is not aligned to {size}")
@@ -310,7 +362,7 @@ class BucketStream(Iterator[Bucket]):
         spans = [(it.entry.pp_owner, it.entry.ep_owner, ms[0].offset, ms[-1].offset + ms[-1].nbytes)
                  for it, ms in zip(items, metas) if ms]
         return _Program(total, flat_metas, sum(m.nbytes for m in flat_metas), items, metas,
-                        typed_runs(_coalesced(flat)), strided, slow, batched, spans)
+                        typed_runs(_coalesced(flat)), strided, slow, batched, spans, named)
 
     def _buffer(self, bp: BucketPlan, total: int) -> Tensor:
         """The bucket's flat buffer: a new one, or (``reuse_buffers``) one of two kept with the plan, bucket
@@ -344,10 +396,65 @@ class BucketStream(Iterator[Bucket]):
                                                         for dtype, shape, strides, offset, _ in program.strided],
                                  [source for *_, source in program.strided]))
         if kept:
-            if len(program.copies) >= 2:
-                program.copies.clear()  # the kept buffers were re-made
+            stale = [k for k in program.copies if isinstance(k, int)]
+            if len(stale) >= 2:  # the kept buffers were re-made
+                for k in stale:
+                    del program.copies[k]
             program.copies[key] = calls
         return calls
+
+    def _copies_into(self, program: _Program) -> list[Callable[[], Any]]:
+        """The batched copies of ``program`` straight into the :meth:`write_into` targets, made once per
+        plan and targets: per dtype the contiguous copies in one call (runs back to back in a source and in
+        a target made one copy), and the strided ones in one."""
+        global copy_builds
+        made = program.copies.get(self._into_key)
+        if made is not None:
+            return made
+        copy_builds += 1
+        flat: dict[torch.dtype, list[tuple[Tensor, Tensor]]] = {}
+        strided: list[tuple[Tensor, Tensor]] = []
+        for name, dtype, view in program.named:
+            target = self._into[name]
+            if view.is_contiguous():
+                flat.setdefault(dtype, []).append((target.view(-1), view.view(-1)))
+            else:
+                strided.append((target.view(view.shape), view))
+        calls = []
+        for pairs in flat.values():
+            dst, src = zip(*_joined(pairs))
+            calls.append(batched_copy(list(dst), list(src), stable=True))
+        if strided:
+            calls.append(partial(torch._foreach_copy_, [d for d, _ in strided], [s for _, s in strided]))
+        program.copies[self._into_key] = calls
+        return calls
+
+    def _build_into(self, bp: BucketPlan, program: _Program) -> Bucket:
+        """Bucket ``bp`` written straight into the :meth:`write_into` targets."""
+        with no_cyclic_gc():
+            for copy in self._copies_into(program):
+                copy()
+        gather_bytes = largest = 0
+        if program.slow:
+            items, metas = program.items, program.item_metas
+            fetched, gather_bytes = self.source.fetch([items[k].entry for k in program.slow], self.mode, self.local,
+                                                      self.stats)
+            for k in program.slow:
+                it = items[k]
+                source = fetched.pop(it.entry.name)
+                full = source() if callable(source) else source
+                largest = max(largest, full.numel() * full.element_size())
+                convert_into(it.entry.resolved.mapping.op, full, self._context(it),
+                             [self._into[m.name].view(m.shape) for m in metas[k]])
+                del full
+        self._count(program, gather_bytes + largest)
+        return Bucket(bp.index, torch.empty(0, dtype=torch.uint8, device=self.device), program.metas, written=True)
+
+    def _count(self, program: _Program, staged: int) -> None:
+        self.stats.batched += program.batched
+        self.stats.copies += sum(len(sources) for _, _, sources in program.runs) + len(program.strided)
+        self.stats.unbatched += len(program.slow)
+        self.stats.peak_staging_bytes = max(self.stats.peak_staging_bytes, staged)
 
     def _build(self, bp: BucketPlan, program: _Program) -> Bucket:
         items, metas, total = program.items, program.item_metas, program.total
@@ -373,10 +480,7 @@ class BucketStream(Iterator[Bucket]):
                 targets = [view_tensor(buffer, meta) for meta in metas[k]]
                 convert_into(it.entry.resolved.mapping.op, full, self._context(it), targets)
                 del full, targets
-        self.stats.batched += program.batched
-        self.stats.copies += sum(len(sources) for _, _, sources in program.runs) + len(program.strided)
-        self.stats.unbatched += len(program.slow)
-        self.stats.peak_staging_bytes = max(self.stats.peak_staging_bytes, total + gather_bytes + largest)
+        self._count(program, total + gather_bytes + largest)
         self.source.share(buffer, program.spans, self.mode, self.stats)
         return Bucket(bp.index, buffer, program.metas, kept=self._keeps_buffers)
 
@@ -399,6 +503,25 @@ def _coalesced(flat: list[tuple[torch.dtype, int, int, Tensor]]) -> list[tuple[t
                                                                            psrc.storage_offset()))
                 continue
         out.append((dtype, offset, numel, src))
+    return out
+
+
+def _joined(pairs: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
+    """Flat (target, source) copy pairs of one dtype, with every run that is back to back in one target
+    storage and in one source storage made one pair (gate and up of one expert; the experts of a layer)."""
+    out: list[tuple[Tensor, Tensor]] = []
+    for dst, src in pairs:
+        if out:
+            pdst, psrc = out[-1]
+            nbytes = pdst.numel() * pdst.element_size()
+            if (pdst.data_ptr() + nbytes == dst.data_ptr() and psrc.data_ptr() + nbytes == src.data_ptr()
+                    and pdst.untyped_storage()._cdata == dst.untyped_storage()._cdata
+                    and psrc.untyped_storage()._cdata == src.untyped_storage()._cdata):
+                n = pdst.numel() + dst.numel()
+                out[-1] = (pdst.as_strided((n,), (1,), pdst.storage_offset()),
+                           psrc.as_strided((n,), (1,), psrc.storage_offset()))
+                continue
+        out.append((dst, src))
     return out
 
 

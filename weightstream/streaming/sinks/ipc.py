@@ -19,6 +19,7 @@ import base64
 import logging
 import time
 import uuid
+import weakref
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -32,7 +33,7 @@ from weightstream.errors import UpdateError
 from weightstream.streaming.adapters.base import IPC_AHEAD, EngineAdapter
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.channel import Channel, Listener
-from weightstream.streaming.serialization import checksum, dumps_b64
+from weightstream.streaming.serialization import checksum, dumps_b64, loads_b64
 
 log = logging.getLogger("weightstream")
 
@@ -43,9 +44,10 @@ class IPCSink:
     name = "ipc"
 
     def __init__(self, engine: EngineAdapter, *, checksums: bool = False, timeout_s: float = 60.0,
-                 ahead: bool = True):
+                 ahead: bool = True, direct: bool = True):
         self.engine = engine
         self.ahead = ahead  # use the engine's ipc_ahead where it has it
+        self.direct = direct  # write into the engine's weights where it offers them (ahead only)
         self.checksums = checksums
         self.timeout_s = timeout_s
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -65,6 +67,12 @@ class IPCSink:
         self._outstanding: deque[tuple[int, Any]] = deque()
         self._device: torch.device | None = None
         self.waited = 0.0  # seconds of this update spent waiting for the engine's answers
+        # Direct writes: the engine's weights mapped here (by HF name) under the engine's export id, and the
+        # plans holding copies into them (dropped with them, so the engine can free its memory).
+        self._targets: dict[str, torch.Tensor] | None = None
+        self._targets_id: str | None = None
+        self._into_plans: list[weakref.ref] = []
+        self.writing = False  # this update writes straight into the engine's weights (one copy)
 
     # -- per update ------------------------------------------------------------------------------
 
@@ -72,20 +80,29 @@ class IPCSink:
         self._decide(stream)
         self._sent = 0
         self.waited = 0.0
+        self.writing = False
         self._outstanding.clear()
         if self.ahead_used:
             self._open_ahead(stream)
+        if self.writing:  # the engine backs up what we overwrite first: its stream's event, or (CPU) its word
+            ready = self._channel.recv(self.timeout_s, "the engine's word that it is ready for the writes")
+            if "error" in ready:
+                raise UpdateError("connect", str(ready["error"]), [self.engine.url])
+            if self._events is not None:
+                torch.cuda.current_stream(stream.device).wait_event(self._events[2])
 
     def prepare(self, stream) -> None:
         """Before the first update (``WeightSync.prepare``), on every rank: an engine that takes the metadata
         ahead learns this plan's layout and maps this trainer's two kept buffers now, so that the first
         update sends neither. The engine keeps serving meanwhile."""
         self._decide(stream)
-        kept = stream.kept_buffers()
-        if not (self.ahead_used and kept):
+        if not (self.ahead_used and (stream.can_write_into() or stream.kept_buffers())):
             return
         self._open_ahead(stream, prepare=True)
+        writes, self.writing = self.writing, False
         if self.rank < self.engine_tp:
+            # Written into the engine's weights: no buffers of ours to map (nor to allocate).
+            kept = [] if writes else stream.kept_buffers()
             names = [self._name_buffer(b.untyped_storage(), b.device, keep=True)[0] for b in kept]
             # Bucket k is packed into kept buffer k % 2 from its start: the engine makes its copies out of it now.
             self._channel.send({"buffers": names, "slots": [n["buf"] for n in names]})
@@ -138,8 +155,48 @@ class IPCSink:
             del self._known[key]  # the engine no longer holds it: sent again when next used
         if not hello.get("plan_known"):  # the layout of every bucket, once per plan
             self._channel.send(self.engine.ipc_plan_frame([stream.bucket_metas(i) for i in range(len(stream))]))
-        if torch.cuda.is_available() and self._events is None:
+        if stream.device.type == "cuda" and self._events is None:
             self._events = [torch.cuda.Event(interprocess=True) for _ in range(4)]
+        self._answer_offer(stream)
+
+    def _answer_offer(self, stream) -> None:
+        """The engine offers its weights to write into where it can take the plan so. This rank takes the offer
+        where the stream can write into them (it makes every tensor itself; no checksums asked for, as no
+        transport copy is left to check), naming the export of the engine's weights it holds; the engine
+        answers with its export's id, and with the export itself unless that is the one held (mapped here
+        then), and the stream writes into it."""
+        can = self._channel.recv(self.timeout_s, "the engine's offer of direct writes").get("direct")
+        use = bool(can) and self.direct and not self.checksums and stream.can_write_into()
+        answer: dict[str, Any] = {"direct": use, "have": self._targets_id}
+        if use and self._events is not None:
+            answer["events"] = [base64.b64encode(e.ipc_handle()).decode() for e in self._events]
+        self._channel.send(answer)
+        if not use:
+            return
+        frame = self._channel.recv(self.timeout_s, "the engine's weights to write into")
+        if "error" in frame or not frame.get("export"):
+            raise UpdateError("connect", str(frame.get("error") or "the engine sent no export of its weights"),
+                              [self.engine.url])
+        if frame["export"] != self._targets_id:
+            if "targets" not in frame:
+                raise UpdateError("connect", f"the engine named export {frame['export']} and did not send it",
+                                  [self.engine.url])
+            self.forget_targets()
+            self._targets, self._targets_id = _open_targets(frame["targets"]), frame["export"]
+        stream.write_into(self._targets, self._targets_id)
+        if all(p() is not stream.shared for p in self._into_plans):
+            self._into_plans.append(weakref.ref(stream.shared))
+        self.writing = True
+
+    def forget_targets(self) -> None:
+        """Let go of the engine's weights mapped here (and of the copies into them): the engine can free them
+        (before it releases its memory, and when this sink is done)."""
+        for plan in self._into_plans:
+            p = plan()
+            if p is not None and self._targets_id is not None:
+                p.forget_copies(("into", self._targets_id))
+        self._into_plans = []
+        self._targets = self._targets_id = None
 
     def _engine_gave_up(self) -> str | None:
         if self._ahead is not None and self._ahead.done() and self._ahead.exception() is not None:
@@ -147,6 +204,8 @@ class IPCSink:
         return None
 
     def send(self, bucket: Bucket) -> None:
+        if bucket.written:  # already in the engine's weights
+            return
         if not self.ahead_used:
             self._send_one_request(bucket)
             return
@@ -210,6 +269,24 @@ class IPCSink:
             torch.cuda.current_stream(self._device).wait_event(self._events[2 + k % 2])
         self._outstanding.popleft()
 
+    def _finish_writes(self) -> None:
+        """Every tensor is written (queued, on a GPU): the engine's stream waits on our event, then its device
+        finishes, and it answers."""
+        if self._events is not None:
+            self._events[0].record(torch.cuda.current_stream(self._device_of_targets()))
+        self._channel.send({"done": True})
+        t = time.perf_counter()
+        try:
+            reply = self._channel.recv(self.timeout_s, "the engine's answer to the writes")
+        except (TimeoutError, ConnectionError) as exc:
+            raise UpdateError("buckets", f"{exc}{self._engine_said(2.0)}", [self.engine.url]) from None
+        self.waited += time.perf_counter() - t
+        if "error" in reply or not reply.get("ok"):
+            raise UpdateError("buckets", str(reply.get("error") or reply), [self.engine.url])
+
+    def _device_of_targets(self) -> torch.device:
+        return next(iter(self._targets.values())).device
+
     def _engine_said(self, wait_s: float) -> str:
         """What the engine answered the update's request, if it does within ``wait_s`` (a dead engine says so)."""
         if self._ahead is None:
@@ -228,6 +305,8 @@ class IPCSink:
         try:
             while self._outstanding:
                 self._settle()
+            if self.writing:
+                self._finish_writes()
         finally:
             if self._channel is not None:
                 self._channel.close()
@@ -241,7 +320,12 @@ class IPCSink:
                 raise UpdateError("buckets", str(exc), [self.engine.url]) from None
 
     def abort(self) -> None:
-        """After a failure: the channel is closed (the engine stops waiting at once) and this sink is done."""
+        """After a failure: the channel is closed (the engine stops waiting at once) and this sink is done.
+        Writes into the engine's weights already queued finish first, so that none lands after the engine
+        has put its backup back."""
+        if self.writing and self._events is not None and self._targets:
+            torch.cuda.current_stream(self._device_of_targets()).synchronize()
+        self.writing = False
         self._outstanding.clear()
         self._ahead = None
         self.disconnect()
@@ -255,6 +339,7 @@ class IPCSink:
                 end.close()
         self._channel = self._listener = None
         self._known.clear()
+        self.forget_targets()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
@@ -291,3 +376,19 @@ class IPCSink:
             dist.broadcast_object_list(status, group_src=0)
         if status[0] is not None:
             raise status[0]
+
+
+def _open_targets(frame: dict) -> dict[str, torch.Tensor]:
+    """The engine's weights by HF name, mapped into this process from its export: ``payload`` (its weights'
+    storages, as handles), and per name its place in them (storage, byte offset, elements, dtype)."""
+    from weightstream.models.spec import dtype_from_name
+
+    wholes = loads_b64(frame["payload"])
+    names, where = frame["names"], frame["where"]
+    if len(names) != len(where):
+        raise ValueError(f"the engine's export names {len(names)} tensors and places {len(where)}")
+    targets = {}
+    for name, (idx, offset, numel, dtype) in zip(names, where):
+        dt = dtype_from_name(dtype)
+        targets[name] = wholes[idx].narrow(0, offset, numel * dt.itemsize).view(dt)
+    return targets
