@@ -25,6 +25,7 @@ def moe_bf16_fp32_router(tmp_path_factory) -> str:
 EXPECTED = [  # (label, planned)
     ("first", True), ("again", False), ("in place x2", False), ("parameter replaced", True),
     ("fresh plan after clear_plans", True), ("new storage on the last rank", True), ("kept again", False),
+    ("submodule replaced", True), ("fresh plan after the swap", True),
     ("another bucket size", True), ("per_rank", True), ("first bucket size again", False),
     ("split dtypes", True), ("unsplit", False), ("new parallel state", True),
 ]
@@ -40,6 +41,7 @@ def test_plan_made_once_and_replanned_on_change(moe_bf16_fp32_router, tp):
         assert r["again_equal"], "a kept plan gave other bytes than the first stream"
         assert r["doubled_equal"], "values changed in place did not reach the kept plan's stream"
         assert r["replaced_equal_fresh"], "after a parameter was replaced the stream differs from a fresh plan's"
+        assert r["swapped_equal_fresh"], "after a submodule was replaced the stream differs from a fresh plan's"
         assert r["split_equal"], "split_dtypes changed the tensors"
         per_bucket = r["split_dtypes_per_bucket"]
         assert all(len(d) == 1 for d in per_bucket), per_bucket

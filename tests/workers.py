@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -350,6 +352,13 @@ def run_plan_reuse(src: str, tp: int) -> dict:
         norm.data = norm.data.clone()
     step("new storage on the last rank")
     step("kept again")
+    norm = copy.deepcopy(layer.input_layernorm)  # a submodule replaced: every dict keeps its size
+    with torch.no_grad():
+        norm.weight.add_(1)
+    layer.input_layernorm = norm
+    swapped = step("submodule replaced")
+    stream_mod.clear_plans()
+    out["swapped_equal_fresh"] = _same_bits(swapped, step("fresh plan after the swap"))
     step("another bucket size", bucket_bytes=16 << 10)
     step("per_rank", mode="per_rank")
     step("first bucket size again")

@@ -20,7 +20,7 @@ from weightstream.models.presets import preset_config, save_random_checkpoint
 IDS = [[3, 14, 159, 265, 358, 979, 323, 846, 26, 433]]
 
 
-def check_transport(tmp: str, transport: str, engine_device: str) -> dict:
+def check_transport(tmp: str, transport: str, engine_device: str, direct: bool = True) -> dict:
     from transformers import AutoModelForCausalLM
 
     from weightstream.engine.server import serve, stop
@@ -32,16 +32,73 @@ def check_transport(tmp: str, transport: str, engine_device: str) -> dict:
     server = serve(eng_dir, 1, device=engine_device)
     try:
         before = ReferenceEngine(server.url).logits(IDS)
-        (res,) = launch(1, update_job, src, server.url, transport, 100_000, "float32", 1, True, backend="nccl",
-                        timeout_s=180)
+        (res,) = launch(1, update_job, src, server.url, transport, 100_000, "float32", 1, True, True, 1, 1, False,
+                        direct, backend="nccl", timeout_s=180)
         after = ReferenceEngine(server.url).logits(IDS)
     finally:
         stop(server)
     hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).cuda().eval()
     with torch.no_grad():
         ref = hf(torch.tensor(IDS).cuda()).logits.float().cpu()
-    return {"transport": res["reports"][-1]["transport"], "max_diff_after": (after - ref).abs().max().item(),
+    return {"transport": res["reports"][-1]["transport"], "direct": [r["direct"] for r in res["reports"]],
+            "max_diff_after": (after - ref).abs().max().item(),
             "max_diff_before": (before - ref).abs().max().item(), "updates": len(res["reports"])}
+
+
+def release_job(src: str, url: str) -> dict:
+    """Trainer: an update written into the engine's weights, then the engine releases its weights (the trainer
+    lets go of its mapping of them first), then an update into the re-created weights; the engine's CUDA
+    memory at each step."""
+    from weightstream.bench.speed import _trainer
+    from weightstream.disk import CheckpointReader
+    from weightstream.models.megatron import load_hf_weights
+    from weightstream.models.spec import load_hf_config
+    from weightstream.streaming.adapters import ReferenceEngine
+    from weightstream.update import WeightSync
+
+    cfg = load_hf_config(src)
+    chunks, _ = _trainer(cfg, "float32")
+    with CheckpointReader(src) as reader:
+        load_hf_weights(chunks, cfg, reader)
+    eng = ReferenceEngine(url)
+
+    def allocated() -> int:
+        return sum(r["cuda_allocated_bytes"] for r in eng.get("/weightstream/memory")["ranks"])
+
+    out = {}
+    with WeightSync([url], transport="ipc", bucket_bytes=1 << 20) as sync:
+        out["first_direct"] = sync.update(chunks, cfg).direct
+        out["engine_bytes_before"] = allocated()
+        sync.release_memory(["weights"])
+        out["engine_bytes_released"] = allocated()
+        out["second_direct"] = sync.update(chunks, cfg).direct
+        out["engine_bytes_after"] = allocated()
+    return out
+
+
+def check_release(tmp: str) -> dict:
+    """Direct writes and memory release on the GPU: releasing frees the engine's weights although a trainer had
+    them mapped, and the next update writes into the re-created ones (logits vs HF after it)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from weightstream.engine.server import serve, stop
+    from weightstream.streaming.adapters import ReferenceEngine
+
+    cfg = Qwen3Config(vocab_size=4096, hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=128, tie_word_embeddings=False)
+    src = save_random_checkpoint(cfg, os.path.join(tmp, "src"), seed=3)
+    eng_dir = save_random_checkpoint(cfg, os.path.join(tmp, "eng"), seed=4)
+    server = serve(eng_dir, 1, device="cuda:0")
+    try:
+        (res,) = launch(1, release_job, src, server.url, backend="nccl", timeout_s=300)
+        after = ReferenceEngine(server.url).logits(IDS)
+    finally:
+        stop(server)
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).cuda().eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor(IDS).cuda()).logits.float().cpu()
+    weights = sum(p.numel() * p.element_size() for p in hf.parameters())
+    return {**res, "weights_bytes": weights, "max_diff_after": (after - ref).abs().max().item()}
 
 
 def check_piece_copy() -> dict:
@@ -104,6 +161,13 @@ def main() -> None:
         print(json.dumps(results["piece_copy"]), flush=True)
         results["check_ipc"] = check_transport(os.path.join(tmp, "c1"), "ipc", "cuda:0")
         print(json.dumps(results["check_ipc"]), flush=True)
+        results["check_ipc_buffers"] = check_transport(os.path.join(tmp, "c3"), "ipc", "cuda:0", direct=False)
+        print(json.dumps(results["check_ipc_buffers"]), flush=True)
+        try:
+            results["check_release"] = check_release(os.path.join(tmp, "c4"))
+        except Exception as exc:  # noqa: BLE001 -- reported; the rest still runs
+            results["check_release"] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(results["check_release"]), flush=True)
         if torch.cuda.device_count() > 1:
             results["check_broadcast"] = check_transport(os.path.join(tmp, "c2"), "broadcast", "cuda:1")
             print(json.dumps(results["check_broadcast"]), flush=True)

@@ -78,14 +78,36 @@ def local_data(t: Tensor) -> Tensor:
     return inner if isinstance(inner, Tensor) else t
 
 
+_GUARDS: "weakref.WeakSet[ModuleGuard]" = weakref.WeakSet()
+_hooked = False
+
+
+def _on_module_set(parent: nn.Module, name: str, module: nn.Module) -> None:
+    """torch's global hook on every submodule set (``parent.name = module``, ``ModuleList[i] = module``,
+    ``add_module``): a guard watching ``parent`` no longer holds (a module replaced under the same name
+    leaves every dict the same size, and the replaced module's parameters where they were)."""
+    for guard in list(_GUARDS):
+        if id(parent) in guard.module_ids:
+            guard.moved = True
+
+
 class ModuleGuard:
     """Tells, quickly, whether modules are still what a plan was made from: the same modules holding the
     same parameters (and the buffers named in ``buffers``), each on the same storage with the same shape
-    and dtype, and no module, parameter or buffer added or removed anywhere."""
+    and dtype, and no module, parameter or buffer added, removed or replaced anywhere (a submodule set
+    through ``nn.Module``'s own ``__setattr__``/``add_module``; writing into ``_modules`` directly bypasses
+    that)."""
 
     def __init__(self, modules: Sequence[nn.Module], buffers: Sequence[str] = ()):
+        global _hooked
+        if not _hooked:
+            torch.nn.modules.module.register_module_module_registration_hook(_on_module_set)
+            _hooked = True
         self.roots = [weakref.ref(m) for m in modules]
         every = [m for root in modules for m in root.modules()]
+        self.module_ids = set(map(id, every))
+        self.moved = False
+        _GUARDS.add(self)
         self.dicts = [d for m in every for d in (m._parameters, m._buffers, m._modules)]
         self.lengths = list(map(len, self.dicts))
         held = [(m._parameters, n, p) for m in every for n, p in m._parameters.items() if p is not None]
@@ -104,7 +126,7 @@ class ModuleGuard:
         return list(map(Tensor.data_ptr, tensors))  # tens of thousands of tensors: no per-tensor lookup
 
     def holds(self, modules: Sequence[nn.Module]) -> bool:
-        if len(modules) != len(self.roots) or any(r() is not m for r, m in zip(self.roots, modules)):
+        if self.moved or len(modules) != len(self.roots) or any(r() is not m for r, m in zip(self.roots, modules)):
             return False
         if list(map(len, self.dicts)) != self.lengths:
             return False
