@@ -664,10 +664,9 @@ def _make_plan(source, modules, cfg, spec, converter, mode, bucket_bytes, align,
     ]
     plan_builds += 1
     device = next((t.device for t in local.values()), None) or first_device(modules)
-    weight_buffers = [w.rsplit(".", 1)[-1] for w in WEIGHT_BUFFERS]
     return StreamPlan(
         buckets=plan_buckets(planning, bucket_bytes, align, keys=keys), items=items, local=local, device=device,
-        guard=ModuleGuard(modules, weight_buffers) if modules else None,
+        guard=ModuleGuard(modules, WEIGHT_BUFFERS) if modules else None,
     )
 
 

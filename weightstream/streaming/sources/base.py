@@ -99,31 +99,38 @@ class ModuleGuard:
     that)."""
 
     def __init__(self, modules: Sequence[nn.Module], buffers: Sequence[str] = ()):
+        """``buffers``: the buffers a plan reads besides the parameters, as ``module.name`` suffixes
+        (``router.expert_bias``); only the buffers of modules so named are watched."""
         global _hooked
         if not _hooked:
             torch.nn.modules.module.register_module_module_registration_hook(_on_module_set)
             _hooked = True
         self.roots = [weakref.ref(m) for m in modules]
-        every = [m for root in modules for m in root.modules()]
+        named = [(n, m) for root in modules for n, m in root.named_modules()]
+        every = [m for _, m in named]
         self.module_ids = set(map(id, every))
         self.moved = False
         _GUARDS.add(self)
-        self.dicts = [d for m in every for d in (m._parameters, m._buffers, m._modules)]
+        owners = {b.rpartition(".")[0].rpartition(".")[2] for b in buffers}
+        watched = [m for n, m in named if n.rpartition(".")[2] in owners]
+        names = {b.rpartition(".")[2] for b in buffers}
+        # Tens of thousands of dicts and tensors, each a cache miss when a check comes between training steps:
+        # as few as tell (every module's parameters and children; buffers only where a plan reads them).
+        self.dicts = [m._parameters for m in every] + [m._modules for m in every] + [m._buffers for m in watched]
         self.lengths = list(map(len, self.dicts))
         held = [(m._parameters, n, p) for m in every for n, p in m._parameters.items() if p is not None]
-        held += [(m._buffers, n, b) for m in every for n, b in m._buffers.items() if b is not None and n in buffers]
+        held += [(m._buffers, n, b) for m in watched for n, b in m._buffers.items() if b is not None and n in names]
         self.owners = [d for d, _, _ in held]
         self.names = [n for _, n, _ in held]
         self.tensors = [t for _, _, t in held]
         self.wrapped = any(local_data(t) is not t for t in self.tensors)  # DTensors: their local shards' storage
-        self.ptrs = self._ptrs(self.tensors)
-        self.shapes = [t.shape for t in self.tensors]
-        self.dtypes = [t.dtype for t in self.tensors]
+        self.meta = self._meta(self.tensors)
 
-    def _ptrs(self, tensors: Sequence[Tensor]) -> list[int]:
+    def _meta(self, tensors: Sequence[Tensor]) -> list[tuple[int, torch.Size, torch.dtype]]:
+        """Each tensor's (data pointer, shape, dtype), in one pass over them."""
         if self.wrapped:
-            return [local_data(t).data_ptr() for t in tensors]
-        return list(map(Tensor.data_ptr, tensors))  # tens of thousands of tensors: no per-tensor lookup
+            return [(local_data(t).data_ptr(), t.shape, t.dtype) for t in tensors]
+        return [(t.data_ptr(), t.size(), t.dtype) for t in tensors]
 
     def holds(self, modules: Sequence[nn.Module]) -> bool:
         if self.moved or len(modules) != len(self.roots) or any(r() is not m for r, m in zip(self.roots, modules)):
@@ -132,8 +139,7 @@ class ModuleGuard:
             return False
         if not all(map(operator.is_, map(dict.get, self.owners, self.names), self.tensors)):
             return False
-        ts = self.tensors
-        return self._ptrs(ts) == self.ptrs and [t.shape for t in ts] == self.shapes and [t.dtype for t in ts] == self.dtypes
+        return self._meta(self.tensors) == self.meta
 
 
 def first_device(modules: Sequence[nn.Module]) -> torch.device:
