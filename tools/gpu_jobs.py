@@ -20,9 +20,16 @@ from weightstream.models.presets import preset_config, save_random_checkpoint
 IDS = [[3, 14, 159, 265, 358, 979, 323, 846, 26, 433]]
 
 
-def check_transport(tmp: str, transport: str, engine_device: str, direct: bool = True) -> dict:
+def hf_logits(model_dir: str):
+    """The HF model of ``model_dir`` (float32, on GPU 0) and its logits of ``IDS``, on the CPU."""
     from transformers import AutoModelForCausalLM
 
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    with torch.no_grad():
+        return hf(torch.tensor(IDS).cuda()).logits.float().cpu(), hf
+
+
+def check_transport(tmp: str, transport: str, engine_device: str, direct: bool = True) -> dict:
     from weightstream.engine.server import serve, stop
     from weightstream.streaming.adapters import ReferenceEngine
 
@@ -37,9 +44,7 @@ def check_transport(tmp: str, transport: str, engine_device: str, direct: bool =
         after = ReferenceEngine(server.url).logits(IDS)
     finally:
         stop(server)
-    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).cuda().eval()
-    with torch.no_grad():
-        ref = hf(torch.tensor(IDS).cuda()).logits.float().cpu()
+    ref, _ = hf_logits(src)
     return {"transport": res["reports"][-1]["transport"], "direct": [r["direct"] for r in res["reports"]],
             "max_diff_after": (after - ref).abs().max().item(),
             "max_diff_before": (before - ref).abs().max().item(), "updates": len(res["reports"])}
@@ -79,7 +84,7 @@ def release_job(src: str, url: str) -> dict:
 def check_release(tmp: str) -> dict:
     """Direct writes and memory release on the GPU: releasing frees the engine's weights although a trainer had
     them mapped, and the next update writes into the re-created ones (logits vs HF after it)."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import Qwen3Config
 
     from weightstream.engine.server import serve, stop
     from weightstream.streaming.adapters import ReferenceEngine
@@ -94,9 +99,7 @@ def check_release(tmp: str) -> dict:
         after = ReferenceEngine(server.url).logits(IDS)
     finally:
         stop(server)
-    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).cuda().eval()
-    with torch.no_grad():
-        ref = hf(torch.tensor(IDS).cuda()).logits.float().cpu()
+    ref, hf = hf_logits(src)
     weights = sum(p.numel() * p.element_size() for p in hf.parameters())
     return {**res, "weights_bytes": weights, "max_diff_after": (after - ref).abs().max().item()}
 

@@ -61,7 +61,8 @@ class UpdateReport:
 
     def summary(self) -> str:
         total = self.seconds.get("total", 0.0)
-        return (f"{self.transport} ({self.reason}): {self.tensors} tensors, {self.bytes / 1e6:.2f} MB in "
+        how = ", written into the engine's weights" if self.direct else ""
+        return (f"{self.transport} ({self.reason}{how}): {self.tensors} tensors, {self.bytes / 1e6:.2f} MB in "
                 f"{self.buckets} buckets, {total:.3f} s, version {self.weight_version}")
 
 

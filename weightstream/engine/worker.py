@@ -34,7 +34,7 @@ from weightstream.streaming.bucket import (
 )
 from weightstream.engine.schema import buckets_problems
 from weightstream.streaming.channel import Channel
-from weightstream.streaming.piececopy import batched_copy
+from weightstream.streaming.piececopy import batched_copy, warm_kernel
 from weightstream.streaming.groups import destroy_group, init_custom_process_group, tcp_store
 from weightstream.streaming.serialization import checksum, dumps_b64, loads_b64
 
@@ -259,7 +259,9 @@ class Worker:
         on the control ``channel`` naming the buffer (a handle is opened once per kept buffer) and, on a GPU,
         this worker's stream waits for the trainer's event instead of either side synchronising. The reply
         frame goes once the copies are queued; the trainer waits on our event before reusing the buffer.
-        The first failure is answered on the channel and raised (nothing after it is loaded)."""
+        The first failure is answered on the channel and raised (nothing after it is loaded). Where every
+        tensor of the plan is one whole weight of ours, the trainer may write into our weights instead
+        (:meth:`_offer_writes`, :meth:`_take_writes`): no bucket frames then."""
         cuda = self.device.type == "cuda"
         chan, programs = self._ipc_connect(plan, num_buckets, channel, client, timeout_s)
         loaded: list[str] = []
@@ -330,6 +332,8 @@ class Worker:
                     whole = slots[k % len(slots)] if slots else None
                     if whole is not None and program.runs is not None and program.total <= whole.numel():
                         self._copies_from(program, whole.narrow(0, 0, program.total), kept=True)
+                if slots:
+                    warm_kernel(self.device)  # its first launch compiles it (a second or more): not in the update
                 # What was just made lives as long as the plan: left to the cyclic collector, the first
                 # update's new objects would set off a collection of all of it (300 ms at 18,867 tensors on
                 # a 2-core CPU); frozen, collections skip it (dropped plans are still freed by refcount).

@@ -9,6 +9,11 @@ Two ways, by what the engine declares:
   on a GPU the engine's stream waits on the trainer's event for the bucket, and the trainer's stream waits
   on the engine's event before it packs that buffer again: neither side synchronises its device per bucket,
   and the trainer packs bucket k + 1 while the engine loads bucket k.
+- straight into the engine's weights (``direct``, ahead only): where every tensor of the plan is one whole
+  weight of the engine (the reference engine at TP 1), the engine offers them on the control channel; the
+  trainer maps their storages once per export and its stream writes each tensor into them, one copy and no
+  bucket buffer. The engine backs up what is overwritten first and says ready (a CUDA event the trainer's
+  stream waits on); at the end the engine's stream waits on the trainer's event.
 - per bucket (any other engine, e.g. SGLang's ``/update_weights_from_tensor``): every rank's handle is
   gathered on trainer rank 0, which posts them; every rank holds its buffer until the engine answered.
 """

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from weightstream.converters.mapping import Converter
 from weightstream.models.spec import ModelSpec
+from weightstream.streaming.bucket import no_cyclic_gc
 from weightstream.streaming.topology import Topology
 
 if TYPE_CHECKING:
@@ -139,7 +140,8 @@ class ModuleGuard:
             return False
         if not all(map(operator.is_, map(dict.get, self.owners, self.names), self.tensors)):
             return False
-        return self._meta(self.tensors) == self.meta
+        with no_cyclic_gc():  # tens of thousands of new shapes: collections of a heap of a million objects midway
+            return self._meta(self.tensors) == self.meta
 
 
 def first_device(modules: Sequence[nn.Module]) -> torch.device:
