@@ -17,11 +17,11 @@ import torch
 from tests.checks import assert_logits_close
 from tests.conftest import hf_logits
 from tests.test_update import SMALL, engine
-from tests.workers import INPUT_IDS, Case, run_timed_updates
+from tests.workers import INPUT_IDS, Case, run_timed_updates, run_update
 from weightstream.jobs import Layout
 from weightstream.launch import launch
 from weightstream.models.presets import preset_config, save_random_checkpoint
-from weightstream.streaming.adapters import ReferenceEngine
+from weightstream.streaming.adapters import EngineError, ReferenceEngine
 
 T = 6.0
 BOUND = 1.2 * T + 5
@@ -111,11 +111,12 @@ ws.update_weights(chunks, src, url, transport=transport, bucket_bytes=100_000, t
 """
 
 
-@pytest.mark.parametrize("transport", ["broadcast", "ipc"])
+@pytest.mark.parametrize("transport", ["broadcast", "ipc", "ipc-no-rollback"])
 def test_trainer_killed_mid_update_engine_rolls_back_by_its_bound(tmp_path, transport):
     """The trainer dies after three buckets: loaded by the engine (broadcast), or written by the trainer
     straight into the engine's weights (IPC at engine TP 1). The engine gives the session up by its bound
-    and serves its last committed weights."""
+    and serves its last committed weights; an engine that keeps no backup refuses to serve instead, naming
+    every tensor the trainer could have written, until a complete update."""
     cfg = preset_config("tiny-qwen3")
     src = save_random_checkpoint(cfg, tmp_path / "src", seed=43)
     eng_dir = save_random_checkpoint(cfg, tmp_path / "eng", seed=44)
@@ -123,7 +124,9 @@ def test_trainer_killed_mid_update_engine_rolls_back_by_its_bound(tmp_path, tran
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER_DIES)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with engine(eng_dir) as server:
+    rollback = transport != "ipc-no-rollback"
+    transport = transport.split("-")[0]
+    with engine(eng_dir, rollback=rollback) as server:
         eng = ReferenceEngine(server.url, timeout_s=30)
         proc = subprocess.run([sys.executable, str(script), src, server.url, str(T), transport], capture_output=True,
                               text=True, timeout=300, env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"})
@@ -133,10 +136,18 @@ def test_trainer_killed_mid_update_engine_rolls_back_by_its_bound(tmp_path, tran
         while server.engine.session_open and time.monotonic() - died < 60:
             time.sleep(0.1)
         recovered = time.monotonic() - died
-        logits = eng.logits(INPUT_IDS)  # answers: generation is no longer paused
         version = eng.weight_version()
+        if rollback:
+            logits = eng.logits(INPUT_IDS)  # answers: generation is no longer paused
+        else:
+            with pytest.raises(EngineError, match="47 tensors were half-updated by an aborted update"):
+                eng.logits(INPUT_IDS)
+            (update,) = launch(1, run_update, Case(src, Layout(1, 1)), [server.url],
+                               [{"transport": "ipc", "bucket_bytes": 100_000}])[0]
+            assert update["report"].direct, update
+            logits = eng.logits(INPUT_IDS)
     print(f"engine gave the session up {recovered:.2f} s after the trainer died (bound {BOUND:.1f} s)")
     assert recovered <= BOUND
     assert version == "default"
-    assert_logits_close(logits, before)
+    assert_logits_close(logits, before if rollback else hf_logits(src, INPUT_IDS))
     assert not torch.equal(before, hf_logits(src, INPUT_IDS))

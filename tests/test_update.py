@@ -34,12 +34,13 @@ def engine_dir(tmp_path_factory) -> str:
 
 
 @contextmanager
-def engine(model_dir: str, tp: int = 1, fault: str | None = None, api_key: str | None = None):
+def engine(model_dir: str, tp: int = 1, fault: str | None = None, api_key: str | None = None,
+           rollback: bool = True):
     old = os.environ.get(FAULT_ENV)
     if fault:
         os.environ[FAULT_ENV] = fault
     try:
-        server = serve(model_dir, tp, api_key=api_key)
+        server = serve(model_dir, tp, api_key=api_key, rollback=rollback)
     finally:
         if fault:
             os.environ.pop(FAULT_ENV, None)
