@@ -49,8 +49,10 @@ def _check(src: str, out, transport: str, torchrun: bool) -> None:
     assert (second - first).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("transport,engine_tp", [("broadcast", 1), ("p2p", 2), ("ipc", 2)])
+@pytest.mark.parametrize("transport,engine_tp", [("broadcast", 1), ("p2p", 2), ("ipc", 2), ("ipc", 1)])
 def test_torchrun_trainer_updates_engine(tmp_path, transport, engine_tp):
+    """``ipc`` into an engine at TP 1: trainer rank 0 writes every tensor (those gathered over TP included)
+    straight into the engine's weights; at TP 2 each rank's buckets cross its control channel."""
     cfg = preset_config("tiny-qwen3")
     src = save_random_checkpoint(cfg, tmp_path / "src", seed=31)
     eng_dir = save_random_checkpoint(cfg, tmp_path / "eng", seed=32)
@@ -60,6 +62,9 @@ def test_torchrun_trainer_updates_engine(tmp_path, transport, engine_tp):
         _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
               SCRIPT, "--src", src, "--engine", server.url, "--transport", transport, "--tp", "2", "--out", str(out)])
     _check(src, out, transport, torchrun=True)
+    if transport == "ipc":
+        reports = json.loads((out / "reports.json").read_text())
+        assert [r["direct"] for r in reports] == [engine_tp == 1] * 2, reports
 
 
 def test_plain_single_process_trainer(tmp_path):
