@@ -155,6 +155,16 @@ def choose_transport(requested: str, engines: Sequence[EngineAdapter], topo: Top
     return "broadcast", reason
 
 
+def _pause_and_begin(engine: EngineAdapter, mode: str, version: str, timeout_s: float) -> None:
+    """Pause generation and open a versioned update session: one request where the engine takes both."""
+    both = getattr(engine, "pause_and_begin", None)
+    if both is not None:
+        both(mode, version, timeout_s)
+        return
+    engine.pause(mode)
+    engine.begin_update(version, timeout_s)
+
+
 class WeightSync:
     """A lasting connection from a trainer to its engines: connect once, ``update`` many times.
 
@@ -241,13 +251,16 @@ class WeightSync:
                 decision = choose_transport(self.transport, self.engines, topo, spec, self.colocated,
                                             p2p_source=isinstance(source, MegatronSource))
                 decision = (*decision, any(e.info().can(SINGLE_DTYPE) for e in self.engines))
-                for e in self.engines:
-                    e.pause(self.pause_mode)
                 if "weights" in self.released:
                     for e in self.engines:
+                        e.pause(self.pause_mode)
+                    for e in self.engines:
                         e.resume_memory(["weights"])  # re-created before the update writes into them
-                for e in self.engines:
-                    e.begin_update(version, self.timeout_s)
+                    for e in self.engines:
+                        e.begin_update(version, self.timeout_s)
+                else:
+                    for e in self.engines:
+                        _pause_and_begin(e, self.pause_mode, version, self.timeout_s)
             except Exception as exc:  # noqa: BLE001 — shared with every rank below
                 self._abort_sessions()
                 decision = _as_update_error("connect", exc, urls)
@@ -302,14 +315,16 @@ class WeightSync:
         # 3. Rank 0 commits, then resumes generation.
         if failure is None and rank0:
             t = time.perf_counter()
+            rest = [tag for tag in self.released if tag != "weights"]
+            together = not rest and all(hasattr(e, "commit_and_resume") for e in self.engines)
             try:
-                versions = {e.url: e.commit_update() for e in self.engines}
+                # Where nothing else comes between, the engines that can commit and resume in one request.
+                versions = {e.url: e.commit_and_resume() if together else e.commit_update() for e in self.engines}
                 wrong = {u: v for u, v in versions.items() if v != version}
                 if wrong:
                     raise UpdateError("commit", f"engines report weight versions {wrong}, expected {version!r}", urls)
             except Exception as exc:  # noqa: BLE001 — shared with every rank below
                 failure = _as_update_error("commit", exc, urls)
-            rest = [tag for tag in self.released if tag != "weights"]
             if failure is None and rest:
                 try:
                     for e in self.engines:
@@ -317,7 +332,8 @@ class WeightSync:
                 except Exception as exc:  # noqa: BLE001 — shared with every rank below
                     failure = _as_update_error("commit", exc, urls)
             seconds["commit"] = time.perf_counter() - t
-            if failure is None:
+            seconds["resume"] = 0.0  # with the commit, where ``together``
+            if failure is None and not together:
                 t = time.perf_counter()
                 self._resume_quietly(self.timeout_s)
                 seconds["resume"] = time.perf_counter() - t

@@ -7,8 +7,10 @@ holding its shard) and serves, on loopback by default:
   (per tensor or ``flattened_bucket``), ``/update_weights_from_tensor``, ``/destroy_weights_update_group``,
   ``/pause_generation``, ``/continue_generation``, ``/begin_weight_update``, ``/end_weight_update``,
   ``/update_weight_version``, ``/flush_cache``, ``/generate``, ``/model_info``, ``/get_server_info``, ``/health``;
-- weightstream's additions: ``/weightstream/update_weights_from_p2p`` (per-rank buckets by send/recv) and
-  ``/weightstream/logits``.
+- weightstream's additions: ``/weightstream/update_weights_from_p2p`` (per-rank buckets by send/recv),
+  the ``*_ahead`` routes (every bucket's metadata in one request), ``/weightstream/logits``, and two fields:
+  ``pause`` in ``/begin_weight_update`` and ``resume`` in ``/end_weight_update`` (one request each instead
+  of two).
 
 Every reply to a weight-update call is ``{"success": bool, "message": str}`` (HTTP 200 or 400); the
 optional bearer token is checked on every route but ``/health``.
@@ -87,7 +89,8 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "/weightstream/update_weights_from_p2p": {
         "ranks": ((list,), True), "group_name": ((str,), False), "weight_version": (_OPT_STR, False),
     },
-    "/begin_weight_update": {"timeout_s": (_NUMBER + (type(None),), False)},
+    "/begin_weight_update": {"timeout_s": (_NUMBER + (type(None),), False), "pause": ((str,), False)},
+    "/end_weight_update": {"resume": ((bool,), False)},
     "/pause_generation": {"mode": ((str,), False)},
     "/update_weight_version": {"new_version": ((str,), True)},
     "/generate": {"input_ids": ((list,), True), "sampling_params": ((dict, type(None)), False)},
@@ -568,11 +571,17 @@ class EngineServer(ThreadingHTTPServer):
         return self._guarded(lambda: self.engine.call("update_p2p", per_rank=per_rank), b)
 
     def begin(self, b):
+        """``pause`` (a mode): pause generation first, as ``/pause_generation`` does (one request for both)."""
+        if b.get("pause"):
+            self.pause(b)
         self.engine.begin_session(b.get("timeout_s"))
         return 200, {"success": True, "message": "weight update session opened"}
 
     def end(self, b):
+        """``resume``: generation continues once the session is committed (one request for both)."""
         message = self.engine.commit_session()  # the engine has no cache of its own to flush
+        if b.get("resume"):
+            self.resume(b)
         return 200, {"success": True, "message": message, "weight_version": self.engine.weight_version}
 
     def abort(self, b):

@@ -36,9 +36,25 @@ class ReferenceEngine(SGLangEngine):
     def commit_update(self) -> str | None:
         """One request: the reference engine's ``/end_weight_update`` answers with the weight version it
         now serves (it keeps no KV cache to flush)."""
+        return self._end({}, "end_weight_update")
+
+    def commit_and_resume(self) -> str | None:
+        """:meth:`commit_update`, then generation resumes, in the same request (``{"resume": true}``)."""
+        return self._end({"resume": True}, "end_weight_update (and continue_generation)")
+
+    def _end(self, body: dict, step: str) -> str | None:
         self._session = False
-        reply = self.post("/end_weight_update", {}, step="end_weight_update")
+        reply = self.post("/end_weight_update", body, step=step)
         return None if reply.get("weight_version") is None else str(reply["weight_version"])
+
+    def pause_and_begin(self, mode: str, version: str | None, timeout_s: float | None = None) -> None:
+        """Pause generation and open the session in one request (``/begin_weight_update`` with ``pause``)."""
+        self._version = version
+        body: dict = {"pause": mode}
+        if timeout_s:
+            body["timeout_s"] = timeout_s
+        self.post("/begin_weight_update", body, step="pause_generation and begin_weight_update")
+        self._session = True
 
     def abort_update(self, timeout_s: float | None = None) -> None:
         """Close the session without committing: the engine puts its last committed weights back."""
