@@ -97,7 +97,7 @@ class _Program:
     slow: list[int]  # items converted one by one (TP-gathered, or an op that makes new tensors)
     batched: int
     spans: list[tuple[int, int | None, int, int]]  # per item (PP owner, EP owner, first byte, end): Source.share
-    # Every batched tensor by name: (dtype, numel or strided shape, source view) (``write_into``'s copies).
+    # Every batched tensor: (HF name, dtype, the view of a live tensor it is copied from), for ``write_into``.
     named: list[tuple[str, torch.dtype, Tensor]]
     # With kept buffers: the batched copies, made once per kept buffer (key: its address); with
     # ``write_into``: the copies into a receiver's tensors (key: ("into", the receiver's key)).
