@@ -114,7 +114,7 @@ class IPCSink:
             reply = self._channel.recv(self.timeout_s, "the engine's answer to the kept buffers")
             if "error" in reply:
                 raise UpdateError("prepare", str(reply["error"]), [self.engine.url])
-        self.close()
+        self.close("prepare")
 
     def _decide(self, stream) -> None:
         """Rank 0 asks the engine (its TP size; whether it takes the metadata ahead) and tells every rank."""
@@ -304,7 +304,9 @@ class IPCSink:
             return f" | the engine said: {exc}"
         return ""
 
-    def close(self) -> None:
+    def close(self, phase: str = "buckets") -> None:
+        """The update's end: the answers still due, and the engine's answer to the update's request (an error
+        of it is raised as one of ``phase``)."""
         if not self.ahead_used:
             return
         try:
@@ -322,7 +324,7 @@ class IPCSink:
             try:
                 ahead.result(timeout=deadline.remaining())
             except Exception as exc:  # noqa: BLE001
-                raise UpdateError("buckets", str(exc), [self.engine.url]) from None
+                raise UpdateError(phase, str(exc), [self.engine.url]) from None
 
     def abort(self) -> None:
         """After a failure: the channel is closed (the engine stops waiting at once) and this sink is done.
