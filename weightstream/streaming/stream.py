@@ -14,7 +14,12 @@ Steps 1-2 are made once and kept (:class:`StreamPlan`, cached per model): a late
 model, config, converter, parallel layout and bucket settings reuses them after checking, in a
 few milliseconds, that no parameter was replaced, moved to new storage, added or removed (all ranks
 agree through one all-reduce). Packing is then batched: the converted tensors are views of the live
-parameters, prepared once, and each bucket is filled by one ``torch._foreach_copy_`` per dtype.
+parameters, prepared once, and each bucket is filled with one batched copy per dtype (``_foreach_copy_``,
+or on a GPU one launch of :mod:`~weightstream.streaming.piececopy` into a kept buffer).
+
+A receiver whose memory this process can write (a colocated engine's own weights, mapped through CUDA IPC)
+may take the tensors there instead of in bucket buffers (:meth:`BucketStream.write_into`): the same batched
+copies, with the receiver's tensors as their targets.
 """
 
 from __future__ import annotations
