@@ -18,3 +18,15 @@ def test_p2p_row_runs_p2p_and_checks_the_engine():
     diff = float(re.search(r"max \|diff\| (\S+)", res.check).group(1))
     assert diff <= 1e-4, res.check  # float32 engine vs the Megatron model's own forward
     assert "transfer" in res.phases
+
+
+def test_rows_saved_with_json_print_again_from_it(tmp_path, capsys):
+    """``--json`` then ``--from-json``: the rows of a run (here a CPU stream row) print again as they did,
+    without running anything."""
+    from weightstream.bench.speed import write_json
+    from weightstream.cli import main
+
+    res = run_bench("tiny-qwen3", "stream", dtype="float32", bucket_bytes=64 << 10, repeats=1)
+    write_json([res, res], tmp_path / "rows.json")
+    assert main(["bench", "--from-json", str(tmp_path / "rows.json")]) == 0
+    assert capsys.readouterr().out == (res.render() + "\n") * 2

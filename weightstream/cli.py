@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--soak", type=int, metavar="N", help="number of updates")
     what.add_argument("--transport", action="append", choices=["stream", "broadcast", "ipc", "p2p", "checkpoint"],
                       help="path to time (repeatable)")
+    what.add_argument("--from-json", nargs="+", metavar="F.json",
+                      help="no run: print (and with --plot, chart) the rows saved by earlier --json runs")
     bench.add_argument("--tiny", action="store_true", help="the preset's topology at small widths (CPU-sized)")
     bench.add_argument("--reuse-buffers", action="store_true",
                        help="--transport stream: pack into two kept buffers, as the sinks do (default: fresh buffers)")
@@ -410,6 +412,18 @@ def cmd_engine(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import json
 
+    if args.from_json:
+        from weightstream.bench.speed import BenchResult, plot
+
+        rows = []
+        for path in args.from_json:
+            with open(path) as f:
+                rows += [BenchResult.from_dict(d) for d in json.load(f)]
+        for row in rows:
+            print(row.render(), flush=True)
+        if args.plot:
+            print(plot(rows, args.plot))
+        return 0
     if args.transport:
         from weightstream.bench.speed import plot, run_bench, write_json
 

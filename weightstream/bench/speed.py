@@ -20,7 +20,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -64,6 +64,12 @@ class BenchResult:
         d = asdict(self)
         d.update(best_s=self.best_s, ratio=self.ratio)
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BenchResult":
+        """A row as :meth:`as_dict` wrote it (``--json``)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
 
     def render(self) -> str:
         us = self.best_s / max(self.tensors, 1) * 1e6
@@ -405,12 +411,15 @@ def plot(results: list[BenchResult], path: str) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed: no plot written (pip install matplotlib)"
-    labels = [f"{r.preset}\n{r.transport}" for r in results]
+    import textwrap
+
+    labels = ["\n".join(textwrap.wrap(f"{r.preset}: {r.transport}", 24)) for r in results]
     xs = range(len(results))
-    fig, ax = plt.subplots(figsize=(max(4, 2 * len(results)), 4))
-    ax.bar([x - 0.2 for x in xs], [r.best_s * 1e3 for r in results], width=0.4, label="weightstream")
+    fig, ax = plt.subplots(figsize=(max(4, 2.2 * len(results)), 4.6))
+    ours = ax.bar([x - 0.2 for x in xs], [r.best_s * 1e3 for r in results], width=0.4, label="weightstream")
     ax.bar([x + 0.2 for x in xs], [r.ceiling_s * 1e3 for r in results], width=0.4, label="ceiling, same run")
-    ax.set_xticks(list(xs), labels)
+    ax.bar_label(ours, labels=[f"{r.ratio:.2f}x" for r in results], fontsize=8)
+    ax.set_xticks(list(xs), labels, fontsize=7)
     ax.set_ylabel("ms")
     ax.legend()
     fig.tight_layout()
