@@ -13,6 +13,7 @@ import os
 import signal
 import time
 import traceback
+import uuid
 from collections import deque
 from contextlib import contextmanager
 from datetime import timedelta
@@ -125,10 +126,10 @@ class Worker:
         self.ipc_kept: dict[int, torch.Tensor] = {}
         self.ipc_opened = 0  # buffers opened from a handle by update_ipc_ahead (kept or not)
         self.ipc_plans: dict[str, list] = {}  # bucket programs of the trainers' plans, by their digest
-        # Where a colocated trainer may write a plan's tensors itself (one copy): per plan digest, the id of
-        # the export and its frame (our weights' storages as handles, each tensor's place in them). Made
-        # again whenever the weights' storage changes (released, resumed).
-        self.exports: dict[str, tuple[str, dict]] = {}
+        # Where a colocated trainer may write a plan's tensors itself (one copy): per plan digest, the export
+        # (its id; its frame: our weights' storages as handles, each tensor's place in them; the plan's names
+        # and our tensors they go into). Made again whenever the weights' storage changes (released, resumed).
+        self.exports: dict[str, SimpleNamespace] = {}
         self.direct_updates = 0  # updates the trainer wrote straight into our weights
         # GPU: broadcast buckets sent ahead are received into two kept buffers, loaded on a stream of their own.
         self.receive_buffers: list[torch.Tensor] = []
@@ -266,9 +267,9 @@ class Worker:
         chan, programs = self._ipc_connect(plan, num_buckets, channel, client, timeout_s)
         loaded: list[str] = []
         try:
-            answer = self._offer_writes(chan, plan, programs, timeout_s)
-            if answer is not None:
-                return self._take_writes(chan, programs, answer, timeout_s * (num_buckets + 1))
+            offer = self._offer_writes(chan, plan, programs, timeout_s)
+            if offer is not None:
+                return self._take_writes(chan, *offer, timeout_s * (num_buckets + 1))
             events = None
             for k, program in enumerate(programs):
                 frame = chan.recv(timeout_s, f"frame of bucket {k} from the trainer")
@@ -346,12 +347,12 @@ class Worker:
             chan.close()
         return {"held": len(self.ipc_kept)}
 
-    def _offer_writes(self, chan, plan, programs, timeout_s) -> dict | None:
+    def _offer_writes(self, chan, plan, programs, timeout_s) -> tuple[SimpleNamespace, dict] | None:
         """Offer the trainer to write the plan's tensors straight into our weights, where every tensor of it is
         one whole weight of ours (loaded by a plain copy): ``{"direct": bool}``. Its answer says whether it
         will, and which export of ours it holds (``have``); where it will, the export follows: its id, and
         unless the trainer holds it, our weights' storages and each tensor's place in them. Returns the
-        answer where it will, else None."""
+        export and the answer where it will, else None."""
         can = self._can_take_writes(programs)
         chan.send({"direct": can})
         answer = chan.recv(timeout_s, "the trainer's answer to the offer of direct writes")
@@ -359,50 +360,49 @@ class Worker:
             return None
         if not can:
             raise RuntimeError("the trainer asked to write into weights this engine did not offer")
-        export_id, frame = self._export(plan, programs)
-        chan.send({"export": export_id} if answer.get("have") == export_id else {"export": export_id, **frame})
-        return answer
+        export = self._export(plan, programs)
+        chan.send({"export": export.id} if answer.get("have") == export.id else {"export": export.id, **export.frame})
+        return export, answer
 
     def _can_take_writes(self, programs) -> bool:
         """Whether every tensor of the plan is one whole weight of ours (not a shard, nor a vocabulary piece, of
         the dtype it arrives in) and the weights are there."""
         return not (self.fault or self.model.released_bytes or not programs or any(p.runs is None for p in programs))
 
-    def _export(self, plan, programs) -> tuple[str, dict]:
-        """The export of ``plan``'s weights, (id, frame), made once per plan and weight storage."""
+    def _export(self, plan, programs) -> SimpleNamespace:
+        """The export of ``plan``'s weights (``id``, ``frame``, and the plan's ``names`` with the ``targets``
+        they go into), made once per plan and weight storage."""
         made = self.exports.get(plan)
         if made is not None:
             return made
-        import uuid
-
+        names = [n for program in programs for n in program.names]
+        targets = [t for program in programs for group in program.targets for t in group]
         storages: dict[int, int] = {}
         wholes, where = [], []
-        for program in programs:
-            for t in (t for group in program.targets for t in group):
-                st = t.untyped_storage()
-                idx = storages.get(st._cdata)
-                if idx is None:
-                    idx = storages[st._cdata] = len(wholes)
-                    wholes.append(torch.empty(0, dtype=torch.uint8, device=self.device).set_(st))
-                where.append([idx, t.storage_offset() * t.element_size(), t.numel(), dtype_name(t.dtype)])
-        names = [n for program in programs for n in program.names]
+        for t in targets:
+            st = t.untyped_storage()
+            idx = storages.get(st._cdata)
+            if idx is None:
+                idx = storages[st._cdata] = len(wholes)
+                wholes.append(torch.empty(0, dtype=torch.uint8, device=self.device).set_(st))
+            where.append([idx, t.storage_offset() * t.element_size(), t.numel(), dtype_name(t.dtype)])
         # (On the CPU, sharing moves each storage into shared memory, in place: our views follow it.)
-        made = self.exports[plan] = (uuid.uuid4().hex, {"targets": {"payload": dumps_b64(wholes), "names": names,
-                                                                     "where": where}})
+        frame = {"targets": {"payload": dumps_b64(wholes), "names": names, "where": where}}
+        made = self.exports[plan] = SimpleNamespace(id=uuid.uuid4().hex, frame=frame, names=names, targets=targets)
         return made
 
-    def _take_writes(self, chan, programs, answer: dict, bound_s: float) -> dict:
-        """The trainer writes every tensor of the plan into our weights: we back up what it overwrites (the
-        session rolls back whole), say ready (on a GPU: an event its stream waits on), and wait for its
-        "done" (on a GPU: our stream waits on its event, then the device finishes before we answer)."""
+    def _take_writes(self, chan, export: SimpleNamespace, answer: dict, bound_s: float) -> dict:
+        """The trainer writes every tensor of the plan into our weights (``export``): we back up what it
+        overwrites (the session rolls back whole), say ready (on a GPU: an event its stream waits on), and
+        wait for its "done" (on a GPU: our stream waits on its event, then the device finishes before we
+        answer)."""
         cuda = self.device.type == "cuda"
-        names = [n for program in programs for n in program.names]
         try:
             events = [torch.cuda.Event.from_ipc_handle(self.device, base64.b64decode(h))
                       for h in answer.get("events") or ()] if cuda else None
             if cuda and len(events) != 4:
                 raise RuntimeError("the trainer sent no CUDA events")
-            self.model.begin_writes(names, [t for program in programs for group in program.targets for t in group])
+            self.model.begin_writes(export.names, export.targets)
             if cuda:
                 events[2].record(torch.cuda.current_stream(self.device))
         except Exception as exc:  # noqa: BLE001 -- answered on the channel, then raised
@@ -417,7 +417,7 @@ class Worker:
             torch.cuda.synchronize(self.device)
         self.direct_updates += 1
         chan.send({"ok": True})
-        return {"loaded": names}
+        return {"loaded": export.names}
 
     def _ipc_connect(self, plan, num_buckets, channel, client, timeout_s):
         """Connect to the trainer rank's control channel, greet it (the buffers we hold of it, whether we know
@@ -541,19 +541,22 @@ class Worker:
         """SGLang's tags: ``weights`` frees the weights (re-created, zeroed, by ``resume_memory``; an update
         must then load every tensor before the engine serves again); this engine keeps no KV cache and
         captures no CUDA graphs, so ``kv_cache`` and ``cuda_graph`` free nothing."""
-        self.programs.clear()  # the parameters' storage goes away
-        self.ipc_plans.clear()
-        self.exports.clear()
+        self._forget_weight_views()
         self.receive_buffers = []
         freed = self.model.release_weights() if "weights" in tags else 0
         return {"freed_bytes": freed, **self.memory()}
 
     def resume_memory(self, tags):
+        self._forget_weight_views()
+        restored = self.model.resume_weights() if "weights" in tags else 0
+        return {"restored_bytes": restored, **self.memory()}
+
+    def _forget_weight_views(self) -> None:
+        """Drop what holds views of our weights' storage (the programs, the plans' copies, the exports): the
+        storage is about to go away, or has been made anew."""
         self.programs.clear()
         self.ipc_plans.clear()
         self.exports.clear()
-        restored = self.model.resume_weights() if "weights" in tags else 0
-        return {"restored_bytes": restored, **self.memory()}
 
     def release_ipc(self, client):
         """Close the buffers a trainer ``client`` kept mapped here (it is done with this engine)."""
