@@ -46,6 +46,16 @@ class ChecksumError(RuntimeError):
     pass
 
 
+@contextmanager
+def _failures_answered(chan: Channel, **fields):
+    """A failure inside is answered on the control channel (with ``fields``: the bucket), then raised."""
+    try:
+        yield
+    except Exception as exc:
+        chan.send({**fields, "error": f"{type(exc).__name__}: {exc}"})
+        raise
+
+
 def dense_layout(names, dtypes, shapes) -> list[TensorMeta]:
     """SGLang's flattened-bucket layout for the distributed path: back to back, in ``names`` order."""
     metas, offset = [], 0
@@ -273,14 +283,13 @@ class Worker:
             events = None
             for k, program in enumerate(programs):
                 frame = chan.recv(timeout_s, f"frame of bucket {k} from the trainer")
-                try:
+                with _failures_answered(chan, k=k):
                     if frame.get("k") != k:
                         raise RuntimeError(f"expected bucket {k}, the trainer sent {frame.get('k')!r}")
                     if frame.get("drop"):
                         self._close_ipc_buffers([int(d) for d in frame["drop"]])
                     if cuda and frame.get("events"):
-                        events = [torch.cuda.Event.from_ipc_handle(self.device, base64.b64decode(h))
-                                  for h in frame["events"]]
+                        events = self._open_events(frame["events"])
                     buf_id = int(frame["buf"])
                     if frame.get("payload"):
                         whole = loads_b64(frame["payload"])
@@ -305,9 +314,6 @@ class Worker:
                             # A buffer used once is closed as it is dropped: the copies out of it finish first.
                             torch.cuda.current_stream(self.device).synchronize()
                     del view, whole
-                except Exception as exc:  # noqa: BLE001 -- answered on the channel, then raised
-                    chan.send({"k": k, "error": f"{type(exc).__name__}: {exc}"})
-                    raise
                 chan.send({"k": k})
             if cuda:
                 torch.cuda.synchronize(self.device)
@@ -323,7 +329,7 @@ class Worker:
         try:
             self._offer_writes(chan, plan, programs, timeout_s)
             frame = chan.recv(timeout_s, "the trainer's kept buffers")
-            try:
+            with _failures_answered(chan):
                 for named in frame.get("buffers") or ():
                     if named.get("payload"):
                         self.ipc_kept[int(named["buf"])] = loads_b64(named["payload"])
@@ -339,9 +345,6 @@ class Worker:
                 # update's new objects would set off a collection of all of it (300 ms at 18,867 tensors on
                 # a 2-core CPU); frozen, collections skip it (dropped plans are still freed by refcount).
                 gc.freeze()
-            except Exception as exc:  # noqa: BLE001 -- answered on the channel, then raised
-                chan.send({"error": f"{type(exc).__name__}: {exc}"})
-                raise
             chan.send({"ok": True})
         finally:
             chan.close()
@@ -397,17 +400,13 @@ class Worker:
         wait for its "done" (on a GPU: our stream waits on its event, then the device finishes before we
         answer)."""
         cuda = self.device.type == "cuda"
-        try:
-            events = [torch.cuda.Event.from_ipc_handle(self.device, base64.b64decode(h))
-                      for h in answer.get("events") or ()] if cuda else None
+        with _failures_answered(chan):
+            events = self._open_events(answer.get("events") or ()) if cuda else None
             if cuda and len(events) != 4:
                 raise RuntimeError("the trainer sent no CUDA events")
             self.model.begin_writes(export.names, export.targets)
             if cuda:
                 events[2].record(torch.cuda.current_stream(self.device))
-        except Exception as exc:  # noqa: BLE001 -- answered on the channel, then raised
-            chan.send({"error": f"{type(exc).__name__}: {exc}"})
-            raise
         chan.send({"ready": True})
         done = chan.recv(bound_s, "the trainer's writes into our weights")
         if "error" in done or not done.get("done"):
@@ -418,6 +417,10 @@ class Worker:
         self.direct_updates += 1
         chan.send({"ok": True})
         return {"loaded": export.names}
+
+    def _open_events(self, handles) -> list:
+        """The trainer's interprocess CUDA events, from their handles (base64)."""
+        return [torch.cuda.Event.from_ipc_handle(self.device, base64.b64decode(h)) for h in handles]
 
     def _ipc_connect(self, plan, num_buckets, channel, client, timeout_s):
         """Connect to the trainer rank's control channel, greet it (the buffers we hold of it, whether we know

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from weightstream.bounds import Deadline
 from weightstream.errors import UpdateError
+from weightstream.models.spec import dtype_from_name
 from weightstream.streaming.adapters.base import IPC_AHEAD, EngineAdapter
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.channel import Channel, Listener
@@ -98,8 +99,9 @@ class IPCSink:
 
     def prepare(self, stream) -> None:
         """Before the first update (``WeightSync.prepare``), on every rank: an engine that takes the metadata
-        ahead learns this plan's layout and maps this trainer's two kept buffers now, so that the first
-        update sends neither. The engine keeps serving meanwhile."""
+        ahead learns this plan's layout now, and either exports its weights for the stream to write into or
+        maps this trainer's two kept buffers, so that the first update sends none of it. The engine keeps
+        serving meanwhile."""
         self._decide(stream)
         if not (self.ahead_used and (stream.can_write_into() or stream.kept_buffers())):
             return
@@ -388,8 +390,6 @@ class IPCSink:
 def _open_targets(frame: dict) -> dict[str, torch.Tensor]:
     """The engine's weights by HF name, mapped into this process from its export: ``payload`` (its weights'
     storages, as handles), and per name its place in them (storage, byte offset, elements, dtype)."""
-    from weightstream.models.spec import dtype_from_name
-
     wholes = loads_b64(frame["payload"])
     names, where = frame["names"], frame["where"]
     if len(names) != len(where):
