@@ -26,9 +26,24 @@ def test_help_explains_each_command_and_option():
         assert opt in out.stdout
 
 
+def test_version_is_the_package_version():
+    import weightstream
+
+    out = run("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"weightstream {weightstream.__version__}"
+
+
 def test_demo_proves_its_checkpoint():
-    out = run("demo")
+    # As a user runs it: no warning filter of ours in the environment, output captured (not a terminal).
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "HF_HUB_DISABLE_PROGRESS_BARS")}
+    out = subprocess.run([sys.executable, "-m", "weightstream.cli", "demo"], capture_output=True, text=True,
+                         timeout=300, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
+    lines = (out.stdout + out.stderr).splitlines()
+    assert len(lines) <= 15, lines
+    ours = ("[1/5] ", "[2/5] ", "[3/5] ", "[4/5] ", "[5/5] ", "      ", "PROVEN: ")
+    assert [line for line in lines if not line.startswith(ours)] == [], lines
+    assert not any("\r" in line or "Warning" in line for line in lines), lines
     assert "identical: 47 tensors compared" in out.stdout
     assert "engine update: p2p" in out.stdout and "engine vs HF" in out.stdout
     last = out.stdout.strip().splitlines()[-1]

@@ -28,10 +28,11 @@ from weightstream.convert import ConvertReport, convert_checkpoint
 from weightstream.streaming.sources import Source
 from weightstream.streaming.sources.checkpoint import CheckpointFormatError, MegatronCheckpointSource
 from weightstream.streaming.sources.dtensor import DTensorSource
+from weightstream._version import __version__
 
-__version__ = "0.1.0"
 
 __all__ = [
+    "__version__",
     "Bucket", "BucketStream", "ConversionError", "Converter", "Mapping", "ModelSpec", "Shard", "TensorMeta",
     "Topology", "UnknownModelError", "WeightstreamError", "get_converter", "known_model_types",
     "register_converter", "save_hf_checkpoint", "stream_hf_weights",

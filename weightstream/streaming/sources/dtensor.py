@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from weightstream.converters.mapping import Converter
+from weightstream.distributed import all_gather_flat
 from weightstream.converters.ops import Identity
 from weightstream.models.spec import ModelSpec, dtype_name
 from weightstream.streaming.plan import layout
@@ -283,7 +284,7 @@ def _gather(mesh, dims: tuple[int, ...], batch: Sequence[TensorEntry], local: di
             raise ValueError(f"{e.name}: the local shard has shape {tuple(data.shape)}, DTensor places {shape} here")
         if data.numel():
             send.narrow(0, off, data.numel() * e.dtype.itemsize).copy_(data.contiguous().view(-1).view(torch.uint8))
-    dist.all_gather_into_tensor(recv, send, group=group)
+    all_gather_flat(recv, send, group)
     out: dict[str, Fetched] = {}
     for k, e in enumerate(batch):
         parts = [(r * stride + offsets[r][k], blocks[r][k]) for r in range(len(coords))]

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from weightstream.converters.mapping import Converter
+from weightstream.distributed import all_gather_flat
 from weightstream.models.spec import ModelSpec, dtype_name
 from weightstream.streaming.plan import layout
 from weightstream.streaming.sources.base import Fetched
@@ -163,7 +164,7 @@ class MegatronSource:
             for e, (off,) in zip(split, offsets):
                 t = local[e.name]
                 send.narrow(0, off, _nbytes(t)).copy_(t.contiguous().view(-1).view(torch.uint8))
-            dist.all_gather_into_tensor(recv, send, group=topo.group(group_name))
+            all_gather_flat(recv, send, topo.group(group_name))
             stats.gathers += 1
             staged += recv.numel()
             for e, (off,) in zip(split, offsets):
