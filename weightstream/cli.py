@@ -36,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="weightstream",
         description="Stream Megatron-Core weights in the Hugging Face layout: to disk, or into inference engines.",
     )
+    from weightstream._version import __version__
+
+    parser.add_argument("--version", action="version", version=f"weightstream {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="also show third-party warnings and progress bars (Megatron-Core, torch, transformers)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser(
@@ -344,7 +349,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         hf_config = preset_config(hf_config)
     elif not Path(hf_config, "config.json").exists():
         raise SystemExit(f"error: {hf_config} has no config.json")
-    bar = tqdm(desc="converting", unit="bucket", leave=False)
+    bar = tqdm(desc="converting", unit="bucket", leave=False, disable=None)  # drawn on a terminal only
 
     def progress(done: int, total: int) -> None:
         bar.total = total
@@ -460,11 +465,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import warnings
+    from weightstream.quiet import quiet_command
 
-    warnings.filterwarnings("ignore")
     args = build_parser().parse_args(argv)
+    quiet_command(args.verbose)
     handler = {"demo": cmd_demo, "dump": cmd_dump, "verify": cmd_verify, "engine": cmd_engine,
                "bench": cmd_bench, "convert": cmd_convert}[args.command]
     return handler(args)

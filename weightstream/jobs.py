@@ -50,7 +50,7 @@ def _progress_bar(total_desc: str):
         return None, None
     from tqdm import tqdm
 
-    bar = tqdm(desc=total_desc, unit="bucket", leave=False)
+    bar = tqdm(desc=total_desc, unit="bucket", leave=False, disable=None)  # drawn on a terminal only
 
     def update(done: int, total: int) -> None:
         bar.total = total
