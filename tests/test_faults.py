@@ -146,8 +146,8 @@ def test_trainer_killed_mid_update_engine_rolls_back_by_its_bound(tmp_path, tran
                                [{"transport": "ipc", "bucket_bytes": 100_000}])[0]
             assert update["report"].direct, update
             logits = eng.logits(INPUT_IDS)
-    print(f"engine gave the session up {recovered:.2f} s after the trainer died (bound {BOUND:.1f} s)")
-    assert recovered <= BOUND
+    print(f"engine gave the session up {recovered:.2f} s after the trainer died (bound T + 2 = {T + 2:.1f} s)")
+    assert recovered <= T + 2  # the engine's own bound, counted from the trainer's last word (before its death)
     assert version == "default"
     assert_logits_close(logits, before if rollback else hf_logits(src, INPUT_IDS))
     assert not torch.equal(before, hf_logits(src, INPUT_IDS))

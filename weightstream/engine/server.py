@@ -44,6 +44,10 @@ def log(message: str) -> None:
     print(f"weightstream engine: {message}", file=sys.stderr, flush=True)
 
 
+# A session whose trainer has been silent for its bound T plus this is rolled back (finished by T + 2 s).
+SESSION_GRACE_S = 1.0
+
+
 class EngineFailure(RuntimeError):
     """A request the engine could not carry out (reported as success=false)."""
 
@@ -286,11 +290,14 @@ class Engine:
         """A session whose trainer went quiet for longer than the bound it gave is given up: the last
         committed weights are put back, the groups torn down and generation resumed."""
         while not self.stopping:
-            time.sleep(0.25)
+            # Woken at the session's deadline, not on a coarse tick: the rollback starts 1 s before the
+            # documented bound (T + 2 s after the trainer's last word) and has that second to finish.
+            due = self.last_activity + self.session_timeout_s + SESSION_GRACE_S - time.monotonic()
+            time.sleep(min(0.25, max(0.01, due)) if self.session_open else 0.25)
             if not self.session_open or self.busy:
                 continue
             idle = time.monotonic() - self.last_activity
-            if idle > self.session_timeout_s + 2.0:
+            if idle >= self.session_timeout_s + SESSION_GRACE_S:
                 try:
                     self.abort_session(f"no word from the trainer for {idle:.0f} s")
                     self.call("destroy_all_groups", wait_s=10.0)
