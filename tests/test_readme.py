@@ -20,3 +20,21 @@ def test_register_example_runs_as_written(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "llama: 21 tensors bit-identical on each of 2 ranks" in out.stdout
+
+
+def test_first_screen_register_example_registers_a_family(tmp_path):
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- example:quick-register -->\n```python\n(.*?)```", text, re.S).group(1)
+    check = block + """
+from weightstream.converters.qwen2 import QWEN2
+converter = ws.get_converter("my_qwen2")
+assert converter.model_type == "my_qwen2" and converter.mappings == QWEN2.mappings
+print("registered", len(converter.mappings))
+"""
+    script = tmp_path / "quick_register.py"
+    script.write_text(check)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    from weightstream.converters.qwen2 import QWEN2
+
+    assert out.stdout.strip() == f"registered {len(QWEN2.mappings)}"
