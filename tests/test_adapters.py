@@ -15,6 +15,8 @@ from weightstream.streaming.adapters.base import BROADCAST, IPC, P2P, ROLLBACK
 from weightstream.streaming.topology import Topology
 from weightstream.update import choose_transport
 
+pytestmark = pytest.mark.unit  # in-process, no peer processes: the fast subset
+
 SINKS = pathlib.Path(__file__).resolve().parent.parent / "weightstream" / "streaming" / "sinks"
 
 

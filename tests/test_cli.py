@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -18,6 +19,7 @@ def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.unit
 def test_help_explains_each_command_and_option():
     out = run("--help")
     assert out.returncode == 0 and all(c in out.stdout for c in ("demo", "dump", "verify"))
@@ -26,6 +28,7 @@ def test_help_explains_each_command_and_option():
         assert opt in out.stdout
 
 
+@pytest.mark.unit
 def test_version_is_the_package_version():
     import weightstream
 

@@ -14,6 +14,8 @@ from weightstream.models.presets import preset_config
 from weightstream.models.spec import ModelSpec
 from weightstream.streaming.table import RankMeta, build_table
 
+pytestmark = pytest.mark.unit  # in-process, no peer processes: the fast subset
+
 
 def test_pattern_language():
     rx = compile_pattern("decoder.layers.*.mlp.experts.local_experts.*.linear_fc1.weight")

@@ -17,6 +17,8 @@ from weightstream.models.spec import ModelSpec
 from weightstream.streaming.plan import ALIGN, plan_buckets
 from weightstream.streaming.table import RankMeta, build_table
 
+pytestmark = pytest.mark.unit  # in-process, no peer processes: the fast subset
+
 
 def _cfg(name: str, **overrides):
     cfg = preset_config(name)

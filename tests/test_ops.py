@@ -8,6 +8,8 @@ import torch
 from weightstream.converters.ops import GATED, IDENTITY, QKV, VOCAB, OpContext
 from weightstream.models.spec import ModelSpec
 
+pytestmark = pytest.mark.unit  # in-process, no peer processes: the fast subset
+
 
 def spec(heads=8, groups=2, head_dim=4, hidden=6, vocab=10) -> ModelSpec:
     return ModelSpec(

@@ -11,6 +11,8 @@ import torch
 
 from weightstream.streaming.piececopy import plan_pieces
 
+pytestmark = pytest.mark.unit  # in-process, no peer processes: the fast subset
+
 
 def _apply(unit: int, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
     for s, d, n in zip(srcs, dsts, lens):

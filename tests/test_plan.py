@@ -6,6 +6,8 @@ import pytest
 
 from weightstream.streaming.plan import layout, plan_buckets, round_up
 
+pytestmark = pytest.mark.unit  # in-process, no peer processes: the fast subset
+
 
 def flat(plans):
     return [list(p.items) for p in plans]

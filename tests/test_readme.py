@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -22,6 +24,7 @@ def test_register_example_runs_as_written(tmp_path):
     assert "llama: 21 tensors bit-identical on each of 2 ranks" in out.stdout
 
 
+@pytest.mark.unit
 def test_first_screen_register_example_registers_a_family(tmp_path):
     text = (ROOT / "README.md").read_text()
     block = re.search(r"<!-- example:quick-register -->\n```python\n(.*?)```", text, re.S).group(1)

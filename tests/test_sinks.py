@@ -15,6 +15,8 @@ from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.serialization import UnsafePayloadError, checksum, dumps_b64, loads_b64
 from weightstream.streaming.sinks import BroadcastSink, IPCSink, P2PSink, SafetensorsSink, Sink
 
+pytestmark = pytest.mark.unit  # in-process, no peer processes: the fast subset
+
 
 def test_all_sinks_share_the_interface(tmp_path):
     engine = ReferenceEngine("http://127.0.0.1:9")
