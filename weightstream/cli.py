@@ -428,7 +428,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(row.render(), flush=True)
         if args.plot:
             print(plot(rows, args.plot))
-        return 0
+        return 1 if any(row.failed for row in rows) else 0
     if args.transport:
         from weightstream.bench.speed import plot, run_bench, write_json
 
@@ -445,6 +445,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             write_json(results, args.json)
         if args.plot:
             print(plot(results, args.plot))
+        failed = [f"{r.preset} {r.transport}" for r in results if r.failed]
+        if failed:
+            print(f"FAILED: the check of {len(failed)} row(s) did not pass: {'; '.join(failed)}", file=sys.stderr)
+            return 1
         return 0
 
     from weightstream.bench.soak import run_soak

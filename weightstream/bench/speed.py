@@ -51,6 +51,11 @@ class BenchResult:
     phases: dict[str, float] = field(default_factory=dict)  # of the best warm run
     cold_phases: dict[str, float] = field(default_factory=dict)  # of the first run (updates)
     check: str = ""  # what was checked after the runs, and how it came out
+    check_ok: bool | None = None  # whether it passed; a row whose check fails or cannot run has failed
+
+    @property
+    def failed(self) -> bool:
+        return self.check_ok is False
 
     @property
     def best_s(self) -> float:
@@ -89,7 +94,8 @@ class BenchResult:
             if phases:
                 lines.append(f"  phases ({what}): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in phases.items()))
         if self.check:
-            lines.append(f"  check: {self.check}")
+            verdict = {True: "passed", False: "FAILED", None: "recorded"}[self.check_ok]
+            lines.append(f"  check ({verdict}): {self.check}")
         return "\n".join(lines)
 
 
@@ -199,6 +205,7 @@ def update_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype:
         if prepare:
             ((prepared, _),), _ = _timed(device, 1, lambda: sync.prepare(chunks, cfg))
         runs, peak = _timed(device, repeats + 1, lambda: sync.update(chunks, cfg))
+    verified = _checksummed_update(chunks, cfg, url, transport, bucket_bytes, ahead)
     reports = [{"wall": t, "transport": rep.transport, "bytes": rep.bytes, "buckets": rep.buckets,
                 "tensors": rep.tensors, "seconds": rep.seconds, "direct": rep.direct} for t, rep in runs]
     ceiling = copy_ceiling(reports[-1]["bytes"], bucket_bytes, device, repeats) if transport == "ipc" else None
@@ -209,8 +216,53 @@ def update_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype:
     except Exception as exc:  # noqa: BLE001 -- e.g. Megatron's MoE router needs Transformer Engine on GPUs
         logits = f"the Megatron model's own forward failed: {type(exc).__name__}: {exc}"
     return {"device": str(device), "reports": reports, "peak_extra_bytes": peak, "copy_ceiling_s": ceiling,
-            "prepare_s": prepared,
-            "logits": logits}
+            "prepare_s": prepared, "logits": logits, "verified": verified}
+
+
+def _checksummed_update(chunks, cfg, url: str, transport: str, bucket_bytes: int, ahead: bool) -> str | None:
+    """One more update of the same weights, untimed, with checksums: the engine checks every bucket it
+    receives against the trainer's checksum of it. None when it passed, else why not."""
+    from weightstream.update import WeightSync
+
+    try:
+        with WeightSync([url], transport=transport, bucket_bytes=bucket_bytes, timeout_s=300, checksums=True,
+                        metadata_ahead=ahead) as sync:
+            sync.update(chunks, cfg)
+    except Exception as exc:  # noqa: BLE001 -- the row reports it and fails
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _logits_tolerance(dtype: str, scale: float) -> float:
+    """How far the engine's logits (transformers' arithmetic) may be from the Megatron model's own forward
+    with the same weights: float32 agrees to rounding; in bf16 the two implementations round differently
+    layer after layer (0.29 on logits up to 6.9 seen for Qwen3-8B), while one wrong tensor moves logits by
+    about their own scale."""
+    return 1e-4 * max(1.0, scale) if dtype == "float32" else 0.1 * max(1.0, scale)
+
+
+def _engine_check(url: str, rank0: dict, dtype: str) -> tuple[str, bool]:
+    """The row's check after its runs: every bucket of a checksummed update verified by the engine, and the
+    engine's logits within :func:`_logits_tolerance` of the Megatron model's."""
+    from weightstream.streaming.adapters import ReferenceEngine
+
+    problems = []
+    if rank0["verified"] is not None:
+        problems.append(f"the checksummed update failed: {rank0['verified']}")
+    ours = rank0["logits"]
+    if isinstance(ours, str):
+        return "; ".join(problems + [ours]), False
+    try:
+        theirs = ReferenceEngine(url).logits(IDS).float()
+    except Exception as exc:  # noqa: BLE001 -- the row reports it and fails
+        return "; ".join(problems + [f"the engine's logits could not be read: {exc}"]), False
+    diff, scale = (theirs - ours).abs().max().item(), ours.abs().max().item()
+    tol = _logits_tolerance(dtype, scale)
+    if diff > tol:
+        problems.append(f"logits differ by more than {tol:.3g}")
+    text = (f"every bucket's checksum verified by the engine on one more update; engine logits vs the Megatron "
+            f"model's: max |diff| {diff:.3g} (logits up to {scale:.3g}, {dtype}, tolerance {tol:.3g})")
+    return "; ".join([text] + problems), not problems
 
 
 def _wire_job(total: int, chunk: int, repeats: int, move: Callable[[torch.Tensor], None]) -> dict:
@@ -289,7 +341,6 @@ def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_byte
                   direct: bool = True) -> BenchResult:
     from weightstream.engine.server import serve, stop
     from weightstream.launch import launch
-    from weightstream.streaming.adapters import ReferenceEngine
 
     cuda = torch.cuda.is_available()
     if engine_device is None and not cuda:
@@ -306,17 +357,7 @@ def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_byte
             ranks = launch(tp * ep, update_job, tmp, server.url, transport, bucket_bytes, dtype, repeats, False, ahead,
                            tp, ep, prepare, direct, backend=backend, timeout_s=600)
             r = ranks[0]
-            try:
-                theirs = ReferenceEngine(server.url).logits(IDS).float()
-                ours = r["logits"]
-                if isinstance(ours, str):
-                    raise RuntimeError(ours)
-                diff = (theirs - ours).abs().max().item()
-                scale = ours.abs().max().item()
-                res.check = (f"engine logits after the last update vs the Megatron model's: max |diff| {diff:.3g} "
-                             f"(logits up to {scale:.3g}, {dtype})")
-            except Exception as exc:  # noqa: BLE001 -- reported with the timings, which stand on their own
-                res.check = f"engine logits could not be computed: {exc}"
+            res.check, res.check_ok = _engine_check(server.url, r, dtype)
         finally:
             stop(server)
         reports = r["reports"]
@@ -359,6 +400,7 @@ def _checkpoint_bench(res: BenchResult, cfg, dtype: str, bucket_bytes: int, repe
     res.bytes, res.tensors, res.buckets = r["bytes"], r["tensors"], r["buckets"]
     res.ceiling_s, res.ceiling = r["ceiling_s"], "safetensors.torch.save_file of the same tensors (one file)"
     res.check = f"written files equal save_file's tensors bit for bit: {r['equal']}"
+    res.check_ok = bool(r["equal"])
     return res
 
 

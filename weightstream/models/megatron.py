@@ -253,47 +253,41 @@ def load_hf_weights(
 
 
 @contextlib.contextmanager
-def cpu_forward_shims() -> Iterator[None]:
-    """What Megatron-Core's forward needs on a machine without CUDA: a current device for rotary
-    embeddings, a no-op CUDA RNG tracker fork, and the MoE router without Transformer Engine."""
-    if torch.cuda.is_available():
+def forward_shims() -> Iterator[None]:
+    """What Megatron-Core 0.16's forward needs where parts of its usual stack are missing: without Transformer
+    Engine (on any device) the MoE router's GEMM name is unbound (``te_general_gemm``: a NameError; Megatron
+    falls back to torch when it is None); without CUDA, a current device for rotary embeddings and a no-op
+    CUDA RNG tracker fork."""
+    with _moe_router_without_te():
+        if torch.cuda.is_available():
+            yield
+            return
+        from megatron.core.tensor_parallel import random as mrandom
+
+        tracker = mrandom.get_cuda_rng_tracker()
+        saved_device = torch.cuda.current_device
+        saved_fork = tracker.fork
+        torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+        tracker.fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            torch.cuda.current_device = saved_device  # type: ignore[assignment]
+            tracker.fork = saved_fork  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _moe_router_without_te() -> Iterator[None]:
+    from megatron.core.transformer.moe import moe_utils
+
+    if moe_utils.HAVE_TE or "te_general_gemm" in vars(moe_utils):  # Transformer Engine's, or set by an outer call
         yield
         return
-    from megatron.core.tensor_parallel import random as mrandom
-
-    tracker = mrandom.get_cuda_rng_tracker()
-    saved_device = torch.cuda.current_device
-    saved_fork = tracker.fork
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
-    tracker.fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
-    saved_gemm = _patch_moe_gemm()
+    moe_utils.te_general_gemm = None  # what Megatron checks before using Transformer Engine's GEMM
     try:
         yield
     finally:
-        torch.cuda.current_device = saved_device  # type: ignore[assignment]
-        tracker.fork = saved_fork  # type: ignore[method-assign]
-        _restore_moe_gemm(saved_gemm)
-
-
-_UNSET = object()
-
-
-def _patch_moe_gemm():
-    try:
-        from megatron.core.transformer.moe import moe_utils
-    except ImportError:
-        return _UNSET
-    saved = getattr(moe_utils, "te_general_gemm", _UNSET)
-    moe_utils.te_general_gemm = None
-    return saved
-
-
-def _restore_moe_gemm(saved) -> None:
-    if saved is _UNSET:
-        return
-    from megatron.core.transformer.moe import moe_utils
-
-    moe_utils.te_general_gemm = saved
+        del moe_utils.te_general_gemm
 
 
 def megatron_logits(model_chunks: nn.Module | Sequence[nn.Module], input_ids: Tensor, vocab_size: int) -> Tensor:
@@ -316,7 +310,7 @@ def megatron_logits(model_chunks: nn.Module | Sequence[nn.Module], input_ids: Te
     hidden_size = chunks[0].config.hidden_size
     dtype = chunks[0].config.params_dtype
     output = None
-    with torch.no_grad(), cpu_forward_shims():
+    with torch.no_grad(), forward_shims():
         for v, chunk in enumerate(chunks):
             was_training = chunk.training
             chunk.eval()
