@@ -99,6 +99,12 @@ class ShardedCausalLM:
         self.rollback = True  # back up what a session overwrites (else an aborted session leaves weights stale)
         self._loaded_in_session: set[str] = set()
 
+    def mark_never_loaded(self, loaded: set[str]) -> None:
+        """After the weights found at start: every tensor they did not hold is stale (the engine refuses to
+        serve until a complete update loads it), never served as the zeros it was created with."""
+        self.stale = set(self.params) - loaded
+        self.stale_why = "were never loaded (the engine started without them)"
+
     # -- sessions: an update is committed whole or rolled back whole --------------------------------
 
     def begin_session(self) -> None:

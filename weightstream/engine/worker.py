@@ -156,11 +156,13 @@ class Worker:
         try:
             reader = CheckpointReader(model_dir)
         except FileNotFoundError:
-            return  # weights come later, through an update
+            self.model.mark_never_loaded(set())  # weights come later, through an update
+            return
         with reader:
             report = self.model.load_weights((n, reader.get(n), None) for n in reader.keys())
         if report.problems:
             raise RuntimeError("initial weights do not fit the model: " + "; ".join(report.problems))
+        self.model.mark_never_loaded(set(report.loaded))
 
     # -- commands ----------------------------------------------------------------------------
 
