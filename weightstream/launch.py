@@ -13,6 +13,7 @@ import pickle
 import queue
 import socket
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -21,9 +22,17 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from weightstream.errors import WeightstreamError
+from weightstream.processes import die_with_parent
+
 
 class LaunchError(RuntimeError):
-    pass
+    """A launched job that failed. ``reasons``: by rank, the message of each rank that failed with a
+    :class:`~weightstream.errors.WeightstreamError` (which says all the user needs, without the traceback)."""
+
+    def __init__(self, message: str, reasons: dict[int, str] | None = None):
+        super().__init__(message)
+        self.reasons = dict(reasons or {})
 
 
 # What the fork server imports once, so that each process forked from it starts in a fraction of a second
@@ -42,14 +51,18 @@ def process_context():
     """Where weightstream's processes (launched ranks, engine workers) come from: a fork server that has
     imported torch, transformers and Megatron-Core once (Linux, no CUDA), else spawn.
     ``WEIGHTSTREAM_START_METHOD=spawn`` asks for spawn. Where CUDA is present, importing those modules may
-    initialise it in the fork server, and a process forked from it then cannot use CUDA: spawn there."""
+    initialise it in the fork server, and a process forked from it then cannot use CUDA: spawn there.
+    A fork server that the main thread starts dies with this process (``weightstream.fork_server_guard``)."""
     default = "spawn" if torch.cuda.is_available() else "forkserver"
     method = os.environ.get("WEIGHTSTREAM_START_METHOD", default)
     if method not in ("forkserver", "spawn"):
         raise ValueError(f"WEIGHTSTREAM_START_METHOD must be forkserver or spawn, got {method!r}")
     if method == "forkserver" and "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)  # has no effect once the server runs (it keeps what it loaded)
+        # Has no effect once the server runs (it keeps what it loaded). The guard only where the main thread
+        # asks: the kernel's parent-death signal follows the thread that starts the server.
+        main = threading.current_thread() is threading.main_thread()
+        ctx.set_forkserver_preload(["weightstream.fork_server_guard", *PRELOAD] if main else PRELOAD)
         return ctx
     return mp.get_context("spawn")
 
@@ -80,7 +93,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, backend: str, timeout_s: float, job: bytes, results) -> None:
+def _worker(launcher: int, rank: int, world: int, port: int, backend: str, timeout_s: float, job: bytes,
+            results) -> None:
+    die_with_parent(launcher)  # a SIGKILLed launcher leaves no rank waiting out its collectives' timeout
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
@@ -107,8 +122,9 @@ def _worker(rank: int, world: int, port: int, backend: str, timeout_s: float, jo
             except Exception:
                 pass
             dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 — the parent reports it
-        results.put((rank, False, traceback.format_exc()))
+    except BaseException as exc:  # noqa: BLE001 — the parent reports it
+        reason = str(exc) if isinstance(exc, WeightstreamError) else None
+        results.put((rank, False, (traceback.format_exc(), reason)))
 
 
 def launch(
@@ -129,7 +145,8 @@ def launch(
     results = ctx.Queue()
     port = free_port()
     job = pickle.dumps((fn, args))
-    procs = [start_process(ctx, _worker, (r, world_size, port, backend, timeout_s, job, results), daemon=False)
+    procs = [start_process(ctx, _worker, (os.getpid(), r, world_size, port, backend, timeout_s, job, results),
+                           daemon=False)
              for r in range(world_size)]
     got: dict[int, tuple[bool, Any]] = {}
     import time
@@ -140,7 +157,8 @@ def launch(
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(world_size)) - set(got))
-                raise LaunchError(f"ranks {missing} did not finish within {timeout_s:.0f} s" + _failures(got))
+                raise LaunchError(f"ranks {missing} did not finish within {timeout_s:.0f} s" + _failures(got),
+                                  _reasons(got))
             try:
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
                 got[rank] = (ok, value)
@@ -155,7 +173,7 @@ def launch(
                     except queue.Empty:
                         raise LaunchError(
                             f"ranks {dead} exited (codes {[procs[r].exitcode for r in dead]}) without a result"
-                            + _failures(got)
+                            + _failures(got), _reasons(got)
                         ) from None
             if any(not ok for ok, _ in got.values()) and len(got) < world_size:
                 # One rank failed: the others may be stuck in a collective with it; don't wait long.
@@ -169,7 +187,7 @@ def launch(
                 p.join(timeout=5.0)
     failed = {r: v for r, (ok, v) in got.items() if not ok}
     if failed:
-        raise LaunchError(_failures(got).lstrip("\n"))
+        raise LaunchError(_failures(got).lstrip("\n"), _reasons(got))
     return [pickle.loads(got[r][1]) for r in range(world_size)]
 
 
@@ -177,4 +195,8 @@ def _failures(got: dict[int, tuple[bool, Any]]) -> str:
     failed = {r: v for r, (ok, v) in sorted(got.items()) if not ok}
     if not failed:
         return ""
-    return "\n" + "\n".join(f"rank {r} failed:\n{tb}" for r, tb in failed.items())
+    return "\n" + "\n".join(f"rank {r} failed:\n{tb}" for r, (tb, _) in failed.items())
+
+
+def _reasons(got: dict[int, tuple[bool, Any]]) -> dict[int, str]:
+    return {r: v[1] for r, (ok, v) in sorted(got.items()) if not ok and v[1] is not None}

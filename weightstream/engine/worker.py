@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from weightstream.models.spec import dtype_from_name, dtype_name
+from weightstream.processes import die_with_parent
 from weightstream.streaming.bucket import (
     Bucket,
     Shard,
@@ -610,16 +611,6 @@ class Worker:
             time.sleep(3600)
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this worker when the engine's main process dies, however it dies."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _fixed_mmap_threshold() -> None:
     """glibc raises its mmap threshold after each large free, after which buffers of a bucket's size come
     from the heap; with gloo's threads coming and going with each weight-update group, the heap then
@@ -634,7 +625,7 @@ def _fixed_mmap_threshold() -> None:
 
 
 def worker_main(rank, size, model_dir, port, backend, device, dtype, conn, rollback=True) -> None:
-    _die_with_parent()
+    die_with_parent()  # the kernel ends this worker when the engine's main process dies, however it dies
     _fixed_mmap_threshold()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server decides
     os.environ.setdefault("OMP_NUM_THREADS", "1")
