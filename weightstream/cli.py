@@ -158,8 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--tp", type=int, default=1, help="engine tensor-parallel size (default 1)")
     engine.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     engine.add_argument("--port", type=int, default=30000, help="port (default 30000; 0 picks a free one)")
-    engine.add_argument("--api-key", default=os.environ.get("WEIGHTSTREAM_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' (default: $WEIGHTSTREAM_API_KEY, else none)")
+    key = engine.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=os.environ.get("WEIGHTSTREAM_API_KEY"),
+                     help="require 'Authorization: Bearer KEY' (default: $WEIGHTSTREAM_API_KEY, else none; a key "
+                          "on the command line shows in ps: prefer the variable or --api-key-file)")
+    key.add_argument("--api-key-file", default=None, metavar="PATH",
+                     help="read the key from this file (its first line)")
+    engine.add_argument("--max-batch-tokens", type=int, default=None, metavar="N",
+                        help="most tokens one /generate or /weightstream/logits request may ask for, summed over "
+                             "its rows, new tokens included (default 16384)")
     engine.add_argument("--device", default=None,
                         help="cpu, cuda (rank r on GPU r), or one device per rank: cuda:2,cuda:3 "
                              "(default: cuda when available)")
@@ -383,12 +390,25 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if cmp.ok else 1
 
 
+def engine_api_key(args: argparse.Namespace) -> str | None:
+    """The engine's key: from --api-key-file, else --api-key, else $WEIGHTSTREAM_API_KEY, else none."""
+    if args.api_key_file is None:
+        return args.api_key or None
+    with open(args.api_key_file) as f:
+        key = f.readline().strip()
+    if not key:
+        raise SystemExit(f"error: --api-key-file {args.api_key_file} is empty")
+    return key
+
+
 def cmd_engine(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from weightstream.engine.server import serve, stop
+    from weightstream.engine.server import ServerLimits, serve, stop
 
+    api_key = engine_api_key(args)
+    limits = ServerLimits() if args.max_batch_tokens is None else ServerLimits(max_batch_tokens=args.max_batch_tokens)
     done = threading.Event()
     got: list[int] = []
 
@@ -398,8 +418,8 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    server = serve(args.model, args.tp, args.host, args.port, args.api_key, args.device, args.dtype,
-                   rollback=not args.no_rollback)
+    server = serve(args.model, args.tp, args.host, args.port, api_key, args.device, args.dtype,
+                   rollback=not args.no_rollback, limits=limits)
     print(f"weightstream engine: {args.model} (TP {args.tp}) serving on {server.url}", flush=True)
     code = 0
     while not done.wait(0.2):

@@ -52,3 +52,66 @@ def buckets_problems(buckets: Any, *, offsets: bool = False) -> list[str]:
     if not isinstance(buckets, list):
         return ["buckets must be a list"]
     return [f"bucket {i}: {p}" for i, b in enumerate(buckets) for p in bucket_problems(b, offsets=offsets)]
+
+
+# -- bounds on what one HTTP request may ask for ------------------------------------------------------
+
+MAX_JSON_DEPTH = 64  # lists and objects nested in a request body
+MAX_DURATION_S = 3600.0  # any duration a request sets (``timeout_s``): seconds in (0, MAX_DURATION_S]
+MAX_TEXT_CHARS = 256  # a weight version or a name a request sets (group, client, plan, ...)
+
+
+def nesting_exceeds(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether parsed JSON ``value`` nests lists and objects more than ``limit`` deep (walked without
+    recursion)."""
+    stack = [(value, 1)] if isinstance(value, (list, dict)) else []
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (list, dict)))
+    return False
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def duration_problem(name: str, value: Any) -> str | None:
+    """What is wrong with a duration in seconds (``None``: the engine's default)."""
+    if value is None or 0 < value <= MAX_DURATION_S:  # NaN compares false: refused with the infinities
+        return None
+    return f"field {name!r} must be seconds in (0, {MAX_DURATION_S:g}], got {_shown(value)}"
+
+
+def range_problem(name: str, value: int, low: int, high: int) -> str | None:
+    if low <= value <= high:
+        return None
+    return f"field {name!r} must be in [{low}, {high}], got {_shown(value)}"
+
+
+def text_problem(name: str, value: Any) -> str | None:
+    """What is wrong with a short text field: at most :data:`MAX_TEXT_CHARS` printable characters."""
+    if not isinstance(value, str):
+        return None
+    if len(value) > MAX_TEXT_CHARS:
+        return f"field {name!r} has {len(value)} characters, more than {MAX_TEXT_CHARS}"
+    if not value.isprintable():
+        return f"field {name!r} must be printable text (no control characters, no lone surrogates)"
+    return None
+
+
+def token_rows(ids: Any, *, flat: bool) -> list[list[int]] | str:
+    """The rows of ``input_ids``: a non-empty list of non-empty lists of token ids (``flat``: a list of ids is
+    one row too); else what is wrong with it."""
+    if flat and int_lists(ids, 1) and ids:
+        return [ids]
+    if not isinstance(ids, list) or not ids or not all(isinstance(r, list) and r for r in ids):
+        one = "a non-empty list of token ids or " if flat else ""
+        return f"input_ids must be {one}a non-empty list of non-empty lists of token ids"
+    bad = [i for i, row in enumerate(ids) if not int_lists(row, 1)]
+    if bad:
+        return f"input_ids rows {bad[:5]} hold something other than non-negative integer token ids"
+    return ids

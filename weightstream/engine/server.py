@@ -19,25 +19,60 @@ optional bearer token is checked on every route but ``/health``.
 from __future__ import annotations
 
 import base64
+import fcntl
+import hmac
+import ipaddress
 import json
 import os
+import re
 import socket
+import struct
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
-from weightstream.engine.schema import bucket_problems, buckets_problems, int_lists
+from weightstream.engine.schema import (
+    MAX_JSON_DEPTH,
+    bucket_problems,
+    buckets_problems,
+    duration_problem,
+    nesting_exceeds,
+    range_problem,
+    text_problem,
+    token_rows,
+)
 from weightstream.engine.worker import FAULT_ENV
 from weightstream.launch import free_port, process_context, start_process
+from weightstream.streaming.adapters.reference import ENGINE_NAME
+from weightstream.streaming.channel import address_problem
 from weightstream.streaming.serialization import gpu_uuid
 
-from weightstream.streaming.adapters.reference import ENGINE_NAME
 MAX_BODY_BYTES = 64 << 20
+# Routes whose bodies carry weights or the metadata of every bucket: these may be up to ``max_body_bytes``;
+# every other route's body is small (``max_small_body_bytes``).
+BULK_ROUTES = frozenset({
+    "/update_weights_from_distributed", "/weightstream/update_weights_from_distributed_ahead",
+    "/update_weights_from_tensor", "/weightstream/update_weights_from_p2p",
+})
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """What one client may hold of the HTTP server, or ask of the engine in one request (docs/engines.md,
+    "Bounds")."""
+
+    max_body_bytes: int = MAX_BODY_BYTES  # a body of a route in BULK_ROUTES
+    max_small_body_bytes: int = 1 << 20  # a body of any other route
+    max_connections: int = 512  # open at once; one more is answered 503 and closed
+    idle_timeout_s: float = 30.0  # a client that sends nothing (or stops mid-request) this long is disconnected
+    listen_backlog: int = 1024  # connections the kernel queues until the server accepts them (bursts)
+    max_batch_tokens: int = 16384  # /generate and /weightstream/logits: the sum over rows of prompt + new tokens
 
 
 def log(message: str) -> None:
@@ -50,6 +85,10 @@ SESSION_GRACE_S = 1.0
 
 class EngineFailure(RuntimeError):
     """A request the engine could not carry out (reported as success=false)."""
+
+
+class UpdateInFlight(EngineFailure):
+    """A read of the weights while an update session has loaded part of an update (HTTP 409)."""
 
 
 class BadRequest(Exception):
@@ -109,6 +148,25 @@ SCHEMAS["/weightstream/prepare_ipc_ahead"] = {
     k: v for k, v in SCHEMAS["/weightstream/update_weights_from_ipc_ahead"].items() if k != "weight_version"}
 
 
+# Bounds on fields of any route, checked once the field has its type: durations (finite seconds, so that
+# every wait and the session watchdog end), a few integers, and short texts (a version is echoed in replies).
+DURATION_FIELDS = frozenset({"timeout_s"})
+INT_RANGES = {"master_port": (1, 65535), "world_size": (1, 1 << 16), "rank_offset": (0, 1 << 16),
+              "num_buckets": (0, 1 << 24)}
+TEXT_FIELDS = frozenset({"weight_version", "new_version", "group_name", "client", "plan", "backend",
+                         "load_format", "pause", "mode", "master_address"})
+
+
+def _field_problem(name: str, value: Any) -> str | None:
+    if name in DURATION_FIELDS:
+        return duration_problem(name, value)
+    if name in INT_RANGES:
+        return range_problem(name, value, *INT_RANGES[name])
+    if name in TEXT_FIELDS:
+        return text_problem(name, value)
+    return None
+
+
 def _type_names(types: tuple[type, ...]) -> str:
     return " or ".join("null" if t is type(None) else t.__name__ for t in types)
 
@@ -124,26 +182,65 @@ def check_body(path: str, body: dict) -> None:
         value = body[name]
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             problems.append(f"field {name!r} must be {_type_names(types)}, got {type(value).__name__}")
+        elif (problem := _field_problem(name, value)) is not None:
+            problems.append(problem)
     if not problems and path == "/update_weights_from_distributed":
         problems += bucket_problems(body)
     if not problems and path == "/weightstream/update_weights_from_distributed_ahead":
         problems += buckets_problems(body["buckets"])
-    if not problems and path in ("/weightstream/update_weights_from_ipc_ahead", "/weightstream/prepare_ipc_ahead"):
-        if not all(isinstance(c, str) and c.rpartition(":")[2].isdigit() for c in body["channels"]):
-            problems.append("channels must be 'host:port' strings, one per engine rank")
+    if not problems and path in ("/weightstream/update_weights_from_ipc_ahead", "/weightstream/prepare_ipc_ahead") \
+            and any(address_problem(c) for c in body["channels"]):
+        problems.append("channels must be 'unix:@NAME' addresses (the trainer ranks' control channels), one per "
+                        "engine rank")
     if not problems and path in ("/generate", "/weightstream/logits"):
-        ids = body["input_ids"]
-        if not ids or not (int_lists(ids, 1) or int_lists(ids, 2)) or (isinstance(ids[0], list) and not all(ids)):
-            problems.append("input_ids must be a non-empty list of token ids (or of such lists)")
+        rows = token_rows(body["input_ids"], flat=path == "/generate")  # SGLang's /generate takes one list too
+        if isinstance(rows, str):
+            problems.append(rows)
+        elif path == "/weightstream/logits" and len({len(r) for r in rows}) != 1:
+            problems.append("the rows of input_ids must have one length")
     if problems:
         raise BadRequest(HTTPStatus.BAD_REQUEST, f"bad request to {path}: " + "; ".join(problems))
+
+
+_SIOCGIFADDR = 0x8915
+
+
+def _ipv4_address(interface: str) -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", interface.encode()[:15]))
+        except OSError:  # no IPv4 address
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def gloo_interface(host: str) -> str | None:
+    """The network interface holding ``host``'s (IPv4) address: where the workers' gloo listeners go
+    (``GLOO_SOCKET_IFNAME``), so that they are reachable where the HTTP server is and nowhere else. None
+    for a wildcard host, or an address no interface holds (gloo then picks by the machine's hostname)."""
+    if host in ("", "0.0.0.0", "::"):
+        return None
+    try:
+        wanted = {ipaddress.ip_address(a[4][0]) for a in socket.getaddrinfo(host, None, socket.AF_INET)}
+    except socket.gaierror:
+        return None
+    for _, name in socket.if_nameindex():
+        address = _ipv4_address(name)
+        if address is None:
+            continue
+        mine = ipaddress.ip_address(address)
+        if mine in wanted or (mine.is_loopback and any(a.is_loopback for a in wanted)):
+            return name
+    return None
 
 
 class Engine:
     """The worker processes of one engine and the state the HTTP routes act on."""
 
     def __init__(self, model_dir: str, tp: int = 1, *, device: str | None = None, dtype: str = "float32",
-                 command_timeout_s: float = 300.0, start_timeout_s: float = 300.0, rollback: bool = True):
+                 command_timeout_s: float = 300.0, start_timeout_s: float = 300.0, rollback: bool = True,
+                 host: str = "127.0.0.1"):
+        """``host``: the address the HTTP server is bound to; the workers' gloo listeners go on its interface."""
         self.model_dir = os.path.abspath(model_dir)
         self.tp = tp
         self.rollback = rollback  # keep what a session overwrites, to put it back if the session is aborted
@@ -151,6 +248,9 @@ class Engine:
         with open(os.path.join(self.model_dir, "config.json")) as f:
             config = json.load(f)
         self.vocab_size = int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size"))
+        positions = config.get("max_position_embeddings") or (config.get("text_config") or {}).get(
+            "max_position_embeddings")
+        self.max_positions: int | None = int(positions) if positions else None  # tokens of one row, new ones included
         self.dtype = dtype
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -169,6 +269,7 @@ class Engine:
         self.session_open = False
         self.session_failed: str | None = None
         self.session_loaded = 0
+        self.session_touched = False  # a load of the open session has started: the weights may be half-updated
         self.session_timeout_s = command_timeout_s
         self.lock = threading.Lock()  # one command at a time through the workers
         self.session_lock = threading.RLock()  # begin / commit / abort, one at a time
@@ -180,12 +281,15 @@ class Engine:
 
         ctx = process_context()
         port = free_port()
+        interface = gloo_interface(host)
+        if interface is None and host not in ("", "0.0.0.0", "::"):
+            log(f"no network interface holds {host}'s address: the workers' gloo listeners go where gloo's default puts them")
         self.conns, self.procs = [], []
         for rank in range(tp):
             parent, child = ctx.Pipe()
             proc = start_process(ctx, worker_main,
                                  (rank, tp, self.model_dir, port, self.backend, self.devices[rank], dtype, child,
-                                  rollback), daemon=True)
+                                  rollback, interface), daemon=True)
             self.conns.append(parent)
             self.procs.append(proc)
         deadline = time.monotonic() + start_timeout_s
@@ -216,17 +320,22 @@ class Engine:
         return all(p.is_alive() for p in self.procs)
 
     def call(self, command: str, per_rank: list[dict] | None = None, *, wait_s: float | None = None,
-             **kwargs) -> list[Any]:
+             committed: bool = False, **kwargs) -> list[Any]:
         """Run ``command`` on every worker; returns their results or raises naming the failing ranks.
         Waits at most ``wait_s`` (default ``command_timeout_s``) for the workers to be free, and as
-        long again for their answers."""
+        long again for their answers. ``committed``: the command reads the weights, and must see the
+        committed ones only (:class:`UpdateInFlight` while an open session has started loading)."""
         timeout = self.command_timeout_s if wait_s is None else wait_s
         if self.stopping:
             raise EngineFailure("the engine is shutting down")
+        if committed:
+            self.check_settled()
         if not self.lock.acquire(timeout=timeout):
             raise EngineFailure(f"{command}: the workers stayed busy for {timeout:.0f} s")
         self.busy += 1
         try:
+            if committed:
+                self.check_settled()  # again, holding the workers: a load that started meanwhile is seen
             for rank, conn in enumerate(self.conns):
                 if not self.procs[rank].is_alive():
                     raise EngineFailure(f"engine rank {rank} is not running (exit code {self.procs[rank].exitcode})")
@@ -244,12 +353,24 @@ class Engine:
 
     # -- update sessions: committed whole, or rolled back to the last committed weights -----------
 
+    def check_settled(self) -> None:
+        """Raise :class:`UpdateInFlight` while an open session has started loading: the weights may be part
+        old, part new (with rollback on, the committed ones come back if the session is aborted)."""
+        if self.session_open and self.session_touched:
+            raise UpdateInFlight(
+                f"a weight update is being loaded ({self.session_loaded} tensors so far): the weights are not "
+                f"served until it is committed or aborted (committed version: {self.weight_version})")
+
     def begin_session(self, timeout_s: float | None) -> None:
+        problem = duration_problem("timeout_s", timeout_s)  # the watchdog must be able to end the session
+        if problem is not None:
+            raise EngineFailure(problem)
         with self.session_lock:
             if self.session_open:
                 raise EngineFailure("a weight update session is already open")
             self.call("begin_session")
             self.session_open, self.session_failed, self.session_loaded, self.pending_version = True, None, 0, None
+            self.session_touched = False
             self.session_timeout_s = float(timeout_s) if timeout_s else self.command_timeout_s
             self.last_activity = time.monotonic()
 
@@ -331,18 +452,96 @@ class Engine:
             conn.close()
 
 
+def bearer_matches(header: str, key: str) -> bool:
+    """``Authorization: Bearer KEY``, the scheme in any case (RFC 9110), the key compared in constant time.
+    (Header text arrives decoded as Latin-1: encoded back, it is the bytes the client sent.)"""
+    scheme, _, token = header.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), key.encode())
+
+
+def announces_body(headers) -> bool:
+    return headers.get("Transfer-Encoding") is not None or headers.get("Content-Length", "0").strip() not in ("", "0")
+
+
+_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
+
+
+def read_chunked(rfile: BinaryIO, limit: int) -> bytes:
+    """A body sent with ``Transfer-Encoding: chunked`` (RFC 9112, 7.1), at most ``limit`` bytes; chunk
+    extensions and trailer fields are read and dropped."""
+    parts, total = [], 0
+    while True:
+        line = rfile.readline(4096)
+        size_text = line.split(b";", 1)[0].strip()
+        if not line.endswith(b"\n") or not _CHUNK_SIZE.fullmatch(size_text):
+            raise BadRequest(HTTPStatus.BAD_REQUEST, f"bad chunk size line {line[:40]!r}")
+        size = int(size_text, 16)
+        if size == 0:
+            break
+        total += size
+        if total > limit:
+            raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                             f"chunked body of more than {limit} bytes exceeds the limit of {limit} bytes")
+        data = rfile.read(size)
+        if len(data) < size or rfile.readline(3) not in (b"\r\n", b"\n"):
+            raise BadRequest(HTTPStatus.BAD_REQUEST, "chunked body cut short (or a chunk not followed by CRLF)")
+        parts.append(data)
+    for _ in range(64):
+        line = rfile.readline(4096)
+        if line in (b"\r\n", b"\n"):
+            return b"".join(parts)
+        if not line.endswith(b"\n"):
+            raise BadRequest(HTTPStatus.BAD_REQUEST, "chunked body cut short in its trailer")
+    raise BadRequest(HTTPStatus.BAD_REQUEST, "more than 64 trailer lines after a chunked body")
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a number this engine takes (finite numbers only)")
+
+
+def parse_body(raw: bytes) -> dict:
+    """A request's body: a JSON object of finite numbers, nested at most ``MAX_JSON_DEPTH`` levels."""
+    deep = BadRequest(HTTPStatus.BAD_REQUEST, f"bad JSON: nested more than {MAX_JSON_DEPTH} levels deep")
+    try:
+        body = json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise deep from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(HTTPStatus.BAD_REQUEST, f"bad JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(HTTPStatus.BAD_REQUEST, f"the body must be a JSON object, got {type(body).__name__}")
+    if nesting_exceeds(body):
+        raise deep
+    return body
+
+
+def _error(exc: BadRequest) -> dict:
+    return {"object": "error", "success": False, "message": exc.message, "code": int(exc.status)}
+
+
 class _Handler(BaseHTTPRequestHandler):
-    server: "EngineServer"
+    server: EngineServer
     protocol_version = "HTTP/1.1"
+    _unread = False  # the request announced a body that has not been read (whole) yet
+
+    def setup(self) -> None:
+        self.timeout = self.server.limits.idle_timeout_s  # bounds every read and write on this connection
+        super().setup()
 
     def log_message(self, fmt, *args):  # quiet
         pass
 
-    def _reply(self, status: int, body: Any, content_type: str = "application/json") -> None:
-        data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+    def _reply(self, status: int, body: Any) -> None:
+        """``body``: text (sent as such, as SGLang answers /flush_cache) or what JSON encodes."""
+        text = isinstance(body, str)
+        data = body.encode() if text else json.dumps(body).encode()
+        if self._unread:  # what follows on this connection is the rest of a body, not a request
+            self.close_connection = True
         self.send_response(status)
-        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Type", "text/plain; charset=utf-8" if text else "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
 
@@ -350,32 +549,38 @@ class _Handler(BaseHTTPRequestHandler):
         key = self.server.api_key
         if not key or self.path == "/health":
             return True
-        if self.headers.get("Authorization", "") == f"Bearer {key}":
+        if bearer_matches(self.headers.get("Authorization", ""), key):
             return True
         self._reply(HTTPStatus.UNAUTHORIZED, {"error": {"message": "missing or wrong bearer token"}})
         return False
 
-    def _body(self) -> dict:
+    def _body(self, path: str) -> dict:
+        raw = self._read_body(self.server.body_limit(path))
+        self._unread = False
+        return parse_body(raw) if raw else {}
+
+    def _read_body(self, limit: int) -> bytes:
+        encoding = self.headers.get("Transfer-Encoding")
         length = self.headers.get("Content-Length")
+        if encoding is not None:
+            if length is not None:
+                raise BadRequest(HTTPStatus.BAD_REQUEST, "a request may not carry both Transfer-Encoding and "
+                                                         "Content-Length")
+            if encoding.strip().lower() != "chunked":
+                raise BadRequest(HTTPStatus.NOT_IMPLEMENTED, f"Transfer-Encoding {encoding!r}: only chunked is taken")
+            return read_chunked(self.rfile, limit)
         try:
             n = int(length or 0)
         except ValueError:
             raise BadRequest(HTTPStatus.BAD_REQUEST, f"Content-Length {length!r} is not a number") from None
         if n < 0:
             raise BadRequest(HTTPStatus.BAD_REQUEST, f"Content-Length {n} is negative")
-        if n > self.server.max_body_bytes:
-            self.close_connection = True  # the body is not read: this connection cannot be reused
-            raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                             f"body of {n} bytes exceeds the limit of {self.server.max_body_bytes} bytes")
-        if not n:
-            return {}
-        try:
-            body = json.loads(self.rfile.read(n))
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise BadRequest(HTTPStatus.BAD_REQUEST, f"bad JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise BadRequest(HTTPStatus.BAD_REQUEST, f"the body must be a JSON object, got {type(body).__name__}")
-        return body
+        if n > limit:
+            raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body of {n} bytes exceeds the limit of {limit} bytes")
+        raw = self.rfile.read(n) if n else b""
+        if len(raw) < n:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, f"body cut short: {len(raw)} of {n} bytes")
+        return raw
 
     def do_GET(self):
         self._dispatch("GET")
@@ -384,7 +589,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._dispatch("POST")
 
     def _dispatch(self, method: str) -> None:
-        if not self._authorised():
+        self._unread = announces_body(self.headers)
+        if not self._authorised():  # before any body is read
             return
         path = self.path.split("?", 1)[0]
         route = self.server.routes.get((method, path)) or (
@@ -396,15 +602,17 @@ class _Handler(BaseHTTPRequestHandler):
                 if allowed:
                     raise BadRequest(HTTPStatus.METHOD_NOT_ALLOWED, f"{path} takes {', '.join(allowed)}, not {method}")
                 raise BadRequest(HTTPStatus.NOT_FOUND, f"no route {method} {path}")
-            body = self._body() if method == "POST" else {}
+            body = self._body(path) if method == "POST" else {}
             check_body(path, body)
         except BadRequest as exc:
-            self._reply(exc.status, {"object": "error", "success": False, "message": exc.message, "code": int(exc.status)})
+            self._reply(exc.status, _error(exc))
             return
         try:
             status, reply = route(body)
         except BadRequest as exc:
-            status, reply = exc.status, {"object": "error", "success": False, "message": exc.message, "code": int(exc.status)}
+            status, reply = exc.status, _error(exc)
+        except UpdateInFlight as exc:
+            status, reply = HTTPStatus.CONFLICT, {"success": False, "message": str(exc)}
         except EngineFailure as exc:
             status, reply = HTTPStatus.BAD_REQUEST, {"success": False, "message": str(exc)}
         except (KeyError, TypeError, ValueError) as exc:
@@ -415,14 +623,21 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class EngineServer(ThreadingHTTPServer):
+    """The engine's HTTP face: one thread per connection, at most ``limits.max_connections`` of them."""
+
     daemon_threads = True
 
     def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
-                 max_body_bytes: int = MAX_BODY_BYTES):
+                 limits: ServerLimits = ServerLimits()):
+        self.request_queue_size = limits.listen_backlog  # the listen() backlog, set as the socket is bound
         super().__init__((host, port), _Handler)
         self.engine = engine
         self.api_key = api_key
-        self.max_body_bytes = max_body_bytes
+        self.limits = limits
+        self.slots = threading.BoundedSemaphore(limits.max_connections)
+        if not api_key:
+            log(f"WARNING: no API key: any process that can reach {self.url} can load weights into this engine, "
+                "pause it and free its memory (set WEIGHTSTREAM_API_KEY or --api-key-file)")
         e = engine
         self.routes = {
             ("GET", "/health"): lambda b: (200 if e.alive() else 503, {}),
@@ -458,6 +673,39 @@ class EngineServer(ThreadingHTTPServer):
         if self.engine.stopping or isinstance(exc, (BrokenPipeError, ConnectionResetError, TimeoutError)):
             return
         log(f"request from {client_address[0]}:{client_address[1]} failed: {type(exc).__name__}: {exc}")
+
+    def body_limit(self, path: str) -> int:
+        return self.limits.max_body_bytes if path in BULK_ROUTES else self.limits.max_small_body_bytes
+
+    def process_request(self, request: socket.socket, client_address) -> None:
+        """A thread for the connection, if fewer than ``max_connections`` are open; else it is answered 503
+        and closed at once, here in the accepting thread."""
+        if not self.slots.acquire(blocking=False):
+            self._refuse(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: the slot is free again
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def _refuse(self, request: socket.socket) -> None:
+        body = json.dumps({"success": False, "code": 503, "message": (
+            f"this engine serves at most {self.limits.max_connections} connections at once; try again")}).encode()
+        head = ("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\nRetry-After: 1\r\n\r\n").encode()
+        try:
+            request.settimeout(1.0)
+            request.sendall(head + body)
+        except OSError:
+            pass
+        self.shutdown_request(request)
 
     @property
     def url(self) -> str:
@@ -506,7 +754,9 @@ class EngineServer(ThreadingHTTPServer):
         return 200, {"success": True, "message": msg}
 
     def _guarded(self, fn, b):
-        """Run an update step; a failure marks the session failed (the update is then not complete)."""
+        """Run an update step; a failure marks the session failed (the update is then not complete). From
+        the first step on, the weights are not served until the session ends (:meth:`Engine.check_settled`)."""
+        self.engine.session_touched = True
         try:
             return self._record(fn(), b)
         except EngineFailure as exc:
@@ -599,6 +849,9 @@ class EngineServer(ThreadingHTTPServer):
         return 200, {"message": "Generation paused successfully.", "status": "ok"}
 
     def resume(self, b):
+        if self.engine.session_open:  # generation continues when the session is committed or aborted
+            raise UpdateInFlight("a weight update session is open: generation continues once it is committed "
+                                 "(/end_weight_update with resume) or aborted")
         self.engine.paused.clear()
         return 200, {"message": "Generation continued successfully.", "status": "ok"}
 
@@ -640,8 +893,22 @@ class EngineServer(ThreadingHTTPServer):
                 raise EngineFailure("generation stayed paused past the request's time limit")
             time.sleep(0.05)
 
-    def _check_ids(self, ids: list) -> None:
-        rows = ids if isinstance(ids[0], list) else [ids]
+    def _check_work(self, rows: list[list[int]], new_tokens: int) -> None:
+        """What one request may ask of the model: 413 past the bounds (each row's tokens, new ones included,
+        within the model's ``max_position_embeddings``; all rows' within ``max_batch_tokens``), then 400 for
+        token ids outside the vocabulary."""
+        too_much = []
+        total = sum(len(row) for row in rows) + new_tokens * len(rows)
+        if total > self.limits.max_batch_tokens:
+            too_much.append(f"{len(rows)} rows of {total} tokens in all (prompt + max_new_tokens) exceed this "
+                            f"engine's max_batch_tokens ({self.limits.max_batch_tokens})")
+        limit = self.engine.max_positions
+        long = [i for i, row in enumerate(rows) if limit is not None and len(row) + new_tokens > limit]
+        if long:
+            too_much.append(f"rows {long[:5]} have more tokens (prompt + max_new_tokens) than the model's "
+                            f"max_position_embeddings ({limit})")
+        if too_much:
+            raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "; ".join(too_much))
         vocab = self.engine.vocab_size
         out_of_range = sorted({t for row in rows for t in row if t >= vocab})
         if out_of_range:
@@ -649,39 +916,41 @@ class EngineServer(ThreadingHTTPServer):
 
     def generate(self, b):
         ids = b["input_ids"]
-        self._check_ids(ids)
         n = (b.get("sampling_params") or {}).get("max_new_tokens", 16)
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 4096:
             raise BadRequest(HTTPStatus.BAD_REQUEST, f"sampling_params.max_new_tokens must be an integer in [0, 4096], got {n!r}")
+        batch = ids if isinstance(ids[0], list) else [ids]
+        self._check_work(batch, n)
+        self.engine.check_settled()
         self._wait_unpaused()
-        batch = ids if ids and isinstance(ids[0], list) else [ids]
         outs = []
         for seq in batch:
-            out = self.engine.call("generate", input_ids=seq, max_new_tokens=n)[0]
+            out = self.engine.call("generate", input_ids=seq, max_new_tokens=n, committed=True)[0]
             outs.append({"text": "", "output_ids": out, "meta_info": {
                 "finish_reason": {"type": "length", "length": n}, "prompt_tokens": len(seq),
                 "completion_tokens": len(out), "weight_version": self.engine.weight_version}})
         return 200, outs if batch is ids else outs[0]
 
     def logits(self, b):
-        self._check_ids(b["input_ids"])
-        if isinstance(b["input_ids"][0], list) and len({len(r) for r in b["input_ids"]}) != 1:
-            raise BadRequest(HTTPStatus.BAD_REQUEST, "the rows of input_ids must have one length")
+        self._check_work(b["input_ids"], 0)  # rows of one length (check_body)
+        self.engine.check_settled()
         self._wait_unpaused()
-        out = self.engine.call("logits", input_ids=b["input_ids"])[0]
+        out = self.engine.call("logits", input_ids=b["input_ids"], committed=True)[0]
         return 200, {"shape": list(out.shape), "dtype": "float32",
                      "logits_b64": base64.b64encode(out.contiguous().numpy().tobytes()).decode(),
                      "weight_version": self.engine.weight_version}
 
 
 def serve(model_dir: str, tp: int = 1, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
-          device: str | None = None, dtype: str = "float32", rollback: bool = True) -> EngineServer:
+          device: str | None = None, dtype: str = "float32", rollback: bool = True,
+          limits: ServerLimits = ServerLimits()) -> EngineServer:
     """Start an engine and its HTTP server (serving in a background thread); returns the server.
     ``rollback=False``: no copy of the weights is kept during an update (as SGLang keeps none); an aborted
-    update then leaves the engine refusing to serve until a complete update has loaded every tensor."""
-    engine = Engine(model_dir, tp, device=device, dtype=dtype, rollback=rollback)
+    update then leaves the engine refusing to serve until a complete update has loaded every tensor.
+    ``limits``: what one client may hold or ask (:class:`ServerLimits`)."""
+    engine = Engine(model_dir, tp, device=device, dtype=dtype, rollback=rollback, host=host)
     try:
-        server = EngineServer(engine, host, port, api_key)
+        server = EngineServer(engine, host, port, api_key, limits)
     except BaseException:
         engine.shutdown()
         raise

@@ -11,6 +11,7 @@ import base64
 import gc
 import os
 import signal
+import socket
 import time
 import traceback
 import uuid
@@ -624,17 +625,32 @@ def _fixed_mmap_threshold() -> None:
         pass
 
 
-def worker_main(rank, size, model_dir, port, backend, device, dtype, conn, rollback=True) -> None:
+def _loopback_store(port: int, rank: int, size: int, timeout: timedelta) -> dist.TCPStore:
+    """The store of the engine's own TP group, reachable on loopback only: rank 0 hands torch a socket it
+    bound to 127.0.0.1 (torch's own listener takes every interface), the other ranks connect to it."""
+    if rank != 0:
+        return tcp_store("127.0.0.1", port, is_master=False, world_size=size, timeout=timeout)
+    listener = socket.create_server(("127.0.0.1", port), backlog=max(size, 8))
+    return dist.TCPStore("127.0.0.1", port, size, True, timeout, wait_for_workers=False,
+                         master_listen_fd=listener.detach())
+
+
+def worker_main(rank, size, model_dir, port, backend, device, dtype, conn, rollback=True,
+                gloo_interface: str | None = None) -> None:
+    """``gloo_interface``: where gloo's listeners go (``GLOO_SOCKET_IFNAME``, unless the user set it): the
+    interface of the engine's HTTP address."""
     die_with_parent()  # the kernel ends this worker when the engine's main process dies, however it dies
     _fixed_mmap_threshold()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server decides
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if gloo_interface:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", gloo_interface)
     torch.set_num_threads(1)
     try:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
         timeout = timedelta(seconds=120)
-        store = tcp_store("127.0.0.1", port, is_master=rank == 0, world_size=size, timeout=timeout)
+        store = _loopback_store(port, rank, size, timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
         worker = Worker(rank, size, model_dir, torch.device(device), dtype_from_name(dtype))
         worker.model.rollback = rollback
