@@ -82,7 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Megatron parameter dtype (default float32)")
     dump.add_argument("--writers", default="rank0", choices=["rank0", "spread"],
                       help="who writes the files: global rank 0, or spread over all ranks (default rank0)")
-    dump.add_argument("--out", required=True, help="output directory")
+    dump.add_argument("--out", required=True,
+                      help="output directory: written beside it and moved into place when complete; must be empty "
+                           "or absent unless --overwrite")
+    dump.add_argument("--overwrite", action="store_true",
+                      help="replace a non-empty --out (whole, in one step, once the new checkpoint is complete)")
 
     bench = sub.add_parser(
         "bench",
@@ -190,7 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "or one iteration's directory")
     convert.add_argument("--hf-config", required=True, metavar="DIR|PRESET",
                          help="the model's HF config: a directory with config.json, or a preset name")
-    convert.add_argument("--out", required=True, help="output directory")
+    convert.add_argument("--out", required=True,
+                         help="output directory: written beside it and moved into place when complete; must be "
+                              "empty or absent unless --overwrite")
+    convert.add_argument("--overwrite", action="store_true",
+                         help="replace a non-empty --out (whole, in one step, once the new checkpoint is complete)")
     convert.add_argument("--iteration", default=None, help="which iteration (default: the latest the tracker names)")
     convert.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                          help="cast floating tensors (default: as stored)")
@@ -240,10 +248,18 @@ def _layout(args: argparse.Namespace, cfg):
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
+    from weightstream.errors import WeightstreamError
     from weightstream.jobs import dump_job
-    from weightstream.launch import launch
+    from weightstream.launch import LaunchError, launch
     from weightstream.models.presets import preset_config, save_random_checkpoint
+    from weightstream.staging import check_target, clean_leftovers
 
+    out = Path(os.path.realpath(args.out))
+    try:
+        check_target(out, overwrite=args.overwrite)
+    except WeightstreamError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="weightstream-src-") as tmp:
         if args.preset:
             layout = _layout(args, preset_config(args.preset))
@@ -255,7 +271,15 @@ def cmd_dump(args: argparse.Namespace) -> int:
             layout = _layout(args, hf_dir)
         world = layout.world_size
         print(f"dumping {args.preset or hf_dir} under {layout.describe()} to {args.out}", file=sys.stderr)
-        results = launch(world, dump_job, hf_dir, layout, args.out, args.bucket_mb, args.dtype, None, args.writers)
+        try:
+            results = launch(world, dump_job, hf_dir, layout, args.out, args.bucket_mb, args.dtype, None, args.writers,
+                             None, args.overwrite)
+        except LaunchError as exc:
+            clean_leftovers(out)  # what a rank killed mid-write left beside --out
+            if not exc.reasons:
+                raise
+            print(f"error: {exc.reasons[min(exc.reasons)]}", file=sys.stderr)
+            return 2
     r = results[0]
     print(_summary(r))
     return 0
@@ -367,7 +391,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         report = convert_checkpoint(args.checkpoint, hf_config, args.out, iteration=args.iteration,
                                     dtype=_dtype(args.dtype) if args.dtype else None, bucket_bytes=args.bucket_mb,
                                     shard_bytes=args.shard_mb, progress=progress, verify=args.verify,
-                                    procs=args.procs)
+                                    procs=args.procs, overwrite=args.overwrite)
     except WeightstreamError as exc:
         bar.close()
         print(f"error: {exc}", file=sys.stderr)

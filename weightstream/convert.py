@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from weightstream.errors import WeightstreamError
+from weightstream.staging import check_target, clean_leftovers
 from weightstream.streaming.checkpoint import DEFAULT_SHARD_BYTES, save_hf_checkpoint
 from weightstream.streaming.sources.checkpoint import MegatronCheckpointSource
 from weightstream.verify import Comparison, compare_checkpoints
@@ -75,6 +77,7 @@ def convert_checkpoint(
     progress: Callable[[int, int], None] | None = None,
     verify: str | os.PathLike | None = None,
     procs: int = 1,
+    overwrite: bool = False,
 ) -> ConvertReport:
     """Write the Megatron-Core checkpoint at ``checkpoint`` (distributed ``torch_dist`` or legacy per-rank
     format, any TP/PP/VPP/EP layout; the save directory or one iteration's) as an HF checkpoint in ``out_dir``.
@@ -85,20 +88,19 @@ def convert_checkpoint(
     ``verify``: an HF checkpoint to compare the result with, tensor by tensor (bit for bit). ``procs``: local
     processes sharing the work (each reads only what its safetensors files hold; ``peak_rss`` is then the
     largest of theirs).
+
+    ``out_dir`` appears complete or not at all (see :func:`~weightstream.save_hf_checkpoint`); a non-empty one
+    is refused unless ``overwrite``, which replaces it whole.
     """
     start = time.perf_counter()
     rss_before = _rss()
+    check_target(Path(os.path.realpath(out_dir)), overwrite=overwrite)  # before reading anything
     if procs > 1:
-        from weightstream.launch import launch
-        from weightstream.models.spec import load_hf_config
-
-        MegatronCheckpointSource(checkpoint, iteration=iteration)  # a bad path fails here, once
-        results = launch(procs, _convert_rank, checkpoint, load_hf_config(hf_config), os.fspath(out_dir), iteration,
-                         dtype, bucket_bytes, shard_bytes, backend="gloo", timeout_s=24 * 3600.0)
-        report, fmt, it, peak = results[0][0], results[0][1], results[0][2], max(r[3] for r in results)
+        report, fmt, it, peak = _convert_in_processes(procs, checkpoint, hf_config, out_dir, iteration, dtype,
+                                                      bucket_bytes, shard_bytes, overwrite)
     else:
         report, fmt, it, peak = _convert_rank(checkpoint, hf_config, out_dir, iteration, dtype, bucket_bytes,
-                                              shard_bytes, progress)
+                                              shard_bytes, progress, overwrite)
     seconds = time.perf_counter() - start
     layers: dict[str, int] = {}
     largest = ("", 0)
@@ -117,7 +119,27 @@ def convert_checkpoint(
     return out
 
 
-def _convert_rank(checkpoint, hf_config, out_dir, iteration, dtype, bucket_bytes, shard_bytes, progress=None):
+def _convert_in_processes(procs, checkpoint, hf_config, out_dir, iteration, dtype, bucket_bytes, shard_bytes,
+                          overwrite):
+    """``_convert_rank`` on ``procs`` local processes: (rank 0's report, format, iteration, the largest peak RSS).
+    A rank's WeightstreamError is raised here as one; what killed ranks left beside ``out_dir`` is removed."""
+    from weightstream.launch import LaunchError, launch
+    from weightstream.models.spec import load_hf_config
+
+    MegatronCheckpointSource(checkpoint, iteration=iteration)  # a bad path fails here, once
+    try:
+        results = launch(procs, _convert_rank, checkpoint, load_hf_config(hf_config), os.fspath(out_dir), iteration,
+                         dtype, bucket_bytes, shard_bytes, None, overwrite, backend="gloo", timeout_s=24 * 3600.0)
+    except LaunchError as exc:
+        clean_leftovers(Path(os.path.realpath(out_dir)))
+        if exc.reasons:
+            raise WeightstreamError(exc.reasons[min(exc.reasons)]) from exc
+        raise
+    return results[0][0], results[0][1], results[0][2], max(r[3] for r in results)
+
+
+def _convert_rank(checkpoint, hf_config, out_dir, iteration, dtype, bucket_bytes, shard_bytes, progress=None,
+                  overwrite=False):
     """One process's part (all of it when alone): (report, format, iteration, peak RSS)."""
     import torch.distributed as dist
 
@@ -125,7 +147,7 @@ def _convert_rank(checkpoint, hf_config, out_dir, iteration, dtype, bucket_bytes
     writers = "spread" if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else "rank0"
     try:
         report = save_hf_checkpoint(source, hf_config, out_dir, bucket_bytes=bucket_bytes, shard_bytes=shard_bytes,
-                                    progress=progress, writers=writers)
+                                    progress=progress, writers=writers, overwrite=overwrite)
     finally:
         source.close()
     return report, source.format, source.iteration, _peak_rss()

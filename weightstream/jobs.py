@@ -69,9 +69,11 @@ def dump_job(
     logits_input: list[list[int]] | None = None,
     writers: str = "rank0",
     engine_url: str | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Build the Megatron model under ``layout`` from the HF checkpoint, stream it, write it out;
-    with ``engine_url``, first update that engine's weights (``update_weights``, transport auto)."""
+    with ``engine_url``, first update that engine's weights (``update_weights``, transport auto).
+    ``overwrite``: replace a non-empty ``out_dir`` (refused otherwise; see ``save_hf_checkpoint``)."""
     initialize_parallel(layout.tp, layout.pp, layout.vpp, layout.ep, layout.etp)
     cfg = load_hf_config(hf_dir)
     start = time.perf_counter()
@@ -88,7 +90,8 @@ def dump_job(
                                        checksums=True)
     bar, update = _progress_bar("streaming")
     start = time.perf_counter()
-    report = save_hf_checkpoint(chunks, cfg, out_dir, bucket_bytes=bucket_bytes, writers=writers, progress=update)
+    report = save_hf_checkpoint(chunks, cfg, out_dir, bucket_bytes=bucket_bytes, writers=writers, progress=update,
+                                overwrite=overwrite)
     seconds = time.perf_counter() - start
     if bar is not None:
         bar.close()
