@@ -16,8 +16,10 @@ import time
 import traceback
 import uuid
 from collections import deque
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from multiprocessing.connection import wait as wait_for
 from types import SimpleNamespace
 from typing import Any
 
@@ -39,13 +41,23 @@ from weightstream.engine.schema import buckets_problems
 from weightstream.streaming.channel import Channel
 from weightstream.streaming.piececopy import batched_copy, warm_kernel
 from weightstream.streaming.groups import destroy_group, init_custom_process_group, tcp_store
-from weightstream.streaming.serialization import checksum, dumps_b64, loads_b64
+from weightstream.streaming.serialization import ShmGrant, checksum, dumps_b64, loads_b64, map_fd, share_fd
 
 FAULT_ENV = "WEIGHTSTREAM_ENGINE_FAULT"
 
 
 class ChecksumError(RuntimeError):
     pass
+
+
+@contextmanager
+def _closing(fds: list[int]) -> Iterator[None]:
+    """Descriptors that came with a frame are closed once it is handled (what was mapped keeps its own)."""
+    try:
+        yield
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 @contextmanager
@@ -133,9 +145,11 @@ class Worker:
         # them again.
         self.ipc_buffers: deque = deque(maxlen=4)
         # Buffers a trainer sends ahead-style (``update_ipc_ahead``) and asks to keep, by its ids; they stay
-        # mapped across updates until that trainer says to drop them or another trainer connects.
+        # mapped across updates until that trainer says to drop them, another trainer connects, or its lease
+        # (the control channel of its last update, which it keeps open) closes: see ``next_command``.
         self.ipc_client: str | None = None
         self.ipc_kept: dict[int, torch.Tensor] = {}
+        self.ipc_lease: Channel | None = None
         self.ipc_opened = 0  # buffers opened from a handle by update_ipc_ahead (kept or not)
         self.ipc_plans: dict[str, list] = {}  # bucket programs of the trainers' plans, by their digest
         # Where a colocated trainer may write a plan's tensors itself (one copy): per plan digest, the export
@@ -151,6 +165,8 @@ class Worker:
         self.programs: dict[tuple, Any] = {}
         self.fault = os.environ.get(FAULT_ENV, "")
         self._load_initial(model_dir)
+        # A buffer lent by name (a payload pickled by torch on the CPU) is at most twice the model's size.
+        self.max_lent_bytes = 2 * size * sum(st.nbytes() for st in self.model._storages())
 
     def _load_initial(self, model_dir: str) -> None:
         from weightstream.disk import CheckpointReader
@@ -280,14 +296,14 @@ class Worker:
         cuda = self.device.type == "cuda"
         chan, programs = self._ipc_connect(plan, num_buckets, channel, client, timeout_s)
         loaded: list[str] = []
-        try:
+        with self._leased(chan):
             offer = self._offer_writes(chan, plan, programs, timeout_s)
             if offer is not None:
                 return self._take_writes(chan, *offer, timeout_s * (num_buckets + 1))
             events = None
             for k, program in enumerate(programs):
-                frame = chan.recv(timeout_s, f"frame of bucket {k} from the trainer")
-                with _failures_answered(chan, k=k):
+                frame, fds = chan.recv_fds(timeout_s, f"frame of bucket {k} from the trainer")
+                with _closing(fds), _failures_answered(chan, k=k):
                     if frame.get("k") != k:
                         raise RuntimeError(f"expected bucket {k}, the trainer sent {frame.get('k')!r}")
                     if frame.get("drop"):
@@ -295,9 +311,8 @@ class Worker:
                     if cuda and frame.get("events"):
                         events = self._open_events(frame["events"])
                     buf_id = int(frame["buf"])
-                    if frame.get("payload"):
-                        whole = loads_b64(frame["payload"])
-                        self.ipc_opened += 1
+                    if frame.get("payload") or "fd" in frame:
+                        whole = self._open_lent(frame, iter(fds))
                         if frame.get("keep"):
                             self.ipc_kept[buf_id] = whole
                     elif buf_id in self.ipc_kept:
@@ -321,8 +336,6 @@ class Worker:
                 chan.send({"k": k})
             if cuda:
                 torch.cuda.synchronize(self.device)
-        finally:
-            chan.close()
         return {"loaded": loaded}
 
     def prepare_ipc_ahead(self, plan, num_buckets, channel, client, timeout_s):
@@ -330,14 +343,14 @@ class Worker:
         bucket's copies out of the buffer it will arrive in, so that the update itself does none of it. One
         frame: ``{"buffers": [{"buf", "payload"?}, ...], "slots": [buf id of bucket k % len(slots)]}``."""
         chan, programs = self._ipc_connect(plan, num_buckets, channel, client, timeout_s)
-        try:
+        with self._leased(chan):
             self._offer_writes(chan, plan, programs, timeout_s)
-            frame = chan.recv(timeout_s, "the trainer's kept buffers")
-            with _failures_answered(chan):
+            frame, fds = chan.recv_fds(timeout_s, "the trainer's kept buffers")
+            with _closing(fds), _failures_answered(chan):
+                lent = iter(fds)
                 for named in frame.get("buffers") or ():
-                    if named.get("payload"):
-                        self.ipc_kept[int(named["buf"])] = loads_b64(named["payload"])
-                        self.ipc_opened += 1
+                    if named.get("payload") or "fd" in named:
+                        self.ipc_kept[int(named["buf"])] = self._open_lent(named, lent)
                 slots = [self.ipc_kept.get(int(i)) for i in frame.get("slots") or ()]
                 for k, program in enumerate(programs):
                     whole = slots[k % len(slots)] if slots else None
@@ -350,9 +363,60 @@ class Worker:
                 # a 2-core CPU); frozen, collections skip it (dropped plans are still freed by refcount).
                 gc.freeze()
             chan.send({"ok": True})
-        finally:
-            chan.close()
         return {"held": len(self.ipc_kept)}
+
+    def _open_lent(self, named: dict, fds: Iterator[int]) -> torch.Tensor:
+        """A whole buffer the trainer lends: on the CPU the shared-memory file whose descriptor came with the
+        frame (the next of ``fds``; ``fd``: its size), on a GPU its CUDA IPC handle (``payload``)."""
+        if "fd" in named:
+            fd = next(fds, None)
+            if fd is None:
+                raise RuntimeError(f"the trainer named buffer {named.get('buf')!r} by a descriptor it did not send")
+            whole = map_fd(fd, int(named["fd"]))
+        else:
+            whole = loads_b64(named["payload"], self._grant())
+        self.ipc_opened += 1
+        return whole
+
+    def _grant(self) -> ShmGrant:
+        """The named shared memory a payload may have this worker map: that made by the engine's own process
+        (it started this worker) or by the trainer rank at the other end of the lease (the kernel says which
+        process that is), each at most ``max_lent_bytes``."""
+        pids = {os.getppid()} | ({self.ipc_lease.peer.pid} if self.ipc_lease is not None else set())
+        return ShmGrant(frozenset(pids), self.max_lent_bytes)
+
+    @contextmanager
+    def _leased(self, chan: Channel) -> Iterator[None]:
+        """A request on the control channel ``chan``: where it succeeds, the channel becomes the trainer's
+        lease (in place of its last one); where it fails, it is closed."""
+        try:
+            yield
+        except BaseException:
+            chan.close()
+            raise
+        lease, self.ipc_lease = self.ipc_lease, chan
+        if lease is not None:
+            lease.close()
+
+    def next_command(self, conn) -> tuple[str, dict]:
+        """The server's next command. Meanwhile the trainer's lease is watched: when the trainer's end closes
+        (it exited, however it exited, or disconnected), what this worker mapped of it is let go at once."""
+        while True:
+            watched = [conn] if self.ipc_lease is None else [conn, self.ipc_lease]
+            ready = wait_for(watched)
+            if conn in ready:
+                return conn.recv()
+            if self.ipc_lease is not None and self.ipc_lease.ended():
+                self._trainer_gone()
+
+    def _trainer_gone(self) -> None:
+        """The trainer's lease ended: close it and the buffers it lent (the engine's own weights it mapped go
+        with its process)."""
+        if self.ipc_lease is not None:
+            self.ipc_lease.close()
+            self.ipc_lease = None
+        self._close_ipc_buffers(None)
+        self.ipc_client = None
 
     def _offer_writes(self, chan, plan, programs, timeout_s) -> tuple[SimpleNamespace, dict] | None:
         """Offer the trainer to write the plan's tensors straight into our weights, where every tensor of it is
@@ -368,7 +432,10 @@ class Worker:
         if not can:
             raise RuntimeError("the trainer asked to write into weights this engine did not offer")
         export = self._export(plan, programs)
-        chan.send({"export": export.id} if answer.get("have") == export.id else {"export": export.id, **export.frame})
+        if answer.get("have") == export.id:
+            chan.send({"export": export.id})
+        else:
+            chan.send(*self._export_frame(export))
         return export, answer
 
     def _can_take_writes(self, programs) -> bool:
@@ -393,10 +460,23 @@ class Worker:
                 idx = storages[st._cdata] = len(wholes)
                 wholes.append(torch.empty(0, dtype=torch.uint8, device=self.device).set_(st))
             where.append([idx, t.storage_offset() * t.element_size(), t.numel(), dtype_name(t.dtype)])
-        # (On the CPU, sharing moves each storage into shared memory, in place: our views follow it.)
-        frame = {"targets": {"payload": dumps_b64(wholes), "names": names, "where": where}}
-        made = self.exports[plan] = SimpleNamespace(id=uuid.uuid4().hex, frame=frame, names=names, targets=targets)
+        frame = {"names": names, "where": where}
+        if self.device.type == "cpu":
+            # Each storage moves into an unnamed shared-memory file, in place (our views follow it): what is
+            # sent is its descriptor, which no later trainer's exit or kill can take away (nothing is named).
+            frame["sizes"] = [share_fd(w.untyped_storage())[1] for w in wholes]
+        made = self.exports[plan] = SimpleNamespace(id=uuid.uuid4().hex, frame=frame, names=names, targets=targets,
+                                                    wholes=wholes)
         return made
+
+    def _export_frame(self, export: SimpleNamespace) -> tuple[dict, list[int]]:
+        """The export as a trainer that does not hold it gets it: on the CPU the storages' descriptors (the
+        same each time); on a GPU their CUDA IPC handles, pickled for this trainer (each pickle is one
+        receiver's reference)."""
+        if self.device.type == "cpu":
+            fds = [share_fd(w.untyped_storage())[0] for w in export.wholes]
+            return {"export": export.id, "targets": export.frame}, fds
+        return {"export": export.id, "targets": {**export.frame, "payload": dumps_b64(export.wholes)}}, []
 
     def _take_writes(self, chan, export: SimpleNamespace, answer: dict, bound_s: float) -> dict:
         """The trainer writes every tensor of the plan into our weights (``export``): we back up what it
@@ -429,8 +509,8 @@ class Worker:
     def _ipc_connect(self, plan, num_buckets, channel, client, timeout_s):
         """Connect to the trainer rank's control channel, greet it (the buffers we hold of it, whether we know
         ``plan``) and take the plan's layout if we did not: the channel and each bucket's program."""
-        if client != self.ipc_client:
-            self._close_ipc_buffers(None)
+        if client != self.ipc_client:  # another trainer: the last one's lease and buffers go
+            self._trainer_gone()
             self.ipc_client = client
         chan = Channel.connect(channel, timeout_s)
         try:
@@ -459,7 +539,9 @@ class Worker:
         return self._apply(Bucket(self.bucket_count, buffer, metas), expected_checksum)
 
     def update_tensor(self, payload, load_format, expected_checksum):
-        obj = loads_b64(payload)
+        """SGLang's ``/update_weights_from_tensor`` payload, unpickled through the allow-list: named shared
+        memory (the CPU) only from the processes :meth:`_grant` knows."""
+        obj = loads_b64(payload, self._grant())
         if load_format == "flattened_bucket":
             buffer = obj["flattened_tensor"]
             metas = tuple(
@@ -468,6 +550,9 @@ class Worker:
             for meta, m in zip(metas, obj["metadata"]):
                 if meta.offset + meta.nbytes != int(m.end_idx):
                     raise ValueError(f"{meta.name}: metadata end {m.end_idx} != start + size")
+                if meta.offset < 0 or int(m.end_idx) > buffer.numel() * buffer.element_size():
+                    raise ValueError(f"{meta.name}: bytes {meta.offset} to {m.end_idx} are outside the "
+                                     f"{buffer.numel() * buffer.element_size()}-byte buffer")
             if buffer.is_cuda:
                 self.ipc_buffers.append(buffer)
             return self._apply(Bucket(self.bucket_count, buffer, metas), expected_checksum, foreign=True)
@@ -568,9 +653,8 @@ class Worker:
     def release_ipc(self, client):
         """Close the buffers a trainer ``client`` kept mapped here (it is done with this engine)."""
         held = len(self.ipc_kept) if client == self.ipc_client else 0
-        if held:
-            self._close_ipc_buffers(None)
-            self.ipc_client = None
+        if client == self.ipc_client:
+            self._trainer_gone()
         return {"released": held}
 
     def _close_ipc_buffers(self, ids: list[int] | None) -> None:
@@ -588,7 +672,8 @@ class Worker:
             rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
         cuda = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
         return {"rss_bytes": rss, "cuda_allocated_bytes": cuda, "ipc_buffers_opened": self.ipc_opened,
-                "ipc_buffers_held": len(self.ipc_kept), "direct_updates": self.direct_updates}
+                "ipc_buffers_held": len(self.ipc_kept), "direct_updates": self.direct_updates,
+                "ipc_lease": self.ipc_lease is not None, "fds": len(os.listdir("/proc/self/fd"))}
 
     def logits(self, input_ids):
         out = self.model.logits(torch.tensor(input_ids))
@@ -660,7 +745,7 @@ def worker_main(rank, size, model_dir, port, backend, device, dtype, conn, rollb
         return
     while True:
         try:
-            command, kwargs = conn.recv()
+            command, kwargs = worker.next_command(conn)
         except EOFError:
             break
         if command == "shutdown":

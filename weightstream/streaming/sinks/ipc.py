@@ -5,7 +5,8 @@ Two ways, by what the engine declares:
 
 - ahead (``ipc_ahead``): the metadata of every bucket goes in one request when the update opens; the engine
   rank connects to a control channel of its trainer rank, and per bucket one frame of a few dozen bytes
-  crosses. A buffer the stream keeps (``reuse_buffers``) is sent as a handle once and then named by an id;
+  crosses. A buffer the stream keeps (``reuse_buffers``) is sent once and then named by an id (on a GPU as
+  a CUDA IPC handle; on the CPU as the descriptor of its unnamed shared-memory file, passed on the channel);
   on a GPU the engine's stream waits on the trainer's event for the bucket, and the trainer's stream waits
   on the engine's event before it packs that buffer again: neither side synchronises its device per bucket,
   and the trainer packs bucket k + 1 while the engine loads bucket k.
@@ -15,13 +16,21 @@ Two ways, by what the engine declares:
   bucket buffer. The engine backs up what is overwritten first and says ready (a CUDA event the trainer's
   stream waits on); at the end the engine's stream waits on the trainer's event.
 - per bucket (any other engine, e.g. SGLang's ``/update_weights_from_tensor``): every rank's handle is
-  gathered on trainer rank 0, which posts them; every rank holds its buffer until the engine answered.
+  gathered on trainer rank 0, which posts them; every rank holds its buffer until the engine answered. On
+  the CPU these handles name shared memory, which an engine that keeps control channels maps only from
+  the processes at the other end of one: each colocated rank opens one first (:meth:`IPCSink._announce`).
+
+The last control channel of an update stays open until the next update replaces it, or this sink
+disconnects: it is this trainer rank's lease on what the engine keeps mapped of it (the kept buffers; this
+trainer's mapping of the engine's weights is its own). When it closes, however this process ends, the
+engine lets go of them at once.
 """
 
 from __future__ import annotations
 
 import base64
 import logging
+import os
 import time
 import uuid
 import weakref
@@ -39,7 +48,13 @@ from weightstream.models.spec import dtype_from_name
 from weightstream.streaming.adapters.base import IPC_AHEAD, EngineAdapter
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.channel import Channel, Listener
-from weightstream.streaming.serialization import checksum, dumps_b64, loads_b64
+from weightstream.streaming.serialization import (
+    checksum,
+    dumps_b64,
+    loads_b64,
+    map_fd,
+    share_fd,
+)
 
 log = logging.getLogger("weightstream")
 
@@ -63,7 +78,10 @@ class IPCSink:
         self._engine_holds = False  # the engine may keep buffers of this client mapped (released at disconnect)
         self._client = uuid.uuid4().hex  # names this trainer's buffers to the engine (rank 0's, on every rank)
         self._listener: Listener | None = None
-        self._channel: Channel | None = None
+        self._channel: Channel | None = None  # this update's
+        self._lease: Channel | None = None  # the last update's, kept open: the engine holds our buffers while it is
+        self._announces = False  # per bucket on the CPU, to an engine that takes the control channel
+        self._announced = False  # (every rank) the colocated ranks' leases are open
         self._pool: ThreadPoolExecutor | None = None
         self._ahead: Future | None = None
         self._events: list[Any] | None = None  # CUDA: ready[0], ready[1], done[0], done[1]
@@ -90,6 +108,8 @@ class IPCSink:
         self._outstanding.clear()
         if self.ahead_used:
             self._open_ahead(stream)
+        elif self._announces and not self._announced:
+            self._announce(stream)
         if self.writing:  # the engine backs up what we overwrite first: its stream's event, or (CPU) its word
             ready = self._channel.recv(self.timeout_s, "the engine's word that it is ready for the writes")
             if "error" in ready:
@@ -110,13 +130,28 @@ class IPCSink:
         if self.rank < self.engine_tp:
             # Written into the engine's weights: no buffers of ours to map (nor to allocate).
             kept = [] if writes else stream.kept_buffers()
-            names = [self._name_buffer(b.untyped_storage(), b.device, keep=True)[0] for b in kept]
+            named = [self._name_buffer(b.untyped_storage(), b.device, keep=True) for b in kept]
+            names = [n for n, _, _ in named]
             # Bucket k is packed into kept buffer k % 2 from its start: the engine makes its copies out of it now.
-            self._channel.send({"buffers": names, "slots": [n["buf"] for n in names]})
+            self._channel.send({"buffers": names, "slots": [n["buf"] for n in names]},
+                               [fd for _, _, fds in named for fd in fds])
             reply = self._channel.recv(self.timeout_s, "the engine's answer to the kept buffers")
             if "error" in reply:
                 raise UpdateError("prepare", str(reply["error"]), [self.engine.url])
         self.close("prepare")
+
+    def _announce(self, stream) -> None:
+        """Per bucket on the CPU, to an engine that takes the control channel: before the first payload, this
+        rank opens one (the engine's preparation, with no buffers and no writes), which tells the engine, by
+        the kernel's word, which process made the shared memory the payloads name; kept as the lease."""
+        self._open_ahead(stream, prepare=True, direct=False)
+        if self.rank < self.engine_tp:
+            self._channel.send({"buffers": [], "slots": []})
+            reply = self._channel.recv(self.timeout_s, "the engine's answer to this trainer's announcement")
+            if "error" in reply:
+                raise UpdateError("connect", str(reply["error"]), [self.engine.url])
+        self._end_ahead("connect")
+        self._announced = True
 
     def _decide(self, stream) -> None:
         """Rank 0 asks the engine (its TP size; whether it takes the metadata ahead) and tells every rank."""
@@ -125,20 +160,21 @@ class IPCSink:
         info: list[Any] = [None]
         if self.rank == 0:
             i = self.engine.info()
-            ahead = self.ahead and i.can(IPC_AHEAD) and hasattr(self.engine, "receive_ipc_ahead")
-            info = [(i.tp_size, ahead, self._client)]
+            channel = i.can(IPC_AHEAD) and hasattr(self.engine, "receive_ipc_ahead")
+            info = [(i.tp_size, channel, self._client)]
         if self.world > 1:
             dist.broadcast_object_list(info, group_src=0)
-        self.engine_tp, ahead, self._client = int(info[0][0]), bool(info[0][1]), info[0][2]
+        self.engine_tp, channel, self._client = int(info[0][0]), bool(info[0][1]), info[0][2]
         if self.engine_tp > self.world:
             raise ValueError(f"engine TP {self.engine_tp} needs as many colocated trainer ranks; the job has {self.world}")
-        self.ahead_used = ahead and len(stream) > 0
-        self._engine_holds = self._engine_holds or self.ahead_used
+        self.ahead_used = self.ahead and channel and len(stream) > 0
+        self._announces = channel and not self.ahead_used and stream.device.type == "cpu" and len(stream) > 0
+        self._engine_holds = self._engine_holds or self.ahead_used or self._announces
 
-    def _open_ahead(self, stream, prepare: bool = False) -> None:
+    def _open_ahead(self, stream, prepare: bool = False, direct: bool = True) -> None:
         """The engine's request (the update, or with ``prepare`` its preparation) goes from rank 0; each
         engine rank connects to its trainer rank's control channel and is told the plan's layout if it does
-        not know it."""
+        not know it. ``direct``: this rank may take the engine's offer to write into its weights."""
         sender = self.rank < self.engine_tp
         if sender and self._listener is None:
             self._listener = Listener()
@@ -164,32 +200,35 @@ class IPCSink:
             self._channel.send(self.engine.ipc_plan_frame([stream.bucket_metas(i) for i in range(len(stream))]))
         if stream.device.type == "cuda" and self._events is None:
             self._events = [torch.cuda.Event(interprocess=True) for _ in range(4)]
-        self._answer_offer(stream)
+        self._answer_offer(stream, direct)
 
-    def _answer_offer(self, stream) -> None:
+    def _answer_offer(self, stream, direct: bool = True) -> None:
         """The engine offers its weights to write into where it can take the plan so. This rank takes the offer
         where the stream can write into them (it makes every tensor itself; no checksums asked for, as no
         transport copy is left to check), naming the export of the engine's weights it holds; the engine
         answers with its export's id, and with the export itself unless that is the one held (mapped here
-        then), and the stream writes into it."""
+        then), and the stream writes into it. On the CPU the export's storages come as descriptors."""
         can = self._channel.recv(self.timeout_s, "the engine's offer of direct writes").get("direct")
-        use = bool(can) and self.direct and not self.checksums and stream.can_write_into()
+        use = bool(can) and direct and self.direct and not self.checksums and stream.can_write_into()
         answer: dict[str, Any] = {"direct": use, "have": self._targets_id}
         if use and self._events is not None:
             answer["events"] = [base64.b64encode(e.ipc_handle()).decode() for e in self._events]
         self._channel.send(answer)
         if not use:
             return
-        frame = self._channel.recv(self.timeout_s, "the engine's weights to write into")
-        if "error" in frame or not frame.get("export"):
-            raise UpdateError("connect", str(frame.get("error") or "the engine sent no export of its weights"),
-                              [self.engine.url])
-        if frame["export"] != self._targets_id:
-            if "targets" not in frame:
-                raise UpdateError("connect", f"the engine named export {frame['export']} and did not send it",
+        frame, fds = self._channel.recv_fds(self.timeout_s, "the engine's weights to write into")
+        try:
+            if "error" in frame or not frame.get("export"):
+                raise UpdateError("connect", str(frame.get("error") or "the engine sent no export of its weights"),
                                   [self.engine.url])
-            self.forget_targets()
-            self._targets, self._targets_id = _open_targets(frame["targets"]), frame["export"]
+            if frame["export"] != self._targets_id:
+                if "targets" not in frame:
+                    raise UpdateError("connect", f"the engine named export {frame['export']} and did not send it",
+                                      [self.engine.url])
+                self.forget_targets()
+                self._targets, self._targets_id = _open_targets(frame["targets"], fds), frame["export"]
+        finally:
+            _close_all(fds)  # what was mapped keeps descriptors of its own
         stream.write_into(self._targets, self._targets_id)
         if all(p() is not stream.shared for p in self._into_plans):
             self._into_plans.append(weakref.ref(stream.shared))
@@ -226,7 +265,7 @@ class IPCSink:
         storage = buffer.untyped_storage()
         frame: dict[str, Any] = {"k": k, "offset": buffer.storage_offset(), "nbytes": buffer.numel(),
                                  "keep": bucket.kept}
-        named, hold = self._name_buffer(storage, buffer.device, keep=bucket.kept)
+        named, hold, fds = self._name_buffer(storage, buffer.device, keep=bucket.kept)
         frame.update(named)
         if self.checksums:
             frame["checksum"] = checksum(buffer)
@@ -234,28 +273,36 @@ class IPCSink:
             if k == 0:
                 frame["events"] = [base64.b64encode(e.ipc_handle()).decode() for e in self._events]
             self._events[k % 2].record(torch.cuda.current_stream(buffer.device))
-        self._channel.send(frame)
+        self._channel.send(frame, fds)
         self._outstanding.append((k, hold))
         while len(self._outstanding) > 1:  # bucket k - 1's buffer is packed again next
             self._settle()
 
-    def _name_buffer(self, storage, device: torch.device, keep: bool) -> tuple[dict[str, Any], Any]:
+    def _name_buffer(self, storage, device: torch.device, keep: bool) -> tuple[dict[str, Any], Any, list[int]]:
         """How a frame names the buffer of ``storage``: the id of a kept buffer the engine holds, or a new id
-        and its handle (kept by the engine if ``keep``, with the oldest kept one dropped past
-        ``KEPT_HANDLES``). Also what must stay alive until the engine answered (a buffer not kept)."""
+        and the buffer itself (kept by the engine if ``keep``, with the oldest kept one dropped past
+        ``KEPT_HANDLES``): on a GPU its CUDA IPC handle (``payload``), on the CPU the descriptor of its
+        shared-memory file (``fd``: its size; the descriptor goes with the frame). Also what must stay alive
+        until the engine answered (a buffer not kept), and the descriptors to send."""
         known = self._known.get(storage._cdata) if keep else None
         if known is not None:
-            return {"buf": known[0]}, None
+            return {"buf": known[0]}, None, []
         whole = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-        named: dict[str, Any] = {"buf": self._next_id, "payload": dumps_b64(whole), "keep": keep}
+        named: dict[str, Any] = {"buf": self._next_id, "keep": keep}
+        fds: list[int] = []
+        if device.type == "cuda":
+            named["payload"] = dumps_b64(whole)
+        else:
+            fd, size = share_fd(storage)
+            named["fd"], fds = size, [fd]
         self._next_id += 1
         if not keep:
-            return named, whole  # alive until the engine has loaded it
+            return named, whole, fds  # alive until the engine has loaded it
         self._known[storage._cdata] = (named["buf"], whole)
         if len(self._known) > KEPT_HANDLES:
             _, (dropped, _) = self._known.popitem(last=False)
             named["drop"] = [dropped]
-        return named, None
+        return named, None, fds
 
     def _settle(self) -> None:
         """The engine's answer to the oldest bucket in flight; on a GPU this stream then waits for the
@@ -308,7 +355,7 @@ class IPCSink:
 
     def close(self, phase: str = "buckets") -> None:
         """The update's end: the answers still due, and the engine's answer to the update's request (an error
-        of it is raised as one of ``phase``)."""
+        of it is raised as one of ``phase``). The channel stays open as the lease (:meth:`_keep_lease`)."""
         if not self.ahead_used:
             return
         try:
@@ -316,10 +363,26 @@ class IPCSink:
                 self._settle()
             if self.writing:
                 self._finish_writes()
-        finally:
-            if self._channel is not None:
-                self._channel.close()
-                self._channel = None
+        except BaseException:
+            self._drop_channel()
+            raise
+        self._end_ahead(phase)
+
+    def _keep_lease(self) -> None:
+        """This update's channel becomes the lease, in place of the last one."""
+        lease, self._lease, self._channel = self._lease, self._channel, None
+        if lease is not None:
+            lease.close()
+
+    def _drop_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def _end_ahead(self, phase: str) -> None:
+        """The channel is kept as the lease; the engine's answer to the request (an error of it is raised as
+        one of ``phase``)."""
+        self._keep_lease()
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             deadline = Deadline(self.timeout_s * 2 + 2.0)
@@ -340,13 +403,13 @@ class IPCSink:
         self.disconnect()
 
     def disconnect(self, seconds: float | None = None) -> None:
-        """Done with this engine: the channel closes, and the engine closes the buffers it kept mapped for
-        this trainer (else they stay allocated there, and on the CPU the shared-memory manager that serves
-        them outlives the trainer)."""
-        for end in (self._channel, self._listener):
+        """Done with this engine: the channel and the lease close, so the engine closes the buffers it kept
+        mapped for this trainer (it is also asked to, by rank 0: an engine that keeps no lease)."""
+        for end in (self._channel, self._lease, self._listener):
             if end is not None:
                 end.close()
-        self._channel = self._listener = None
+        self._channel = self._lease = self._listener = None
+        self._announced = False
         self._known.clear()
         self.forget_targets()
         if self._pool is not None:
@@ -387,10 +450,17 @@ class IPCSink:
             raise status[0]
 
 
-def _open_targets(frame: dict) -> dict[str, torch.Tensor]:
-    """The engine's weights by HF name, mapped into this process from its export: ``payload`` (its weights'
-    storages, as handles), and per name its place in them (storage, byte offset, elements, dtype)."""
-    wholes = loads_b64(frame["payload"])
+def _open_targets(frame: dict, fds: list[int]) -> dict[str, torch.Tensor]:
+    """The engine's weights by HF name, mapped into this process from its export: its weights' storages (on
+    the CPU ``sizes``, one descriptor each in ``fds``; on a GPU ``payload``, their CUDA IPC handles), and
+    per name its place in them (storage, byte offset, elements, dtype)."""
+    if "sizes" in frame:
+        sizes = frame["sizes"]
+        if len(sizes) != len(fds) or not all(isinstance(n, int) for n in sizes):
+            raise ValueError(f"the engine's export sizes {len(sizes)} storages and came with {len(fds)} descriptors")
+        wholes = [map_fd(fd, n) for fd, n in zip(fds, sizes)]
+    else:
+        wholes = loads_b64(frame["payload"])
     names, where = frame["names"], frame["where"]
     if len(names) != len(where):
         raise ValueError(f"the engine's export names {len(names)} tensors and places {len(where)}")
@@ -399,3 +469,8 @@ def _open_targets(frame: dict) -> dict[str, torch.Tensor]:
         dt = dtype_from_name(dtype)
         targets[name] = wholes[idx].narrow(0, offset, numel * dt.itemsize).view(dt)
     return targets
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
