@@ -70,7 +70,7 @@ class Mapping:
     """
 
     megatron: str  # the source pattern (a Megatron name; an in-memory HF name in ``Converter.memory``)
-    hf: tuple[str, ...]
+    hf: tuple[str, ...] | str  # one HF name may be given alone; kept as a tuple
     op: TensorOp = IDENTITY
     tp_dim: int | None = None
     tp_group: str = "tp"

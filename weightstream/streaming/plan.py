@@ -52,7 +52,8 @@ def plan_buckets(items: Sequence[Sequence[int]], limit: int, align: int = ALIGN,
     if keys is not None and len(keys) != len(items):
         raise ValueError(f"{len(keys)} keys for {len(items)} items")
     buckets: list[BucketPlan] = []
-    first, end, offsets = 0, 0, []
+    first, end = 0, 0
+    offsets: list[tuple[int, ...]] = []
     for i, sizes in enumerate(items):
         item_offsets, new_end = layout([sizes], align, end)
         if i > first and (new_end > limit or (keys is not None and keys[i] != keys[i - 1])):

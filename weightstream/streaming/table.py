@@ -106,17 +106,17 @@ def build_table(
     and order the emitted ones. Raises one ConversionError listing every problem."""
     problems = ProblemList()
     # name -> {(pp, ep or None): {group rank: (shape, dtype)}}, plus listing position for ordering.
-    seen: dict[str, dict[tuple[int, int | None], dict[int, tuple[tuple[int, ...], str]]]] = {}
+    seen: dict[str, dict[tuple[int, int | None], dict[tuple[int, int], tuple[tuple[int, ...], str]]]] = {}
     position: dict[str, int] = {}
     expert_flag: dict[str, bool] = {}
     for rank in ranks:
-        for pos, (name, shape, dtype, expert) in enumerate(rank.tensors):
+        for pos, (name, shape, reported_dtype, expert) in enumerate(rank.tensors):
             position.setdefault(name, pos)
             expert_flag[name] = expert
             owner = (rank.pp, rank.ep if expert else None)
             seen.setdefault(name, {}).setdefault(owner, {})
             # Record by TP rank here; re-keyed by ETP rank for expert-TP tensors below.
-            seen[name][owner][(rank.tp, rank.etp)] = (tuple(shape), dtype)
+            seen[name][owner][(rank.tp, rank.etp)] = (tuple(shape), reported_dtype)
 
     entries: list[TensorEntry] = []
     produced: dict[str, str] = {}
@@ -149,19 +149,19 @@ def build_table(
         if len(variants) != 1:
             problems.add("tensors whose shards differ between ranks", f"{name}: {sorted(variants)}")
             continue
-        (local_shape, dtype_str), = variants
+        ((local_shape, dtype_str),) = variants
         dtype = dtype_from_name(dtype_str)
-        split = mapping.tp_dim is not None and group_size > 1
-        if split and mapping.tp_dim >= len(local_shape):
+        tp_dim = mapping.tp_dim if group_size > 1 else None
+        if tp_dim is not None and tp_dim >= len(local_shape):
             problems.add("shape mismatches", f"{name}: partition dim {mapping.tp_dim} but shape {local_shape}")
             continue
         entry = TensorEntry(
             resolved=resolved,
             dtype=dtype,
             local_shape=local_shape,
-            shard_dim=mapping.tp_dim if split else None,
+            shard_dim=tp_dim,
             group=mapping.tp_group,
-            parts=group_size if split else 1,
+            parts=group_size if tp_dim is not None else 1,
             pp_owner=pp_owner,
             ep_owner=ep_owner,
             outputs=(),
