@@ -207,12 +207,18 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--procs", type=int, default=1,
                          help="local processes sharing the work, each writing its own safetensors files (default 1)")
     convert.add_argument("--verify", default=None, metavar="HF_DIR",
-                         help="compare the result with this HF checkpoint, bit for bit")
+                         help="compare the result with this HF checkpoint, bit for bit (the end-to-end check: "
+                              "tensor data is checked against the CRC-32s its files record, the rest is not)")
+    convert.add_argument("--trust-checkpoint", action="store_true",
+                         help="read only checkpoints you trust: checkpoints are pickles, and by default a file "
+                              "naming a global that Megatron does not save there is refused; --trust-checkpoint "
+                              "reads it anyway and allows arbitrary code in it to run")
 
     verify = sub.add_parser(
         "verify",
         help="compare two HF checkpoints tensor by tensor",
-        description="Lists every missing, extra, mis-shaped, mis-typed and differing tensor; exit status 1 on any.",
+        description="Lists every missing, extra, mis-shaped, mis-typed and differing tensor; exit status 1 on any, "
+                    "2 when a checkpoint cannot be read (a missing, truncated or damaged file).",
     )
     verify.add_argument("a", help="first checkpoint directory")
     verify.add_argument("b", help="second checkpoint directory")
@@ -300,13 +306,16 @@ def _summary(r: dict) -> str:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from weightstream.launch import launch, start_process_server
+
+    start_process_server()  # the engine's and the job's processes come from it: its imports overlap ours
+    import secrets
     import shutil
 
     import torch
 
     from weightstream.engine.server import serve, stop
     from weightstream.jobs import dump_job
-    from weightstream.launch import launch
     from weightstream.models.presets import preset_config, random_hf_model
     from weightstream.streaming.adapters import ReferenceEngine
     from weightstream.verify import compare_checkpoints
@@ -315,6 +324,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     layout = _layout(args, cfg)
     world = layout.world_size
     start = time.perf_counter()
+    key = secrets.token_urlsafe(16)  # the demo's engine takes updates from the demo only
     with tempfile.TemporaryDirectory(prefix="weightstream-demo-") as tmp:
         src = os.path.join(tmp, "source")
         out = args.out or os.path.join(tmp, "streamed")
@@ -326,7 +336,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             empty = os.path.join(tmp, "engine-model")
             os.makedirs(empty)
             shutil.copy(os.path.join(src, "config.json"), empty)  # the engine starts without these weights
-            server = serve(empty, args.engine_tp)
+            server = serve(empty, args.engine_tp, api_key=key)
             print(f"[2/5] reference engine (TP {args.engine_tp}) serving on {server.url}, weights not loaded yet")
         else:
             print("[2/5] no engine (--engine-tp 0)")
@@ -334,9 +344,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
             print(f"[3/5] starting {world} local processes ({layout.describe()}): build Megatron-Core model, load, "
                   f"{'update the engine, ' if server else ''}stream to disk")
             results = launch(world, dump_job, src, layout, out, args.bucket_mb, "float32", DEMO_INPUT, "rank0",
-                             server.url if server else None)
+                             server.url if server else None, False, key)
             r = results[0]
-            engine_logits = ReferenceEngine(server.url).logits(DEMO_INPUT) if server else None
+            engine_logits = ReferenceEngine(server.url, api_key=key).logits(DEMO_INPUT) if server else None
         finally:
             if server is not None:
                 stop(server)
@@ -391,7 +401,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         report = convert_checkpoint(args.checkpoint, hf_config, args.out, iteration=args.iteration,
                                     dtype=_dtype(args.dtype) if args.dtype else None, bucket_bytes=args.bucket_mb,
                                     shard_bytes=args.shard_mb, progress=progress, verify=args.verify,
-                                    procs=args.procs, overwrite=args.overwrite)
+                                    procs=args.procs, overwrite=args.overwrite,
+                                    trust_checkpoint=args.trust_checkpoint)
     except WeightstreamError as exc:
         bar.close()
         print(f"error: {exc}", file=sys.stderr)
@@ -404,12 +415,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from weightstream.errors import WeightstreamError
     from weightstream.verify import compare_checkpoints
 
     for d in (args.a, args.b):
         if not Path(d).is_dir():
-            raise SystemExit(f"error: {d} is not a directory")
-    cmp = compare_checkpoints(args.a, args.b, atol=args.atol)
+            print(f"error: {d} is not a directory", file=sys.stderr)
+            return 2
+    try:
+        cmp = compare_checkpoints(args.a, args.b, atol=args.atol)
+    except WeightstreamError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(cmp.render(args.a, args.b))
     return 0 if cmp.ok else 1
 

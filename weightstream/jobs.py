@@ -70,10 +70,12 @@ def dump_job(
     writers: str = "rank0",
     engine_url: str | None = None,
     overwrite: bool = False,
+    engine_key: str | None = None,
 ) -> dict[str, Any]:
     """Build the Megatron model under ``layout`` from the HF checkpoint, stream it, write it out;
     with ``engine_url``, first update that engine's weights (``update_weights``, transport auto).
-    ``overwrite``: replace a non-empty ``out_dir`` (refused otherwise; see ``save_hf_checkpoint``)."""
+    ``overwrite``: replace a non-empty ``out_dir`` (refused otherwise; see ``save_hf_checkpoint``).
+    ``engine_key``: the engine's API key."""
     initialize_parallel(layout.tp, layout.pp, layout.vpp, layout.ep, layout.etp)
     cfg = load_hf_config(hf_dir)
     start = time.perf_counter()
@@ -87,7 +89,7 @@ def dump_job(
         from weightstream.update import update_weights
 
         update_report = update_weights(chunks, cfg, engine_url, transport="auto", bucket_bytes=bucket_bytes,
-                                       checksums=True)
+                                       checksums=True, api_key=engine_key)
     bar, update = _progress_bar("streaming")
     start = time.perf_counter()
     report = save_hf_checkpoint(chunks, cfg, out_dir, bucket_bytes=bucket_bytes, writers=writers, progress=update,

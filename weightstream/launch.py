@@ -67,6 +67,17 @@ def process_context():
     return mp.get_context("spawn")
 
 
+def start_process_server() -> None:
+    """Start the fork server now, from the main thread, where :func:`process_context` uses one: it imports its
+    preload (several seconds) in its own process while the caller goes on, instead of when the first process
+    is asked for."""
+    ctx = process_context()
+    if ctx.get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
 def _in_environment(env: dict[str, str], cwd: str, path: list[str], target: Callable[..., Any], *args: Any) -> None:
     """Run ``target`` with the environment, working directory and ``sys.path`` the parent had when it started
     this process (a process forked from the fork server would otherwise have those of the moment the server
