@@ -321,26 +321,62 @@ def test_the_weight_version_is_short_printable_text(server):
 # -- D6: no half-applied weights served ----------------------------------------------------------------
 
 
-def test_reads_during_an_update_see_the_committed_weights_or_are_refused(server):
-    from weightstream.streaming.serialization import dumps_b64
+@contextmanager
+def trainer_group(url: str, name: str = "hardening") -> Iterator:
+    """A weight-update group (gloo) between this process, as the trainer's rank 0, and the engine."""
+    from weightstream.launch import free_port
+    from weightstream.streaming.groups import destroy_group, init_custom_process_group
 
-    before = logits(server.url)
-    url = server.url
-    assert request(url, "POST", "/begin_weight_update", {"timeout_s": 60})[0] == 200
+    port = free_port()
+    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": name, "backend": "gloo", "timeout_s": 30}
+    joined = in_thread(lambda: request(url, "POST", "/init_weights_update_group", body))
+    group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, name, 30)
     try:
-        np.testing.assert_array_equal(logits(url), before)  # opened, nothing loaded yet: the committed weights
-        hidden = preset_config("tiny-qwen3").hidden_size
-        payload = dumps_b64([("model.norm.weight", torch.full((hidden,), 3.0))])  # one tensor of an update
-        status, reply = request(url, "POST", "/update_weights_from_tensor", {"serialized_named_tensors": [payload]})
-        assert status == 200, reply
-        for path, body in (("/weightstream/logits", {"input_ids": INPUT_IDS}),
-                           ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})):
-            status, reply = request(url, "POST", path, body)
-            assert status == 409 and "not served until it is committed or aborted" in reply["message"], reply
-        status, reply = request(url, "POST", "/continue_generation", {})
-        assert status == 409 and "session is open" in reply["message"], reply
+        assert joined()[0] == 200
+        yield group
     finally:
-        assert request(url, "POST", "/weightstream/abort_weight_update", {})[0] == 200
+        request(url, "POST", "/destroy_weights_update_group", {"group_name": name})
+        destroy_group(group)
+
+
+def in_thread(fn):
+    """Run ``fn`` in a thread (as an HTTP call that waits for this process's collective); returns a join."""
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    thread.start()
+
+    def join():
+        thread.join(timeout=30)
+        assert out, "no answer within 30 s"
+        return out[0]
+    return join
+
+
+def test_reads_during_an_update_see_the_committed_weights_or_are_refused(server):
+    import torch.distributed as dist
+
+    url = server.url
+    before = logits(url)
+    hidden = preset_config("tiny-qwen3").hidden_size
+    with trainer_group(url) as group:
+        assert request(url, "POST", "/begin_weight_update", {"timeout_s": 60})[0] == 200
+        try:
+            np.testing.assert_array_equal(logits(url), before)  # opened, nothing loaded yet: the committed weights
+            # One tensor of an update, broadcast by this process as a trainer would.
+            loaded = in_thread(lambda: request(url, "POST", "/update_weights_from_distributed", {
+                "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[hidden]],
+                "group_name": "hardening"}))
+            dist.broadcast(torch.full((hidden,), 3.0), group=group, group_src=0)
+            assert loaded()[0] == 200
+            for path, body in (("/weightstream/logits", {"input_ids": INPUT_IDS}),
+                               ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})):
+                status, reply = request(url, "POST", path, body)
+                assert status == 409 and "not served until it is committed or aborted" in reply["message"], reply
+            status, reply = request(url, "POST", "/continue_generation", {})
+            assert status == 409 and "session is open" in reply["message"], reply
+        finally:
+            assert request(url, "POST", "/weightstream/abort_weight_update", {})[0] == 200
     np.testing.assert_array_equal(logits(url), before)
     assert request(url, "POST", "/continue_generation", {})[0] == 200
 
@@ -397,10 +433,15 @@ def _listening(pid: int) -> list[str]:
 
 
 def test_workers_listen_on_loopback_only(server):
+    """The engine's own store and gloo group, and a weight-update group's gloo listeners: loopback only, as
+    its HTTP server (127.0.0.1)."""
     loopback = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
-    for proc in server.engine.procs:
-        addresses = _listening(proc.pid)
-        assert addresses and set(addresses) <= loopback, (proc.pid, addresses)
+    alone = {proc.pid: _listening(proc.pid) for proc in server.engine.procs}
+    with trainer_group(server.url, "listeners"):
+        grouped = {proc.pid: _listening(proc.pid) for proc in server.engine.procs}
+    for pid, addresses in alone.items():
+        assert addresses and set(addresses) <= loopback, (pid, addresses)
+        assert len(grouped[pid]) > len(addresses) and set(grouped[pid]) <= loopback, (pid, grouped[pid])
 
 
 def test_the_api_key_comes_from_a_file_or_the_environment(tmp_path, monkeypatch):
