@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from weightstream.errors import WeightstreamError
+from weightstream.models.spec import load_hf_config
 from weightstream.staging import check_target, clean_leftovers
 from weightstream.streaming.checkpoint import DEFAULT_SHARD_BYTES, save_hf_checkpoint
 from weightstream.streaming.sources.checkpoint import MegatronCheckpointSource
@@ -78,6 +79,7 @@ def convert_checkpoint(
     verify: str | os.PathLike | None = None,
     procs: int = 1,
     overwrite: bool = False,
+    trust_checkpoint: bool = False,
 ) -> ConvertReport:
     """Write the Megatron-Core checkpoint at ``checkpoint`` (distributed ``torch_dist`` or legacy per-rank
     format, any TP/PP/VPP/EP layout; the save directory or one iteration's) as an HF checkpoint in ``out_dir``.
@@ -91,16 +93,22 @@ def convert_checkpoint(
 
     ``out_dir`` appears complete or not at all (see :func:`~weightstream.save_hf_checkpoint`); a non-empty one
     is refused unless ``overwrite``, which replaces it whole.
+
+    Read only checkpoints you trust. A checkpoint is pickled, and a pickle can run any code: by default a file
+    naming a global that Megatron does not save there is refused (one error naming the globals and the file);
+    ``trust_checkpoint=True`` reads it anyway, letting it run whatever it holds. Tensor data is checked against
+    the CRC-32s torch's zip format records for it; ``verify`` is the end-to-end check.
     """
     start = time.perf_counter()
     rss_before = _rss()
     check_target(Path(os.path.realpath(out_dir)), overwrite=overwrite)  # before reading anything
+    hf_config = _read_hf_config(hf_config)
     if procs > 1:
         report, fmt, it, peak = _convert_in_processes(procs, checkpoint, hf_config, out_dir, iteration, dtype,
-                                                      bucket_bytes, shard_bytes, overwrite)
+                                                      bucket_bytes, shard_bytes, overwrite, trust_checkpoint)
     else:
         report, fmt, it, peak = _convert_rank(checkpoint, hf_config, out_dir, iteration, dtype, bucket_bytes,
-                                              shard_bytes, progress, overwrite)
+                                              shard_bytes, progress, overwrite, trust_checkpoint)
     seconds = time.perf_counter() - start
     layers: dict[str, int] = {}
     largest = ("", 0)
@@ -119,17 +127,28 @@ def convert_checkpoint(
     return out
 
 
+def _read_hf_config(hf_config: Any) -> Any:
+    """The transformers config ``hf_config`` names; one WeightstreamError line when it cannot be read."""
+    try:
+        return load_hf_config(hf_config)
+    except (OSError, ValueError, KeyError) as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        raise WeightstreamError(f"the HF config {hf_config} cannot be read: "
+                                f"{lines[0] if lines else type(exc).__name__}") from None
+
+
 def _convert_in_processes(procs, checkpoint, hf_config, out_dir, iteration, dtype, bucket_bytes, shard_bytes,
-                          overwrite):
+                          overwrite, trust_checkpoint):
     """``_convert_rank`` on ``procs`` local processes: (rank 0's report, format, iteration, the largest peak RSS).
     A rank's WeightstreamError is raised here as one; what killed ranks left beside ``out_dir`` is removed."""
     from weightstream.launch import LaunchError, launch
-    from weightstream.models.spec import load_hf_config
 
-    MegatronCheckpointSource(checkpoint, iteration=iteration)  # a bad path fails here, once
+    # A bad path or a refused file fails here, once.
+    MegatronCheckpointSource(checkpoint, iteration=iteration, trust_checkpoint=trust_checkpoint).close()
     try:
-        results = launch(procs, _convert_rank, checkpoint, load_hf_config(hf_config), os.fspath(out_dir), iteration,
-                         dtype, bucket_bytes, shard_bytes, None, overwrite, backend="gloo", timeout_s=24 * 3600.0)
+        results = launch(procs, _convert_rank, checkpoint, hf_config, os.fspath(out_dir), iteration, dtype,
+                         bucket_bytes, shard_bytes, None, overwrite, trust_checkpoint, backend="gloo",
+                         timeout_s=24 * 3600.0)
     except LaunchError as exc:
         clean_leftovers(Path(os.path.realpath(out_dir)))
         if exc.reasons:
@@ -139,11 +158,11 @@ def _convert_in_processes(procs, checkpoint, hf_config, out_dir, iteration, dtyp
 
 
 def _convert_rank(checkpoint, hf_config, out_dir, iteration, dtype, bucket_bytes, shard_bytes, progress=None,
-                  overwrite=False):
+                  overwrite=False, trust_checkpoint=False):
     """One process's part (all of it when alone): (report, format, iteration, peak RSS)."""
     import torch.distributed as dist
 
-    source = MegatronCheckpointSource(checkpoint, iteration=iteration, dtype=dtype)
+    source = MegatronCheckpointSource(checkpoint, iteration=iteration, dtype=dtype, trust_checkpoint=trust_checkpoint)
     writers = "spread" if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else "rank0"
     try:
         report = save_hf_checkpoint(source, hf_config, out_dir, bucket_bytes=bucket_bytes, shard_bytes=shard_bytes,

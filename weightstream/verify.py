@@ -42,7 +42,8 @@ class Comparison:
 
 
 def compare_checkpoints(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0) -> Comparison:
-    """Compare every tensor of two checkpoint directories (bit for bit when ``atol`` is 0)."""
+    """Compare every tensor of two checkpoint directories (bit for bit when ``atol`` is 0). A directory that
+    cannot be read (a missing, truncated or damaged file) raises :class:`~weightstream.disk.HFCheckpointError`."""
     out = Comparison()
     with CheckpointReader(a) as ra, CheckpointReader(b) as rb:
         ka, kb = set(ra.keys()), set(rb.keys())
