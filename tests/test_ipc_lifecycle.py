@@ -475,6 +475,22 @@ def test_allow_list_without_an_engine():
                  _Rebuild(torch.storage.UntypedStorage, 1 << 30), _Rebuild(torch.Tensor, 1 << 28)):
         with pytest.raises(UnsafePayloadError, match="refused"):
             loads(pickle.dumps(evil, protocol=5))
+    # A CUDA tensor's payload (as torch's reduce_tensor writes it) reaches torch's rebuild with torch's classes
+    # in place of the names the payload gave (not run on a GPU here: the rebuild itself is a stand-in).
+    from torch.multiprocessing import reductions
+
+    got = []
+    cuda = _Rebuild(reductions.rebuild_cuda_tensor, torch.Tensor, (2,), (1,), 0, torch.storage.TypedStorage,
+                    torch.float32, 0, b"handle", 8, 0, False, b"/torch_1_2_3", 0, b"event", False)
+    data = pickle.dumps(cuda, protocol=5)
+    real, reductions.rebuild_cuda_tensor = reductions.rebuild_cuda_tensor, lambda *args: got.append(args)
+    try:
+        loads(data)
+    finally:
+        reductions.rebuild_cuda_tensor = real
+    (args,) = got
+    assert (args[0], args[4], args[5], args[6], args[7]) == (torch.Tensor, torch.storage.TypedStorage,
+                                                             torch.float32, 0, b"handle")
     buf = torch.arange(256, dtype=torch.uint8)
     _, handle, size = buf.untyped_storage()._share_filename_cpu_()
     with open("/dev/shm" + handle.decode(), "rb") as f:

@@ -117,6 +117,8 @@ class _Named:
 
 _TENSOR = _Named("torch.Tensor")
 _STORAGE = _Named("torch.storage.UntypedStorage")
+_TYPED = _Named("torch.storage.TypedStorage")
+_CLASSES = {_TENSOR: torch.Tensor, _STORAGE: torch.UntypedStorage, _TYPED: torch.storage.TypedStorage}
 _SHM_NAME = re.compile(r"/torch_([0-9]{1,10})_[0-9]{1,20}_[0-9]{1,20}")
 # torch's named shared memory (``RefcountedMapAllocator``): a header of this many bytes, its reference count
 # (int32) first, then the data. tests/test_ipc_lifecycle.py checks it against the torch installed.
@@ -157,9 +159,9 @@ def rebuild_cuda_tensor_by_uuid(*args):
     """The receiving end of :func:`_reduce_tensor_with_uuid`: the GPU's UUID back to a device index, the
     classes named by the payload back to torch's own."""
     args = list(args)
-    if len(args) != 15 or args[0] is not _TENSOR or args[4] is not _STORAGE:
-        raise UnsafePayloadError("a CUDA tensor in a payload must be a torch.Tensor over an untyped storage")
-    args[0], args[4] = torch.Tensor, torch.UntypedStorage
+    if len(args) != 15 or args[0] is not _TENSOR or args[4] not in (_STORAGE, _TYPED):
+        raise UnsafePayloadError("a CUDA tensor in a payload must be a torch.Tensor over a torch storage")
+    args[0], args[4] = _CLASSES[args[0]], _CLASSES[args[4]]
     args[6] = _uuid_to_index(args[6])
     return reductions.rebuild_cuda_tensor(*args)
 
@@ -176,6 +178,7 @@ ALLOWED_GLOBALS.update(
         ("torch", "Size"): torch.Size,
         ("torch", "device"): torch.device,
         ("torch.storage", "UntypedStorage"): _STORAGE,
+        ("torch.storage", "TypedStorage"): _TYPED,
         ("torch.multiprocessing.reductions", "rebuild_tensor"): _rebuild_tensor,
         ("torch.multiprocessing.reductions", "rebuild_typed_storage"): _rebuild_typed_storage,
         ("torch.multiprocessing.reductions", "rebuild_storage_empty"): _rebuild_storage_empty,
