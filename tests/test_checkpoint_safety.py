@@ -224,6 +224,7 @@ def _flip_legacy_index(root: Path) -> str:
 
 
 def _flip_distcp_embedding(root: Path) -> str:
+    """Flip bytes in the middle of the embedding's data in its .distcp item (a zip archive of its own)."""
     directory = root / "torch_dist" / "iter_0000007"
     metadata = read_dcp_metadata(directory / ".metadata")
     (item,) = [s for i, s in metadata.storage_data.items() if i.fqn == EMBEDDING]
@@ -231,12 +232,14 @@ def _flip_distcp_embedding(root: Path) -> str:
     raw = file.read_bytes()[item.offset: item.offset + item.length]
     with zipfile.ZipFile(io.BytesIO(raw)) as zf:
         (info,) = [i for i in zf.infolist() if "/data/" in i.filename]
-        start = item.offset + _data_offset(zf, raw, info) + info.file_size // 2
-    _flip(file, start)
+        data = _data_offset(zf, raw, info)
+    _flip(file, item.offset + data + info.file_size // 2)
+    flipped = zlib.crc32(file.read_bytes()[item.offset + data: item.offset + data + info.file_size])
+    assert zlib.crc32(raw[data: data + info.file_size]) == info.CRC != flipped
     end = item.offset + item.length
-    member = re.escape(info.filename)
     return (f"the checkpoint {{dist}} holds damaged tensor data: {re.escape(EMBEDDING)} \\(bytes {item.offset}\\.\\.{end} "
-            f"of {re.escape(item.relative_path)}\\): {member}: Bad CRC-32 for file '{member}'")
+            f"of {re.escape(item.relative_path)}\\): {re.escape(info.filename)}: CRC-32 {flipped:08x}, recorded "
+            f"{info.CRC:08x}")
 
 
 def _sharded(root: Path, hf: Path) -> Path:
