@@ -87,3 +87,29 @@ def test_verify_lists_every_difference(sources, tmp_path):
     ):
         assert expected in res.stdout, (expected, res.stdout)
     assert run("verify", src, str(other), "--atol", "2").returncode == 1  # names/dtypes/shapes still differ
+
+
+def test_demo_refuses_a_non_empty_out_before_starting_anything(tmp_path):
+    (tmp_path / "mine.txt").write_text("keep")
+    out = run("demo", "--out", str(tmp_path))
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == [
+        f"error: {tmp_path} is not empty (it holds 1 file); refusing to write the checkpoint into it: pass "
+        "overwrite=True (--overwrite) to replace it, or choose an empty or new directory"]
+    assert (tmp_path / "mine.txt").read_text() == "keep"
+
+
+def test_engine_on_a_corrupt_model_directory_says_what_is_wrong_in_one_line(sources, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(sources["tiny-qwen3"], bad)
+    with open(bad / "model.safetensors", "r+b") as f:
+        f.truncate(100_000)
+    out = run("engine", "--model", str(bad), "--port", "0", timeout=120)
+    assert out.returncode == 2 and out.stdout == "", out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith(f"error: the checkpoint {bad} cannot be read: {bad}/model.safetensors")
+    (bad / "config.json").write_text('{"model_type": ')
+    out = run("engine", "--model", str(bad), "--port", "0", timeout=120)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "config.json" in out.stderr

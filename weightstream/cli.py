@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     _layout_args(demo, 2, 2)
     demo.add_argument("--bucket-mb", type=_mb, default=_mb("0.25"), help="bucket size in MiB (default 0.25)")
     demo.add_argument("--out", default=None, help="keep the checkpoint here (default: a temporary directory)")
+    demo.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     demo.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     demo.add_argument("--engine-tp", type=int, default=2,
                       help="TP size of the reference engine the demo updates (default 2; 0: no engine, disk only)")
@@ -323,6 +324,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     cfg = preset_config(args.preset)
     layout = _layout(args, cfg)
     world = layout.world_size
+    if args.out is not None:
+        from weightstream.errors import WeightstreamError
+        from weightstream.staging import check_target
+
+        try:
+            check_target(Path(os.path.realpath(args.out)), overwrite=args.overwrite)
+        except WeightstreamError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     start = time.perf_counter()
     key = secrets.token_urlsafe(16)  # the demo's engine takes updates from the demo only
     with tempfile.TemporaryDirectory(prefix="weightstream-demo-") as tmp:
@@ -344,7 +354,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             print(f"[3/5] starting {world} local processes ({layout.describe()}): build Megatron-Core model, load, "
                   f"{'update the engine, ' if server else ''}stream to disk")
             results = launch(world, dump_job, src, layout, out, args.bucket_mb, "float32", DEMO_INPUT, "rank0",
-                             server.url if server else None, False, key)
+                             server.url if server else None, args.overwrite, key)
             r = results[0]
             engine_logits = ReferenceEngine(server.url, api_key=key).logits(DEMO_INPUT) if server else None
         finally:
@@ -442,12 +452,37 @@ def engine_api_key(args: argparse.Namespace) -> str | None:
     return key
 
 
+def _engine_model_problem(model_dir: str) -> str | None:
+    """What stops an engine from starting on ``model_dir`` (no config, an unreadable config or weight file),
+    found before any worker starts; None when there is nothing (a directory without weights is fine)."""
+    from weightstream.disk import CheckpointReader, NoWeightsError
+    from weightstream.errors import WeightstreamError
+    from weightstream.models.spec import load_hf_config
+
+    if not Path(model_dir, "config.json").is_file():
+        return f"{model_dir} has no config.json"
+    try:
+        load_hf_config(model_dir)
+        CheckpointReader(model_dir).close()
+    except NoWeightsError:
+        return None
+    except WeightstreamError as exc:
+        return str(exc)
+    except (OSError, ValueError) as exc:
+        return f"{model_dir}: {exc}"
+    return None
+
+
 def cmd_engine(args: argparse.Namespace) -> int:
     import signal
     import threading
 
     from weightstream.engine.server import ServerLimits, serve, stop
 
+    problem = _engine_model_problem(args.model)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     api_key = engine_api_key(args)
     limits = ServerLimits() if args.max_batch_tokens is None else ServerLimits(max_batch_tokens=args.max_batch_tokens)
     done = threading.Event()
