@@ -208,9 +208,16 @@ class WeightSync:
         if sink is not None:
             return sink
         other = {"broadcast": "p2p", "p2p": "broadcast"}.get(kind)
-        if other in self.sinks:
-            # Both join the engines under one group name: one of them at a time.
-            self.sinks.pop(other).disconnect()
+        # Both join the engines under one group name: one of them at a time. Where the new sink's group
+        # would be the same (trainer and engine at TP 1), it takes the other's over instead of forming it again.
+        previous = self.sinks.pop(other) if other in self.sinks else None
+        sink = self._new_sink(kind)
+        if previous is not None and not previous.hand_over(sink):
+            previous.disconnect()
+        self.sinks[kind] = sink
+        return sink
+
+    def _new_sink(self, kind: str) -> IPCSink | P2PSink | BroadcastSink:
         if kind == "ipc":
             sink = IPCSink(self.engines[0], checksums=self.checksums, timeout_s=self.timeout_s,
                            ahead=self.metadata_ahead, direct=self.direct)
@@ -221,7 +228,6 @@ class WeightSync:
             sink = BroadcastSink(self.engines, master_address=self.master_address, master_port=self.master_port,
                                  backend=self.backend, timeout_s=self.timeout_s, checksums=self.checksums,
                                  ahead=self.metadata_ahead)
-        self.sinks[kind] = sink
         return sink
 
     def update(self, model_chunks: nn.Module | Sequence[nn.Module], hf_config: Any, *,

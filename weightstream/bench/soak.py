@@ -3,11 +3,19 @@ reference engine running as its own service, proving that nothing is lost and no
 
 The trainer (a Megatron-Core model in this process) alternates between two sets of weights on every
 update and switches transport every ``switch_every`` updates (so each transport carries both sets,
-and the broadcast group is formed, reused and torn down again and again). Checksums are on. Every
+and the sinks are switched again and again). Checksums are on. Every
 ``check_every`` updates the engine's logits are compared with those of the HF model holding the
 weights just sent. Every ``sample_every`` updates the resources of the trainer and of the engine
 (its main process and its workers) are sampled: resident memory, open file descriptors, threads, and
 the entries of ``/dev/shm``. Growth is measured from the end of the warm-up to the end.
+
+The engine is asked for its logits once before the first update: what its first such request starts
+once (the worker's first forward pass, and the thread and socket through which multiprocessing hands
+a tensor to the server) is then paid before any sample, not read as growth wherever the first check
+falls. Each sample also counts the weight-update groups the trainer has formed (``trainer_groups``): the
+broadcast and P2P sinks hand one group over to each other where it is the same (trainer and engine at
+TP 1), so switching between them forms none; a group formed again on each switch is what grew the
+trainer's heap before.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ class SoakReport:
     warmup: int = 0
     growth: dict[str, float] = field(default_factory=dict)
     growth_second_half: dict[str, float] = field(default_factory=dict)
+    groups_formed: int = 0  # weight-update groups the trainer formed during the soak
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -66,9 +75,9 @@ class SoakReport:
         return {**asdict(self), "ok": self.ok}
 
     def render(self) -> str:
-        lines = [f"soak: {self.updates} updates of {self.preset} into a reference engine (TP {self.engine_tp}), "
-                 f"transports {'/'.join(self.transports)}, {self.bucket_bytes >> 10} KiB buckets, checksums on: "
-                 f"{self.seconds_total:.1f} s"]
+        lines = [(f"soak: {self.updates} updates of {self.preset} into a reference engine (TP {self.engine_tp}), "
+                  f"transports {'/'.join(self.transports)}, {self.bucket_bytes >> 10} KiB buckets, checksums on: "
+                  f"{self.seconds_total:.1f} s")]
         for kind, s in self.seconds_per_update.items():
             lines.append(f"  {kind:9s} {int(s['count']):5d} updates  median {s['median'] * 1e3:7.1f} ms  "
                          f"p99 {s['p99'] * 1e3:7.1f} ms  max {s['max'] * 1e3:7.1f} ms")
@@ -76,6 +85,7 @@ class SoakReport:
         worst = max((c["max_abs_diff"] for c in self.logits_checks), default=0.0)
         lines.append(f"  engine logits checked {len(self.logits_checks)} times: {passed} equal to HF's "
                      f"(worst max |diff| {worst:.1e})")
+        lines.append(f"  weight-update groups formed by the trainer: {self.groups_formed}")
         g = self.growth
         lines.append(f"  growth after warm-up ({self.warmup} updates): trainer RSS {g.get('trainer_rss_mb', 0):+.1f} MB, "
                      f"fds {g.get('trainer_fds', 0):+.0f}, threads {g.get('trainer_threads', 0):+.0f}; engine RSS "
@@ -129,8 +139,13 @@ def run_soak(updates: int = 1000, *, transports: tuple[str, ...] = ("broadcast",
 
     from weightstream.disk import CheckpointReader
     from weightstream.launch import free_port
-    from weightstream.models.megatron import build_gpt_model, initialize_parallel, load_hf_weights
+    from weightstream.models.megatron import (
+        build_gpt_model,
+        initialize_parallel,
+        load_hf_weights,
+    )
     from weightstream.models.presets import preset_config, save_random_checkpoint
+    from weightstream.streaming import groups
     from weightstream.streaming.adapters import ReferenceEngine
     from weightstream.streaming.groups import tcp_store
     from weightstream.update import WeightSync
@@ -165,6 +180,8 @@ def run_soak(updates: int = 1000, *, transports: tuple[str, ...] = ("broadcast",
 
         service = EngineService(engine_dir, engine_tp)
         engine = ReferenceEngine(service.url, timeout_s=60)
+        engine.logits(INPUT_IDS)  # its one-off costs paid before the first sample (see the module's doc)
+        formed_before = groups.groups_formed
         times: dict[str, list[float]] = {t: [] for t in transports}
         start = time.perf_counter()
         bar = None
@@ -197,6 +214,7 @@ def run_soak(updates: int = 1000, *, transports: tuple[str, ...] = ("broadcast",
                         trainer = process_resources([os.getpid()])
                         eng = process_resources(service.pids)
                         report.samples.append({"update": done, "shm": shm_entries(),
+                                               "trainer_groups": groups.groups_formed - formed_before,
                                                **{f"trainer_{k}": v for k, v in trainer.items()},
                                                **{f"engine_{k}": v for k, v in eng.items()}})
                     if bar is not None:
@@ -208,6 +226,7 @@ def run_soak(updates: int = 1000, *, transports: tuple[str, ...] = ("broadcast",
                 bar.close()
             service.stop()
             dist.destroy_process_group()
+        report.groups_formed = groups.groups_formed - formed_before
         report.seconds_total = time.perf_counter() - start
         report.seconds_per_update = {k: _stats(v) for k, v in times.items() if v}
         base = next((s for s in report.samples if s["update"] >= warmup), None)

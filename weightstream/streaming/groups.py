@@ -10,19 +10,44 @@ The store is made here, explicitly (:func:`tcp_store`), never through torch's ``
 under ``torchrun`` that function reads ``TORCHELASTIC_USE_AGENT_STORE`` and turns every ``tcp://``
 store into a client of the elastic agent's store, so the rank that must host the group's store
 would host nothing and its peers would have nothing to connect to.
+
+A group, once formed, is kept: :class:`GroupLayout` says what a sink's group is, from this process's
+side, so that a sink whose group would be the very same one takes it over instead of forming it again
+(a broadcast from the trainer to one engine rank and a send to that rank need the same two ranks).
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
+from dataclasses import dataclass
 from datetime import timedelta
 from urllib.parse import urlparse
 
 import torch.distributed as dist
 
+log = logging.getLogger("weightstream")
+
 
 class GroupError(RuntimeError):
     pass
+
+
+groups_formed = 0  # weight-update groups this process formed (the soak reports it)
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """A weight-update group as this trainer process sees it: two sinks with equal layouts can carry
+    their buckets over one group. ``engines``: each engine's URL and the group rank of its TP rank 0."""
+
+    master_address: str
+    backend: str
+    group_name: str
+    timeout_s: float
+    world_size: int
+    rank: int
+    engines: tuple[tuple[str, int], ...]
 
 
 def parse_tcp(init_method: str) -> tuple[str, int]:
@@ -51,7 +76,12 @@ def init_custom_process_group(
     timeout: timedelta | float = 60.0,
 ):
     """A process group of ``world_size`` ranks that is not part of the default world."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+    )
 
     if not group_name:
         raise ValueError("group_name must not be empty")
@@ -68,12 +98,14 @@ def init_custom_process_group(
         pg, _ = _new_process_group_helper(
             world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout, **options
         )
-    except Exception as exc:  # noqa: BLE001 — re-raised with the group named
+    except Exception as exc:  # re-raised with the group named
         raise GroupError(
             f"could not form process group {group_name!r} ({backend}, {init_method}, rank {rank} of {world_size}) "
             f"within {timeout.total_seconds():.0f} s: {exc}"
         ) from exc
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    global groups_formed
+    groups_formed += 1
     return pg
 
 
@@ -83,5 +115,5 @@ def destroy_group(group) -> None:
         return
     try:
         dist.destroy_process_group(group)
-    except Exception:  # noqa: BLE001
-        pass
+    except Exception as exc:  # noqa: BLE001 — the peer may be gone
+        log.debug("tearing a weight-update group down: %s", exc)

@@ -10,7 +10,7 @@ from typing import Any, Protocol, runtime_checkable
 from weightstream.bounds import Deadline, cleanup_budget
 from weightstream.errors import UpdateError
 from weightstream.streaming.bucket import Bucket
-from weightstream.streaming.groups import destroy_group
+from weightstream.streaming.groups import GroupLayout, destroy_group
 
 
 @runtime_checkable
@@ -127,6 +127,20 @@ class PipelinedSink:
     def disconnect(self, seconds: float | None = None) -> None:
         """Leave the group (within ``seconds``, by default the sink's bound)."""
         raise NotImplementedError
+
+    def layout(self) -> GroupLayout | None:
+        """The group this sink forms, as this process sees it; None where this rank forms none."""
+        raise NotImplementedError
+
+    def hand_over(self, to: PipelinedSink) -> bool:
+        """Give this sink's group, and the threads that talk to its engines, to ``to`` where ``to`` would
+        form the very same group (the engines keep their side): nothing is torn down and formed again.
+        False, giving nothing, where ``to`` needs another group."""
+        if self.group is None or to.group is not None or self.layout() != to.layout():
+            return False
+        to.group, to._pool = self.group, self._pool
+        self.group, self._pool = None, None
+        return True
 
     def close(self) -> None:
         if self.sender:

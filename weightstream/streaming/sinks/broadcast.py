@@ -16,7 +16,7 @@ from weightstream.bounds import Deadline
 from weightstream.errors import UpdateError
 from weightstream.streaming.adapters.base import BROADCAST_AHEAD, EngineAdapter, GroupSpec
 from weightstream.streaming.bucket import Bucket
-from weightstream.streaming.groups import init_custom_process_group
+from weightstream.streaming.groups import GroupLayout, init_custom_process_group
 from weightstream.streaming.serialization import checksum
 from weightstream.streaming.sinks.base import InFlight, PipelinedSink, future_errors
 
@@ -50,14 +50,26 @@ class BroadcastSink(PipelinedSink):
 
     # -- group lifetime (separate steps: connect once, update many times) ------------------------
 
-    def connect(self) -> None:
-        if not self.sender or self.group is not None:
-            return
-        port = self.master_port or free_port()
+    def _ranks(self) -> tuple[list[int], int]:
+        """Each engine's first rank in the group, and the group's size (the sender is rank 0)."""
         offsets, world = [], 1
         for e in self.engines:
             offsets.append(world)
             world += e.info().tp_size
+        return offsets, world
+
+    def layout(self) -> GroupLayout | None:
+        if not self.sender:
+            return None
+        offsets, world = self._ranks()
+        return GroupLayout(self.master_address, self.backend, self.engines[0].group_name, self.timeout_s, world, 0,
+                           tuple((e.url, off) for e, off in zip(self.engines, offsets)))
+
+    def connect(self) -> None:
+        if not self.sender or self.group is not None:
+            return
+        port = self.master_port or free_port()
+        offsets, world = self._ranks()
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.engines)), thread_name_prefix="ws-broadcast")
         posts = [
             self._pool.submit(e.join_group, GroupSpec(self.master_address, port, off, world, self.backend,

@@ -1,7 +1,8 @@
 """``P2PSink``: per-rank delivery. With ``mode="per_rank"`` trainer TP rank r sends its bucket straight
 to engine TP rank r (send/recv), so no gather happens anywhere. The group holds the trainer's TP
 ranks of the first pipeline stage and data-parallel replica (group ranks 0..tp-1) and the engine's
-ranks (tp..2tp-1)."""
+ranks (tp..2tp-1). At TP 1 that is the group a broadcast to the same engine forms: a sink switching
+between the two hands the group over rather than forming it again."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from weightstream.errors import UpdateError
 from weightstream.launch import free_port
 from weightstream.streaming.adapters.base import EngineAdapter, GroupSpec, RankBucket
 from weightstream.streaming.bucket import Bucket
-from weightstream.streaming.groups import init_custom_process_group
+from weightstream.streaming.groups import GroupLayout, init_custom_process_group
 from weightstream.streaming.serialization import checksum
 from weightstream.streaming.sinks.base import InFlight, PipelinedSink
 from weightstream.streaming.sinks.broadcast import default_backend
@@ -46,6 +47,14 @@ class P2PSink(PipelinedSink):
         self.stream = None
         self._pool: ThreadPoolExecutor | None = None
         self._inflight = InFlight(timeout_s, [engine.url])
+
+    def layout(self) -> GroupLayout | None:
+        """Trainer TP rank r is rank r, the engine's TP rank r is rank ``tp + r``: at TP 1 the very group a
+        broadcast to the same engine forms (:meth:`PipelinedSink.hand_over`)."""
+        if not self.sender:
+            return None
+        return GroupLayout(self.master_address, self.backend, self.engine.group_name, self.timeout_s, 2 * self.tp,
+                           self.tp_rank, ((self.engine.url, self.tp),))
 
     def connect(self) -> None:
         if self.group is not None or not self.sender:
