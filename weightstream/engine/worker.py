@@ -38,7 +38,7 @@ from weightstream.streaming.bucket import (
     view_tensor,
 )
 from weightstream.engine.schema import buckets_problems
-from weightstream.streaming.channel import Channel
+from weightstream.streaming.channel import Channel, fd_peer
 from weightstream.streaming.piececopy import batched_copy, warm_kernel
 from weightstream.streaming.groups import destroy_group, init_custom_process_group, tcp_store
 from weightstream.streaming.serialization import ShmGrant, checksum, dumps_b64, loads_b64, map_fd, share_fd
@@ -150,6 +150,7 @@ class Worker:
         self.ipc_client: str | None = None
         self.ipc_kept: dict[int, torch.Tensor] = {}
         self.ipc_lease: Channel | None = None
+        self.engine_pid = os.getppid()  # the engine's own process: see next_command
         self.ipc_opened = 0  # buffers opened from a handle by update_ipc_ahead (kept or not)
         self.ipc_plans: dict[str, list] = {}  # bucket programs of the trainers' plans, by their digest
         # Where a colocated trainer may write a plan's tensors itself (one copy): per plan digest, the export
@@ -380,9 +381,9 @@ class Worker:
 
     def _grant(self) -> ShmGrant:
         """The named shared memory a payload may have this worker map: that made by the engine's own process
-        (it started this worker) or by the trainer rank at the other end of the lease (the kernel says which
-        process that is), each at most ``max_lent_bytes``."""
-        pids = {os.getppid()} | ({self.ipc_lease.peer.pid} if self.ipc_lease is not None else set())
+        (the other end of the server's pipe) or by the trainer rank at the other end of the lease (the kernel
+        says which process each is), each at most ``max_lent_bytes``."""
+        pids = {self.engine_pid} | ({self.ipc_lease.peer.pid} if self.ipc_lease is not None else set())
         return ShmGrant(frozenset(pids), self.max_lent_bytes)
 
     @contextmanager
@@ -401,6 +402,9 @@ class Worker:
     def next_command(self, conn) -> tuple[str, dict]:
         """The server's next command. Meanwhile the trainer's lease is watched: when the trainer's end closes
         (it exited, however it exited, or disconnected), what this worker mapped of it is let go at once."""
+        # The pipe is a socket pair the engine's process made: the kernel names that process, whatever started
+        # this worker (a fork server, spawn).
+        self.engine_pid = fd_peer(conn.fileno()).pid
         while True:
             watched = [conn] if self.ipc_lease is None else [conn, self.ipc_lease]
             ready = wait_for(watched)
@@ -547,7 +551,7 @@ class Worker:
             metas = tuple(
                 TensorMeta(m.name, m.dtype, tuple(m.shape), int(m.start_idx)) for m in obj["metadata"]
             )
-            for meta, m in zip(metas, obj["metadata"]):
+            for meta, m in zip(metas, obj["metadata"], strict=True):
                 if meta.offset + meta.nbytes != int(m.end_idx):
                     raise ValueError(f"{meta.name}: metadata end {m.end_idx} != start + size")
                 if meta.offset < 0 or int(m.end_idx) > buffer.numel() * buffer.element_size():

@@ -44,6 +44,18 @@ class Peer:
     uid: int
 
 
+def peer_of(sock: socket.socket) -> Peer:
+    """Who is at the other end of a connected Unix socket (for a socket pair: the process that made it)."""
+    pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return Peer(pid, uid)
+
+
+def fd_peer(fd: int) -> Peer:
+    """:func:`peer_of` the socket behind descriptor ``fd`` (not closed)."""
+    with socket.socket(fileno=os.dup(fd)) as sock:
+        return peer_of(sock)
+
+
 def address_problem(address: Any) -> str | None:
     """What is wrong with a control channel's address (``unix:@NAME``), or None."""
     if not isinstance(address, str) or not address.startswith(_PREFIX) or not 0 < len(address) - len(_PREFIX) <= 100:
@@ -64,11 +76,11 @@ class Channel:
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
-        pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-        self.peer = Peer(pid, uid)
-        if uid != os.getuid():
+        self.peer = peer_of(sock)
+        if self.peer.uid != os.getuid():
             sock.close()
-            raise ChannelError(f"the control channel's peer (process {pid}) runs as user {uid}, not {os.getuid()}")
+            raise ChannelError(f"the control channel's peer (process {self.peer.pid}) runs as user {self.peer.uid}, "
+                               f"not {os.getuid()}")
 
     @classmethod
     def connect(cls, address: str, timeout_s: float) -> Channel:

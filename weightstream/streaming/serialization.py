@@ -257,16 +257,21 @@ def open_named_shm(name: str, nbytes: int, grant: ShmGrant) -> torch.UntypedStor
 def _consume_transit_reference(whole: mmap.mmap, name: str) -> None:
     """torch's sender counts one reference for a payload in transit (``reduce_storage``), which its receiver
     gives back once it has mapped the object; this receiver maps without counting itself, so it gives that
-    one back and the count stays the sender's. Not atomic: the sender holds the object and does not touch
-    its count until the receiver has answered (it waits for the answer), and no one else has it."""
+    one back and the count stays the sender's. Where that was the last (the sender freed its storage after
+    pickling it), the name goes now, as torch's would when its receiver let go: the mapping stays. Not
+    atomic: the sender does not touch the count while its payload is in transit (it waits for the
+    receiver's answer), and no one else has the object."""
     count = ctypes.c_int32.from_buffer(whole)
     try:
-        if count.value < 2:
+        if count.value < 1:
             raise UnsafePayloadError(f"refused shared-memory object {name!r}: it counts {count.value} references, "
                                      "so no payload in transit holds one")
         count.value -= 1
+        last = count.value == 0
     finally:
         del count  # the mapping can be closed once nothing exports it
+    if last:
+        os.unlink("/dev/shm" + name)
 
 
 def share_fd(storage: torch.UntypedStorage) -> tuple[int, int]:

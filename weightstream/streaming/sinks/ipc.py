@@ -166,9 +166,10 @@ class IPCSink:
             dist.broadcast_object_list(info, group_src=0)
         self.engine_tp, channel, self._client = int(info[0][0]), bool(info[0][1]), info[0][2]
         if self.engine_tp > self.world:
-            raise ValueError(f"engine TP {self.engine_tp} needs as many colocated trainer ranks; the job has {self.world}")
+            raise ValueError(f"engine TP {self.engine_tp} needs as many colocated trainer ranks; "
+                             f"the job has {self.world}")
         self.ahead_used = self.ahead and channel and len(stream) > 0
-        self._announces = channel and not self.ahead_used and stream.device.type == "cpu" and len(stream) > 0
+        self._announces = bool(channel) and not self.ahead_used and stream.device.type == "cpu" and len(stream) > 0
         self._engine_holds = self._engine_holds or self.ahead_used or self._announces
 
     def _open_ahead(self, stream, prepare: bool = False, direct: bool = True) -> None:
@@ -458,14 +459,14 @@ def _open_targets(frame: dict, fds: list[int]) -> dict[str, torch.Tensor]:
         sizes = frame["sizes"]
         if len(sizes) != len(fds) or not all(isinstance(n, int) for n in sizes):
             raise ValueError(f"the engine's export sizes {len(sizes)} storages and came with {len(fds)} descriptors")
-        wholes = [map_fd(fd, n) for fd, n in zip(fds, sizes)]
+        wholes = [map_fd(fd, n) for fd, n in zip(fds, sizes, strict=True)]
     else:
         wholes = loads_b64(frame["payload"])
     names, where = frame["names"], frame["where"]
     if len(names) != len(where):
         raise ValueError(f"the engine's export names {len(names)} tensors and places {len(where)}")
     targets = {}
-    for name, (idx, offset, numel, dtype) in zip(names, where):
+    for name, (idx, offset, numel, dtype) in zip(names, where, strict=True):
         dt = dtype_from_name(dtype)
         targets[name] = wholes[idx].narrow(0, offset, numel * dt.itemsize).view(dt)
     return targets
