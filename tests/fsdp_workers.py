@@ -47,7 +47,7 @@ def build_fsdp(src: str, mesh_shape: tuple[int, ...], *, reshard_after_forward: 
 def _collect(stream) -> dict:
     tensors, shards = {}, {}
     for bucket in stream:
-        for meta, (name, tensor) in zip(bucket.metas, bucket.named_tensors()):
+        for meta, (name, tensor) in zip(bucket.metas, bucket.named_tensors(), strict=True):
             tensors[name] = tensor.clone()
             if meta.shard is not None:
                 shards[name] = meta.shard

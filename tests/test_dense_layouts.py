@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.checks import by_label, assert_full_exact, assert_logits_close, assert_per_rank_assembles, source_keys
+from tests.checks import assert_full_exact, assert_logits_close, assert_per_rank_assembles, by_label, source_keys
 from tests.conftest import FAMILIES, hf_logits
 from tests.workers import INPUT_IDS, Case, run_cases
 from weightstream.jobs import Layout
@@ -116,7 +116,7 @@ def test_bucket_bounds_hold_in_a_real_job(sources):
     results = launch(2, run_cases, cases)
     for (r,) in results:
         largest = r["largest_tensor"]
-        for size, count in zip(r["bucket_sizes"], r["tensors_per_bucket"]):
+        for size, count in zip(r["bucket_sizes"], r["tensors_per_bucket"], strict=True):
             assert size <= limit or count <= 3, (size, count)  # an oversize qkv goes alone (q, k, v)
         assert r["stats"].peak_staging_bytes <= 2 * max(limit, largest) + largest
         assert r["stats"].buckets == len(r["bucket_sizes"]) > 3

@@ -68,7 +68,7 @@ def test_each_fault_ends_within_its_bound_and_names_its_phase(tmp_path):
         (corrupts_p2p.url, "bucket 1", "arrived corrupted"),
     ]
     for rank_results in results:
-        for got, (url, phase, detail) in zip(rank_results, expected):
+        for got, (url, phase, detail) in zip(rank_results, expected, strict=True):
             assert got.get("type") == "UpdateError" and got["phase"] == phase, (phase, got)
             assert f"at {phase} (engine {url})" in got["error"] and detail in got["error"], got["error"]
             assert got["seconds"] <= BOUND, (phase, got["seconds"])
@@ -78,7 +78,7 @@ def test_each_fault_ends_within_its_bound_and_names_its_phase(tmp_path):
     assert_logits_close(after_p2p, before)
     assert_logits_close(after_group, before)
     assert_logits_close(after_corrupt, before)  # bucket 0 had been loaded: it was rolled back
-    print("fault wall times (s), bound %.1f:" % BOUND,
+    print(f"fault wall times (s), bound {BOUND:.1f}:",
           [(phase, round(max(r[i]["seconds"] for r in results), 2)) for i, (_, phase, _) in enumerate(expected)])
 
 

@@ -135,7 +135,7 @@ def test_fsdp_updates_into_engines(tmp_path):
     finally:
         for server in servers.values():
             stop(server)
-    for (key, (_, transports)), updates in zip(models.items(), results[0]):
+    for (key, (_, transports)), updates in zip(models.items(), results[0], strict=True):
         want = hf_logits(srcs[key], INPUT_IDS)
         assert (before[key] - want).abs().max() > 1e-2
         assert [u["report"].transport for u in updates] == transports

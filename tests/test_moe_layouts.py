@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from tests.checks import by_label, assert_full_exact, assert_logits_close, assert_per_rank_experts
+from tests.checks import assert_full_exact, assert_logits_close, assert_per_rank_experts, by_label
 from tests.conftest import hf_logits
 from tests.workers import INPUT_IDS, Case, run_cases
 from weightstream.jobs import Layout
@@ -79,7 +79,7 @@ def test_moe_world2_ep1_ep2_expert_tp_grouped_per_rank_router_dtype_expert_bias(
             assert r["stats"].gathers > 0  # experts all-gathered over expert-TP, nothing over dense TP
         # Grouped-GEMM names: the same HF tensors as SequentialMLP names (both bit-identical to the
         # source above), the experts in the same order (TE's fused norms move within their layer).
-        for seq, grouped in zip(results[f"ep2 {f}"], results[f"ep2 grouped {f}"]):
+        for seq, grouped in zip(results[f"ep2 {f}"], results[f"ep2 grouped {f}"], strict=True):
             assert sorted(grouped["names"]) == sorted(seq["names"])
             experts = [[n for n in r["names"] if _EXPERT.search(n)] for r in (seq, grouped)]
             assert experts[0] == experts[1] and len(experts[0]) == 3 * EXPERTS * (3 if "qwen2" in f else 4)
@@ -145,7 +145,7 @@ def test_moe_world4_ep4_ep2tp2_ep2pp2_vpp_etp_per_rank_bounds(moe_sources, refer
     for r in results["ep2 etp2 grouped"]:
         stats = r["stats"]
         assert stats.gathers <= stats.buckets
-        for size, count in zip(r["bucket_sizes"], r["tensors_per_bucket"]):
+        for size, count in zip(r["bucket_sizes"], r["tensors_per_bucket"], strict=True):
             assert size <= limit or count <= 3, (size, count)
         assert stats.peak_staging_bytes <= 2 * max(limit, r["largest_tensor"]) + r["largest_tensor"]
         expert_only = [n for n in _bucket_names(r) if all(_EXPERT.search(x) for x in n)]

@@ -42,7 +42,7 @@ def test_qkv_split_matches_hand_layout(heads, groups, with_hidden):
     v = torch.randn(groups * s.head_dim, *rest)
     fused = hand_fused_qkv(q, k, v, groups, s.head_dim)
     out = QKV.to_hf(fused, OpContext(s))
-    assert all(torch.equal(a, b) for a, b in zip(out, (q, k, v)))
+    assert all(torch.equal(a, b) for a, b in zip(out, (q, k, v), strict=True))
     assert torch.equal(QKV.to_megatron([q, k, v], OpContext(s), fused.shape), fused)
 
 
@@ -76,7 +76,7 @@ def test_gated_split_across_tp_shards(tp):
     s = spec()
     gate, up = torch.randn(8, 6), torch.randn(8, 6)
     # Each TP rank's shard is [gate_r; up_r]; the gathered tensor concatenates the shards.
-    shards = [torch.cat([g, u]) for g, u in zip(gate.chunk(tp), up.chunk(tp))]
+    shards = [torch.cat([g, u]) for g, u in zip(gate.chunk(tp), up.chunk(tp), strict=True)]
     gathered = torch.cat(shards)
     g2, u2 = GATED.to_hf(gathered, OpContext(s, parts=tp))
     assert torch.equal(g2, gate) and torch.equal(u2, up)
@@ -124,6 +124,6 @@ def test_writing_into_bucket_views_equals_to_hf(parts):
         want = op.to_hf(t, ctx)
         outs = [torch.empty_like(w) for w in want]
         convert_into(op, t, ctx, outs)
-        assert all(torch.equal(a, b) for a, b in zip(outs, want))
+        assert all(torch.equal(a, b) for a, b in zip(outs, want, strict=True))
     with pytest.raises(ValueError):
         convert_into(VOCAB, torch.randn(16, 6), OpContext(s), [torch.empty(11, 6)])

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.unit  # in-process, no peer processes: the fast subset
 
 
 def _apply(unit: int, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
-    for s, d, n in zip(srcs, dsts, lens):
+    for s, d, n in zip(srcs, dsts, lens, strict=True):
         ctypes.memmove(d, s, n * unit)
 
 
@@ -39,7 +39,7 @@ def test_pieces_reproduce_every_copy(dtype, shift):
     assert all(a % unit == 0 for a in srcs + dsts) and max(lens) * unit <= 1000
     assert sum(lens) * unit == sum(sizes) * dtype.itemsize
     _apply(unit, srcs, dsts, lens)
-    for d, s in zip(dst, src):
+    for d, s in zip(dst, src, strict=True):
         assert torch.equal(d.view(torch.uint8), s.view(torch.uint8))
     gaps = torch.ones(out.numel(), dtype=torch.bool)
     at = shift

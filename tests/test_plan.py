@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from weightstream.streaming.plan import layout, plan_buckets, round_up
@@ -52,10 +54,10 @@ def test_every_item_exactly_once_and_in_order():
     assert seen == list(range(1000))
     for p in plans:
         assert p.nbytes <= 4096
-        for (off,), i in zip(p.offsets, p.items):
+        for (off,), _item in zip(p.offsets, p.items, strict=True):
             assert off % 64 == 0
     # Greedy: no bucket could have taken the next item.
-    for a, b in zip(plans, plans[1:]):
+    for a, b in itertools.pairwise(plans):
         first = sizes[b.items.start][0]
         assert round_up(a.nbytes, 64) + first > 4096
 

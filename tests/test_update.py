@@ -79,7 +79,7 @@ def test_broadcast_tp2_pp2_two_updates(sources, engine_dir, tmp_path):
     assert_logits_close(after1, hf_logits(src, INPUT_IDS))
     assert_logits_close(after2, hf_logits(str(saved2), INPUT_IDS))
     assert (after2 - after1).abs().max() > 1e-3 and (after1 - before).abs().max() > 1e-2
-    for rep, version in zip(reports, ("step-1", "step-2")):
+    for rep, version in zip(reports, ("step-1", "step-2"), strict=True):
         # Engine TP 1 != trainer TP 2: broadcast, and the report says why.
         assert rep.transport == "broadcast" and "engine TP 1 != trainer TP 2" in rep.reason
         assert rep.tensors == 47 and rep.buckets > 3 and rep.weight_version == version
@@ -144,7 +144,7 @@ def test_ipc_shared_memory_between_processes(sources, engine_dir, tmp_path):
             assert rank["ipc_buffers_opened"] == 2 and rank["ipc_buffers_held"] == 2, (step, entry["engine_memory"])
     for rank in memory:  # after the WeightSync closed
         assert rank["ipc_buffers_opened"] == 2 and rank["ipc_buffers_held"] == 0, memory
-    for entry, where in zip(results[0], saved):
+    for entry, where in zip(results[0], saved, strict=True):
         assert_logits_close(entry["engine_logits"], hf_logits(str(where), INPUT_IDS))
     # Greedy generation by the engine equals greedy generation by the HF model of the weights sent last.
     from transformers import AutoModelForCausalLM
@@ -180,7 +180,7 @@ def test_ipc_writes_straight_into_the_engine_weights(tmp_path):
         (rank,) = entry["engine_memory"]
         assert (rank["direct_updates"], rank["ipc_buffers_opened"]) == (step + 1, 0)
     assert [m["direct_updates"] for m in memory] == [2]
-    for entry, where in zip(results[0], saved):
+    for entry, where in zip(results[0], saved, strict=True):
         assert_logits_close(entry["engine_logits"], hf_logits(str(where), INPUT_IDS))
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -12,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.checks import INPUT_IDS  # noqa: E402,F401  (the prompts every logits check uses)
 from weightstream.disk import CheckpointReader
 from weightstream.errors import WeightstreamError
 from weightstream.jobs import Layout
@@ -20,8 +20,6 @@ from weightstream.models.spec import load_hf_config
 from weightstream.streaming.checkpoint import save_hf_checkpoint
 from weightstream.streaming.sources.megatron import unwrap
 from weightstream.streaming.stream import stream_hf_weights
-
-from tests.checks import INPUT_IDS  # noqa: E402,F401  (the prompts every logits check uses)
 
 
 @dataclass
@@ -109,7 +107,7 @@ def run_case(case: Case) -> dict:
         for bucket in stream:
             bucket_sizes.append(bucket.nbytes)
             counts.append(len(bucket))
-            for meta, (name, tensor) in zip(bucket.metas, bucket.named_tensors()):
+            for meta, (name, tensor) in zip(bucket.metas, bucket.named_tensors(), strict=True):
                 names.append(name)
                 if case.mode == "per_rank":
                     shards.append((name, meta.shard, tensor.clone()))

@@ -122,7 +122,7 @@ def check_piece_copy() -> dict:
             at += n + 5
         PieceCopy(dst, src)()
         expect = torch.zeros_like(target)
-        for d, s in zip(dst, src):
+        for d, s in zip(dst, src, strict=True):
             expect[d.storage_offset():d.storage_offset() + d.numel()].copy_(s)
         out[f"exact_{dtype}"] = bool(torch.equal(target.view(torch.uint8), expect.view(torch.uint8)))
     n, numel = 2000, 1_572_864  # 3 MiB bf16 each, as the experts of Qwen3-30B-A3B
@@ -145,7 +145,7 @@ def check_piece_copy() -> dict:
 
     out["bytes"] = flat.numel() * 2
     out["piece_copy_s"] = best(piece)
-    out["exact_timed"] = all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+    out["exact_timed"] = all(torch.equal(d, s) for d, s in zip(dsts, srcs, strict=True))
     out["foreach_copy_s"] = best(lambda: torch._foreach_copy_(dsts, srcs))
     out["one_copy_s"] = best(lambda: flat.copy_(big_src))
     return out

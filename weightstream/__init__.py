@@ -1,7 +1,9 @@
 """weightstream: stream Megatron-Core weights into inference engines, in the Hugging Face layout."""
 
+from weightstream._version import __version__
+from weightstream.convert import ConvertReport, convert_checkpoint
 from weightstream.converters import Converter, Mapping, get_converter, known_model_types, register_converter
-from weightstream.errors import ConversionError, UnknownModelError, WeightstreamError
+from weightstream.errors import ConversionError, UnknownModelError, UpdateError, WeightstreamError
 from weightstream.models.spec import ModelSpec
 from weightstream.streaming import (
     Bucket,
@@ -12,8 +14,6 @@ from weightstream.streaming import (
     save_hf_checkpoint,
     stream_hf_weights,
 )
-
-from weightstream.errors import UpdateError
 from weightstream.streaming.adapters import (
     EngineAdapter,
     EngineError,
@@ -23,13 +23,10 @@ from weightstream.streaming.adapters import (
     SGLangEngine,
     VLLMEngine,
 )
-from weightstream.update import UpdateReport, WeightSync, update_weights
-from weightstream.convert import ConvertReport, convert_checkpoint
 from weightstream.streaming.sources import Source
 from weightstream.streaming.sources.checkpoint import CheckpointFormatError, MegatronCheckpointSource
 from weightstream.streaming.sources.dtensor import DTensorSource
-from weightstream._version import __version__
-
+from weightstream.update import UpdateReport, WeightSync, update_weights
 
 __all__ = [
     "__version__",

@@ -7,8 +7,8 @@ import os
 import sys
 import tempfile
 import time
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 DEMO_INPUT = [[1, 17, 42, 256, 999, 3, 511, 64, 128, 7, 900, 12]]
 

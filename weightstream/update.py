@@ -8,8 +8,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from weightstream.converters.registry import get_converter
 from weightstream.bounds import Deadline, cleanup_budget
+from weightstream.converters.registry import get_converter
 from weightstream.errors import UpdateError, WeightstreamError
 from weightstream.models.spec import ModelSpec, load_hf_config
 from weightstream.streaming.adapters import ADAPTERS, detect, make_adapter
@@ -34,9 +34,9 @@ from weightstream.streaming.adapters.base import (
 from weightstream.streaming.plan import ALIGN
 from weightstream.streaming.serialization import gpu_uuid
 from weightstream.streaming.sinks import BroadcastSink, IPCSink, P2PSink
-from weightstream.streaming.stream import DEFAULT_BUCKET_BYTES, stream_hf_weights
 from weightstream.streaming.sources import as_source
 from weightstream.streaming.sources.megatron import MegatronSource
+from weightstream.streaming.stream import DEFAULT_BUCKET_BYTES, stream_hf_weights
 from weightstream.streaming.topology import Topology
 
 log = logging.getLogger("weightstream")
@@ -113,7 +113,7 @@ def choose_transport(requested: str, engines: Sequence[EngineAdapter], topo: Top
     if requested not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {requested!r}")
     infos = [e.info() for e in engines]
-    unable = {kind: [e.url for e, i in zip(engines, infos) if not i.can(kind)] for kind in (IPC, BROADCAST)}
+    unable = {kind: [e.url for e, i in zip(engines, infos, strict=True) if not i.can(kind)] for kind in (IPC, BROADCAST)}
     if requested == "ipc":
         if unable[IPC]:
             raise ValueError(f"transport 'ipc' asked for, but engines {unable[IPC]} do not receive IPC buckets")
@@ -131,7 +131,7 @@ def choose_transport(requested: str, engines: Sequence[EngineAdapter], topo: Top
         failed.append("the trainer is not a Megatron-Core model (P2P sends from Megatron's TP ranks)")
     if len(engines) != 1:
         failed.append(f"{len(engines)} engines (P2P serves one)")
-    for e, i in zip(engines[:1], infos):
+    for e, i in zip(engines[:1], infos, strict=True):
         if not i.can(P2P):
             failed.append(f"engine {e.url} ({i.engine}) does not receive per-rank buckets")
         if i.tp_size != topo.tp_size:
@@ -446,7 +446,7 @@ class WeightSync:
             kinds = _share(kinds)
         if isinstance(kinds, BaseException):
             raise kinds
-        made = iter(make_adapter(k, u, **self._adapter_options) for k, u in zip(kinds or [], urls))
+        made = iter(make_adapter(k, u, **self._adapter_options) for k, u in zip(kinds or [], urls, strict=True))
         self.engines = [next(made) if isinstance(e, str) else e for e in self._given]
 
     def _abort_sessions(self, seconds: float | None = None) -> None:
@@ -507,7 +507,7 @@ class WeightSync:
             if disconnect is not None:
                 disconnect()
 
-    def __enter__(self) -> "WeightSync":
+    def __enter__(self) -> WeightSync:
         return self
 
     def __exit__(self, *exc) -> None:

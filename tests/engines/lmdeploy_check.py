@@ -211,7 +211,6 @@ def lmdeploy_server():
     import uvicorn
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
-
     from lmdeploy.messages import PytorchEngineConfig
     from lmdeploy.serve.core.async_engine import AsyncEngine
     from lmdeploy.serve.managers.session_manager import SessionManager
@@ -431,7 +430,7 @@ def check_broadcast(bucket, named, bucket_req, finished_req) -> dict:
                  "finished_flags": [bucket_req.finished, finished_req.finished]}
     # LMDeploy's receive layout for these names/dtypes/shapes (element offsets) against ours (bytes).
     empties = [(n, torch.empty(s, dtype=getattr(torch, d)))
-               for n, d, s in zip(bucket_req.names, bucket_req.dtypes, bucket_req.shapes)]
+               for n, d, s in zip(bucket_req.names, bucket_req.dtypes, bucket_req.shapes, strict=True)]
     theirs = FlattenedTensorBucket(named_tensors=empties)
     size = theirs.get_flattened_tensor().element_size()
     res["lmdeploy_layout_bytes"] = [(m.name, m.start_idx * size, m.end_idx * size) for m in theirs.get_metadata()]
@@ -474,7 +473,7 @@ def check_broadcast(bucket, named, bucket_req, finished_req) -> dict:
     res["received_dtypes"] = [str(t.dtype) for _, t in got]
     res["received_shapes"] = [list(t.shape) for _, t in got]
     res["tensors_equal"] = (len(got) == len(named) and all(
-        n == n2 and same_bits(t, t2) for (n, t), (n2, t2) in zip(named, got)))
+        n == n2 and same_bits(t, t2) for (n, t), (n2, t2) in zip(named, got, strict=True)))
     res["finished_loads_nothing_and_finalizes"] = (
         len(steps) == 2 and steps[0]["success"] and steps[0]["post_load_passes"] == 0
         and steps[1]["success"] and steps[1]["loaded"] == 0 and steps[1]["post_load_passes"] == 1
@@ -520,7 +519,6 @@ def ipc_child(bodies_path: str, expected_path: str) -> None:
     from multiprocessing.reduction import ForkingPickler
 
     import pybase64
-
     from lmdeploy.serve.openai.protocol import UpdateParamsRequest
     from lmdeploy.utils import FlattenedTensorMetadata
 
@@ -571,7 +569,7 @@ def ipc_child(bodies_path: str, expected_path: str) -> None:
             r["names_equal"] = r["names"] == [n for n, _ in want]
             r["dtypes_equal"] = [t.dtype for _, t in got] == [t.dtype for _, t in want]
             r["shapes_equal"] = [tuple(t.shape) for _, t in got] == [tuple(t.shape) for _, t in want]
-            r["tensors_equal"] = len(got) == len(want) and all(same_bits(a, b) for (_, a), (_, b) in zip(got, want))
+            r["tensors_equal"] = len(got) == len(want) and all(same_bits(a, b) for (_, a), (_, b) in zip(got, want, strict=True))
             r["finished_semantics"] = (r["cached_ipc_tensor_after_bucket"] and r["post_load_passes_after_bucket"] == 0
                                        and r["loaded_by_finished"] == 0 and r["post_load_passes_after_finished"] == 1
                                        and not r["cached_ipc_tensor_after_finished"])
@@ -594,15 +592,6 @@ def check_ipc(bucket_json: str, finished_json: str, expected: dict) -> dict:
                      and all(r.get("error") is None and r.get("tensors_equal") and r.get("names_equal")
                              and r.get("dtypes_equal") and r.get("shapes_equal") and r.get("finished_semantics")
                              for r in ranks))
-    return res
-    res["child"] = child
-    res["other_process"] = child["pid"] != os.getpid()
-    ranks = child.get("ranks", [])
-    res["ok"] = (proc.returncode == 0 and res["other_process"] and res["one_payload_per_rank"]
-                 and not child.get("error") and child.get("n_payloads") == TP_SIZE and len(ranks) == TP_SIZE
-                 and all(r.get("error") is None and r.get("tensors_equal") and r.get("names_equal")
-                         and r.get("dtypes_equal") and r.get("shapes_equal") and r.get("finished_semantics")
-                         for r in ranks))
     return res
 
 

@@ -40,8 +40,8 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))  # torchvision_standin
 sys.path.insert(0, str(ROOT))  # weightstream from this checkout
 
-import torchvision_standin  # noqa: E402,F401  (before anything imports sglang.srt.managers.io_struct)
 import torch  # noqa: E402
+import torchvision_standin  # noqa: E402,F401  (before anything imports sglang.srt.managers.io_struct)
 from common import ipc_in_child, same_bits  # noqa: E402
 
 # The extra fields weightstream sends that SGLang ignores (unknown JSON keys are dropped by its decoder).
@@ -231,7 +231,7 @@ def check_broadcast(bucket, body: dict, named) -> dict:
             group_name=body["group_name"])
         res["received_names"] = [n for n, _ in got]
         res["tensors_equal"] = (len(got) == len(named) and all(
-            n == n2 and same_bits(t, t2) for (n, t), (n2, t2) in zip(named, got)))
+            n == n2 and same_bits(t, t2) for (n, t), (n2, t2) in zip(named, got, strict=True)))
         res["error"] = None
     except Exception as exc:  # noqa: BLE001
         res["tensors_equal"] = False
@@ -270,9 +270,8 @@ def sglang_function(module: str, cls: str, name: str, **names):
 
 def ipc_child(json_path: str, expected_path: str) -> None:
     """Another process: what SGLang's server does with the /update_weights_from_tensor body, rank by rank."""
-    from pydantic import TypeAdapter
-
     import sglang.srt.managers.io_struct as io
+    from pydantic import TypeAdapter
     from sglang.srt.model_executor.model_runner_components import weight_updater as wu
 
     body_json = Path(json_path).read_text()
@@ -285,13 +284,13 @@ def ipc_child(json_path: str, expected_path: str) -> None:
         try:
             deserialize_own_rank = sglang_function(
                 "sglang.srt.managers.tp_worker", "BaseTpWorker", "deserialize_own_rank",
-                get_parallel=lambda: SimpleNamespace(tp_rank=rank))
+                get_parallel=lambda rank=rank: SimpleNamespace(tp_rank=rank))
             data = deserialize_own_rank(None, req.serialized_named_tensors)
             r["payload_type"] = type(data).__name__
             r["payload_keys"] = sorted(data) if isinstance(data, dict) else None
             r["metadata_types"] = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in data["metadata"]})
             loaded: list = []
-            fake_self = SimpleNamespace(get_model=lambda: SimpleNamespace(load_weights=loaded.extend))
+            fake_self = SimpleNamespace(get_model=lambda loaded=loaded: SimpleNamespace(load_weights=loaded.extend))
             ok, msg = wu.WeightUpdater._update_weights_from_flattened_bucket(
                 fake_self, flattened_tensor_bucket_dict=data)
             r["success"], r["message"] = bool(ok), msg
@@ -302,7 +301,7 @@ def ipc_child(json_path: str, expected_path: str) -> None:
             r["dtypes_equal"] = [t.dtype for _, t in loaded] == [t.dtype for _, t in want]
             r["shapes_equal"] = [tuple(t.shape) for _, t in loaded] == [tuple(t.shape) for _, t in want]
             r["tensors_equal"] = len(loaded) == len(want) and all(
-                same_bits(a, b) for (_, a), (_, b) in zip(loaded, want))
+                same_bits(a, b) for (_, a), (_, b) in zip(loaded, want, strict=True))
             r["error"] = None
         except Exception as exc:  # noqa: BLE001
             r.update(success=False, tensors_equal=False, error=f"{type(exc).__name__}: {exc}",
@@ -327,6 +326,7 @@ def main() -> None:
     torch.multiprocessing.set_sharing_strategy("file_system")  # CPU tensors readable by an unrelated process
     import sglang
     import sglang.srt.managers.io_struct as io
+
     from weightstream.streaming.adapters.sglang import SGLangEngine
     from weightstream.streaming.bucket import Bucket
     from weightstream.streaming.plan import ALIGN

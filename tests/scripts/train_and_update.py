@@ -51,7 +51,7 @@ def main() -> None:
             gen = torch.Generator().manual_seed(7)
             with torch.no_grad():
                 for chunk in chunks:
-                    for name, p in sorted(chunk.named_parameters()):
+                    for _name, p in sorted(chunk.named_parameters()):
                         p.add_(torch.randn(p.shape, generator=gen) * 0.02)
             ws.save_hf_checkpoint(chunks, args.src, os.path.join(args.out, "step1"))
         report = ws.update_weights(chunks, args.src, args.engine, transport=args.transport,

@@ -196,7 +196,7 @@ def run_soak(updates: int = 1000, *, transports: tuple[str, ...] = ("broadcast",
                     which = i % 2
                     kind = transports[(i // switch_every) % len(transports)]
                     with torch.no_grad():
-                        for p, v in zip(params, snapshots[which]):
+                        for p, v in zip(params, snapshots[which], strict=True):
                             p.copy_(v)
                     sync.transport = kind
                     t = time.perf_counter()

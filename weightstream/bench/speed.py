@@ -71,7 +71,7 @@ class BenchResult:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "BenchResult":
+    def from_dict(cls, d: dict) -> BenchResult:
         """A row as :meth:`as_dict` wrote it (``--json``)."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})

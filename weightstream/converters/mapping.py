@@ -147,7 +147,7 @@ class Converter:
                 return Resolved(megatron_name, mapping, mapping.hf_names(captures, spec))
         return None
 
-    def in_memory(self) -> "Converter":
+    def in_memory(self) -> Converter:
         """The converter from the names and layout transformers holds in memory (an FSDP2 / DTensor
         source) to the checkpoint names: the family's ``memory`` mappings, then every other name as is."""
         built = _IN_MEMORY.get(id(self))
@@ -164,7 +164,7 @@ class Converter:
         remove: Iterable[str] = (),
         features: Callable[[Any], dict[str, Any]] | None = None,
         memory: Iterable[Mapping] = (),
-    ) -> "Converter":
+    ) -> Converter:
         """A new family from this one: drop the mappings whose Megatron patterns are in ``remove``,
         append ``add`` (and ``memory`` to the in-memory mappings), and optionally replace ``features``."""
         removed = set(remove)

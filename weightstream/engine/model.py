@@ -198,7 +198,7 @@ class ShardedCausalLM:
             flat = torch.empty(sum(t.numel() for _, t in group), dtype=dtype, device=group[0][1].device)
             copies = flat.split_with_sizes([t.numel() for _, t in group])
             torch._foreach_copy_(list(copies), [t if t.dim() == 1 else t.reshape(-1) for _, t in group])
-            self.backup.update((n, c) for (n, _), c in zip(group, copies))  # flat: shaped back on rollback
+            self.backup.update((n, c) for (n, _), c in zip(group, copies, strict=True))  # flat: shaped back on rollback
 
     def _shard_modules(self, model: nn.Module) -> None:
         for name, module in list(model.named_modules()):
@@ -285,7 +285,7 @@ class ShardedCausalLM:
         first, with one batched copy per dtype."""
         if self.released_bytes:
             return LoadReport([], [f"{n}: the weights are released; resume them before loading" for n in names])
-        self._keep(list(zip(names, (t for group in targets for t in group))))
+        self._keep(list(zip(names, (t for group in targets for t in group), strict=True)))
         for copy in copies:
             copy()
         self._loaded_in_session.update(names)
@@ -298,7 +298,7 @@ class ShardedCausalLM:
         this session (an abort puts them back, or, without backups, marks them stale)."""
         if self.released_bytes:
             raise RuntimeError("the weights are released; resume them before an update writes into them")
-        self._keep(list(zip(names, targets)))
+        self._keep(list(zip(names, targets, strict=True)))
         self._loaded_in_session.update(names)
 
     @torch.no_grad()
@@ -360,7 +360,7 @@ class ShardedCausalLM:
                 self._loaded_in_session.add(name)
             except (ValueError, RuntimeError) as exc:
                 problems.append(f"{name}: {exc}")
-        self._keep(list(zip(names, dst)))
+        self._keep(list(zip(names, dst, strict=True)))
         if dst:
             torch._foreach_copy_(dst, src)
         return LoadReport(loaded, problems)

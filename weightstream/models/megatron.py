@@ -8,7 +8,8 @@ use to put known weights into a Megatron model under any layout.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping as MappingABC, Sequence
+from collections.abc import Iterator, Sequence
+from collections.abc import Mapping as MappingABC
 from typing import Any
 
 import torch

@@ -69,7 +69,7 @@ class ModelSpec:
         return self.is_moe and layer not in self.dense_layers
 
     @classmethod
-    def from_hf_config(cls, config: Any) -> "ModelSpec":
+    def from_hf_config(cls, config: Any) -> ModelSpec:
         from weightstream.converters.registry import get_converter
 
         cfg = load_hf_config(config)

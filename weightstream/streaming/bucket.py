@@ -136,7 +136,7 @@ class Bucket:
         index: int = 0,
         device: torch.device | str | None = None,
         align: int = ALIGN,
-    ) -> "Bucket":
+    ) -> Bucket:
         """Copy ``named`` tensors into one new flat buffer."""
         if not named:
             raise ValueError("cannot pack an empty bucket")
@@ -144,14 +144,14 @@ class Bucket:
         device = device if device is not None else named[0][1].device
         buffer = torch.empty(total, dtype=torch.uint8, device=device)
         metas = []
-        for (name, t), (off,) in zip(named, offsets):
+        for (name, t), (off,) in zip(named, offsets, strict=True):
             meta = TensorMeta(name, t.dtype, tuple(t.shape), off)
             view_tensor(buffer, meta).copy_(t)
             metas.append(meta)
         return cls(index, buffer, tuple(metas))
 
     @classmethod
-    def from_metadata(cls, buffer: Tensor, metadata: Iterable[dict], *, index: int = 0) -> "Bucket":
+    def from_metadata(cls, buffer: Tensor, metadata: Iterable[dict], *, index: int = 0) -> Bucket:
         """Rebuild a bucket from a received buffer and SGLang-style flattened metadata."""
         from weightstream.models.spec import dtype_from_name
 

@@ -168,7 +168,7 @@ class BucketStream(Iterator[Bucket]):
     def num_tensors(self) -> int:
         return sum(len(it.outputs) for it in self.items)
 
-    def __iter__(self) -> "BucketStream":
+    def __iter__(self) -> BucketStream:
         return self
 
     def __next__(self) -> Bucket:
@@ -208,8 +208,8 @@ class BucketStream(Iterator[Bucket]):
             items = sorted(items, key=lambda it: -it.entry.dtype.itemsize)
         offsets, total = layout([[o.nbytes for o in it.outputs] for it in items], self.align)
         metas = [
-            [TensorMeta(o.name, o.dtype, o.shape, off, sh) for o, off, sh in zip(it.outputs, offs, it.shards)]
-            for it, offs in zip(items, offsets)
+            [TensorMeta(o.name, o.dtype, o.shape, off, sh) for o, off, sh in zip(it.outputs, offs, it.shards, strict=True)]
+            for it, offs in zip(items, offsets, strict=True)
         ]
         return items, metas, total
 
@@ -329,7 +329,7 @@ class BucketStream(Iterator[Bucket]):
         if len(views) != len(metas):
             return None
         base = source.untyped_storage().data_ptr()
-        for view, meta in zip(views, metas):
+        for view, meta in zip(views, metas, strict=True):
             if (view.dtype != meta.dtype or view.numel() != meta.numel or view.device != source.device
                     or view.untyped_storage().data_ptr() != base):
                 return None
@@ -342,14 +342,14 @@ class BucketStream(Iterator[Bucket]):
         strided: list = []
         slow: list[int] = []
         batched = 0
-        for k, (it, item_metas) in enumerate(zip(items, metas)):
+        for k, (it, item_metas) in enumerate(zip(items, metas, strict=True)):
             if not it.mine:
                 continue
             views = self._views(it, item_metas)
             if views is None:
                 slow.append(k)
                 continue
-            for meta, view in zip(item_metas, views):
+            for meta, view in zip(item_metas, views, strict=True):
                 named.append((meta.name, meta.dtype, view))
                 size = meta.dtype.itemsize
                 if meta.offset % size:
@@ -365,7 +365,7 @@ class BucketStream(Iterator[Bucket]):
                 batched += 1
         flat_metas = tuple(m for ms in metas for m in ms)
         spans = [(it.entry.pp_owner, it.entry.ep_owner, ms[0].offset, ms[-1].offset + ms[-1].nbytes)
-                 for it, ms in zip(items, metas) if ms]
+                 for it, ms in zip(items, metas, strict=True) if ms]
         return _Program(total, flat_metas, sum(m.nbytes for m in flat_metas), items, metas,
                         typed_runs(_coalesced(flat)), strided, slow, batched, spans, named)
 
@@ -427,7 +427,7 @@ class BucketStream(Iterator[Bucket]):
                 strided.append((target.view(view.shape), view))
         calls = []
         for pairs in flat.values():
-            dst, src = zip(*_joined(pairs))
+            dst, src = zip(*_joined(pairs), strict=True)
             calls.append(batched_copy(list(dst), list(src), stable=True))
         if strided:
             calls.append(partial(torch._foreach_copy_, [d for d, _ in strided], [s for _, s in strided]))
@@ -476,7 +476,7 @@ class BucketStream(Iterator[Bucket]):
             slow = [items[k] for k in program.slow]
             fetched, gather_bytes = self.source.fetch([it.entry for it in slow if it.mine], self.mode, self.local,
                                                       self.stats)
-            for k, it in zip(program.slow, slow):
+            for k, it in zip(program.slow, slow, strict=True):
                 if not it.mine:
                     continue
                 source = fetched.pop(it.entry.name)
@@ -626,7 +626,7 @@ def stream_hf_weights(
 
 
 # Plans kept per model (its first module), a few per model (e.g. a full and a per-rank stream).
-_PLANS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, StreamPlan]]" = weakref.WeakKeyDictionary()
+_PLANS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, StreamPlan]] = weakref.WeakKeyDictionary()
 _KEEP = 4
 plan_builds = 0  # how many plans were made in this process (the tests count them)
 copy_builds = 0  # how many buckets' batched copies were made
@@ -685,6 +685,6 @@ def _item(entry: TensorEntry, spec: ModelSpec, topo: Topology, mode: Mode) -> _I
     dim = entry.shard_dim
     shards = tuple(
         Shard(dim, rank * n.shape[dim], o.shape[dim], full.shape[dim])
-        for o, n, full in zip(outputs, nominal, entry.outputs)
+        for o, n, full in zip(outputs, nominal, entry.outputs, strict=True)
     )
     return _Item(entry, outputs, shards, mine)

@@ -77,7 +77,7 @@ class TensorEntry:
             return self.outputs
         meta = torch.empty(self.local_shape, dtype=self.dtype, device="meta")
         outs = self.resolved.mapping.op.to_hf(meta, OpContext(spec, parts=1, shard_rank=rank))
-        return tuple(HFOut(n, tuple(o.shape), o.dtype) for n, o in zip(self.resolved.hf_names, outs))
+        return tuple(HFOut(n, tuple(o.shape), o.dtype) for n, o in zip(self.resolved.hf_names, outs, strict=True))
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -176,7 +176,7 @@ def build_table(
             targets = ", ".join(resolved.hf_names)
             problems.add("shape mismatches", f"{targets}: cannot be made from {name} {entry.full_shape}: {exc}")
             continue
-        outputs = tuple(HFOut(n, tuple(o.shape), o.dtype) for n, o in zip(resolved.hf_names, outs))
+        outputs = tuple(HFOut(n, tuple(o.shape), o.dtype) for n, o in zip(resolved.hf_names, outs, strict=True))
         bad = False
         for out in outputs:
             if out.name in produced:

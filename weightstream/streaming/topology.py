@@ -39,7 +39,7 @@ class Topology:
         return {"tp": self.tp_group, "etp": self.etp_group, "pp": self.pp_group, "ep": self.ep_group}[which]
 
     @classmethod
-    def current(cls) -> "Topology":
+    def current(cls) -> Topology:
         """Read from ``megatron.core.parallel_state``; a single process without it is TP=PP=EP=1."""
         if not dist.is_available() or not dist.is_initialized():
             return cls()

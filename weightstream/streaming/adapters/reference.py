@@ -15,8 +15,8 @@ from weightstream.streaming.adapters.base import (
     ROLLBACK,
     RankBucket,
 )
-from weightstream.streaming.bucket import TensorMeta
 from weightstream.streaming.adapters.sglang import SGLangEngine
+from weightstream.streaming.bucket import TensorMeta
 
 ENGINE_NAME = "weightstream-reference"
 

@@ -5,15 +5,15 @@ is packed while this one is on the wire."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from weightstream.launch import free_port
 from weightstream.bounds import Deadline
 from weightstream.errors import UpdateError
+from weightstream.launch import free_port
 from weightstream.streaming.adapters.base import BROADCAST_AHEAD, EngineAdapter, GroupSpec
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.groups import GroupLayout, init_custom_process_group
@@ -63,7 +63,7 @@ class BroadcastSink(PipelinedSink):
             return None
         offsets, world = self._ranks()
         return GroupLayout(self.master_address, self.backend, self.engines[0].group_name, self.timeout_s, world, 0,
-                           tuple((e.url, off) for e, off in zip(self.engines, offsets)))
+                           tuple((e.url, off) for e, off in zip(self.engines, offsets, strict=True)))
 
     def connect(self) -> None:
         if not self.sender or self.group is not None:
@@ -74,7 +74,7 @@ class BroadcastSink(PipelinedSink):
         posts = [
             self._pool.submit(e.join_group, GroupSpec(self.master_address, port, off, world, self.backend,
                                                       self.timeout_s, e.group_name))
-            for e, off in zip(self.engines, offsets)
+            for e, off in zip(self.engines, offsets, strict=True)
         ]
         self._join(posts, lambda: init_custom_process_group(
             self.backend, f"tcp://{self.master_address}:{port}", world, 0, self.engines[0].group_name, self.timeout_s,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import operator
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, Union, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 # What ``fetch`` hands back per tensor: the tensor the converter reads, or a function making it on
 # demand (so only one is materialised at a time).
-Fetched = Union[Tensor, Callable[[], Tensor]]
+Fetched = Tensor | Callable[[], Tensor]
 
 
 @runtime_checkable
@@ -48,25 +48,25 @@ class Source(Protocol):
         ...
 
     def table(self, converter: Converter, spec: ModelSpec, expected: dict[str, tuple[int, ...]],
-              ) -> tuple[list["TensorEntry"], dict[str, Tensor]]:
+              ) -> tuple[list[TensorEntry], dict[str, Tensor]]:
         """The global table (the same on every rank, in the same order; one error listing every
         problem) and this rank's live tensors by table name. Collective over the source's ranks."""
         ...
 
-    def direct(self, entry: "TensorEntry", mode: str, local: dict[str, Tensor]) -> Tensor | None:
+    def direct(self, entry: TensorEntry, mode: str, local: dict[str, Tensor]) -> Tensor | None:
         """The tensor the converter reads for ``entry`` when it is one of this rank's live tensors as it
         stands (its views are copied by the batched copies); None when it must be fetched."""
         ...
 
-    def fetch(self, entries: Sequence["TensorEntry"], mode: str, local: dict[str, Tensor],
-              stats: "StreamStats") -> tuple[dict[str, Fetched], int]:
+    def fetch(self, entries: Sequence[TensorEntry], mode: str, local: dict[str, Tensor],
+              stats: StreamStats) -> tuple[dict[str, Fetched], int]:
         """What the converter reads for ``entries`` (this rank's, of one bucket, that ``direct`` does not
         give), gathered with as few collectives as the source allows (every rank of the source calls it,
         bucket by bucket), and the bytes staged for it."""
         ...
 
     def share(self, buffer: Tensor, spans: Sequence[tuple[int, int | None, int, int]], mode: str,
-              stats: "StreamStats") -> None:
+              stats: StreamStats) -> None:
         """After a bucket is packed: pass each part of it from the ranks that made it to the others
         (``spans``: (pp owner, ep owner, lo, hi) byte ranges). Nothing for a source whose every rank
         makes the whole bucket."""
@@ -79,7 +79,7 @@ def local_data(t: Tensor) -> Tensor:
     return inner if isinstance(inner, Tensor) else t
 
 
-_GUARDS: "weakref.WeakSet[ModuleGuard]" = weakref.WeakSet()
+_GUARDS: weakref.WeakSet[ModuleGuard] = weakref.WeakSet()
 _hooked = False
 
 
@@ -134,7 +134,7 @@ class ModuleGuard:
         return [(t.data_ptr(), t.size(), t.dtype) for t in tensors]
 
     def holds(self, modules: Sequence[nn.Module]) -> bool:
-        if self.moved or len(modules) != len(self.roots) or any(r() is not m for r, m in zip(self.roots, modules)):
+        if self.moved or len(modules) != len(self.roots) or any(r() is not m for r, m in zip(self.roots, modules, strict=True)):
             return False
         if list(map(len, self.dicts)) != self.lengths:
             return False

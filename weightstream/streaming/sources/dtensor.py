@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from weightstream.converters.mapping import Converter
-from weightstream.distributed import all_gather_flat
 from weightstream.converters.ops import Identity
+from weightstream.distributed import all_gather_flat
 from weightstream.models.spec import ModelSpec, dtype_name
 from weightstream.streaming.plan import layout
 from weightstream.streaming.sources.base import Fetched
@@ -158,7 +158,7 @@ class DTensorSource:
         return None
 
     def fetch(self, entries: Sequence[TensorEntry], mode: str, local: dict[str, Tensor],
-              stats: "StreamStats") -> tuple[dict[str, Fetched], int]:
+              stats: StreamStats) -> tuple[dict[str, Fetched], int]:
         """One all-gather per (mesh, gathered dimensions) for ``entries``, each rank's block placed where
         DTensor puts it."""
         out: dict[str, Fetched] = {}
@@ -182,7 +182,7 @@ class DTensorSource:
             staged += nbytes
         return out, staged
 
-    def share(self, buffer: Tensor, spans, mode: str, stats: "StreamStats") -> None:
+    def share(self, buffer: Tensor, spans, mode: str, stats: StreamStats) -> None:
         return None  # every rank makes the whole bucket
 
 
@@ -252,7 +252,7 @@ def _block(e: TensorEntry, t: Tensor, coord: Sequence[int]):
     """(local shape, per-dim runs) of the shard the mesh rank at ``coord`` holds."""
     shape = tuple(t.shape)
     runs = _runs_of(shape, tuple(t.device_mesh.shape), tuple(coord), tuple(t.placements))
-    local = tuple(n if r is None else sum(b for _, b in r) for n, r in zip(shape, runs))
+    local = tuple(n if r is None else sum(b for _, b in r) for n, r in zip(shape, runs, strict=True))
     return local, runs
 
 
@@ -268,7 +268,7 @@ def _gather(mesh, dims: tuple[int, ...], batch: Sequence[TensorEntry], local: di
     group, coords = _group_of(mesh, dims)
     me = dist.get_rank(group)
     blocks = [[_block(e, local[e.name], c) for e in batch] for c in coords]  # per group rank, per entry
-    sizes = [[_numel(shape) * e.dtype.itemsize for e, (shape, _) in zip(batch, bs)] for bs in blocks]
+    sizes = [[_numel(shape) * e.dtype.itemsize for e, (shape, _) in zip(batch, bs, strict=True)] for bs in blocks]
     offsets, totals = [], []
     for s in sizes:
         offs, total = layout([[n] for n in s], 16)
@@ -278,7 +278,7 @@ def _gather(mesh, dims: tuple[int, ...], batch: Sequence[TensorEntry], local: di
     device = local[batch[0].name].to_local().device
     recv = torch.empty(stride * len(coords), dtype=torch.uint8, device=device)
     send = recv.narrow(0, me * stride, stride)
-    for e, (shape, _), off in zip(batch, blocks[me], offsets[me]):
+    for e, (shape, _), off in zip(batch, blocks[me], offsets[me], strict=True):
         data = local[e.name].to_local()
         if tuple(data.shape) != shape:
             raise ValueError(f"{e.name}: the local shard has shape {tuple(data.shape)}, DTensor places {shape} here")
@@ -315,7 +315,7 @@ class _Assemble:
         for at, shape, runs in live:
             data = self.recv.narrow(0, at, _numel(shape) * e.dtype.itemsize).view(e.dtype).view(shape)
             # Each combination of one run per dim is a rectangular piece of the shard.
-            pieces = [[(origin[d], 0, n)] if r is None else _with_local(r) for d, (n, r) in enumerate(zip(shape, runs))]
+            pieces = [[(origin[d], 0, n)] if r is None else _with_local(r) for d, (n, r) in enumerate(zip(shape, runs, strict=True))]
             for combo in itertools.product(*pieces):
                 src, dst = data, out
                 for d, (start, local, n) in enumerate(combo):

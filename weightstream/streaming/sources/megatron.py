@@ -142,7 +142,7 @@ class MegatronSource:
         return local[entry.name]
 
     def fetch(self, entries: Sequence[TensorEntry], mode: str, local: dict[str, Tensor],
-              stats: "StreamStats") -> tuple[dict[str, Fetched], int]:
+              stats: StreamStats) -> tuple[dict[str, Fetched], int]:
         """One all-gather per group (TP, expert-TP) for the split tensors among ``entries``; the others as
         they are held."""
         out: dict[str, Fetched] = {e.name: local[e.name] for e in entries}
@@ -161,18 +161,18 @@ class MegatronSource:
             # In-place all-gather: this rank's shards are packed straight into its slot of the output.
             recv = torch.empty(total * parts, dtype=torch.uint8, device=device)
             send = recv.narrow(0, topo.group_rank(group_name) * total, total)
-            for e, (off,) in zip(split, offsets):
+            for e, (off,) in zip(split, offsets, strict=True):
                 t = local[e.name]
                 send.narrow(0, off, _nbytes(t)).copy_(t.contiguous().view(-1).view(torch.uint8))
             all_gather_flat(recv, send, topo.group(group_name))
             stats.gathers += 1
             staged += recv.numel()
-            for e, (off,) in zip(split, offsets):
+            for e, (off,) in zip(split, offsets, strict=True):
                 out[e.name] = _Concat(recv, total, off, e)
         return out, staged
 
     def share(self, buffer: Tensor, spans: Sequence[tuple[int, int | None, int, int]], mode: str,
-              stats: "StreamStats") -> None:
+              stats: StreamStats) -> None:
         topo = self.topology
         if topo.pp_size == 1 and (mode != "full" or topo.ep_size == 1):
             return
