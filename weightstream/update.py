@@ -131,7 +131,7 @@ def choose_transport(requested: str, engines: Sequence[EngineAdapter], topo: Top
         failed.append("the trainer is not a Megatron-Core model (P2P sends from Megatron's TP ranks)")
     if len(engines) != 1:
         failed.append(f"{len(engines)} engines (P2P serves one)")
-    for e, i in zip(engines[:1], infos, strict=True):
+    for e, i in zip(engines[:1], infos[:1], strict=True):
         if not i.can(P2P):
             failed.append(f"engine {e.url} ({i.engine}) does not receive per-rank buckets")
         if i.tp_size != topo.tp_size:
