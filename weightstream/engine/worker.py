@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for
 from types import SimpleNamespace
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from weightstream.engine.schema import buckets_problems
 from weightstream.models.spec import dtype_from_name, dtype_name
 from weightstream.processes import die_with_parent
 from weightstream.streaming.bucket import (
@@ -37,10 +39,9 @@ from weightstream.streaming.bucket import (
     typed_views,
     view_tensor,
 )
-from weightstream.engine.schema import buckets_problems
 from weightstream.streaming.channel import Channel, fd_peer
-from weightstream.streaming.piececopy import batched_copy, warm_kernel
 from weightstream.streaming.groups import destroy_group, init_custom_process_group, tcp_store
+from weightstream.streaming.piececopy import batched_copy, warm_kernel
 from weightstream.streaming.serialization import ShmGrant, checksum, dumps_b64, loads_b64, map_fd, share_fd
 
 FAULT_ENV = "WEIGHTSTREAM_ENGINE_FAULT"
@@ -88,7 +89,7 @@ class _Pipeline:
     the loads on a stream of their own, and an event per buffer that the next receive into it waits for
     (on the device, not the host). On a CPU the steps simply run in turn."""
 
-    def __init__(self, worker: "Worker", largest: int):
+    def __init__(self, worker: Worker, largest: int):
         self.worker = worker
         self.cuda = worker.device.type == "cuda"
         if not self.cuda:
@@ -263,7 +264,8 @@ class Worker:
         if problems:
             return "bad bucket metadata: " + "; ".join(problems)
         programs = [self._program([TensorMeta(n, dtype_from_name(d), tuple(s), o) for n, d, s, o in
-                                   zip(b["names"], b["dtypes"], b["shapes"], b["offsets"])]) for b in buckets]
+                                   zip(b["names"], b["dtypes"], b["shapes"], b["offsets"], strict=True)])
+                    for b in buckets]
         self.ipc_plans[plan] = programs
         while len(self.ipc_plans) > 4:
             self.ipc_plans.pop(next(iter(self.ipc_plans)))
@@ -321,13 +323,15 @@ class Worker:
                     else:
                         raise RuntimeError(f"the trainer named buffer {buf_id}, which this engine does not hold")
                     if program.total > int(frame["nbytes"]):
-                        raise RuntimeError(f"bucket {k} needs {program.total} bytes, the trainer sent {frame['nbytes']}")
+                        raise RuntimeError(f"bucket {k} needs {program.total} bytes, "
+                                           f"the trainer sent {frame['nbytes']}")
                     view = whole.narrow(0, int(frame["offset"]), int(frame["nbytes"]))
                     if cuda:
                         if events is None:
                             raise RuntimeError("the trainer sent no CUDA events")
                         torch.cuda.current_stream(self.device).wait_event(events[k % 2])
-                    loaded += self._load_dense(program, view, frame.get("checksum"), kept=bool(frame.get("keep")))["loaded"]
+                    kept = bool(frame.get("keep"))
+                    loaded += self._load_dense(program, view, frame.get("checksum"), kept=kept)["loaded"]
                     if cuda:
                         events[2 + k % 2].record(torch.cuda.current_stream(self.device))
                         if not frame.get("keep"):
@@ -399,7 +403,7 @@ class Worker:
         if lease is not None:
             lease.close()
 
-    def next_command(self, conn) -> tuple[str, dict]:
+    def next_command(self, conn: Connection) -> tuple[str, dict]:
         """The server's next command. Meanwhile the trainer's lease is watched: when the trainer's end closes
         (it exited, however it exited, or disconnected), what this worker mapped of it is let go at once."""
         # The pipe is a socket pair the engine's process made: the kernel names that process, whatever started
@@ -583,7 +587,7 @@ class Worker:
         total = metas[-1].offset + metas[-1].nbytes if metas else 0
         targets = self.model.whole_targets(metas) if metas else None
         runs = None if targets is None else typed_runs(
-            (m.dtype, m.offset, m.numel, (m.name, t)) for m, t in zip(metas, targets))
+            (m.dtype, m.offset, m.numel, (m.name, t)) for m, t in zip(metas, targets, strict=True))
         return SimpleNamespace(metas=metas, total=total, runs=runs, copies={},
                                names=[n for _, _, payload in runs or () for n, _ in payload],
                                targets=[[t for _, t in payload] for _, _, payload in runs or ()])
@@ -594,7 +598,7 @@ class Worker:
         copies = program.copies.get(raw.data_ptr()) if kept else None
         if copies is None:
             copies = [batched_copy(targets, list(typed_views(raw, dtype, sizes)), stable=kept)
-                      for (dtype, sizes, _), targets in zip(program.runs, program.targets)]
+                      for (dtype, sizes, _), targets in zip(program.runs, program.targets, strict=True)]
             if kept:
                 if len(program.copies) >= 4:
                     program.copies.clear()

@@ -172,7 +172,8 @@ class Channel:
                 raise ChannelError(f"the control channel broke while waiting for {what} ({exc})") from None
             fds.extend(_descriptors(ancillary))
             if flags & socket.MSG_CTRUNC:
-                raise ChannelError(f"{what}: descriptors were cut off in transit")
+                raise ChannelError(f"{what}: descriptors were cut off in transit (is this process's open-file "
+                                   "limit, ulimit -n, lower than what it maps?)")
             if len(fds) > MAX_FDS:
                 raise ChannelError(f"{what}: more than {MAX_FDS} descriptors")
             if not chunk:

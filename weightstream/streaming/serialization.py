@@ -1,9 +1,14 @@
 """Serialising buckets for CUDA IPC / shared memory, and reading them back safely.
 
-The sender pickles with ``ForkingPickler`` (CUDA tensors become IPC handles; CPU tensors shared
-memory files), writing the GPU's UUID instead of its device index into CUDA handles so that
-processes with different ``CUDA_VISIBLE_DEVICES`` agree. The receiver unpickles only through an
-allow-list: a payload naming any other global is refused with :class:`UnsafePayloadError`.
+The sender pickles with ``ForkingPickler`` (CUDA tensors become IPC handles; CPU tensors torch's named
+shared memory, ``file_system``), writing the GPU's UUID instead of its device index into CUDA handles so
+that processes with different ``CUDA_VISIBLE_DEVICES`` agree. The receiver unpickles only through an
+allow-list: a payload naming any other global, or calling a class that would allocate what it says, is
+refused with :class:`UnsafePayloadError`; named shared memory is mapped only where a :class:`ShmGrant`
+allows it (:func:`open_named_shm`).
+
+weightstream's own control channel needs none of this on the CPU: there a buffer crosses as the descriptor
+of its unnamed shared-memory file (:func:`share_fd`, :func:`map_fd`).
 """
 
 from __future__ import annotations
