@@ -104,6 +104,57 @@ def check_release(tmp: str) -> dict:
     return {**res, "weights_bytes": weights, "max_diff_after": (after - ref).abs().max().item()}
 
 
+def ipc_trainer_job(src: str, url: str, die: bool) -> dict:
+    """One trainer process: its weights from ``src``, one IPC update into the engine; ``die``: exit at once
+    after it, without closing anything (as a crashed trainer)."""
+    from weightstream.bench.speed import _trainer
+    from weightstream.disk import CheckpointReader
+    from weightstream.models.megatron import load_hf_weights
+    from weightstream.models.spec import load_hf_config
+    from weightstream.update import update_weights
+
+    cfg = load_hf_config(src)
+    chunks, _ = _trainer(cfg, "float32")
+    with CheckpointReader(src) as reader:
+        load_hf_weights(chunks, cfg, reader)
+    report = update_weights(chunks, cfg, url, transport="ipc", bucket_bytes=1 << 20, timeout_s=60)
+    if die:
+        os._exit(9)
+    return {"direct": report.direct, "transport": report.transport}
+
+
+def check_separate_trainers(tmp: str, trainers: int = 4) -> dict:
+    """CUDA IPC across trainers' lives: separate trainer processes one after another update one engine (one
+    of them dies right after its update without closing anything); after each, the engine's logits equal the
+    HF model's of that trainer's weights, and its allocated memory stays what it was."""
+    from weightstream.engine.server import serve, stop
+    from weightstream.launch import LaunchError
+    from weightstream.streaming.adapters import ReferenceEngine
+
+    cfg = preset_config("tiny-qwen3")
+    eng_dir = save_random_checkpoint(cfg, os.path.join(tmp, "eng"), seed=2)
+    server = serve(eng_dir, 1, device="cuda:0")
+    eng = ReferenceEngine(server.url)
+    rows = []
+    try:
+        for i in range(trainers):
+            src = save_random_checkpoint(cfg, os.path.join(tmp, f"src{i}"), seed=20 + i)
+            die = i == 1
+            try:
+                (res,) = launch(1, ipc_trainer_job, src, server.url, die, backend="nccl", timeout_s=180)
+            except LaunchError as exc:
+                res = {"died": die, "error": str(exc).splitlines()[0]}
+            time.sleep(1.5)  # the engine lets go of a departed trainer within 1 s
+            ref, _ = hf_logits(src)
+            diff = (eng.logits(IDS) - ref).abs().max().item()  # its first forward's allocations come first
+            memory = eng.get("/weightstream/memory")["ranks"]
+            rows.append({**res, "max_diff": diff, "engine_allocated": sum(r["cuda_allocated_bytes"] for r in memory)})
+    finally:
+        stop(server)
+    return {"trainers": rows, "ok": all(r["max_diff"] == 0.0 for r in rows)
+            and len({r["engine_allocated"] for r in rows}) == 1}
+
+
 def check_piece_copy() -> dict:
     """PieceCopy on this GPU: bit for bit what copy_ gives (odd offsets, three dtypes), and the time of one
     launch against _foreach_copy_ and one plain copy of the same bytes (2,000 expert-sized tensors)."""
@@ -166,6 +217,11 @@ def main() -> None:
         print(json.dumps(results["check_ipc"]), flush=True)
         results["check_ipc_buffers"] = check_transport(os.path.join(tmp, "c3"), "ipc", "cuda:0", direct=False)
         print(json.dumps(results["check_ipc_buffers"]), flush=True)
+        try:
+            results["check_trainers"] = check_separate_trainers(os.path.join(tmp, "c5"))
+        except Exception as exc:  # noqa: BLE001 -- reported; the rest still runs
+            results["check_trainers"] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(results["check_trainers"]), flush=True)
         try:
             results["check_release"] = check_release(os.path.join(tmp, "c4"))
         except Exception as exc:  # noqa: BLE001 -- reported; the rest still runs
