@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,7 @@ from weightstream.streaming.adapters.base import (
     P2P,
     RELEASE_MEMORY,
     SINGLE_DTYPE,
+    CommitsAndResumes,
     EngineAdapter,
     EngineError,
 )
@@ -36,7 +37,7 @@ from weightstream.streaming.serialization import gpu_uuid
 from weightstream.streaming.sinks import BroadcastSink, IPCSink, P2PSink
 from weightstream.streaming.sources import as_source
 from weightstream.streaming.sources.megatron import MegatronSource
-from weightstream.streaming.stream import DEFAULT_BUCKET_BYTES, stream_hf_weights
+from weightstream.streaming.stream import DEFAULT_BUCKET_BYTES, Mode, stream_hf_weights
 from weightstream.streaming.topology import Topology
 
 log = logging.getLogger("weightstream")
@@ -113,14 +114,16 @@ def choose_transport(requested: str, engines: Sequence[EngineAdapter], topo: Top
     if requested not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {requested!r}")
     infos = [e.info() for e in engines]
-    unable = {kind: [e.url for e, i in zip(engines, infos, strict=True) if not i.can(kind)] for kind in (IPC, BROADCAST)}
+    unable = {kind: [e.url for e, i in zip(engines, infos, strict=True) if not i.can(kind)]
+              for kind in (IPC, BROADCAST)}
     if requested == "ipc":
         if unable[IPC]:
             raise ValueError(f"transport 'ipc' asked for, but engines {unable[IPC]} do not receive IPC buckets")
         return "ipc", "asked for"
     if requested == "broadcast":
         if unable[BROADCAST]:
-            raise ValueError(f"transport 'broadcast' asked for, but engines {unable[BROADCAST]} do not receive broadcasts")
+            raise ValueError(f"transport 'broadcast' asked for, but engines {unable[BROADCAST]} "
+                             "do not receive broadcasts")
         return "broadcast", "asked for"
     if requested == "auto" and not unable[IPC]:
         shared = any(_local_gpu_uuids() & set(i.gpu_uuids) for i in infos)
@@ -165,6 +168,14 @@ def _pause_and_begin(engine: EngineAdapter, mode: str, version: str, timeout_s: 
     engine.begin_update(version, timeout_s)
 
 
+class _AdapterOptions(TypedDict):
+    """What every adapter made from a URL is given."""
+
+    api_key: str | None
+    timeout_s: float
+    group_name: str
+
+
 class WeightSync:
     """A lasting connection from a trainer to its engines: connect once, ``update`` many times.
 
@@ -187,7 +198,7 @@ class WeightSync:
             raise ValueError(f"unknown engine {engine!r}; known: auto, {', '.join(sorted(ADAPTERS))}")
         self._given = list(engines)
         self._engine_kind = engine
-        self._adapter_options = dict(api_key=api_key, timeout_s=timeout_s, group_name=group_name)
+        self._adapter_options = _AdapterOptions(api_key=api_key, timeout_s=timeout_s, group_name=group_name)
         self.engines: list[EngineAdapter] = []  # made by _resolve_engines on the first update
         self.transport, self.colocated, self.bucket_bytes = transport, colocated, bucket_bytes
         self.reuse_buffers = reuse_buffers  # pack into two buffers kept with the plan (stream_hf_weights)
@@ -218,6 +229,7 @@ class WeightSync:
         return sink
 
     def _new_sink(self, kind: str) -> IPCSink | P2PSink | BroadcastSink:
+        sink: IPCSink | P2PSink | BroadcastSink
         if kind == "ipc":
             sink = IPCSink(self.engines[0], checksums=self.checksums, timeout_s=self.timeout_s,
                            ahead=self.metadata_ahead, direct=self.direct)
@@ -275,7 +287,7 @@ class WeightSync:
         if isinstance(decision, BaseException):
             raise decision
         kind, reason, one_dtype = decision
-        mode = "per_rank" if kind == "p2p" else "full"
+        mode: Mode = "per_rank" if kind == "p2p" else "full"
         report = UpdateReport(kind, reason, mode, engines=urls)
 
         # 2. Every rank streams; a failing rank keeps joining the collectives (drains) so nobody hangs.
@@ -309,7 +321,8 @@ class WeightSync:
         report.metadata_ahead = bool(getattr(sink, "ahead_used", False)) if stream is not None else False
         report.direct = bool(getattr(sink, "writing", False)) if stream is not None else False
         if stream is not None:
-            report.buckets, report.tensors, report.bytes = stream.stats.buckets, stream.stats.tensors, stream.stats.bytes
+            report.buckets, report.tensors = stream.stats.buckets, stream.stats.tensors
+            report.bytes = stream.stats.bytes
             report.gathers = stream.stats.gathers
         seconds["transfer"] = time.perf_counter() - t - seconds.get("connect", 0.0)
         if stream is not None:  # of which: this rank making the buckets, and waiting for the engine's answers
@@ -325,7 +338,9 @@ class WeightSync:
             together = not rest and all(hasattr(e, "commit_and_resume") for e in self.engines)
             try:
                 # Where nothing else comes between, the engines that can commit and resume in one request.
-                versions = {e.url: e.commit_and_resume() if together else e.commit_update() for e in self.engines}
+                # ``together``: every engine has commit_and_resume (checked above), which no type can say.
+                versions = {e.url: cast(CommitsAndResumes, e).commit_and_resume() if together else e.commit_update()
+                            for e in self.engines}
                 wrong = {u: v for u, v in versions.items() if v != version}
                 if wrong:
                     raise UpdateError("commit", f"engines report weight versions {wrong}, expected {version!r}", urls)
@@ -517,8 +532,8 @@ class WeightSync:
 def update_weights(model_chunks: nn.Module | Sequence[nn.Module], hf_config: Any,
                    engines: EngineAdapter | str | Sequence[EngineAdapter | str], *, transport: str = "auto",
                    weight_version: str | None = None, **options) -> UpdateReport:
-    """One update: pause, connect, stream, commit, flush the engines' caches, resume, disconnect. Call on every trainer rank. For repeated
-    updates keep a :class:`WeightSync` instead (the group is made once)."""
+    """One update: pause, connect, stream, commit, flush the engines' caches, resume, disconnect. Call on every
+    trainer rank. For repeated updates keep a :class:`WeightSync` instead (the group is made once)."""
     if isinstance(engines, str) or not isinstance(engines, Sequence):
         engines = [engines]
     with WeightSync(engines, transport=transport, **options) as sync:

@@ -129,6 +129,33 @@ class EngineAdapter(Protocol):
     def resume_memory(self, tags: Sequence[str] | None = None) -> None: ...
 
 
+class BroadcastAheadEngine(Protocol):
+    """What an engine that declares :data:`BROADCAST_AHEAD` offers besides :class:`EngineAdapter`."""
+
+    def receive_broadcast_ahead(self, buckets: Sequence[Sequence[TensorMeta]], timeout_s: float) -> None:
+        """The metadata of every bucket of this update, in order, before the first is broadcast."""
+
+
+class IPCAheadEngine(Protocol):
+    """What an engine that declares :data:`IPC_AHEAD` offers besides :class:`EngineAdapter`."""
+
+    def receive_ipc_ahead(self, plan: str, num_buckets: int, channels: Sequence[str], client: str,
+                          timeout_s: float) -> None: ...
+
+    def prepare_ipc_ahead(self, plan: str, num_buckets: int, channels: Sequence[str], client: str,
+                          timeout_s: float) -> None: ...
+
+    def release_ipc_buffers(self, client: str, timeout_s: float | None = None) -> None: ...
+
+    def ipc_plan_frame(self, buckets: Sequence[Sequence[TensorMeta]]) -> dict: ...
+
+
+class CommitsAndResumes(Protocol):
+    """An engine that commits an update and resumes generation in one request."""
+
+    def commit_and_resume(self) -> str | None: ...
+
+
 class HTTPEngine:
     """Bounded JSON-over-HTTP calls to one engine; the plumbing every HTTP adapter shares."""
 
@@ -175,6 +202,10 @@ class HTTPEngine:
         if isinstance(reply, dict) and reply.get("success") is False:
             raise EngineError(self.url, step, reply.get("message", "success=false"))
         return reply
+
+    def info(self, refresh: bool = False) -> EngineInfo:
+        """What the engine is (each engine's adapter asks it in its own way)."""
+        raise NotImplementedError
 
     def post(self, path: str, body: Any = None, **kw) -> Any:
         return self.request("POST", path, body if body is not None else {}, **kw)

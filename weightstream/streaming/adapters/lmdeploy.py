@@ -223,11 +223,11 @@ class LMDeployEngine(HTTPEngine):
         """LMDeploy sleeps whole: with ``weights`` among the tags (or none given) at level 2 (weights and KV
         cache discarded: the next update rewrites every weight), else at level 1 (weights offloaded to the
         host, KV cache freed)."""
-        tags = set(tags or TAGS)
-        unknown = tags - set(TAGS) - {"cuda_graph"}  # LMDeploy re-captures graphs itself
+        asked = set(tags or TAGS)
+        unknown = asked - set(TAGS) - {"cuda_graph"}  # LMDeploy re-captures graphs itself
         if unknown:
             raise EngineError(self.url, "sleep", f"LMDeploy frees only {list(TAGS)}, not {sorted(unknown)}")
-        level = 2 if "weights" in tags else 1
+        level = 2 if "weights" in asked else 1
         self.post(f"/sleep?level={level}", {}, step=f"sleep (level {level})")
         self._sleeping = set(TAGS)
 

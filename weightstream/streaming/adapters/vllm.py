@@ -37,7 +37,8 @@ class VLLMEngine(HTTPEngine):
             reply = self.get("/server_info?config_format=json", step="server_info")
             config = reply.get("vllm_config") if isinstance(reply, dict) else None
             if not isinstance(config, dict):
-                raise EngineError(self.url, "server_info", "no vllm_config in the reply (is VLLM_SERVER_DEV_MODE=1 set?)")
+                raise EngineError(self.url, "server_info",
+                                  "no vllm_config in the reply (is VLLM_SERVER_DEV_MODE=1 set?)")
             parallel = config.get("parallel_config") or {}
             device = config.get("device_config") or {}
             self._server_info = {

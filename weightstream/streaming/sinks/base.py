@@ -109,6 +109,12 @@ class PipelinedSink:
         if problems:
             raise UpdateError("group", " | ".join(problems), engines)
 
+    def _engine_pool(self) -> ThreadPoolExecutor:
+        """The threads that talk to the engines: made by ``connect`` (or handed over with the group)."""
+        if self._pool is None:
+            raise RuntimeError(f"{type(self).__name__} is not connected")
+        return self._pool
+
     def _leave(self, engines: Sequence[Any], seconds: float) -> None:
         """Destroy the group on ``engines`` and here at the same time (NCCL's teardown waits for its
         peers, so neither side may wait for the other first), within ``seconds``. Best effort: a dead

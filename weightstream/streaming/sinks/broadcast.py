@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from weightstream.bounds import Deadline
 from weightstream.errors import UpdateError
 from weightstream.launch import free_port
-from weightstream.streaming.adapters.base import BROADCAST_AHEAD, EngineAdapter, GroupSpec
+from weightstream.streaming.adapters.base import BROADCAST_AHEAD, BroadcastAheadEngine, EngineAdapter, GroupSpec
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.groups import GroupLayout, init_custom_process_group
 from weightstream.streaming.serialization import checksum
@@ -98,7 +99,9 @@ class BroadcastSink(PipelinedSink):
             metas = [stream.bucket_metas(i) for i in range(len(stream))]
             # The engine answers once it has loaded the last bucket: bounded by the whole update's bytes.
             bound = self.timeout_s * (1 + len(metas) / 8)
-            self._ahead = [self._pool.submit(e.receive_broadcast_ahead, metas, bound) for e in self.engines]
+            # Declaring BROADCAST_AHEAD is declaring the method: a capability, not a type, says so.
+            ahead = [cast(BroadcastAheadEngine, e) for e in self.engines]
+            self._ahead = [self._engine_pool().submit(e.receive_broadcast_ahead, metas, bound) for e in ahead]
             self._ahead_bound = bound
             self.ahead_used = True
 
@@ -119,7 +122,8 @@ class BroadcastSink(PipelinedSink):
             return
         self._finish()
         digest = checksum(bucket.buffer) if self.checksums else None
-        posts = [] if self._ahead else [self._pool.submit(e.receive_broadcast, bucket, digest) for e in self.engines]
+        posts = [] if self._ahead else [self._engine_pool().submit(e.receive_broadcast, bucket, digest)
+                                        for e in self.engines]
         work = dist.broadcast(bucket.buffer, group=self.group, group_src=0, async_op=True)
         self._inflight.start(bucket, work, posts)
 

@@ -7,6 +7,7 @@ between the two hands the group over rather than forming it again."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -19,15 +20,21 @@ from weightstream.streaming.serialization import checksum
 from weightstream.streaming.sinks.base import InFlight, PipelinedSink
 from weightstream.streaming.sinks.broadcast import default_backend
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
-def _sender_coords() -> tuple[bool, int, int, object]:
+    from weightstream.streaming.stream import BucketStream
+
+
+def _sender_coords() -> tuple[bool, int, int, ProcessGroup | None]:
     """(is a sender, its TP rank, TP size, TP group) for this trainer rank."""
     if not dist.is_initialized():
         return True, 0, 1, None
     from megatron.core import parallel_state as ps
 
     sender = ps.get_pipeline_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
-    return sender, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
+    return (sender, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_group())
 
 
 class P2PSink(PipelinedSink):
@@ -44,7 +51,7 @@ class P2PSink(PipelinedSink):
         self.sender, self.tp_rank, self.tp, self.tp_group = _sender_coords()
         self.poster = self.sender and self.tp_rank == 0
         self.group = None
-        self.stream = None
+        self.stream: BucketStream | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._inflight = InFlight(timeout_s, [engine.url])
 
@@ -67,7 +74,8 @@ class P2PSink(PipelinedSink):
         if self.poster:
             self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ws-p2p")
             posts.append(self._pool.submit(self.engine.join_group, GroupSpec(
-                self.master_address, port[0], self.tp, 2 * self.tp, self.backend, self.timeout_s, self.engine.group_name)))
+                self.master_address, port[0], self.tp, 2 * self.tp, self.backend, self.timeout_s,
+                self.engine.group_name)))
         self._join(posts, lambda: init_custom_process_group(
             self.backend, f"tcp://{self.master_address}:{port[0]}", 2 * self.tp, self.tp_rank,
             self.engine.group_name, self.timeout_s,
@@ -82,6 +90,11 @@ class P2PSink(PipelinedSink):
             raise ValueError("P2PSink needs a per_rank stream")
         self.stream = stream
         self.connect()
+
+    def _opened(self) -> BucketStream:
+        if self.stream is None:
+            raise RuntimeError("P2PSink: send before open")
+        return self.stream
 
     def send(self, bucket: Bucket) -> None:
         if not self.sender:
@@ -106,9 +119,9 @@ class P2PSink(PipelinedSink):
         if self.poster:
             ranks = []
             for r in range(self.tp):
-                metas = bucket.metas if r == self.tp_rank else self.stream.metas_for_rank(bucket.index, r)
+                metas = bucket.metas if r == self.tp_rank else self._opened().metas_for_rank(bucket.index, r)
                 nbytes = max((m.offset + m.nbytes for m in metas), default=0)
                 ranks.append(RankBucket(r, tuple(metas), nbytes, digests[r] if self.checksums else None))
-            posts.append(self._pool.submit(self.engine.receive_p2p, bucket.index, ranks))
+            posts.append(self._engine_pool().submit(self.engine.receive_p2p, bucket.index, ranks))
         work = dist.isend(bucket.buffer, group=self.group, group_dst=self.tp + self.tp_rank)
         self._inflight.start(bucket, work, posts)
