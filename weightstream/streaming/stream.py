@@ -190,7 +190,7 @@ class BucketStream(Iterator[Bucket]):
                 continue
             start = time.perf_counter()
             program = self._program_for(bp.index)
-            bucket = self._build(bp, program) if self._into is None else self._build_into(bp, program)
+            bucket = self._build(bp, program) if self._into is None else self._build_into(bp, program, self._into)
             self.stats.seconds += time.perf_counter() - start
             self.stats.buckets += 1
             self.stats.tensors += len(bucket.metas)
@@ -208,7 +208,8 @@ class BucketStream(Iterator[Bucket]):
             items = sorted(items, key=lambda it: -it.entry.dtype.itemsize)
         offsets, total = layout([[o.nbytes for o in it.outputs] for it in items], self.align)
         metas = [
-            [TensorMeta(o.name, o.dtype, o.shape, off, sh) for o, off, sh in zip(it.outputs, offs, it.shards, strict=True)]
+            [TensorMeta(o.name, o.dtype, o.shape, off, sh)
+             for o, off, sh in zip(it.outputs, offs, it.shards, strict=True)]
             for it, offs in zip(items, offsets, strict=True)
         ]
         return items, metas, total
@@ -233,18 +234,25 @@ class BucketStream(Iterator[Bucket]):
         return digest
 
     @property
+    def _kept_plan(self) -> StreamPlan | None:
+        """The kept plan whose two buffers buckets are packed into (``reuse_buffers``, with a kept plan); None
+        where each bucket gets a new buffer."""
+        return self.shared if self.reuse_buffers else None
+
+    @property
     def _keeps_buffers(self) -> bool:
         """Buckets are packed into the two buffers kept with the plan (``reuse_buffers``, with a kept plan)."""
-        return self.reuse_buffers and self.shared is not None
+        return self._kept_plan is not None
 
     def kept_buffers(self) -> list[Tensor]:
         """The buffers this stream packs buckets into again and again (``reuse_buffers``), allocated now if
         they were not."""
-        if not self._keeps_buffers:
+        kept = self._kept_plan
+        if kept is None:
             return []
         for bp in self.plan[:2]:
             self._buffer(bp, self._program_for(bp.index).total)
-        return [b for b in self.shared.buffers if b is not None]
+        return [b for b in kept.buffers if b is not None]
 
     def prepare_copies(self) -> None:
         """With kept buffers: allocate them and make every bucket's batched copies into its buffer now; with
@@ -253,7 +261,7 @@ class BucketStream(Iterator[Bucket]):
         does."""
         if self._into is not None:
             for bp in self.plan:
-                self._copies_into(self._program_for(bp.index))
+                self._copies_into(self._program_for(bp.index), self._into)
         elif self._keeps_buffers:
             for bp in self.plan:
                 program = self._program_for(bp.index)
@@ -273,10 +281,11 @@ class BucketStream(Iterator[Bucket]):
         buckets this stream then yields carry their metadata and no bytes (``Bucket.written``). ``key``
         names the targets: the copies into them are made once per plan and key, so the key must change
         whenever a target moves. One error lists every tensor ``targets`` lacks or cannot hold."""
-        if not self.can_write_into():
+        shared = self.shared
+        if shared is None or not self.can_write_into():
             raise ValueError("write_into needs a full stream in which this rank makes every tensor (no pipeline or "
                              "expert parallelism to share buckets over) with a kept plan")
-        if self.shared.checked_into == key:  # checked when these targets were first given
+        if shared.checked_into == key:  # checked when these targets were first given
             self._into, self._into_key = targets, ("into", key)
             return
         problems = []
@@ -292,7 +301,7 @@ class BucketStream(Iterator[Bucket]):
         if problems:
             raise ValueError(f"{len(problems)} tensors cannot be written into the targets: " + "; ".join(problems))
         self._into, self._into_key = targets, ("into", key)
-        self.shared.checked_into = key
+        shared.checked_into = key
 
     def _program_for(self, index: int) -> _Program:
         """Bucket ``index``'s copy program, made on first use and kept with the plan."""
@@ -372,13 +381,14 @@ class BucketStream(Iterator[Bucket]):
     def _buffer(self, bp: BucketPlan, total: int) -> Tensor:
         """The bucket's flat buffer: a new one, or (``reuse_buffers``) one of two kept with the plan, bucket
         i in buffer ``i % 2``: the consumer is done with bucket i once it asks for bucket i + 2."""
-        if not self._keeps_buffers:
+        shared = self._kept_plan
+        if shared is None:
             return typed_buffer(total, self.device)
         slot = bp.index % 2
-        kept = self.shared.buffers[slot]
+        kept = shared.buffers[slot]
         if kept is None or kept.numel() < total or kept.device != self.device:
             largest = max(self._program_for(b.index).total for b in self.plan)
-            kept = self.shared.buffers[slot] = typed_buffer(largest, self.device)
+            kept = shared.buffers[slot] = typed_buffer(largest, self.device)
         return kept
 
     def _copies(self, program: _Program, raw: Tensor) -> list[Callable[[], Any]]:
@@ -408,8 +418,8 @@ class BucketStream(Iterator[Bucket]):
             program.copies[key] = calls
         return calls
 
-    def _copies_into(self, program: _Program) -> list[Callable[[], Any]]:
-        """The batched copies of ``program`` straight into the :meth:`write_into` targets, made once per
+    def _copies_into(self, program: _Program, into: dict[str, Tensor]) -> list[Callable[[], Any]]:
+        """The batched copies of ``program`` straight into the :meth:`write_into` targets ``into``, made once per
         plan and targets: per dtype the contiguous copies in one call (runs back to back in a source and in
         a target made one copy), and the strided ones in one."""
         global copy_builds
@@ -420,7 +430,7 @@ class BucketStream(Iterator[Bucket]):
         flat: dict[torch.dtype, list[tuple[Tensor, Tensor]]] = {}
         strided: list[tuple[Tensor, Tensor]] = []
         for name, dtype, view in program.named:
-            target = self._into[name]
+            target = into[name]
             if view.is_contiguous():
                 flat.setdefault(dtype, []).append((target.view(-1), view.view(-1)))
             else:
@@ -434,10 +444,10 @@ class BucketStream(Iterator[Bucket]):
         program.copies[self._into_key] = calls
         return calls
 
-    def _build_into(self, bp: BucketPlan, program: _Program) -> Bucket:
-        """Bucket ``bp`` written straight into the :meth:`write_into` targets."""
+    def _build_into(self, bp: BucketPlan, program: _Program, into: dict[str, Tensor]) -> Bucket:
+        """Bucket ``bp`` written straight into the :meth:`write_into` targets ``into``."""
         with no_cyclic_gc():
-            for copy in self._copies_into(program):
+            for copy in self._copies_into(program, into):
                 copy()
         gather_bytes = largest = 0
         if program.slow:
@@ -450,7 +460,7 @@ class BucketStream(Iterator[Bucket]):
                 full = source() if callable(source) else source
                 largest = max(largest, full.numel() * full.element_size())
                 convert_into(it.entry.resolved.mapping.op, full, self._context(it),
-                             [self._into[m.name].view(m.shape) for m in metas[k]])
+                             [into[m.name].view(m.shape) for m in metas[k]])
                 del full
         self._count(program, gather_bytes + largest)
         return Bucket(bp.index, torch.empty(0, dtype=torch.uint8, device=self.device), program.metas, written=True)
@@ -588,7 +598,7 @@ def stream_hf_weights(
     spec = ModelSpec.from_hf_config(cfg)
     converter = get_converter(spec.model_type)
     modules = list(source.modules())
-    plan = None
+    plan: StreamPlan | None = None
     kept: dict[tuple, StreamPlan] = {}
     if modules:
         key = (tuple(map(id, modules)), spec, id(converter), mode, bucket_bytes, align, split_dtypes,
@@ -596,7 +606,10 @@ def stream_hf_weights(
         kept = _PLANS.get(modules[0], {})
         plan = kept.get(key)
     reuse = plan is not None and plan.guard is not None and plan.guard.holds(modules)
-    if not modules or not _everyone(reuse, topo, plan.device if plan is not None else first_device(modules)):
+    # Every rank joins the vote (where it has modules); a rank that votes to reuse has a plan.
+    everyone_reuses = bool(modules) and _everyone(reuse, topo,
+                                                  plan.device if plan is not None else first_device(modules))
+    if plan is None or not everyone_reuses:
         plan = _make_plan(source, modules, cfg, spec, converter, mode, bucket_bytes, align, split_dtypes)
         if modules:
             kept.pop(key, None)
