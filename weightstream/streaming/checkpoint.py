@@ -66,7 +66,8 @@ class SafetensorsFileWriter:
         offset = 0
         self.expected: dict[str, tuple[int, int]] = {}
         for e in entries:
-            header[e.name] = {"dtype": _ST_DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+            header[e.name] = {"dtype": _ST_DTYPES[e.dtype], "shape": list(e.shape),
+                              "data_offsets": [offset, offset + e.nbytes]}
             self.expected[e.name] = (offset, e.nbytes)
             offset += e.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
@@ -86,7 +87,7 @@ class SafetensorsFileWriter:
         data = tensor.detach().contiguous().view(-1).view(torch.uint8)
         if data.device.type != "cpu":
             data = data.cpu()
-        self.file.write(memoryview(data.numpy()))
+        self.file.write(data.numpy().data)  # a memoryview of the array: its bytes, uncopied
         self.written += data.numel()
         self._next += 1
 
@@ -151,7 +152,8 @@ class SafetensorsSink:
         self.entries = [_Entry(o.name, o.dtype, o.shape, o.nbytes) for it in stream.items for o in it.outputs]
         self.files = plan_buckets([[e.nbytes] for e in self.entries], self.shard_bytes, align=1)
         self.names = [shard_name(i + 1, len(self.files)) for i in range(len(self.files))]
-        self.mine = {i for i in range(len(self.files)) if (i % self.world if self.writers == "spread" else 0) == self.rank}
+        self.mine = {i for i in range(len(self.files))
+                     if (i % self.world if self.writers == "spread" else 0) == self.rank}
         self.file_of = {self.entries[j].name: i for i, f in enumerate(self.files) for j in f.items}
         self.remaining = {i: len(self.files[i].items) for i in self.mine}
         made: StagedDirectory | WeightstreamError | None = None
@@ -164,6 +166,12 @@ class SafetensorsSink:
         if isinstance(made, WeightstreamError):
             raise made
         self.staged = made
+
+    def _staging(self) -> StagedDirectory:
+        """The staging directory ``open`` made, until ``close`` moves it into place."""
+        if self.staged is None:
+            raise RuntimeError("the checkpoint sink is not open")
+        return self.staged
 
     def _from_rank0(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank (the value itself in a job of one)."""
@@ -198,7 +206,7 @@ class SafetensorsSink:
             i = self.file_of[name]
             if i not in self.mine:
                 continue
-            path = self.staged.path / self.names[i]
+            path = self._staging().path / self.names[i]
             with writing(self.out, path):
                 if i not in self.open_files:
                     self.open_files[i] = SafetensorsFileWriter(path, [self.entries[j] for j in self.files[i].items])
@@ -224,14 +232,15 @@ class SafetensorsSink:
 
     def _finish(self) -> None:
         """Rank 0: ``config.json`` and the index into the staging directory, then the directory into place."""
-        staging = self.staged.path
+        staged = self._staging()
+        staging = staged.path
         with writing(self.out, staging / "config.json"):
             _save_config(self.cfg, staging, _main_dtype(self.entries))
         weight_map = {e.name: self.names[self.file_of[e.name]] for e in self.entries}
         index = {"metadata": {"total_size": self.total_size}, "weight_map": weight_map}
         with writing(self.out, staging / INDEX_NAME):
             (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        self.staged.commit()
+        staged.commit()
         self.staged = None
 
     def abort(self) -> None:

@@ -134,7 +134,8 @@ class ModuleGuard:
         return [(t.data_ptr(), t.size(), t.dtype) for t in tensors]
 
     def holds(self, modules: Sequence[nn.Module]) -> bool:
-        if self.moved or len(modules) != len(self.roots) or any(r() is not m for r, m in zip(self.roots, modules, strict=True)):
+        if (self.moved or len(modules) != len(self.roots)
+                or any(r() is not m for r, m in zip(self.roots, modules, strict=True))):
             return False
         if list(map(len, self.dicts)) != self.lengths:
             return False

@@ -332,6 +332,23 @@ class _Piece:
     chunk: str = "model"  # legacy: the file's model entry (model, model0, ...)
 
 
+@dataclass(frozen=True, slots=True)
+class _StoredRank:
+    """What one rank's part of a checkpoint holds, as stored: its coordinates and its tensors
+    ``(name, shape, stored dtype, expert)`` (a :class:`RankMeta` once the dtype to stream is known)."""
+
+    pp: int
+    tp: int
+    ep: int
+    etp: int
+    tensors: tuple[tuple[str, tuple[int, ...], torch.dtype, bool], ...]
+
+
+# What a reader finds in a checkpoint: every rank's tensors, where each tensor's shards are stored (by group
+# rank), and the TP and expert-TP sizes it was saved with.
+_Description = tuple[list[_StoredRank], dict[str, dict[int, _Piece]], int, int]
+
+
 class MegatronCheckpointSource:
     """A Megatron-Core checkpoint on disk as a stream's source (``stream_hf_weights``, ``save_hf_checkpoint``;
     see :func:`weightstream.convert_checkpoint`). ``dtype``: cast floating tensors to it as they are read.
@@ -362,9 +379,9 @@ class MegatronCheckpointSource:
 
     def table(self, converter: Converter, spec: ModelSpec, expected: dict[str, tuple[int, ...]],
               ) -> tuple[list[TensorEntry], dict[str, Tensor]]:
-        metas, self._pieces, tp, etp = self._reader.describe(spec)
+        stored, self._pieces, tp, etp = self._reader.describe(spec)
         metas = [RankMeta(m.pp, m.tp, m.ep, m.etp, tuple((n, s, dtype_name(self._cast(_dtype(d))), x)
-                                                         for n, s, d, x in m.tensors)) for m in metas]
+                                                         for n, s, d, x in m.tensors)) for m in stored]
         table = build_table(metas, converter, spec, expected, tp_size=tp, etp_size=etp)
         # This one process reads every stage's and every expert owner's tensors itself.
         return [replace(e, pp_owner=0, ep_owner=None) for e in table], {}
@@ -383,7 +400,8 @@ class MegatronCheckpointSource:
         staged = 0
         for e in entries:
             shards = [read[p] for _, p in sorted(pieces[e.name].items())]
-            whole = shards[0] if len(shards) == 1 else torch.cat(shards, dim=e.shard_dim)
+            # More than one shard only where the tensor is split (``parts`` > 1, so along a ``shard_dim``).
+            whole = shards[0] if len(shards) == 1 or e.shard_dim is None else torch.cat(shards, dim=e.shard_dim)
             whole = whole.to(e.dtype)
             staged += whole.numel() * whole.element_size()
             out[e.name] = whole
@@ -456,10 +474,11 @@ class _DistReader:
         m = _ITER.match(self.directory.name)
         return int(m.group(1)) if m else None
 
-    def describe(self, spec: ModelSpec):
+    def describe(self, spec: ModelSpec) -> _Description:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        tensors, pieces = [], {}
+        tensors: list[tuple[str, tuple[int, ...], torch.dtype, bool]] = []
+        pieces: dict[str, dict[int, _Piece]] = {}
         for key, md in self.metadata.state_dict_metadata.items():
             if not isinstance(md, TensorStorageMetadata) or not key.startswith(_MODEL_ROOTS):
                 continue
@@ -485,7 +504,7 @@ class _DistReader:
         if not tensors:
             raise CheckpointFormatError(f"{self.directory} holds no GPT model tensors (embedding.*, decoder.*, "
                                         "output_layer.*)")
-        return [RankMeta(0, 0, 0, 0, tuple(tensors))], pieces, 1, 1
+        return [_StoredRank(0, 0, 0, 0, tuple(tensors))], pieces, 1, 1
 
     def read(self, pieces: Sequence[_Piece]) -> dict[_Piece, Tensor]:
         import torch.distributed.checkpoint as dcp
@@ -516,7 +535,8 @@ class _DistReader:
                 by_file.setdefault(self.storage_data[item.storage_index].relative_path, set()).add(item.storage_index)
         damaged = []
         for relative_path, indexes in sorted(by_file.items()):
-            with open(self.directory / relative_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            with (open(self.directory / relative_path, "rb") as f,
+                  mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m):
                 view = memoryview(m)
                 try:
                     for index in sorted(indexes, key=lambda i: self.storage_data[i].offset):
@@ -812,7 +832,7 @@ class _LegacyReader:
             raise CheckpointFormatError("a legacy rank file without 'model' (or 'model0', ...) entries")
         return chunks
 
-    def describe(self, spec: ModelSpec):
+    def describe(self, spec: ModelSpec) -> _Description:
         # Global layer offsets: chunk-major (VPP chunk v of every stage, then chunk v + 1), counted from the files.
         chunk_names = self._chunks(self._state((0, 0, 0)))
         counts: dict[tuple[int, int], int] = {}
@@ -825,10 +845,11 @@ class _LegacyReader:
             for p in range(self.pp):
                 offsets[(v, p)] = total
                 total += counts[(v, p)]
-        metas, pieces = [], {}
+        metas: list[_StoredRank] = []
+        pieces: dict[str, dict[int, _Piece]] = {}
         for (t, p, e), _ in sorted(self.files.items()):
             state = self._state((t, p, e))
-            tensors = []
+            tensors: list[tuple[str, tuple[int, ...], torch.dtype, bool]] = []
             for v, chunk in enumerate(chunk_names):
                 sd = state[chunk]
                 layer_map = {i: offsets[(v, p)] + i for i in range(counts[(v, p)])}
@@ -843,7 +864,7 @@ class _LegacyReader:
                         continue  # the same expert on every TP rank: read it from TP rank 0
                     pieces.setdefault(gname, {})[group_rank] = _Piece(name, shape=tuple(tensor.shape), file=(t, p, e),
                                                                             chunk=chunk)
-            metas.append(RankMeta(p, t, e, t if self.etp > 1 else 0, tuple(tensors)))
+            metas.append(_StoredRank(p, t, e, t if self.etp > 1 else 0, tuple(tensors)))
         self._open.clear()
         return metas, pieces, self.tp, self.etp
 

@@ -34,6 +34,10 @@ from weightstream.streaming.table import RankMeta, TensorEntry, build_table
 from weightstream.streaming.topology import Topology
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from typing_extensions import TypeIs
+
     from weightstream.streaming.stream import StreamStats
 
 TP_DIM = "tp"  # the mesh dimension that is tensor parallel (kept in per-rank mode)
@@ -47,7 +51,7 @@ def _dtensor_type():
     return DTensor
 
 
-def is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> TypeIs[DTensor]:
     cls = _dtensor_type()
     return cls is not None and isinstance(t, cls)
 
@@ -59,9 +63,10 @@ def is_hf_module(module: nn.Module) -> bool:
     try:
         from transformers import PreTrainedModel
     except ImportError:  # pragma: no cover
-        PreTrainedModel = ()  # noqa: N806
-    if PreTrainedModel and isinstance(module, PreTrainedModel):
-        return True
+        pass
+    else:
+        if isinstance(module, PreTrainedModel):
+            return True
     return any(is_dtensor(p) for p in module.parameters())
 
 
@@ -118,20 +123,23 @@ class DTensorSource:
         """(tensor dim, TP size) when ``t`` is split evenly over the ``tp`` mesh dimension by a plain Shard."""
         if not is_dtensor(t):
             return None
+        from torch.distributed.tensor import Shard
+
         names = t.device_mesh.mesh_dim_names or ()
         if self.tp_mesh_dim not in names:
             return None
         i = names.index(self.tp_mesh_dim)
         p = t.placements[i]
         size = t.device_mesh.size(i)
-        if type(p).__name__ != "Shard" or size == 1 or t.shape[p.dim] % size:
+        if type(p) is not Shard or size == 1 or t.shape[p.dim] % size:  # a plain Shard: no subclass
             return None
         return p.dim, size
 
     def table(self, converter: Converter, spec: ModelSpec, expected: dict[str, tuple[int, ...]],
               ) -> tuple[list[TensorEntry], dict[str, Tensor]]:
         local = dict(self.named)
-        meta = RankMeta(0, 0, 0, 0, tensors=tuple((n, tuple(t.shape), dtype_name(t.dtype), False) for n, t in self.named))
+        meta = RankMeta(0, 0, 0, 0,
+                        tensors=tuple((n, tuple(t.shape), dtype_name(t.dtype), False) for n, t in self.named))
         table = build_table([meta], converter.in_memory(), spec, expected, tp_size=1)
         out = []
         for entry in table:
@@ -162,21 +170,23 @@ class DTensorSource:
         """One all-gather per (mesh, gathered dimensions) for ``entries``, each rank's block placed where
         DTensor puts it."""
         out: dict[str, Fetched] = {}
-        batches: dict[tuple, list[TensorEntry]] = {}
+        batches: dict[tuple[int, tuple[int, ...]], list[TensorEntry]] = {}
+        meshes: dict[int, DeviceMesh] = {}
+        held: dict[str, DTensor] = {}
         for e in entries:
             t = local[e.name]
             if not is_dtensor(t):
                 out[e.name] = t
                 continue
-            mesh = t.device_mesh
+            held[e.name] = t
+            mesh = meshes.setdefault(id(t.device_mesh), t.device_mesh)
             names = mesh.mesh_dim_names or ()
             keep_tp = mode == "per_rank" and e.shard_dim is not None
             dims = tuple(i for i in range(mesh.ndim) if not (keep_tp and names[i] == self.tp_mesh_dim))
             batches.setdefault((id(mesh), dims), []).append(e)
         staged = 0
-        for (_, dims), batch in batches.items():
-            mesh = local[batch[0].name].device_mesh
-            got, nbytes = _gather(mesh, dims, batch, local, per_rank=mode == "per_rank")
+        for (mesh_id, dims), batch in batches.items():
+            got, nbytes = _gather(meshes[mesh_id], dims, batch, held, per_rank=mode == "per_rank")
             out.update(got)
             stats.gathers += 1
             staged += nbytes
@@ -226,6 +236,8 @@ def _runs_of(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: 
         if isinstance(p, _StridedShard):
             n, offsets = p._local_shard_size_and_offset(sizes[p.dim], mesh_shape[m], coord[m],
                                                         offset_mode=_StridedShardOffsetMode.ALL)
+            if offsets is None or isinstance(offsets, int):  # typed for every mode; ALL gives them all, a list
+                raise TypeError(f"torch gave {offsets!r} for every offset of a {p} shard")
             local = list(offsets)[:n] if n else []
         else:
             n, offset = p._local_shard_size_and_offset(sizes[p.dim], mesh_shape[m], coord[m])
@@ -233,7 +245,7 @@ def _runs_of(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: 
         prev = index.get(p.dim)
         index[p.dim] = local if prev is None else [prev[i] for i in local]
         sizes[p.dim] = n
-    out = []
+    out: list[tuple[tuple[int, int], ...] | None] = []
     for d in range(len(global_shape)):
         if d not in index:
             out.append(None)
@@ -248,7 +260,7 @@ def _runs_of(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: 
     return tuple(out)
 
 
-def _block(e: TensorEntry, t: Tensor, coord: Sequence[int]):
+def _block(e: TensorEntry, t: DTensor, coord: Sequence[int]):
     """(local shape, per-dim runs) of the shard the mesh rank at ``coord`` holds."""
     shape = tuple(t.shape)
     runs = _runs_of(shape, tuple(t.device_mesh.shape), tuple(coord), tuple(t.placements))
@@ -263,8 +275,8 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def _gather(mesh, dims: tuple[int, ...], batch: Sequence[TensorEntry], local: dict[str, Tensor], *, per_rank: bool,
-            ) -> tuple[dict[str, Fetched], int]:
+def _gather(mesh: DeviceMesh, dims: tuple[int, ...], batch: Sequence[TensorEntry], local: dict[str, DTensor], *,
+            per_rank: bool) -> tuple[dict[str, Fetched], int]:
     group, coords = _group_of(mesh, dims)
     me = dist.get_rank(group)
     blocks = [[_block(e, local[e.name], c) for e in batch] for c in coords]  # per group rank, per entry
@@ -315,7 +327,8 @@ class _Assemble:
         for at, shape, runs in live:
             data = self.recv.narrow(0, at, _numel(shape) * e.dtype.itemsize).view(e.dtype).view(shape)
             # Each combination of one run per dim is a rectangular piece of the shard.
-            pieces = [[(origin[d], 0, n)] if r is None else _with_local(r) for d, (n, r) in enumerate(zip(shape, runs, strict=True))]
+            pieces = [[(origin[d], 0, n)] if r is None else _with_local(r)
+                      for d, (n, r) in enumerate(zip(shape, runs, strict=True))]
             for combo in itertools.product(*pieces):
                 src, dst = data, out
                 for d, (start, local, n) in enumerate(combo):

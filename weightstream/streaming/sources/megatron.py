@@ -12,7 +12,7 @@ broadcast over the PP (and EP) group.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -103,7 +103,7 @@ def local_tensors(
         model = unwrap(chunk)
         layer_map = _layer_offsets(model)
         per_rank = _experts_per_rank(model, num_experts, topo.ep_size)
-        named: Iterable[tuple[str, Tensor]] = list(model.named_parameters())
+        named: list[tuple[str, Tensor]] = list(model.named_parameters())
         named += [(n, b) for n, b in model.named_buffers() if n.endswith(WEIGHT_BUFFERS)]
         for name, tensor in named:
             gname, expert = global_name(name, layer_map, topo.ep_rank, per_rank)
@@ -230,6 +230,8 @@ class _Concat:
             self.recv.narrow(0, r * self.stride + self.offset, nbytes).view(e.dtype).view(e.local_shape)
             for r in range(e.parts)
         ]
+        if e.shard_dim is None:  # fetch gathers split tensors only
+            raise ValueError(f"{e.name} is not split over its group: nothing to concatenate")
         return torch.cat(shards, dim=e.shard_dim)
 
 
