@@ -98,6 +98,8 @@ class ShardedCausalLM:
         self.stale_why = ""
         self.rollback = True  # back up what a session overwrites (else an aborted session leaves weights stale)
         self._loaded_in_session: set[str] = set()
+        # vocabulary row pieces (per-rank embedding / lm_head) received, for exchange_vocab_pieces
+        self.pending_vocab: list[tuple[str, int, Tensor]] = []
 
     def mark_never_loaded(self, loaded: set[str]) -> None:
         """After the weights found at start: every tensor they did not hold is stale (the engine refuses to
@@ -110,7 +112,7 @@ class ShardedCausalLM:
     def begin_session(self) -> None:
         self.backup = {} if self.rollback else None
         self.pending_vocab = []
-        self._loaded_in_session: set[str] = set()
+        self._loaded_in_session = set()
 
     def commit_session(self) -> None:
         missing = self.stale - self._loaded_in_session
@@ -222,11 +224,12 @@ class ShardedCausalLM:
     def _shard_experts(self, experts: nn.Module) -> None:
         """Routed experts held fused (transformers 5: ``gate_up_proj`` (E, 2I, H), ``down_proj`` (E, H, I)):
         keep this rank's I-slice of every expert; the partial sums are all-reduced after the block."""
-        e, two_i, h = experts.gate_up_proj.shape
+        gate_up, down = experts.get_parameter("gate_up_proj"), experts.get_parameter("down_proj")
+        e, two_i, h = gate_up.shape
         inter = _split(two_i // 2, self.size, "expert intermediate size")
-        dtype = experts.gate_up_proj.dtype
-        experts.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inter, h, dtype=dtype, device=experts.gate_up_proj.device))
-        experts.down_proj = nn.Parameter(torch.empty(e, h, inter, dtype=dtype, device=experts.down_proj.device))
+        dtype = gate_up.dtype
+        experts.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inter, h, dtype=dtype, device=gate_up.device))
+        experts.down_proj = nn.Parameter(torch.empty(e, h, inter, dtype=dtype, device=down.device))
         group = self.group
 
         def reduce_output(module, args, output):
@@ -251,7 +254,8 @@ class ShardedCausalLM:
                 continue
             name = name.replace(".linear.", ".")
             module_path = name.rsplit(".", 1)[0]
-            dim = 0 if COLUMN.search("." + module_path) else 1 if ROW.search("." + module_path) and name.endswith(".weight") else None
+            row = ROW.search("." + module_path) and name.endswith(".weight")
+            dim = 0 if COLUMN.search("." + module_path) else 1 if row else None
             table[name] = (p, dim)
         if getattr(self.config, "tie_word_embeddings", False):
             table.pop("lm_head.weight", None)
@@ -307,7 +311,6 @@ class ShardedCausalLM:
         Vocabulary row pieces (per-rank embedding/lm_head) are placed by row; the caller completes them
         with :meth:`exchange_vocab_pieces`."""
         loaded, problems = [], []
-        self.pending_vocab: list[tuple[str, int, Tensor]] = getattr(self, "pending_vocab", [])
         # Checked one by one, copied together: one _foreach_copy_ for the backups of the tensors this
         # session touches first, one for the new values.
         names: list[str] = []
@@ -347,7 +350,8 @@ class ShardedCausalLM:
                         tensor = tensor.narrow(dim, self.rank * n, n)
                     elif (shard.dim, shard.start, shard.length, shard.full) != (dim, self.rank * n, n, n * self.size):
                         raise ValueError(
-                            f"shard {shard} is not engine rank {self.rank}'s (dim {dim}, rows {self.rank * n}..{(self.rank + 1) * n})"
+                            f"shard {shard} is not engine rank {self.rank}'s "
+                            f"(dim {dim}, rows {self.rank * n}..{(self.rank + 1) * n})"
                         )
                     if tuple(tensor.shape) != tuple(param.shape):
                         raise ValueError(f"shape {tuple(tensor.shape)} != engine's shard {tuple(param.shape)}")
@@ -369,8 +373,7 @@ class ShardedCausalLM:
     def exchange_vocab_pieces(self) -> None:
         """Every rank sends the vocabulary rows it received to the others (engine-internal), so the
         whole embedding / lm_head is complete on every rank."""
-        pieces = getattr(self, "pending_vocab", [])
-        self.pending_vocab = []
+        pieces, self.pending_vocab = self.pending_vocab, []
         if self.size == 1:
             return
         listing = [(name, start, tuple(t.shape), str(t.dtype)) for name, start, t in pieces]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from collections.abc import Mapping as MappingABC
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,9 @@ from weightstream.errors import ProblemList
 from weightstream.models.spec import ModelSpec, load_hf_config
 from weightstream.streaming.sources.megatron import local_tensors
 from weightstream.streaming.topology import Topology
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
 
 def initialize_parallel(
@@ -156,7 +159,8 @@ def build_gpt_model(
             # One layer spec serves every layer of a dense model; an MoE model with dense layers
             # (moe_layer_freq) needs the block spec, which picks a dense or MoE spec layer by layer.
             stage_spec = (
-                get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage)
+                get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                           vp_stage=vp_stage)
                 if spec.is_moe
                 else layer_spec
             )
@@ -214,11 +218,12 @@ def load_hf_weights(
                     problems.add("HF tensors missing from the checkpoint", f"{n} (for {local.name})")
                 continue
             mapping = resolved.mapping
-            parts_n = topo.group_size(mapping.tp_group) if mapping.tp_dim is not None else 1
-            rank = topo.group_rank(mapping.tp_group) if mapping.tp_dim is not None else 0
+            tp_dim = mapping.tp_dim
+            parts_n = topo.group_size(mapping.tp_group) if tp_dim is not None else 1
+            rank = topo.group_rank(mapping.tp_group) if tp_dim is not None else 0
             full_shape = list(local.tensor.shape)
-            if parts_n > 1:
-                full_shape[mapping.tp_dim] *= parts_n
+            if tp_dim is not None and parts_n > 1:
+                full_shape[tp_dim] *= parts_n
             hf = [weights[n] if isinstance(weights, MappingABC) else weights.get(n) for n in resolved.hf_names]
             try:
                 full = mapping.op.to_megatron(hf, OpContext(spec, parts=parts_n), torch.Size(full_shape))
@@ -234,7 +239,10 @@ def load_hf_weights(
                     f"{local.name}: model has {tuple(full_shape)}, checkpoint gives {tuple(full.shape)}",
                 )
                 continue
-            shard = full.narrow(mapping.tp_dim, rank * local.tensor.shape[mapping.tp_dim], local.tensor.shape[mapping.tp_dim]) if parts_n > 1 else full
+            shard = full
+            if tp_dim is not None and parts_n > 1:
+                length = local.tensor.shape[tp_dim]
+                shard = full.narrow(tp_dim, rank * length, length)
             local.tensor.copy_(shard)
             used.update(resolved.hf_names)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -268,13 +276,14 @@ def forward_shims() -> Iterator[None]:
         tracker = mrandom.get_cuda_rng_tracker()
         saved_device = torch.cuda.current_device
         saved_fork = tracker.fork
-        torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
-        tracker.fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
+        # A patch, against torch's declared int: Megatron's rotary embeddings take the device it names.
+        torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+        tracker.fork = lambda *a, **k: contextlib.nullcontext()
         try:
             yield
         finally:
-            torch.cuda.current_device = saved_device  # type: ignore[assignment]
-            tracker.fork = saved_fork  # type: ignore[method-assign]
+            torch.cuda.current_device = saved_device
+            tracker.fork = saved_fork
 
 
 @contextlib.contextmanager
@@ -301,7 +310,7 @@ def megatron_logits(model_chunks: nn.Module | Sequence[nn.Module], input_ids: Te
 
     from weightstream.streaming.sources.megatron import as_chunks, unwrap
 
-    chunks = [unwrap(c) for c in as_chunks(model_chunks)]
+    chunks: list[GPTModel] = [unwrap(c) for c in as_chunks(model_chunks)]
     topo = Topology.current()
     batch, seq = input_ids.shape
     device = next(chunks[0].parameters()).device

@@ -92,7 +92,8 @@ def random_hf_model(config: Any, *, seed: int = 0, dtype: torch.dtype = torch.fl
     return model
 
 
-def save_random_checkpoint(config: Any, out_dir: str | os.PathLike, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> str:
+def save_random_checkpoint(config: Any, out_dir: str | os.PathLike, *, seed: int = 0,
+                           dtype: torch.dtype = torch.float32) -> str:
     """Write a random HF checkpoint of ``config`` with ``save_pretrained``; return the directory."""
     model = random_hf_model(config, seed=seed, dtype=dtype)
     model.save_pretrained(os.fspath(out_dir))

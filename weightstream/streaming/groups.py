@@ -22,9 +22,13 @@ import inspect
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING, cast
 from urllib.parse import urlparse
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 log = logging.getLogger("weightstream")
 
@@ -95,8 +99,10 @@ def init_custom_process_group(
         options = {"backend_options": None} if "backend_options" in params else {"pg_options": None}
         if "device_id" in params:
             options["device_id"] = None
+        # GroupName: a NewType over str in recent torches; cast, so no torch has to define it at run time
         pg, _ = _new_process_group_helper(
-            world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout, **options
+            world_size, rank, [], Backend(backend), store, group_name=cast("GroupName", group_name), timeout=timeout,
+            **options,
         )
     except Exception as exc:  # re-raised with the group named
         raise GroupError(
