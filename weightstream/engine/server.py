@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import fcntl
 import hmac
+import io
 import ipaddress
 import json
 import os
@@ -33,7 +34,7 @@ import time
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
@@ -247,7 +248,10 @@ class Engine:
         self.fault = os.environ.get(FAULT_ENV, "")  # a test fault, injected into the workers bucket by bucket
         with open(os.path.join(self.model_dir, "config.json")) as f:
             config = json.load(f)
-        self.vocab_size = int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size"))
+        vocab_size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+        if vocab_size is None:
+            raise ValueError(f"{self.model_dir}/config.json names no vocab_size")
+        self.vocab_size = int(vocab_size)
         positions = config.get("max_position_embeddings") or (config.get("text_config") or {}).get(
             "max_position_embeddings")
         self.max_positions: int | None = int(positions) if positions else None  # tokens of one row, new ones included
@@ -283,7 +287,8 @@ class Engine:
         port = free_port()
         interface = gloo_interface(host)
         if interface is None and host not in ("", "0.0.0.0", "::"):
-            log(f"no network interface holds {host}'s address: the workers' gloo listeners go where gloo's default puts them")
+            log(f"no network interface holds {host}'s address: the workers' gloo listeners go where gloo's default "
+                "puts them")
         self.conns, self.procs = [], []
         for rank in range(tp):
             parent, child = ctx.Pipe()
@@ -466,7 +471,7 @@ def announces_body(headers) -> bool:
 _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
 
 
-def read_chunked(rfile: BinaryIO, limit: int) -> bytes:
+def read_chunked(rfile: io.BufferedIOBase, limit: int) -> bytes:
     """A body sent with ``Transfer-Encoding: chunked`` (RFC 9112, 7.1), at most ``limit`` bytes; chunk
     extensions and trailer fields are read and dropped."""
     parts, total = [], 0
@@ -525,7 +530,9 @@ class _Handler(BaseHTTPRequestHandler):
     _unread = False  # the request announced a body that has not been read (whole) yet
 
     def setup(self) -> None:
-        self.timeout = self.server.limits.idle_timeout_s  # bounds every read and write on this connection
+        # bounds every read and write on this connection; typeshed declares timeout a ClassVar, but
+        # StreamRequestHandler.setup reads it from the instance, so a per-connection value is what it takes
+        self.timeout = self.server.limits.idle_timeout_s  # type: ignore[misc]
         super().setup()
 
     def log_message(self, fmt, *args):  # quiet
@@ -576,7 +583,8 @@ class _Handler(BaseHTTPRequestHandler):
         if n < 0:
             raise BadRequest(HTTPStatus.BAD_REQUEST, f"Content-Length {n} is negative")
         if n > limit:
-            raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body of {n} bytes exceeds the limit of {limit} bytes")
+            raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                             f"body of {n} bytes exceeds the limit of {limit} bytes")
         raw = self.rfile.read(n) if n else b""
         if len(raw) < n:
             raise BadRequest(HTTPStatus.BAD_REQUEST, f"body cut short: {len(raw)} of {n} bytes")
@@ -618,7 +626,8 @@ class _Handler(BaseHTTPRequestHandler):
         except (KeyError, TypeError, ValueError) as exc:
             status, reply = HTTPStatus.BAD_REQUEST, {"object": "error", "message": f"bad request: {exc!r}", "code": 400}
         except Exception as exc:  # noqa: BLE001 — never drop a connection without an answer
-            status, reply = HTTPStatus.INTERNAL_SERVER_ERROR, {"success": False, "message": f"{type(exc).__name__}: {exc}"}
+            status = HTTPStatus.INTERNAL_SERVER_ERROR
+            reply = {"success": False, "message": f"{type(exc).__name__}: {exc}"}
         self._reply(status, reply)
 
 
@@ -677,7 +686,8 @@ class EngineServer(ThreadingHTTPServer):
     def body_limit(self, path: str) -> int:
         return self.limits.max_body_bytes if path in BULK_ROUTES else self.limits.max_small_body_bytes
 
-    def process_request(self, request: socket.socket, client_address) -> None:
+    # A TCP server's request is its connection's socket: typeshed types every server's as a TCP or a UDP one.
+    def process_request(self, request: socket.socket, client_address) -> None:  # type: ignore[override]
         """A thread for the connection, if fewer than ``max_connections`` are open; else it is answered 503
         and closed at once, here in the accepting thread."""
         if not self.slots.acquire(blocking=False):
@@ -689,7 +699,7 @@ class EngineServer(ThreadingHTTPServer):
             self.slots.release()
             raise
 
-    def process_request_thread(self, request: socket.socket, client_address) -> None:
+    def process_request_thread(self, request: socket.socket, client_address) -> None:  # type: ignore[override]
         try:
             super().process_request_thread(request, client_address)
         finally:
@@ -710,6 +720,8 @@ class EngineServer(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
+        if isinstance(host, (bytes, bytearray)):  # typed as any address bind() takes; bound, it is text
+            host = host.decode()
         return f"http://{host}:{port}"
 
     # -- routes -------------------------------------------------------------------------------
@@ -886,7 +898,8 @@ class EngineServer(ThreadingHTTPServer):
 
     def _wait_unpaused(self) -> None:
         if self.engine.weights_released:
-            raise BadRequest(HTTPStatus.CONFLICT, "the weights were released: resume them and update them before generating")
+            raise BadRequest(HTTPStatus.CONFLICT,
+                             "the weights were released: resume them and update them before generating")
         deadline = time.monotonic() + self.engine.command_timeout_s
         while self.engine.paused.is_set():
             if time.monotonic() > deadline:
@@ -912,13 +925,15 @@ class EngineServer(ThreadingHTTPServer):
         vocab = self.engine.vocab_size
         out_of_range = sorted({t for row in rows for t in row if t >= vocab})
         if out_of_range:
-            raise BadRequest(HTTPStatus.BAD_REQUEST, f"token ids {out_of_range[:5]} are outside the vocabulary (size {vocab})")
+            raise BadRequest(HTTPStatus.BAD_REQUEST,
+                             f"token ids {out_of_range[:5]} are outside the vocabulary (size {vocab})")
 
     def generate(self, b):
         ids = b["input_ids"]
         n = (b.get("sampling_params") or {}).get("max_new_tokens", 16)
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 4096:
-            raise BadRequest(HTTPStatus.BAD_REQUEST, f"sampling_params.max_new_tokens must be an integer in [0, 4096], got {n!r}")
+            raise BadRequest(HTTPStatus.BAD_REQUEST,
+                             f"sampling_params.max_new_tokens must be an integer in [0, 4096], got {n!r}")
         batch = ids if isinstance(ids[0], list) else [ids]
         self._check_work(batch, n)
         self.engine.check_settled()
