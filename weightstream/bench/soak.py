@@ -87,7 +87,8 @@ class SoakReport:
                      f"(worst max |diff| {worst:.1e})")
         lines.append(f"  weight-update groups formed by the trainer: {self.groups_formed}")
         g = self.growth
-        lines.append(f"  growth after warm-up ({self.warmup} updates): trainer RSS {g.get('trainer_rss_mb', 0):+.1f} MB, "
+        lines.append(f"  growth after warm-up ({self.warmup} updates): "
+                     f"trainer RSS {g.get('trainer_rss_mb', 0):+.1f} MB, "
                      f"fds {g.get('trainer_fds', 0):+.0f}, threads {g.get('trainer_threads', 0):+.0f}; engine RSS "
                      f"{g.get('engine_rss_mb', 0):+.1f} MB, fds {g.get('engine_fds', 0):+.0f}, threads "
                      f"{g.get('engine_threads', 0):+.0f}; /dev/shm entries {g.get('shm', 0):+.0f}")
@@ -108,6 +109,7 @@ class EngineService:
             [sys.executable, "-m", "weightstream.cli", "engine", "--model", model_dir, "--tp", str(tp), "--port", "0"],
             stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
+        assert self.proc.stdout is not None  # stdout=PIPE
         line = self.proc.stdout.readline()
         if "serving on" not in line:
             self.proc.kill()

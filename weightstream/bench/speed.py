@@ -211,6 +211,7 @@ def update_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype:
     ceiling = copy_ceiling(reports[-1]["bytes"], bucket_bytes, device, repeats) if transport == "ipc" else None
     from weightstream.models.megatron import megatron_logits
 
+    logits: torch.Tensor | str
     try:
         logits = megatron_logits(chunks, torch.tensor(IDS), cfg.vocab_size).float().cpu()
     except Exception as exc:  # noqa: BLE001 -- e.g. Megatron's MoE router needs Transformer Engine on GPUs
@@ -265,7 +266,7 @@ def _engine_check(url: str, rank0: dict, dtype: str) -> tuple[str, bool]:
     return "; ".join([text] + problems), not problems
 
 
-def _wire_job(total: int, chunk: int, repeats: int, move: Callable[[torch.Tensor], None]) -> dict:
+def _wire_job(total: int, chunk: int, repeats: int, move: Callable[[torch.Tensor], object]) -> dict:
     """Best time of moving ``total`` bytes in ``chunk``-byte pieces with ``move(piece)`` on every rank
     (after one warm-up), between barriers and device synchronisations."""
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -413,8 +414,8 @@ def checkpoint_job(cfg, dtype: str, bucket_bytes: int, repeats: int) -> dict:
     chunks, _ = _trainer(cfg, dtype)
     tmp = tempfile.mkdtemp(prefix="ws-bench-ckpt-")
     try:
-        times, report = [], None
-        for i in range(repeats + 1):
+        times: list[float] = []
+        for i in range(repeats + 1):  # the report of the last one is kept
             out = os.path.join(tmp, f"ours{i % 2}")
             shutil.rmtree(out, ignore_errors=True)
             t = time.perf_counter()
