@@ -204,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                          help="cast floating tensors (default: as stored)")
     convert.add_argument("--bucket-mb", type=_mb, default=_mb("256"), help="bucket size in MiB (default 256)")
-    convert.add_argument("--shard-mb", type=_mb, default=_mb("4096"), help="safetensors file size in MiB (default 4096)")
+    convert.add_argument("--shard-mb", type=_mb, default=_mb("4096"),
+                         help="safetensors file size in MiB (default 4096)")
     convert.add_argument("--procs", type=int, default=1,
                          help="local processes sharing the work, each writing its own safetensors files (default 1)")
     convert.add_argument("--verify", default=None, metavar="HF_DIR",
@@ -340,7 +341,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         out = args.out or os.path.join(tmp, "streamed")
         model = random_hf_model(cfg, seed=args.seed)
         model.save_pretrained(src)
-        print(f"[1/5] {args.preset}: random HF checkpoint written ({sum(p.numel() for p in model.parameters()):,} parameters)")
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"[1/5] {args.preset}: random HF checkpoint written ({n_params:,} parameters)")
         server = None
         if args.engine_tp > 0:
             empty = os.path.join(tmp, "engine-model")
@@ -555,8 +557,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"unknown transports {unknown}; choose among broadcast, ipc, p2p", file=sys.stderr)
         return 2
     report = run_soak(args.soak, transports=transports, switch_every=args.switch_every, preset=args.preset,
-                      engine_tp=args.engine_tp or 1, bucket_bytes=args.bucket_mb or _mb("0.25"), check_every=args.check_every,
-                      sample_every=args.sample_every, progress=sys.stderr.isatty())
+                      engine_tp=args.engine_tp or 1, bucket_bytes=args.bucket_mb or _mb("0.25"),
+                      check_every=args.check_every, sample_every=args.sample_every, progress=sys.stderr.isatty())
     print(report.render())
     if args.json:
         with open(args.json, "w") as f:

@@ -47,8 +47,8 @@ class ConvertReport:
         line = (f"{self.format} checkpoint (iteration {self.iteration}) -> {self.out}: {self.tensors} tensors, "
                 f"{gb:.2f} GB in {self.files} files, {self.seconds:.1f} s ({gb / max(self.seconds, 1e-9):.2f} GB/s); "
                 f"peak RSS {self.peak_rss / 1e9:.2f} GB ({self.rss_before / 1e9:.2f} GB before), largest layer "
-                f"{self.largest_layer[0]} {self.largest_layer[1] / 1e9:.3f} GB, largest tensor {self.largest_tensor[0]} "
-                f"{self.largest_tensor[1] / 1e9:.3f} GB")
+                f"{self.largest_layer[0]} {self.largest_layer[1] / 1e9:.3f} GB, "
+                f"largest tensor {self.largest_tensor[0]} {self.largest_tensor[1] / 1e9:.3f} GB")
         if self.verify is not None:
             line += "; verify: " + ("identical" if self.verify.ok else "DIFFERENT")
         return line

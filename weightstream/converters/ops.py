@@ -216,7 +216,8 @@ class FusedExperts:
         return [tensor[e].narrow(0, p * rows, rows) for e in range(experts) for p in range(self.parts)]
 
     def to_megatron(self, parts: Sequence[Tensor], ctx: OpContext, megatron_shape: torch.Size) -> Tensor:
-        per = [torch.cat(list(parts[e * self.parts : (e + 1) * self.parts]), dim=0) for e in range(len(parts) // self.parts)]
+        per = [torch.cat(list(parts[e * self.parts : (e + 1) * self.parts]), dim=0)
+               for e in range(len(parts) // self.parts)]
         return torch.stack(per, dim=0)
 
 

@@ -84,7 +84,8 @@ def _moe_features(config: Any, shared: bool) -> dict[str, Any]:
         "num_experts": int(config.num_experts),
         "moe_intermediate_size": int(config.moe_intermediate_size),
         "moe_top_k": int(config.num_experts_per_tok),
-        "shared_expert_intermediate_size": int(getattr(config, "shared_expert_intermediate_size", 0) or 0) if shared else 0,
+        "shared_expert_intermediate_size": (int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
+                                            if shared else 0),
         "norm_topk_prob": bool(getattr(config, "norm_topk_prob", False)),
         "dense_layers": dense_layers(config),
     }
@@ -92,7 +93,8 @@ def _moe_features(config: Any, shared: bool) -> dict[str, Any]:
 
 def qwen2_moe_features(config: Any) -> dict[str, Any]:
     # transformers 5 names the q/k/v bias switch ``qkv_bias`` (default on); older configs do not have it.
-    return {**qwen2_features(config), "qkv_bias": bool(getattr(config, "qkv_bias", True)), **_moe_features(config, True)}
+    return {**qwen2_features(config), "qkv_bias": bool(getattr(config, "qkv_bias", True)),
+            **_moe_features(config, True)}
 
 
 def qwen3_moe_features(config: Any) -> dict[str, Any]:

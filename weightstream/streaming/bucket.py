@@ -157,7 +157,8 @@ class Bucket:
 
         metas = []
         for item in metadata:
-            meta = TensorMeta(item["name"], dtype_from_name(item["dtype"]), tuple(item["shape"]), int(item["start_idx"]))
+            meta = TensorMeta(item["name"], dtype_from_name(item["dtype"]), tuple(item["shape"]),
+                              int(item["start_idx"]))
             if meta.offset + meta.nbytes != int(item["end_idx"]) or meta.offset + meta.nbytes > buffer.numel():
                 raise ValueError(f"bucket metadata for {meta.name!r} does not fit the buffer")
             metas.append(meta)

@@ -189,7 +189,8 @@ def build_table(
                 problems.add("HF tensors the config does not have", f"{out.name} (from {name})")
                 bad = True
             elif want != out.shape:
-                problems.add("shape mismatches", f"{out.name}: config says {want}, model gives {out.shape} (from {name})")
+                problems.add("shape mismatches",
+                             f"{out.name}: config says {want}, model gives {out.shape} (from {name})")
                 bad = True
         if not bad:
             entries.append(_with_outputs(entry, outputs))
