@@ -9,6 +9,7 @@ as users run them; the engine is the reference engine, its worker a process of i
 from __future__ import annotations
 
 import base64
+import collections
 import json
 import os
 import pickle
@@ -339,8 +340,9 @@ def test_per_bucket_clients_leave_no_manager_descriptor_or_file(checkpoints, tra
             try:
                 _until(lambda: _held(worker).fds == before.fds, RELEASE_BOUND_S)
             except AssertionError:
-                extra = [w for w in _held(worker).what if w not in before.what]
-                raise AssertionError(f"the engine worker holds {extra} more than before") from None
+                now = collections.Counter(_held(worker).what)
+                raise AssertionError(f"the engine worker holds {dict(now - collections.Counter(before.what))} more "
+                                     f"and {dict(collections.Counter(before.what) - now)} fewer than before") from None
             assert _held(worker).shared == before.shared
             assert not _shm_named_by({report["pid"], worker}), os.listdir("/dev/shm")
             print(f"per-bucket trainer: its manager ended {gone:.2f} s after it")
