@@ -99,7 +99,8 @@ def assert_per_rank_experts(results: list[dict], src: str, num_experts: int, ep:
             own = set(range(r["ep_rank"] * per_rank, (r["ep_rank"] + 1) * per_rank))
             for layer in moe_layers:
                 held = {int(m.group(2)) for n in names if (m := _EXPERT.match(n)) and int(m.group(1)) == layer}
-                assert held == own, f"{r['label']} rank {r['rank']} layer {layer}: experts {sorted(held)}, owns {sorted(own)}"
+                assert held == own, (f"{r['label']} rank {r['rank']} layer {layer}: experts {sorted(held)}, "
+                                     f"owns {sorted(own)}")
             assert {n for n in names if not _EXPERT.match(n)} == non_expert
             for name, shard, t in r["shards"]:
                 # The engine rank that holds this piece: (EP rank, expert-TP rank) for experts, TP rank otherwise.

@@ -151,7 +151,8 @@ def _with_metadata_extra(saved: dict[str, Path], root: Path, extra: object) -> P
     return copy
 
 
-CRAFTED = {"legacy": (_with_legacy_extra, RANK_FILE), "torch_dist": (_with_metadata_extra, Path("iter_0000007/.metadata"))}
+CRAFTED = {"legacy": (_with_legacy_extra, RANK_FILE),
+           "torch_dist": (_with_metadata_extra, Path("iter_0000007/.metadata"))}
 
 
 @pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
@@ -237,7 +238,8 @@ def _flip_distcp_embedding(root: Path) -> str:
     flipped = zlib.crc32(file.read_bytes()[item.offset + data: item.offset + data + info.file_size])
     assert zlib.crc32(raw[data: data + info.file_size]) == info.CRC != flipped
     end = item.offset + item.length
-    return (f"the checkpoint {{dist}} holds damaged tensor data: {re.escape(EMBEDDING)} \\(bytes {item.offset}\\.\\.{end} "
+    return (f"the checkpoint {{dist}} holds damaged tensor data: {re.escape(EMBEDDING)} "
+            f"\\(bytes {item.offset}\\.\\.{end} "
             f"of {re.escape(item.relative_path)}\\): {re.escape(info.filename)}: CRC-32 {flipped:08x}, recorded "
             f"{info.CRC:08x}")
 
@@ -320,7 +322,8 @@ def _distcp_truncated(root: Path, hf: Path) -> str:
 @_case("distcp emptied", "torch_dist")
 def _distcp_emptied(root: Path, hf: Path) -> str:
     _cut(root / "torch_dist/iter_0000007/__0_0.distcp", 0.0)
-    return "the checkpoint {dist} has 1 truncated shard file\\(s\\): __0_0\\.distcp \\(0 bytes, its items need [0-9]+\\)"
+    return ("the checkpoint {dist} has 1 truncated shard file\\(s\\): "
+            "__0_0\\.distcp \\(0 bytes, its items need [0-9]+\\)")
 
 
 @_case("distcp bit flip", "torch_dist")
@@ -396,7 +399,8 @@ def test_bad_files_get_one_clear_line(saved, tmp_path, capsys, case):
     hf = tmp_path / "hf"
     shutil.copytree(saved["hf"], hf)
     sharded = _sharded(root, hf) if target == "verify sharded" else None
-    paths = {"legacy": root / "legacy" / RANK_FILE, "dist": root / "torch_dist" / "iter_0000007", "root": root, "hf": hf}
+    paths = {"legacy": root / "legacy" / RANK_FILE, "dist": root / "torch_dist" / "iter_0000007", "root": root,
+             "hf": hf}
     expected = spoil(root, hf).format(**{k: re.escape(str(v)) for k, v in paths.items()})
     if target.startswith("verify"):
         argv = ["verify", str(saved["hf"]), str(sharded or hf)]

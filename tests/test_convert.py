@@ -35,7 +35,8 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron")
     dense = save_random_checkpoint(preset_config("tiny-qwen3"), root / "hf-dense", seed=81)
     moe = save_random_checkpoint(preset_config("tiny-qwen3-moe"), root / "hf-moe", seed=82)
-    cases = [(Case(dense, Layout(2, 2)), str(root / "dense")), (Case(moe, Layout(1, 2, vpp=2, ep=2)), str(root / "moe"))]
+    cases = [(Case(dense, Layout(2, 2)), str(root / "dense")),
+             (Case(moe, Layout(1, 2, vpp=2, ep=2)), str(root / "moe"))]
     results = launch(4, run_saves, cases)
     (dense_out, moe_out) = results[-1]  # the last stage holds the logits
     return {"dense": (dense, root / "dense", dense_out["logits"]), "moe": (moe, root / "moe", moe_out["logits"])}

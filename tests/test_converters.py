@@ -40,7 +40,8 @@ def test_register_a_new_model_with_the_decorator():
     @register_converter("my_qwen")
     def my_qwen() -> ws.Converter:
         return get_converter("qwen3").derive(
-            "my_qwen", add=[Mapping("decoder.layers.*.self_attention.extra.weight", "model.layers.*.self_attn.extra.weight")]
+            "my_qwen",
+            add=[Mapping("decoder.layers.*.self_attention.extra.weight", "model.layers.*.self_attn.extra.weight")],
         )
 
     try:
@@ -130,7 +131,8 @@ def test_table_lists_every_problem_at_once():
         "decoder.layers.2.self_attention.rotary.inv_freq",
     ]
     assert problems["HF tensors the model does not provide"] == ["model.layers.1.self_attn.k_norm.weight"]
-    assert len(problems["shape mismatches"]) == 1 and "model.layers.3.mlp.down_proj.weight" in problems["shape mismatches"][0]
+    assert len(problems["shape mismatches"]) == 1
+    assert "model.layers.3.mlp.down_proj.weight" in problems["shape mismatches"][0]
     text = str(err.value)
     assert "mystery" in text and "k_norm" in text and "down_proj" in text
 

@@ -246,7 +246,8 @@ def test_generate_takes_one_prompt_or_rows_of_any_length(server):
     body = {"input_ids": [[1, 2, 3], [4]], "sampling_params": {"max_new_tokens": 2}}
     status, reply = request(server.url, "POST", "/generate", body)
     assert status == 200 and [len(r["output_ids"]) for r in reply] == [2, 2]
-    status, reply = request(server.url, "POST", "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
+    status, reply = request(server.url, "POST", "/generate",
+                            {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
     assert status == 200 and len(reply["output_ids"]) == 1
 
 

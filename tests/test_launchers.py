@@ -1,6 +1,7 @@
 """Trainers started the way users start them — ``torchrun`` (whose workers see
 ``TORCHELASTIC_USE_AGENT_STORE``) and a plain single process — update a running reference engine by
-broadcast, by P2P and by IPC (its control channel per TP rank); the engine's logits equal the HF model's after each update."""
+broadcast, by P2P and by IPC (its control channel per TP rank); the engine's logits equal the HF model's after
+each update."""
 
 from __future__ import annotations
 

@@ -29,7 +29,8 @@ def _cfg(name: str, **overrides):
 
 def test_features_follow_the_hf_config_layer_by_layer():
     s2 = ModelSpec.from_hf_config(preset_config("tiny-qwen2-moe"))
-    assert (s2.num_experts, s2.moe_top_k, s2.moe_intermediate_size, s2.shared_expert_intermediate_size) == (8, 2, 32, 48)
+    assert (s2.num_experts, s2.moe_top_k, s2.moe_intermediate_size,
+            s2.shared_expert_intermediate_size) == (8, 2, 32, 48)
     assert (s2.qkv_bias, s2.qk_norm, s2.norm_topk_prob, s2.dense_layers) == (True, False, False, frozenset({1}))
     assert [s2.is_moe_layer(i) for i in range(4)] == [True, False, True, True]
     s3 = ModelSpec.from_hf_config(preset_config("tiny-qwen3-moe"))
@@ -39,7 +40,8 @@ def test_features_follow_the_hf_config_layer_by_layer():
     s = ModelSpec.from_hf_config(_cfg("tiny-qwen3-moe", decoder_sparse_step=2, mlp_only_layers=[3]))
     assert s.dense_layers == frozenset({0, 2, 3})
     big = ModelSpec.from_hf_config(preset_config("qwen3-30b-a3b"))
-    assert (big.num_experts, big.moe_top_k, big.moe_intermediate_size, big.num_layers, big.head_dim) == (128, 8, 768, 48, 128)
+    assert (big.num_experts, big.moe_top_k, big.moe_intermediate_size, big.num_layers,
+            big.head_dim) == (128, 8, 768, 48, 128)
 
 
 def test_bad_moe_configs_list_every_problem():
@@ -54,11 +56,13 @@ def test_both_expert_namings_resolve_to_the_checkpoint_names():
     spec = ModelSpec.from_hf_config(preset_config("tiny-qwen3-moe"))
     conv = get_converter("qwen3_moe")
     for fc1, fc2 in (
-        ("decoder.layers.3.mlp.experts.local_experts.6.linear_fc1.weight", "decoder.layers.3.mlp.experts.local_experts.6.linear_fc2.weight"),
+        ("decoder.layers.3.mlp.experts.local_experts.6.linear_fc1.weight",
+         "decoder.layers.3.mlp.experts.local_experts.6.linear_fc2.weight"),
         ("decoder.layers.3.mlp.experts.linear_fc1.weight6", "decoder.layers.3.mlp.experts.linear_fc2.weight6"),
     ):
         r1, r2 = conv.resolve(fc1, spec), conv.resolve(fc2, spec)
-        assert r1.hf_names == ("model.layers.3.mlp.experts.6.gate_proj.weight", "model.layers.3.mlp.experts.6.up_proj.weight")
+        assert r1.hf_names == ("model.layers.3.mlp.experts.6.gate_proj.weight",
+                               "model.layers.3.mlp.experts.6.up_proj.weight")
         assert r2.hf_names == ("model.layers.3.mlp.experts.6.down_proj.weight",)
         # Split over expert-TP (not dense TP); fc2 on dim 1 whatever Megatron reports for grouped fc2.
         assert (r1.mapping.tp_group, r1.mapping.tp_dim, r2.mapping.tp_group, r2.mapping.tp_dim) == ("etp", 0, "etp", 1)
@@ -79,7 +83,8 @@ def test_qwen2_moe_shared_expert_and_families_share_declarations():
         "model.layers.2.mlp.shared_expert_gate.weight",
     )
     # A dense layer of an MoE model converts through the dense declarations.
-    assert conv.resolve("decoder.layers.1.mlp.linear_fc2.weight", spec).hf_names == ("model.layers.1.mlp.down_proj.weight",)
+    dense_fc2 = conv.resolve("decoder.layers.1.mlp.linear_fc2.weight", spec)
+    assert dense_fc2.hf_names == ("model.layers.1.mlp.down_proj.weight",)
     # Each MoE family is its dense family plus expert declarations, shared by reference.
     for moe, dense in (("qwen2_moe", "qwen2"), ("qwen3_moe", "qwen3")):
         dense_mappings = get_converter(dense).mappings
@@ -151,7 +156,8 @@ def _moe_listing(spec: ModelSpec, *, ep: int, ep_rank: int, etp: int = 1, groupe
             if grouped:
                 names = (f"{p}mlp.experts.linear_fc1.weight{g}", f"{p}mlp.experts.linear_fc2.weight{g}")
             else:
-                names = (f"{p}mlp.experts.local_experts.{g}.linear_fc1.weight", f"{p}mlp.experts.local_experts.{g}.linear_fc2.weight")
+                names = (f"{p}mlp.experts.local_experts.{g}.linear_fc1.weight",
+                         f"{p}mlp.experts.local_experts.{g}.linear_fc2.weight")
             out += [(names[0], (2 * ffn, h), True), (names[1], (h, ffn), True)]
         if spec.shared_expert_intermediate_size:
             s = spec.shared_expert_intermediate_size
@@ -198,7 +204,8 @@ def test_local_expert_ids_reported_as_global_are_caught():
         _ep_table(cfg, ep=2, global_ids=False)
     problems = err.value.problems
     doubled = problems["experts held by several expert-parallel ranks (local expert ids reported as global?)"]
-    assert len(doubled) == 4 * 4 * 2 and "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight: EP ranks [0, 1]" in doubled
+    assert len(doubled) == 4 * 4 * 2
+    assert "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight: EP ranks [0, 1]" in doubled
     # Experts 4..7 nowhere; experts 0..3 refused rather than taken from an arbitrary rank.
     missing = problems["HF tensors the model does not provide"]
     assert len(missing) == 4 * 8 * 3 and "model.layers.3.mlp.experts.7.down_proj.weight" in missing
@@ -211,10 +218,12 @@ def test_expert_bias_in_the_table_is_named_with_its_reason():
     listing.append(("decoder.layers.2.mlp.router.expert_bias", (8,), "float32", False))
     listing.append(("decoder.layers.2.mlp.router.mystery", (8,), "float32", False))
     with pytest.raises(ConversionError) as err:
-        build_table([RankMeta(0, 0, 0, 0, tuple(listing))], get_converter("qwen3_moe"), spec, expected_hf_shapes(cfg), tp_size=1)
+        build_table([RankMeta(0, 0, 0, 0, tuple(listing))], get_converter("qwen3_moe"), spec, expected_hf_shapes(cfg),
+                    tp_size=1)
     problems = err.value.problems
     (refused,) = problems["Megatron tensors the HF model has no place for"]
-    assert refused.startswith("decoder.layers.2.mlp.router.expert_bias: ") and "moe_router_enable_expert_bias" in refused
+    assert refused.startswith("decoder.layers.2.mlp.router.expert_bias: ")
+    assert "moe_router_enable_expert_bias" in refused
     assert problems["Megatron tensors no mapping covers"] == ["decoder.layers.2.mlp.router.mystery"]
 
 

@@ -97,7 +97,8 @@ def test_moe_world2_ep1_ep2_expert_tp_grouped_per_rank_router_dtype_expert_bias(
         for err in (r, r["load"]):
             assert err["type"] == "ConversionError", err
             refused = err["problems"]["Megatron tensors the HF model has no place for"]
-            assert [x.split(":")[0] for x in refused] == [f"decoder.layers.{i}.mlp.router.expert_bias" for i in range(4)]
+            assert [x.split(":")[0] for x in refused] == [f"decoder.layers.{i}.mlp.router.expert_bias"
+                                                          for i in range(4)]
             assert "e_score_correction_bias" in refused[0]
 
 

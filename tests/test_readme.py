@@ -19,7 +19,8 @@ def test_register_example_runs_as_written(tmp_path):
     script = tmp_path / "llama_example.py"
     script.write_text(block)
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "llama: 21 tensors bit-identical on each of 2 ranks" in out.stdout
 

@@ -68,7 +68,8 @@ def test_broadcast_tp2_pp2_two_updates(sources, engine_dir, tmp_path):
         updates = [
             {"transport": "auto", "bucket_bytes": SMALL, "save_to": str(saved1), "checksums": True,
              "weight_version": "step-1"},
-            {"transport": "auto", "bucket_bytes": SMALL, "reseed": 7, "save_to": str(saved2), "weight_version": "step-2"},
+            {"transport": "auto", "bucket_bytes": SMALL, "reseed": 7, "save_to": str(saved2),
+             "weight_version": "step-2"},
         ]
         # Trainer rank 0 reads the engine's logits right after each update.
         results = launch(4, run_update, Case(src, Layout(2, 2)), [server.url], updates)
@@ -107,7 +108,8 @@ def test_p2p_without_any_gather_and_fallback(sources, engine_dir):
     src = sources["tiny-qwen3-tied"]
     tied_dir = save_random_checkpoint(preset_config("tiny-qwen3-tied"), engine_dir + "-tied", seed=5)
     with engine(tied_dir, tp=2) as two, engine(tied_dir, tp=1) as one:
-        results = launch(2, run_update, Case(src, Layout(2, 1)), [two.url], [{"transport": "auto", "bucket_bytes": SMALL}])
+        results = launch(2, run_update, Case(src, Layout(2, 1)), [two.url],
+                         [{"transport": "auto", "bucket_bytes": SMALL}])
         (p2p,) = _ok(results)
         l2 = ReferenceEngine(two.url).logits(INPUT_IDS)
         (fallback,) = _ok(launch(2, run_update, Case(src, Layout(2, 1)), [one.url],

@@ -569,7 +569,8 @@ def ipc_child(bodies_path: str, expected_path: str) -> None:
             r["names_equal"] = r["names"] == [n for n, _ in want]
             r["dtypes_equal"] = [t.dtype for _, t in got] == [t.dtype for _, t in want]
             r["shapes_equal"] = [tuple(t.shape) for _, t in got] == [tuple(t.shape) for _, t in want]
-            r["tensors_equal"] = len(got) == len(want) and all(same_bits(a, b) for (_, a), (_, b) in zip(got, want, strict=True))
+            r["tensors_equal"] = len(got) == len(want) and all(same_bits(a, b)
+                                                              for (_, a), (_, b) in zip(got, want, strict=True))
             r["finished_semantics"] = (r["cached_ipc_tensor_after_bucket"] and r["post_load_passes_after_bucket"] == 0
                                        and r["loaded_by_finished"] == 0 and r["post_load_passes_after_finished"] == 1
                                        and not r["cached_ipc_tensor_after_finished"])

@@ -60,7 +60,8 @@ def main() -> None:
             torch.save(ReferenceEngine(args.engine).logits(INPUT_IDS), os.path.join(args.out, f"logits{step}.pt"))
             reports.append({"transport": report.transport, "reason": report.reason, "tensors": report.tensors,
                             "ahead": report.metadata_ahead, "direct": report.direct,
-                            "version": report.weight_version, "launcher_env": "TORCHELASTIC_USE_AGENT_STORE" in os.environ})
+                            "version": report.weight_version,
+                            "launcher_env": "TORCHELASTIC_USE_AGENT_STORE" in os.environ})
     if dist.get_rank() == 0:
         with open(os.path.join(args.out, "reports.json"), "w") as f:
             json.dump(reports, f)
