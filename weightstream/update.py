@@ -338,7 +338,7 @@ class WeightSync:
             together = not rest and all(hasattr(e, "commit_and_resume") for e in self.engines)
             try:
                 # Where nothing else comes between, the engines that can commit and resume in one request.
-                # ``together``: every engine has commit_and_resume (checked above), which no type can say.
+                # ``together``: every engine has commit_and_resume (the hasattr above); the cast says what it found.
                 versions = {e.url: cast(CommitsAndResumes, e).commit_and_resume() if together else e.commit_update()
                             for e in self.engines}
                 wrong = {u: v for u, v in versions.items() if v != version}

@@ -99,7 +99,7 @@ class BroadcastSink(PipelinedSink):
             metas = [stream.bucket_metas(i) for i in range(len(stream))]
             # The engine answers once it has loaded the last bucket: bounded by the whole update's bytes.
             bound = self.timeout_s * (1 + len(metas) / 8)
-            # Declaring BROADCAST_AHEAD is declaring the method: a capability, not a type, says so.
+            # An engine that declares BROADCAST_AHEAD has receive_broadcast_ahead: its info says so, not its type.
             ahead = [cast(BroadcastAheadEngine, e) for e in self.engines]
             self._ahead = [self._engine_pool().submit(e.receive_broadcast_ahead, metas, bound) for e in ahead]
             self._ahead_bound = bound
