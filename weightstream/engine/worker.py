@@ -99,6 +99,7 @@ class _Pipeline:
             worker.receive_buffers = bufs = [typed_buffer(largest, worker.device) for _ in range(2)]
         if worker.load_stream is None:
             worker.load_stream = torch.cuda.Stream(worker.device)
+        self.load_stream = worker.load_stream  # the worker's, kept across updates
         self.loaded = [torch.cuda.Event(), torch.cuda.Event()]
         self.main = torch.cuda.current_stream(worker.device)
 
@@ -117,7 +118,7 @@ class _Pipeline:
         if not self.cuda:
             yield
             return
-        stream = self.worker.load_stream
+        stream = self.load_stream
         stream.wait_stream(self.main)
         try:
             with torch.cuda.stream(stream):
@@ -161,7 +162,7 @@ class Worker:
         self.direct_updates = 0  # updates the trainer wrote straight into our weights
         # GPU: broadcast buckets sent ahead are received into two kept buffers, loaded on a stream of their own.
         self.receive_buffers: list[torch.Tensor] = []
-        self.load_stream = None
+        self.load_stream: torch.cuda.Stream | None = None
         # Dense broadcast buckets seen before (by names, dtypes, shapes): the parameters they load into,
         # checked once, and how to cut the received buffer; an update repeats the same buckets.
         self.programs: dict[tuple, Any] = {}
@@ -258,11 +259,11 @@ class Worker:
         """The programs of every bucket of ``plan`` from the trainer's metadata frame (kept for the next
         update of the same plan), or what is wrong with the frame."""
         buckets = frame.get("buckets")
-        problems = buckets_problems(buckets, offsets=True)
-        if not problems and len(buckets) != num_buckets:
-            problems.append(f"{len(buckets)} buckets described, {num_buckets} announced")
-        if problems:
+        problems = buckets_problems(buckets, offsets=True)  # says so where it is not a list
+        if problems or not isinstance(buckets, list):
             return "bad bucket metadata: " + "; ".join(problems)
+        if len(buckets) != num_buckets:
+            return f"bad bucket metadata: {len(buckets)} buckets described, {num_buckets} announced"
         programs = [self._program([TensorMeta(n, dtype_from_name(d), tuple(s), o) for n, d, s, o in
                                    zip(b["names"], b["dtypes"], b["shapes"], b["offsets"], strict=True)])
                     for b in buckets]
@@ -410,7 +411,8 @@ class Worker:
         # this worker (a fork server, spawn).
         self.engine_pid = fd_peer(conn.fileno()).pid
         while True:
-            watched = [conn] if self.ipc_lease is None else [conn, self.ipc_lease]
+            # The lease by its descriptor: what wait() registers of it anyway, and a type typeshed knows.
+            watched: list[Connection | int] = [conn] if self.ipc_lease is None else [conn, self.ipc_lease.fileno()]
             ready = wait_for(watched)
             if conn in ready:
                 return conn.recv()
@@ -460,7 +462,8 @@ class Worker:
         names = [n for program in programs for n in program.names]
         targets = [t for program in programs for group in program.targets for t in group]
         storages: dict[int, int] = {}
-        wholes, where = [], []
+        wholes: list[torch.Tensor] = []
+        where: list[list[Any]] = []
         for t in targets:
             st = t.untyped_storage()
             idx = storages.get(st._cdata)
@@ -493,7 +496,7 @@ class Worker:
         answer)."""
         cuda = self.device.type == "cuda"
         with _failures_answered(chan):
-            events = self._open_events(answer.get("events") or ()) if cuda else None
+            events = self._open_events(answer.get("events") or ()) if cuda else []
             if cuda and len(events) != 4:
                 raise RuntimeError("the trainer sent no CUDA events")
             self.model.begin_writes(export.names, export.targets)

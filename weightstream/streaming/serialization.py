@@ -63,7 +63,13 @@ def _reduce_tensor_with_uuid(tensor: torch.Tensor):
 
 class _Pickler(ForkingPickler):
     _extra: ClassVar[dict] = {torch.Tensor: _reduce_tensor_with_uuid, torch.nn.Parameter: _reduce_tensor_with_uuid}
-    dispatch_table: ClassVar[dict] = {**ForkingPickler._extra_reducers, **copyreg.dispatch_table, **_extra}
+    # A class default of Pickler's per-instance attribute (as pickle documents), so not a ClassVar. typeshed
+    # does not declare ForkingPickler._extra_reducers, its class-level table of registered reducers.
+    dispatch_table: dict = {
+        **ForkingPickler._extra_reducers,  # type: ignore[attr-defined]
+        **copyreg.dispatch_table,
+        **_extra,
+    }
 
 
 def dumps(obj: Any) -> bytes:
@@ -295,7 +301,8 @@ def map_fd(fd: int, nbytes: int) -> torch.Tensor:
     if not stat.S_ISREG(info.st_mode) or not 0 < nbytes <= info.st_size:
         raise ValueError(f"descriptor {fd} is not a shared-memory file of at least {nbytes} bytes "
                          f"({info.st_size} bytes)")
-    storage = torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)
+    # torch's stubs do not declare this private constructor (the inverse of ``_share_fd_cpu_``).
+    storage = torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)  # type: ignore[attr-defined]
     return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 

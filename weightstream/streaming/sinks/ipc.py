@@ -37,7 +37,7 @@ import weakref
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,7 @@ import torch.distributed as dist
 from weightstream.bounds import Deadline
 from weightstream.errors import UpdateError
 from weightstream.models.spec import dtype_from_name
-from weightstream.streaming.adapters.base import IPC_AHEAD, EngineAdapter
+from weightstream.streaming.adapters.base import IPC_AHEAD, EngineAdapter, IPCAheadEngine
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.channel import Channel, Listener
 from weightstream.streaming.serialization import (
@@ -82,9 +82,10 @@ class IPCSink:
         self._lease: Channel | None = None  # the last update's, kept open: the engine holds our buffers while it is
         self._announces = False  # per bucket on the CPU, to an engine that takes the control channel
         self._announced = False  # (every rank) the colocated ranks' leases are open
+        self._keeps_channels = False  # the engine declares ipc_ahead (rank 0 asked it; every rank is told)
         self._pool: ThreadPoolExecutor | None = None
         self._ahead: Future | None = None
-        self._events: list[Any] | None = None  # CUDA: ready[0], ready[1], done[0], done[1]
+        self._events: list[torch.cuda.Event] | None = None  # CUDA: ready[0], ready[1], done[0], done[1]
         self._known: OrderedDict[int, tuple[int, torch.Tensor]] = OrderedDict()  # storage -> (id, whole buffer)
         self._next_id = 0
         self._sent = 0
@@ -111,7 +112,7 @@ class IPCSink:
         elif self._announces and not self._announced:
             self._announce(stream)
         if self.writing:  # the engine backs up what we overwrite first: its stream's event, or (CPU) its word
-            ready = self._channel.recv(self.timeout_s, "the engine's word that it is ready for the writes")
+            ready = self._control().recv(self.timeout_s, "the engine's word that it is ready for the writes")
             if "error" in ready:
                 raise UpdateError("connect", str(ready["error"]), [self.engine.url])
             if self._events is not None:
@@ -133,9 +134,10 @@ class IPCSink:
             named = [self._name_buffer(b.untyped_storage(), b.device, keep=True) for b in kept]
             names = [n for n, _, _ in named]
             # Bucket k is packed into kept buffer k % 2 from its start: the engine makes its copies out of it now.
-            self._channel.send({"buffers": names, "slots": [n["buf"] for n in names]},
-                               [fd for _, _, fds in named for fd in fds])
-            reply = self._channel.recv(self.timeout_s, "the engine's answer to the kept buffers")
+            channel = self._control()
+            channel.send({"buffers": names, "slots": [n["buf"] for n in names]},
+                         [fd for _, _, fds in named for fd in fds])
+            reply = channel.recv(self.timeout_s, "the engine's answer to the kept buffers")
             if "error" in reply:
                 raise UpdateError("prepare", str(reply["error"]), [self.engine.url])
         self.close("prepare")
@@ -146,8 +148,9 @@ class IPCSink:
         the kernel's word, which process made the shared memory the payloads name; kept as the lease."""
         self._open_ahead(stream, prepare=True, direct=False)
         if self.rank < self.engine_tp:
-            self._channel.send({"buffers": [], "slots": []})
-            reply = self._channel.recv(self.timeout_s, "the engine's answer to this trainer's announcement")
+            channel = self._control()
+            channel.send({"buffers": [], "slots": []})
+            reply = channel.recv(self.timeout_s, "the engine's answer to this trainer's announcement")
             if "error" in reply:
                 raise UpdateError("connect", str(reply["error"]), [self.engine.url])
         self._end_ahead("connect")
@@ -165,6 +168,7 @@ class IPCSink:
         if self.world > 1:
             dist.broadcast_object_list(info, group_src=0)
         self.engine_tp, channel, self._client = int(info[0][0]), bool(info[0][1]), info[0][2]
+        self._keeps_channels = channel
         if self.engine_tp > self.world:
             raise ValueError(f"engine TP {self.engine_tp} needs as many colocated trainer ranks; "
                              f"the job has {self.world}")
@@ -176,29 +180,28 @@ class IPCSink:
         """The engine's request (the update, or with ``prepare`` its preparation) goes from rank 0; each
         engine rank connects to its trainer rank's control channel and is told the plan's layout if it does
         not know it. ``direct``: this rank may take the engine's offer to write into its weights."""
-        sender = self.rank < self.engine_tp
-        if sender and self._listener is None:
-            self._listener = Listener()
-        mine = self._listener.address if sender else None
-        everyone = [mine]
-        if self.world > 1:
-            everyone = [None] * self.world if self.rank == 0 else None
-            dist.gather_object(mine, everyone, group_dst=0)
+        listener: Listener | None = None  # where this rank sends: the engine rank of its TP rank connects to it
+        if self.rank < self.engine_tp:
+            if self._listener is None:
+                self._listener = Listener()
+            listener = self._listener
+        everyone = self._gather(listener.address if listener is not None else None)
         if self.rank == 0:
             self._pool = self._pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="ws-ipc")
             channels = everyone[: self.engine_tp]
-            post = self.engine.prepare_ipc_ahead if prepare else self.engine.receive_ipc_ahead
+            engine = self._ahead_engine()
+            post = engine.prepare_ipc_ahead if prepare else engine.receive_ipc_ahead
             self._ahead = self._pool.submit(post, stream.metadata_digest(), len(stream), channels, self._client,
                                             self.timeout_s)
-        if not sender:
+        if listener is None:
             return
-        self._channel = self._listener.accept(self.timeout_s, abandon=self._engine_gave_up)
-        hello = self._channel.recv(self.timeout_s, "greeting from the engine")
+        channel = self._channel = listener.accept(self.timeout_s, abandon=self._engine_gave_up)
+        hello = channel.recv(self.timeout_s, "greeting from the engine")
         held = set(hello.get("have") or ()) if hello.get("client") == self._client else set()
         for key in [k for k, (i, _) in self._known.items() if i not in held]:
             del self._known[key]  # the engine no longer holds it: sent again when next used
         if not hello.get("plan_known"):  # the layout of every bucket, once per plan
-            self._channel.send(self.engine.ipc_plan_frame([stream.bucket_metas(i) for i in range(len(stream))]))
+            channel.send(self._ahead_engine().ipc_plan_frame([stream.bucket_metas(i) for i in range(len(stream))]))
         if stream.device.type == "cuda" and self._events is None:
             self._events = [torch.cuda.Event(interprocess=True) for _ in range(4)]
         self._answer_offer(stream, direct)
@@ -209,15 +212,16 @@ class IPCSink:
         transport copy is left to check), naming the export of the engine's weights it holds; the engine
         answers with its export's id, and with the export itself unless that is the one held (mapped here
         then), and the stream writes into it. On the CPU the export's storages come as descriptors."""
-        can = self._channel.recv(self.timeout_s, "the engine's offer of direct writes").get("direct")
+        channel = self._control()
+        can = channel.recv(self.timeout_s, "the engine's offer of direct writes").get("direct")
         use = bool(can) and direct and self.direct and not self.checksums and stream.can_write_into()
         answer: dict[str, Any] = {"direct": use, "have": self._targets_id}
         if use and self._events is not None:
             answer["events"] = [base64.b64encode(e.ipc_handle()).decode() for e in self._events]
-        self._channel.send(answer)
+        channel.send(answer)
         if not use:
             return
-        frame, fds = self._channel.recv_fds(self.timeout_s, "the engine's weights to write into")
+        frame, fds = channel.recv_fds(self.timeout_s, "the engine's weights to write into")
         try:
             if "error" in frame or not frame.get("export"):
                 raise UpdateError("connect", str(frame.get("error") or "the engine sent no export of its weights"),
@@ -271,10 +275,11 @@ class IPCSink:
         if self.checksums:
             frame["checksum"] = checksum(buffer)
         if cuda:
+            events = self._cuda_events()
             if k == 0:
-                frame["events"] = [base64.b64encode(e.ipc_handle()).decode() for e in self._events]
-            self._events[k % 2].record(torch.cuda.current_stream(buffer.device))
-        self._channel.send(frame, fds)
+                frame["events"] = [base64.b64encode(e.ipc_handle()).decode() for e in events]
+            events[k % 2].record(torch.cuda.current_stream(buffer.device))
+        self._control().send(frame, fds)
         self._outstanding.append((k, hold))
         while len(self._outstanding) > 1:  # bucket k - 1's buffer is packed again next
             self._settle()
@@ -309,9 +314,10 @@ class IPCSink:
         """The engine's answer to the oldest bucket in flight; on a GPU this stream then waits for the
         engine's copies out of that buffer (an event), not the host."""
         k, _ = self._outstanding[0]
+        channel = self._control()
         t = time.perf_counter()
         try:
-            reply = self._channel.recv(self.timeout_s, f"answer to bucket {k} from the engine")
+            reply = channel.recv(self.timeout_s, f"answer to bucket {k} from the engine")
         except TimeoutError as exc:
             raise UpdateError(f"bucket {k}", f"{exc}{self._engine_said(0.0)}", [self.engine.url]) from None
         except ConnectionError as exc:  # the engine's request ends at once too: say what it answered
@@ -329,10 +335,11 @@ class IPCSink:
         finishes, and it answers."""
         if self._events is not None:
             self._events[0].record(torch.cuda.current_stream(self._device_of_targets()))
-        self._channel.send({"done": True})
+        channel = self._control()
+        channel.send({"done": True})
         t = time.perf_counter()
         try:
-            reply = self._channel.recv(self.timeout_s, "the engine's answer to the writes")
+            reply = channel.recv(self.timeout_s, "the engine's answer to the writes")
         except (TimeoutError, ConnectionError) as exc:
             raise UpdateError("buckets", f"{exc}{self._engine_said(2.0)}", [self.engine.url]) from None
         self.waited += time.perf_counter() - t
@@ -340,7 +347,39 @@ class IPCSink:
             raise UpdateError("buckets", str(reply.get("error") or reply), [self.engine.url])
 
     def _device_of_targets(self) -> torch.device:
+        if self._targets is None:
+            raise RuntimeError("IPCSink: no weights of the engine are mapped here to write into")
         return next(iter(self._targets.values())).device
+
+    # -- what only some states have, checked ------------------------------------------------------
+
+    def _control(self) -> Channel:
+        """This update's control channel: opened by :meth:`_open_ahead` on a rank that sends, until the update
+        ends (then it is the lease)."""
+        if self._channel is None:
+            raise RuntimeError("IPCSink: no control channel is open on this rank (no update opened ahead)")
+        return self._channel
+
+    def _cuda_events(self) -> list[torch.cuda.Event]:
+        """The interprocess events of this sink: made by :meth:`_open_ahead` for a stream on a GPU."""
+        if self._events is None:
+            raise RuntimeError("IPCSink: a bucket on a GPU, but the update was not opened ahead on one")
+        return self._events
+
+    def _ahead_engine(self) -> IPCAheadEngine:
+        """The engine as one that keeps control channels: reached only where :meth:`_decide` found that it
+        declares ipc_ahead (and has ``receive_ipc_ahead``); its info says so, not its type."""
+        if not self._keeps_channels:
+            raise RuntimeError(f"IPCSink: the engine at {self.engine.url} does not declare ipc_ahead")
+        return cast(IPCAheadEngine, self.engine)
+
+    def _gather(self, mine: Any) -> list[Any]:
+        """Every rank's ``mine`` in rank order, on rank 0 (which alone uses it); an empty list on the others."""
+        if self.world == 1:
+            return [mine]
+        everyone = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(mine, everyone, group_dst=0)
+        return everyone or []
 
     def _engine_said(self, wait_s: float) -> str:
         """What the engine answered the update's request, if it does within ``wait_s`` (a dead engine says so)."""
@@ -419,7 +458,7 @@ class IPCSink:
         if self._engine_holds and self.rank == 0:
             self._engine_holds = False
             try:
-                self.engine.release_ipc_buffers(self._client, timeout_s=min(self.timeout_s, seconds or 10.0))
+                self._ahead_engine().release_ipc_buffers(self._client, timeout_s=min(self.timeout_s, seconds or 10.0))
             except Exception as exc:  # noqa: BLE001 -- best effort: the engine may be gone
                 log.warning("the engine at %s could not close this trainer's IPC buffers: %s", self.engine.url, exc)
 
@@ -432,10 +471,7 @@ class IPCSink:
         mine: Any = None
         if self.rank < self.engine_tp:
             mine = (self.engine.encode_ipc(bucket), checksum(bucket.buffer) if self.checksums else None)
-        everyone = [mine]
-        if self.world > 1:
-            everyone = [None] * self.world if self.rank == 0 else None
-            dist.gather_object(mine, everyone, group_dst=0)
+        everyone = self._gather(mine)
         status: list[Any] = [None]
         if self.rank == 0:
             try:
