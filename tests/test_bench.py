@@ -28,6 +28,7 @@ def test_rows_saved_with_json_print_again_from_it(tmp_path, capsys):
     from weightstream.cli import main
 
     res = run_bench("tiny-qwen3", "stream", dtype="float32", bucket_bytes=64 << 10, repeats=1)
+    assert res.check_ok is True and res.check.startswith(f"{res.tensors} HF tensors of one more stream bit-identical")
     write_json([res, res], tmp_path / "rows.json")
     assert main(["bench", "--from-json", str(tmp_path / "rows.json")]) == 0
     assert capsys.readouterr().out == (res.render() + "\n") * 2

@@ -174,10 +174,56 @@ def stream_job(cfg, dtype: str, bucket_bytes: int, repeats: int, reuse_buffers: 
     runs, peak = _timed(device, repeats + 1, stream_all)
     stats = runs[-1][1]
     best = min(runs[1:], key=lambda r: r[0]) if len(runs) > 1 else runs[0]
+    check, ok = _stream_check(chunks, cfg, bucket_bytes, reuse_buffers)
     return {"device": str(device), "cold_s": runs[0][0], "warm_s": [r[0] for r in runs[1:]], "bytes": stats.bytes,
             "tensors": stats.tensors, "buckets": stats.buckets, "peak_extra_bytes": peak,
             "phases": {"setup": best[1].setup_seconds, "pack": best[1].seconds},
-            "ceiling_s": copy_ceiling(stats.bytes, bucket_bytes, device, repeats)}
+            "ceiling_s": copy_ceiling(stats.bytes, bucket_bytes, device, repeats), "check": check, "check_ok": ok}
+
+
+def _expected_hf_tensors(chunks, cfg) -> dict[str, torch.Tensor]:
+    """Each HF tensor as the converter's op makes it from its Megatron parameter directly (one rank, TP 1): no
+    plan, no batching, no kept buffers."""
+    from weightstream.converters.ops import OpContext
+    from weightstream.converters.registry import get_converter
+    from weightstream.models.spec import ModelSpec
+    from weightstream.streaming.sources.megatron import local_tensors
+    from weightstream.streaming.topology import Topology
+
+    spec = ModelSpec.from_hf_config(cfg)
+    converter = get_converter(spec.model_type)
+    expected: dict[str, torch.Tensor] = {}
+    for local in local_tensors(chunks, Topology.current(), spec.num_experts):
+        resolved = converter.resolve(local.name, spec)
+        if resolved is not None and resolved.emit:
+            outs = resolved.mapping.op.to_hf(local.tensor.detach(), OpContext(spec))
+            expected.update(zip(resolved.hf_names, outs, strict=True))
+    return expected
+
+
+def _stream_check(chunks, cfg, bucket_bytes: int, reuse_buffers: bool) -> tuple[str, bool]:
+    """A stream row's check: one more stream through the plan and buffers the timed runs kept, each of its HF
+    tensors compared bit for bit with :func:`_expected_hf_tensors`, and none missing or extra."""
+    from weightstream.streaming.stream import stream_hf_weights
+
+    expected = _expected_hf_tensors(chunks, cfg)
+    problems: list[str] = []
+    same = 0
+    for bucket in stream_hf_weights(chunks, cfg, bucket_bytes=bucket_bytes, reuse_buffers=reuse_buffers):
+        for name, got in bucket.named_tensors():
+            want = expected.pop(name, None)
+            if want is None:
+                problems.append(f"{name}: streamed but not expected")
+            elif want.dtype != got.dtype or want.shape != got.shape or not torch.equal(
+                    want.contiguous().view(torch.uint8), got.contiguous().view(torch.uint8)):
+                problems.append(f"{name}: differs")
+            else:
+                same += 1
+    problems += [f"{name}: not streamed" for name in expected]
+    text = f"{same} HF tensors of one more stream bit-identical to the converter applied to each parameter directly"
+    if problems:
+        text += f"; {len(problems)} problems: " + "; ".join(problems[:5])
+    return text, not problems
 
 
 def update_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype: str, repeats: int,
@@ -323,6 +369,7 @@ def run_bench(preset: str, transport: str, *, tiny: bool = False, dtype: str = "
         res.bytes, res.tensors, res.buckets = r["bytes"], r["tensors"], r["buckets"]
         res.ceiling_s, res.ceiling = r["ceiling_s"], "device copy of the same bytes into fresh buckets"
         res.peak_extra_bytes, res.phases = r["peak_extra_bytes"], r["phases"]
+        res.check, res.check_ok = r["check"], r["check_ok"]
         return res
     if transport == "checkpoint":
         return _checkpoint_bench(res, cfg, dtype, bucket_bytes, repeats)
