@@ -255,18 +255,29 @@ def _layout(args: argparse.Namespace, cfg):
     return layout
 
 
-def cmd_dump(args: argparse.Namespace) -> int:
+def _output_problem(out: Path, overwrite: bool) -> str | None:
+    """Why no checkpoint may be written at ``out`` (:func:`weightstream.staging.check_target`), found before any
+    work starts; None when it may."""
     from weightstream.errors import WeightstreamError
+    from weightstream.staging import check_target
+
+    try:
+        check_target(out, overwrite=overwrite)
+    except WeightstreamError as exc:
+        return str(exc)
+    return None
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
     from weightstream.jobs import dump_job
     from weightstream.launch import LaunchError, launch
     from weightstream.models.presets import preset_config, save_random_checkpoint
-    from weightstream.staging import check_target, clean_leftovers
+    from weightstream.staging import clean_leftovers
 
     out = Path(os.path.realpath(args.out))
-    try:
-        check_target(out, overwrite=args.overwrite)
-    except WeightstreamError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    problem = _output_problem(out, args.overwrite)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="weightstream-src-") as tmp:
         if args.preset:
@@ -325,15 +336,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     cfg = preset_config(args.preset)
     layout = _layout(args, cfg)
     world = layout.world_size
-    if args.out is not None:
-        from weightstream.errors import WeightstreamError
-        from weightstream.staging import check_target
-
-        try:
-            check_target(Path(os.path.realpath(args.out)), overwrite=args.overwrite)
-        except WeightstreamError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+    problem = None if args.out is None else _output_problem(Path(os.path.realpath(args.out)), args.overwrite)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     start = time.perf_counter()
     key = secrets.token_urlsafe(16)  # the demo's engine takes updates from the demo only
     with tempfile.TemporaryDirectory(prefix="weightstream-demo-") as tmp:
