@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from weightstream.disk import CheckpointReader
+from weightstream.common.hf_files import CheckpointReader
 
 # The prompts every logits check feeds (token ids below every tiny vocabulary).
 INPUT_IDS = [[3, 14, 159, 265, 358, 979, 323, 846, 26, 433], [999, 0, 1, 2, 500, 501, 77, 88, 99, 111]]

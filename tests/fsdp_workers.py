@@ -81,7 +81,7 @@ def run_fsdp_update(src: str, mesh_shape: tuple, url: str, transports: list[str]
     """``update_weights`` of the FSDP2 model into the engine by each transport, then (rank 0) the engine's
     logits; and the model written with ``save_hf_checkpoint``."""
     import weightstream as ws
-    from weightstream.streaming.adapters import ReferenceEngine
+    from weightstream.engines import ReferenceEngine
 
     model = build_fsdp(src, mesh_shape)
     out = []

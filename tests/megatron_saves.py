@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from tests.checks import INPUT_IDS
 from tests.workers import Case, _build
-from weightstream.models.megatron import megatron_logits
+from weightstream.testing.megatron import megatron_logits
 
 
 @contextmanager

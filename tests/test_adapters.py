@@ -8,11 +8,11 @@ import pathlib
 
 import pytest
 
+from weightstream.converters.registry import model_spec
+from weightstream.engines import ADAPTERS, EngineAdapter, EngineInfo, ReferenceEngine, SGLangEngine
+from weightstream.engines.base import BROADCAST, IPC, P2P, ROLLBACK
 from weightstream.models.presets import preset_config
-from weightstream.models.spec import ModelSpec
-from weightstream.streaming.adapters import ADAPTERS, EngineAdapter, EngineInfo, ReferenceEngine, SGLangEngine
-from weightstream.streaming.adapters.base import BROADCAST, IPC, P2P, ROLLBACK
-from weightstream.streaming.topology import Topology
+from weightstream.sources.topology import Topology
 from weightstream.update import choose_transport
 
 pytestmark = pytest.mark.unit  # in-process, no peer processes: the fast subset
@@ -21,13 +21,13 @@ SINKS = pathlib.Path(__file__).resolve().parent.parent / "weightstream" / "strea
 
 
 def test_sinks_import_no_engine_module():
-    engine_modules = {f"weightstream.streaming.adapters.{name}" for name in ("sglang", "reference", "vllm", "lmdeploy")}
+    engine_modules = {f"weightstream.engines.{name}" for name in ("sglang", "reference", "vllm", "lmdeploy")}
     for path in SINKS.glob("*.py"):
         tree = ast.parse(path.read_text())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
             a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         assert not imported & engine_modules, (path.name, imported & engine_modules)
-        assert "weightstream.streaming.adapters" not in imported, path.name  # the package pulls in every engine
+        assert "weightstream.engines" not in imported, path.name  # the package pulls in every engine
 
 
 def test_every_adapter_is_an_engine_adapter():
@@ -47,7 +47,7 @@ def _topo(tp: int = 2, ep: int = 1) -> Topology:
     return Topology(tp_size=tp, tp_rank=0, pp_size=1, pp_rank=0, ep_size=ep, ep_rank=0, etp_size=tp, etp_rank=0)
 
 
-SPEC = ModelSpec.from_hf_config(preset_config("tiny-qwen3"))
+SPEC = model_spec(preset_config("tiny-qwen3"))
 
 
 @pytest.mark.parametrize("caps,tp,engines,requested,expected", [

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 
+from weightstream.common.hf_files import INDEX_NAME
 from weightstream.convert import convert_checkpoint
-from weightstream.disk import INDEX_NAME
 from weightstream.jobs import Layout
 from weightstream.launch import launch
 from weightstream.models.presets import preset_config, save_random_checkpoint
-from weightstream.verify import compare_checkpoints
+from weightstream.testing.compare import compare_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
 BUCKET, SHARD = 10_000, 100_000  # tiny-qwen3 (47 tensors, 1.2 MB): dozens of buckets, a dozen files
@@ -195,7 +195,7 @@ def test_a_non_empty_directory_is_refused_unless_overwrite(saves, tmp_path):
 
 
 def test_a_path_under_a_file_is_one_clear_error(saves, tmp_path):
-    from weightstream.staging import OutputDirectoryError
+    from weightstream.common.staging import OutputDirectoryError
 
     new_hf, new_save = saves["new"]
     blocker = tmp_path / "a-file"
@@ -259,7 +259,7 @@ def test_a_full_or_read_only_disk_is_one_clear_error(saves, tmp_path):
 def test_leftovers_are_removed_kept_or_put_back(tmp_path):
     """What killed runs left beside the target: removed when their writer is dead, kept while it runs; an
     old directory set aside by a run killed between its two renames is put back (and then refused)."""
-    from weightstream.staging import OutputDirectoryError, StagedDirectory
+    from weightstream.common.staging import OutputDirectoryError, StagedDirectory
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)

@@ -31,7 +31,7 @@ from weightstream.convert import convert_checkpoint
 from weightstream.jobs import Layout
 from weightstream.launch import launch
 from weightstream.models.presets import preset_config, save_random_checkpoint
-from weightstream.streaming.sources.checkpoint import (
+from weightstream.sources.megatron_checkpoint import (
     DCP_METADATA_GLOBALS,
     LEGACY_GLOBALS,
     CheckpointFormatError,

@@ -16,13 +16,13 @@ import torch
 
 from tests.checks import INPUT_IDS, assert_logits_close
 from tests.conftest import hf_logits
+from weightstream.common.hf_files import CheckpointReader
 from weightstream.convert import convert_checkpoint
-from weightstream.disk import CheckpointReader
 from weightstream.errors import ConversionError
 from weightstream.jobs import Layout
 from weightstream.launch import launch
 from weightstream.models.presets import preset_config, save_random_checkpoint
-from weightstream.streaming.sources.checkpoint import CheckpointFormatError
+from weightstream.sources.megatron_checkpoint import CheckpointFormatError
 
 
 @pytest.fixture(scope="module")

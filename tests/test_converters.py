@@ -7,12 +7,11 @@ import pytest
 import weightstream as ws
 from weightstream.converters import IDENTITY, QKV, Mapping, get_converter, known_model_types, register_converter
 from weightstream.converters.mapping import compile_pattern, fill_pattern
-from weightstream.converters.registry import unregister_converter
+from weightstream.converters.registry import model_spec, unregister_converter
 from weightstream.errors import ConversionError, UnknownModelError
 from weightstream.models.hf import expected_hf_shapes
 from weightstream.models.presets import preset_config
-from weightstream.models.spec import ModelSpec
-from weightstream.streaming.table import RankMeta, build_table
+from weightstream.sources.table import RankMeta, build_table
 
 pytestmark = pytest.mark.unit  # in-process, no peer processes: the fast subset
 
@@ -47,7 +46,7 @@ def test_register_a_new_model_with_the_decorator():
     try:
         conv = get_converter("my_qwen")
         assert conv.model_type == "my_qwen"
-        spec = ModelSpec.from_hf_config(preset_config("tiny-qwen3"))
+        spec = model_spec(preset_config("tiny-qwen3"))
         r = conv.resolve("decoder.layers.7.self_attention.extra.weight", spec)
         assert r.hf_names == ("model.layers.7.self_attn.extra.weight",) and r.mapping.op is IDENTITY
         with pytest.raises(ValueError):
@@ -69,8 +68,8 @@ def test_qwen3_is_qwen2_plus_qk_norm():
 
 def test_tied_output_layer_is_loaded_but_not_emitted():
     conv = get_converter("qwen3")
-    tied = ModelSpec.from_hf_config(preset_config("tiny-qwen3-tied"))
-    untied = ModelSpec.from_hf_config(preset_config("tiny-qwen3"))
+    tied = model_spec(preset_config("tiny-qwen3-tied"))
+    untied = model_spec(preset_config("tiny-qwen3"))
     assert conv.resolve("output_layer.weight", tied).hf_names == ("model.embed_tokens.weight",)
     assert not conv.resolve("output_layer.weight", tied).emit
     assert conv.resolve("output_layer.weight", untied).hf_names == ("lm_head.weight",)
@@ -78,7 +77,7 @@ def test_tied_output_layer_is_loaded_but_not_emitted():
 
 def _megatron_listing(cfg, tp=1, padded_vocab=1024):
     """The (name, local shape, dtype) list a Megatron rank of tiny-qwen3 reports (local spec)."""
-    s = ModelSpec.from_hf_config(cfg)
+    s = model_spec(cfg)
     h, hd = s.hidden_size, s.head_dim
     qkv = (s.num_attention_heads + 2 * s.num_key_value_heads) * hd
     out = [("embedding.word_embeddings.weight", (padded_vocab // tp, h))]
@@ -99,7 +98,7 @@ def _megatron_listing(cfg, tp=1, padded_vocab=1024):
 
 
 def _table(cfg, listings, tp=1):
-    spec = ModelSpec.from_hf_config(cfg)
+    spec = model_spec(cfg)
     ranks = [RankMeta(0, r, 0, 0, tuple(listing)) for r, listing in enumerate(listings)]
     return build_table(ranks, get_converter(spec.model_type), spec, expected_hf_shapes(cfg), tp_size=tp)
 
@@ -151,7 +150,7 @@ def test_config_that_does_not_match_names_every_tensor():
 
 def test_te_names_resolve_to_the_same_hf_names():
     conv = get_converter("qwen2")
-    spec = ModelSpec.from_hf_config(preset_config("tiny-qwen2"))
+    spec = model_spec(preset_config("tiny-qwen2"))
     te = conv.resolve("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight", spec)
     local = conv.resolve("decoder.layers.3.input_layernorm.weight", spec)
     assert te.hf_names == local.hf_names == ("model.layers.3.input_layernorm.weight",)
@@ -160,9 +159,9 @@ def test_te_names_resolve_to_the_same_hf_names():
 
 
 def test_spec_reads_configs():
-    s = ModelSpec.from_hf_config(preset_config("qwen3-8b"))
+    s = model_spec(preset_config("qwen3-8b"))
     assert (s.head_dim, s.q_per_group, s.qkv_bias, s.qk_norm, s.rope_theta) == (128, 4, False, True, 1e6)
-    s2 = ModelSpec.from_hf_config(preset_config("tiny-qwen2"))
+    s2 = model_spec(preset_config("tiny-qwen2"))
     assert (s2.head_dim, s2.qkv_bias, s2.qk_norm) == (8, True, False)
     with pytest.raises(UnknownModelError):
-        ModelSpec.from_hf_config({"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2})
+        model_spec({"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2})

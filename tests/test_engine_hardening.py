@@ -20,14 +20,14 @@ import pytest
 import torch
 
 from tests.checks import INPUT_IDS
-from weightstream.engine.server import (
+from weightstream.models.presets import preset_config, save_random_checkpoint
+from weightstream.reference_engine.server import (
     EngineFailure,
     EngineServer,
     ServerLimits,
     serve,
     stop,
 )
-from weightstream.models.presets import preset_config, save_random_checkpoint
 
 KEY = "k-7f3a"
 AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
@@ -326,7 +326,7 @@ def test_the_weight_version_is_short_printable_text(server):
 def trainer_group(url: str, name: str = "hardening") -> Iterator:
     """A weight-update group (gloo) between this process, as the trainer's rank 0, and the engine."""
     from weightstream.launch import free_port
-    from weightstream.streaming.groups import destroy_group, init_custom_process_group
+    from weightstream.wire.groups import destroy_group, init_custom_process_group
 
     port = free_port()
     body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,

@@ -20,11 +20,11 @@ from tests.checks import assert_logits_close
 from tests.conftest import hf_logits
 from tests.test_update import SMALL, engine
 from tests.workers import INPUT_IDS, Case, run_timed_updates
-from weightstream.engine.worker import FAULT_ENV
+from weightstream.engines import ReferenceEngine
 from weightstream.jobs import Layout
 from weightstream.launch import launch
 from weightstream.models.presets import preset_config, save_random_checkpoint
-from weightstream.streaming.adapters import ReferenceEngine
+from weightstream.reference_engine.worker import FAULT_ENV
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

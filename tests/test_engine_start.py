@@ -14,10 +14,10 @@ from tests.checks import assert_logits_close
 from tests.conftest import hf_logits
 from tests.test_update import engine
 from tests.workers import INPUT_IDS, Case, run_update
+from weightstream.engines import EngineError, ReferenceEngine
 from weightstream.jobs import Layout
 from weightstream.launch import launch
 from weightstream.models.presets import preset_config, save_random_checkpoint
-from weightstream.streaming.adapters import EngineError, ReferenceEngine
 
 
 def _config_only(src: str, dst) -> str:

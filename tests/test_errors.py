@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.workers import Case, run_error_case
-from weightstream.disk import CheckpointReader
+from weightstream.common.hf_files import CheckpointReader
 from weightstream.jobs import Layout, dump_job
 from weightstream.launch import LaunchError, launch
 

@@ -18,10 +18,10 @@ from tests.checks import assert_logits_close
 from tests.conftest import hf_logits
 from tests.test_update import SMALL, engine
 from tests.workers import INPUT_IDS, Case, run_timed_updates, run_update
+from weightstream.engines import EngineError, ReferenceEngine
 from weightstream.jobs import Layout
 from weightstream.launch import launch
 from weightstream.models.presets import preset_config, save_random_checkpoint
-from weightstream.streaming.adapters import EngineError, ReferenceEngine
 
 T = 6.0
 BOUND = 1.2 * T + 5
@@ -87,9 +87,9 @@ import os, sys, torch.distributed as dist
 from weightstream.launch import free_port
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 import weightstream as ws
-from weightstream.disk import CheckpointReader
-from weightstream.models.megatron import build_gpt_model, initialize_parallel, load_hf_weights
-from weightstream.streaming.sinks import BroadcastSink, IPCSink
+from weightstream.common.hf_files import CheckpointReader
+from weightstream.testing.megatron import build_gpt_model, initialize_parallel, load_hf_weights
+from weightstream.sinks import BroadcastSink, IPCSink
 src, url, timeout_s, transport = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
 initialize_parallel(1, 1)
 chunks = build_gpt_model(src)

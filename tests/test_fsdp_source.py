@@ -8,14 +8,13 @@ import torch
 
 from tests.checks import INPUT_IDS, assert_logits_close
 from tests.conftest import hf_logits
+from weightstream.common.hf_files import CheckpointReader
 from weightstream.converters.ops import FusedExperts, OpContext
-from weightstream.converters.registry import get_converter
-from weightstream.disk import CheckpointReader
-from weightstream.engine.server import serve, stop
+from weightstream.converters.registry import get_converter, model_spec
+from weightstream.engines import ReferenceEngine
 from weightstream.launch import launch
 from weightstream.models.presets import preset_config, random_hf_model, save_random_checkpoint
-from weightstream.models.spec import ModelSpec
-from weightstream.streaming.adapters import ReferenceEngine
+from weightstream.reference_engine.server import serve, stop
 from weightstream.streaming.stream import stream_hf_weights
 
 SMALL = 60_000
@@ -42,7 +41,7 @@ def _check_stream(got: dict, want: dict[str, torch.Tensor], *, sharded: bool = F
 
 
 def test_fused_experts_round_trip():
-    spec = ModelSpec.from_hf_config(preset_config("tiny-qwen3-moe"))
+    spec = model_spec(preset_config("tiny-qwen3-moe"))
     fused = torch.randn(spec.num_experts, 2 * 32, 64)
     op = FusedExperts(2)
     parts = op.to_hf(fused, OpContext(spec))

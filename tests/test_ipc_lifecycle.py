@@ -29,10 +29,10 @@ from tests.checks import assert_logits_close
 from tests.conftest import hf_logits
 from tests.test_update import engine
 from tests.workers import INPUT_IDS
+from weightstream.engines import EngineError, ReferenceEngine
 from weightstream.launch import free_port
 from weightstream.models.presets import preset_config, save_random_checkpoint
-from weightstream.streaming.adapters import EngineError, ReferenceEngine
-from weightstream.streaming.serialization import (
+from weightstream.wire.handles import (
     SHM_HEADER_BYTES,
     UnsafePayloadError,
     dumps_b64,
@@ -52,9 +52,9 @@ import torch.distributed as dist
 from weightstream.launch import free_port
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 import weightstream as ws
-from weightstream.disk import CheckpointReader
-from weightstream.models.megatron import build_gpt_model, initialize_parallel, load_hf_weights
-from weightstream.streaming.sinks import IPCSink
+from weightstream.common.hf_files import CheckpointReader
+from weightstream.testing.megatron import build_gpt_model, initialize_parallel, load_hf_weights
+from weightstream.sinks import IPCSink
 
 src, url, how, options = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 initialize_parallel(1, 1)
@@ -362,7 +362,7 @@ time.sleep(30)
 
 SHARES = r"""
 import subprocess, sys, time, torch
-from weightstream.streaming.serialization import dumps
+from weightstream.wire.handles import dumps
 buf = torch.zeros(1000, dtype=torch.uint8)
 dumps(buf)  # a file_system share: starts this process's torch_shm_manager
 manager, handle, size = buf.untyped_storage()._share_filename_cpu_()

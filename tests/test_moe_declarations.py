@@ -10,12 +10,14 @@ import torch
 from safetensors import safe_open
 
 from weightstream.converters import NotRepresentable, OpContext, get_converter
+from weightstream.converters.registry import model_spec
 from weightstream.errors import ConversionError
 from weightstream.models.hf import expected_hf_shapes
 from weightstream.models.presets import preset_config, random_hf_model
 from weightstream.models.spec import ModelSpec
-from weightstream.streaming.plan import ALIGN, plan_buckets
-from weightstream.streaming.table import RankMeta, build_table
+from weightstream.sources.table import RankMeta, build_table
+from weightstream.common.layout import ALIGN
+from weightstream.streaming.plan import plan_buckets
 
 pytestmark = pytest.mark.unit  # in-process, no peer processes: the fast subset
 
@@ -28,32 +30,32 @@ def _cfg(name: str, **overrides):
 
 
 def test_features_follow_the_hf_config_layer_by_layer():
-    s2 = ModelSpec.from_hf_config(preset_config("tiny-qwen2-moe"))
+    s2 = model_spec(preset_config("tiny-qwen2-moe"))
     assert (s2.num_experts, s2.moe_top_k, s2.moe_intermediate_size,
             s2.shared_expert_intermediate_size) == (8, 2, 32, 48)
     assert (s2.qkv_bias, s2.qk_norm, s2.norm_topk_prob, s2.dense_layers) == (True, False, False, frozenset({1}))
     assert [s2.is_moe_layer(i) for i in range(4)] == [True, False, True, True]
-    s3 = ModelSpec.from_hf_config(preset_config("tiny-qwen3-moe"))
+    s3 = model_spec(preset_config("tiny-qwen3-moe"))
     assert (s3.qkv_bias, s3.qk_norm, s3.norm_topk_prob, s3.shared_expert_intermediate_size) == (False, True, True, 0)
     assert s3.dense_layers == frozenset()
     # decoder_sparse_step: layer i is MoE when (i + 1) % step == 0, and not in mlp_only_layers.
-    s = ModelSpec.from_hf_config(_cfg("tiny-qwen3-moe", decoder_sparse_step=2, mlp_only_layers=[3]))
+    s = model_spec(_cfg("tiny-qwen3-moe", decoder_sparse_step=2, mlp_only_layers=[3]))
     assert s.dense_layers == frozenset({0, 2, 3})
-    big = ModelSpec.from_hf_config(preset_config("qwen3-30b-a3b"))
+    big = model_spec(preset_config("qwen3-30b-a3b"))
     assert (big.num_experts, big.moe_top_k, big.moe_intermediate_size, big.num_layers,
             big.head_dim) == (128, 8, 768, 48, 128)
 
 
 def test_bad_moe_configs_list_every_problem():
     with pytest.raises(ValueError) as err:
-        ModelSpec.from_hf_config(_cfg("tiny-qwen3-moe", num_experts_per_tok=9, moe_intermediate_size=0,
+        model_spec(_cfg("tiny-qwen3-moe", num_experts_per_tok=9, moe_intermediate_size=0,
                                       mlp_only_layers=[0, 1, 2, 3]))
     text = str(err.value)
     assert "experts per token (9)" in text and "moe_intermediate_size" in text and "every layer is dense" in text
 
 
 def test_both_expert_namings_resolve_to_the_checkpoint_names():
-    spec = ModelSpec.from_hf_config(preset_config("tiny-qwen3-moe"))
+    spec = model_spec(preset_config("tiny-qwen3-moe"))
     conv = get_converter("qwen3_moe")
     for fc1, fc2 in (
         ("decoder.layers.3.mlp.experts.local_experts.6.linear_fc1.weight",
@@ -72,7 +74,7 @@ def test_both_expert_namings_resolve_to_the_checkpoint_names():
 
 
 def test_qwen2_moe_shared_expert_and_families_share_declarations():
-    spec = ModelSpec.from_hf_config(preset_config("tiny-qwen2-moe"))
+    spec = model_spec(preset_config("tiny-qwen2-moe"))
     conv = get_converter("qwen2_moe")
     assert conv.resolve("decoder.layers.2.mlp.shared_experts.linear_fc1.weight", spec).hf_names == (
         "model.layers.2.mlp.shared_expert.gate_proj.weight", "model.layers.2.mlp.shared_expert.up_proj.weight",
@@ -100,7 +102,7 @@ def test_qwen2_moe_shared_expert_and_families_share_declarations():
 
 
 def test_expert_bias_is_refused_not_dropped():
-    spec = ModelSpec.from_hf_config(preset_config("tiny-qwen3-moe"))
+    spec = model_spec(preset_config("tiny-qwen3-moe"))
     resolved = get_converter("qwen3_moe").resolve("decoder.layers.0.mlp.router.expert_bias", spec)
     assert resolved.hf_names == ()
     with pytest.raises(NotRepresentable, match="e_score_correction_bias"):
@@ -169,7 +171,7 @@ def _moe_listing(spec: ModelSpec, *, ep: int, ep_rank: int, etp: int = 1, groupe
 
 
 def _ep_table(cfg, *, ep: int, etp: int = 1, **kw):
-    spec = ModelSpec.from_hf_config(cfg)
+    spec = model_spec(cfg)
     # Ranks as Megatron numbers them (TP 1): EP rank r, expert-TP rank t.
     ranks = [
         RankMeta(0, 0, r, t, tuple(_moe_listing(spec, ep=ep, ep_rank=r, etp=etp, **kw)))
@@ -213,7 +215,7 @@ def test_local_expert_ids_reported_as_global_are_caught():
 
 def test_expert_bias_in_the_table_is_named_with_its_reason():
     cfg = preset_config("tiny-qwen3-moe")
-    spec = ModelSpec.from_hf_config(cfg)
+    spec = model_spec(cfg)
     listing = _moe_listing(spec, ep=1, ep_rank=0)
     listing.append(("decoder.layers.2.mlp.router.expert_bias", (8,), "float32", False))
     listing.append(("decoder.layers.2.mlp.router.mystery", (8,), "float32", False))

@@ -6,7 +6,8 @@ import itertools
 
 import pytest
 
-from weightstream.streaming.plan import layout, plan_buckets, round_up
+from weightstream.common.layout import layout, round_up
+from weightstream.streaming.plan import plan_buckets
 
 pytestmark = pytest.mark.unit  # in-process, no peer processes: the fast subset
 

@@ -9,11 +9,11 @@ import pickle
 import pytest
 import torch
 
+from weightstream.engines import ReferenceEngine
 from weightstream.models.presets import preset_config
-from weightstream.streaming.adapters import ReferenceEngine
+from weightstream.sinks import BroadcastSink, IPCSink, P2PSink, SafetensorsSink, Sink
 from weightstream.streaming.bucket import Bucket
-from weightstream.streaming.serialization import UnsafePayloadError, checksum, dumps_b64, loads_b64
-from weightstream.streaming.sinks import BroadcastSink, IPCSink, P2PSink, SafetensorsSink, Sink
+from weightstream.wire.handles import UnsafePayloadError, checksum, dumps_b64, loads_b64
 
 pytestmark = pytest.mark.unit  # in-process, no peer processes: the fast subset
 

@@ -13,9 +13,9 @@ import os
 import subprocess
 import sys
 
-from weightstream.streaming.adapters import ReferenceEngine
-from weightstream.streaming.adapters.base import EngineInfo
-from weightstream.streaming.sinks import BroadcastSink, P2PSink
+from weightstream.engines import ReferenceEngine
+from weightstream.engines.base import EngineInfo
+from weightstream.sinks import BroadcastSink, P2PSink
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -17,12 +17,12 @@ import torch
 from tests.checks import assert_logits_close
 from tests.conftest import hf_logits
 from tests.workers import INPUT_IDS, Case, run_prepared_update, run_update
-from weightstream.engine.server import serve, stop
-from weightstream.engine.worker import FAULT_ENV
+from weightstream.engines import EngineError, ReferenceEngine
 from weightstream.jobs import Layout
 from weightstream.launch import launch
 from weightstream.models.presets import preset_config, save_random_checkpoint
-from weightstream.streaming.adapters import EngineError, ReferenceEngine
+from weightstream.reference_engine.server import serve, stop
+from weightstream.reference_engine.worker import FAULT_ENV
 
 SMALL = 120_000  # bytes per bucket: the tiny models travel in several buckets
 
@@ -277,8 +277,8 @@ def test_moe_ep2_trainer_into_tp2_engine(tmp_path):
 def test_engine_without_rollback_refuses_half_updated_weights(sources, engine_dir):
     """``rollback=False`` (as SGLang, no copy of the weights during an update): an aborted update leaves the
     engine refusing to serve, naming why, until a complete update has loaded every tensor again."""
-    from weightstream.disk import CheckpointReader
-    from weightstream.streaming.adapters.base import ROLLBACK
+    from weightstream.common.hf_files import CheckpointReader
+    from weightstream.engines.base import ROLLBACK
     from weightstream.streaming.bucket import Bucket
 
     src = sources["tiny-qwen3"]

@@ -136,8 +136,8 @@ def vllm_update(src: str, layout: Layout, url: str, version: str) -> dict:
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3-moe"])
 def test_vllm_update_from_megatron(preset, tmp_path):
+    from weightstream.engines.vllm import VLLMEngine
     from weightstream.models.presets import save_random_checkpoint
-    from weightstream.streaming.adapters.vllm import VLLMEngine
 
     python = _vllm_python()
     cfg = _config(preset)

@@ -12,14 +12,14 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.checks import INPUT_IDS  # noqa: E402,F401  (the prompts every logits check uses)
-from weightstream.disk import CheckpointReader
+from weightstream.common.hf_files import CheckpointReader
 from weightstream.errors import WeightstreamError
 from weightstream.jobs import Layout
-from weightstream.models.megatron import build_gpt_model, initialize_parallel, load_hf_weights, megatron_logits
 from weightstream.models.spec import load_hf_config
-from weightstream.streaming.checkpoint import save_hf_checkpoint
-from weightstream.streaming.sources.megatron import unwrap
+from weightstream.sinks.safetensors import save_hf_checkpoint
+from weightstream.sources.megatron import unwrap
 from weightstream.streaming.stream import stream_hf_weights
+from weightstream.testing.megatron import build_gpt_model, initialize_parallel, load_hf_weights, megatron_logits
 
 
 @dataclass
@@ -227,7 +227,7 @@ def run_update(case: Case, urls: list[str], updates: list[dict], one_sync: dict 
                     sync.close()
             entry = {"report": report}
             if dist.get_rank() == 0:
-                from weightstream.streaming.adapters import ReferenceEngine
+                from weightstream.engines import ReferenceEngine
 
                 entry["engine_logits"] = ReferenceEngine(urls[0]).logits(INPUT_IDS)
                 entry["engine_memory"] = ReferenceEngine(urls[0]).get("/weightstream/memory")["ranks"]
@@ -268,7 +268,7 @@ def run_release_cycle(case: Case, url: str, transport: str, options: dict | None
     """A colocated RL round as users write it: the engine frees its memory while the trainer trains, then
     one update re-creates and refills it. Rank 0 reports the engine's memory and answers at each step.
     ``update_first``: one update before the release (whatever the engine and the trainer keep of it)."""
-    from weightstream.streaming.adapters import EngineError, ReferenceEngine
+    from weightstream.engines import EngineError, ReferenceEngine
     from weightstream.update import WeightSync
 
     cfg, chunks = _build(case)
@@ -385,7 +385,7 @@ def run_prepared_update(case: Case, url: str, options: dict) -> dict:
             else True
         memory = []
         if dist.get_rank() == 0:
-            from weightstream.streaming.adapters import ReferenceEngine
+            from weightstream.engines import ReferenceEngine
 
             memory.append(ReferenceEngine(url).get("/weightstream/memory")["ranks"])
         before, copies = stream_mod.plan_builds, stream_mod.copy_builds

@@ -30,8 +30,8 @@ def hf_logits(model_dir: str):
 
 
 def check_transport(tmp: str, transport: str, engine_device: str, direct: bool = True) -> dict:
-    from weightstream.engine.server import serve, stop
-    from weightstream.streaming.adapters import ReferenceEngine
+    from weightstream.engines import ReferenceEngine
+    from weightstream.reference_engine.server import serve, stop
 
     cfg = preset_config("tiny-qwen3")
     src = save_random_checkpoint(cfg, os.path.join(tmp, "src"), seed=1)
@@ -55,10 +55,10 @@ def release_job(src: str, url: str) -> dict:
     lets go of its mapping of them first), then an update into the re-created weights; the engine's CUDA
     memory at each step."""
     from weightstream.bench.speed import _trainer
-    from weightstream.disk import CheckpointReader
-    from weightstream.models.megatron import load_hf_weights
+    from weightstream.common.hf_files import CheckpointReader
+    from weightstream.engines import ReferenceEngine
     from weightstream.models.spec import load_hf_config
-    from weightstream.streaming.adapters import ReferenceEngine
+    from weightstream.testing.megatron import load_hf_weights
     from weightstream.update import WeightSync
 
     cfg = load_hf_config(src)
@@ -86,8 +86,8 @@ def check_release(tmp: str) -> dict:
     them mapped, and the next update writes into the re-created ones (logits vs HF after it)."""
     from transformers import Qwen3Config
 
-    from weightstream.engine.server import serve, stop
-    from weightstream.streaming.adapters import ReferenceEngine
+    from weightstream.engines import ReferenceEngine
+    from weightstream.reference_engine.server import serve, stop
 
     cfg = Qwen3Config(vocab_size=4096, hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
                       num_attention_heads=8, num_key_value_heads=4, head_dim=128, tie_word_embeddings=False)
@@ -108,9 +108,9 @@ def ipc_trainer_job(src: str, url: str, die: bool) -> dict:
     """One trainer process: its weights from ``src``, one IPC update into the engine; ``die``: exit at once
     after it, without closing anything (as a crashed trainer)."""
     from weightstream.bench.speed import _trainer
-    from weightstream.disk import CheckpointReader
-    from weightstream.models.megatron import load_hf_weights
+    from weightstream.common.hf_files import CheckpointReader
     from weightstream.models.spec import load_hf_config
+    from weightstream.testing.megatron import load_hf_weights
     from weightstream.update import update_weights
 
     cfg = load_hf_config(src)
@@ -127,9 +127,9 @@ def check_separate_trainers(tmp: str, trainers: int = 4) -> dict:
     """CUDA IPC across trainers' lives: separate trainer processes one after another update one engine (one
     of them dies right after its update without closing anything); after each, the engine's logits equal the
     HF model's of that trainer's weights, and its allocated memory stays what it was."""
-    from weightstream.engine.server import serve, stop
+    from weightstream.engines import ReferenceEngine
     from weightstream.launch import LaunchError
-    from weightstream.streaming.adapters import ReferenceEngine
+    from weightstream.reference_engine.server import serve, stop
 
     cfg = preset_config("tiny-qwen3")
     eng_dir = save_random_checkpoint(cfg, os.path.join(tmp, "eng"), seed=2)
@@ -158,7 +158,7 @@ def check_separate_trainers(tmp: str, trainers: int = 4) -> dict:
 def check_piece_copy() -> dict:
     """PieceCopy on this GPU: bit for bit what copy_ gives (odd offsets, three dtypes), and the time of one
     launch against _foreach_copy_ and one plain copy of the same bytes (2,000 expert-sized tensors)."""
-    from weightstream.streaming.piececopy import PieceCopy
+    from weightstream.streaming.copies import PieceCopy
 
     out: dict = {}
     gen = torch.Generator(device="cuda").manual_seed(3)

@@ -11,10 +11,10 @@ import tempfile
 import torch
 
 from weightstream.bench.speed import update_job
-from weightstream.engine.server import serve, stop
+from weightstream.engines import ReferenceEngine
 from weightstream.launch import launch
 from weightstream.models.presets import preset_config, save_random_checkpoint
-from weightstream.streaming.adapters import ReferenceEngine
+from weightstream.reference_engine.server import serve, stop
 
 IDS = [[3, 14, 159, 265, 358, 979, 323, 846, 26, 433]]
 

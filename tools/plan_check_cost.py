@@ -18,7 +18,7 @@ import numpy as np
 
 def job(runs: int = 15) -> dict:
     from weightstream.bench.speed import _trainer, bench_config
-    from weightstream.streaming.sources.megatron import unwrap
+    from weightstream.sources.megatron import unwrap
     from weightstream.streaming.stream import stream_hf_weights
 
     cfg = bench_config("qwen3-30b-a3b", True, "bfloat16")

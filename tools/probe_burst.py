@@ -26,8 +26,8 @@ def _post(host: str, port: int, barrier: threading.Barrier) -> int | str:
 
 
 def main(n: int) -> int:
-    from weightstream.engine.server import serve, stop
     from weightstream.models.presets import preset_config, save_random_checkpoint
+    from weightstream.reference_engine.server import serve, stop
 
     with tempfile.TemporaryDirectory() as tmp:
         server = serve(save_random_checkpoint(preset_config("tiny-qwen3"), tmp, seed=1), 1)

@@ -3,18 +3,7 @@
 from weightstream._version import __version__
 from weightstream.convert import ConvertReport, convert_checkpoint
 from weightstream.converters import Converter, Mapping, get_converter, known_model_types, register_converter
-from weightstream.errors import ConversionError, UnknownModelError, UpdateError, WeightstreamError
-from weightstream.models.spec import ModelSpec
-from weightstream.streaming import (
-    Bucket,
-    BucketStream,
-    Shard,
-    TensorMeta,
-    Topology,
-    save_hf_checkpoint,
-    stream_hf_weights,
-)
-from weightstream.streaming.adapters import (
+from weightstream.engines import (
     EngineAdapter,
     EngineError,
     EngineInfo,
@@ -23,9 +12,20 @@ from weightstream.streaming.adapters import (
     SGLangEngine,
     VLLMEngine,
 )
-from weightstream.streaming.sources import Source
-from weightstream.streaming.sources.checkpoint import CheckpointFormatError, MegatronCheckpointSource
-from weightstream.streaming.sources.dtensor import DTensorSource
+from weightstream.errors import ConversionError, UnknownModelError, UpdateError, WeightstreamError
+from weightstream.models.spec import ModelSpec
+from weightstream.sinks.safetensors import CheckpointReport, save_hf_checkpoint
+from weightstream.sources import Source
+from weightstream.sources.dtensor import DTensorSource
+from weightstream.sources.megatron_checkpoint import CheckpointFormatError, MegatronCheckpointSource
+from weightstream.streaming import (
+    Bucket,
+    BucketStream,
+    Shard,
+    TensorMeta,
+    Topology,
+    stream_hf_weights,
+)
 from weightstream.update import UpdateReport, WeightSync, update_weights
 
 __all__ = [
@@ -36,6 +36,6 @@ __all__ = [
     "EngineAdapter", "EngineError", "EngineInfo", "LMDeployEngine", "ReferenceEngine", "SGLangEngine", "UpdateError",
     "VLLMEngine", "UpdateReport",
     "WeightSync", "update_weights",
-    "CheckpointFormatError", "ConvertReport", "DTensorSource", "MegatronCheckpointSource", "Source",
+    "CheckpointFormatError", "CheckpointReport", "ConvertReport", "DTensorSource", "MegatronCheckpointSource", "Source",
     "convert_checkpoint",
 ]

@@ -237,15 +237,15 @@ def _check_world(tp: int, pp: int) -> int:
 
 def _layout(args: argparse.Namespace, cfg):
     """The layout the options ask for, checked against the model: every problem in one error."""
+    from weightstream.converters.registry import model_spec
     from weightstream.jobs import Layout
-    from weightstream.models.spec import ModelSpec
 
     _check_world(args.tp, args.pp)
     layout = Layout(args.tp, args.pp, args.vpp, args.ep, args.etp)
     problems = []
     if args.ep < 1 or (args.etp is not None and args.etp < 1):
         problems.append("--ep and --etp must be positive")
-    spec = ModelSpec.from_hf_config(cfg)
+    spec = model_spec(cfg)
     if not spec.is_moe and (args.ep > 1 or args.etp is not None):
         problems.append(f"--ep / --etp need a mixture-of-experts model; {spec.model_type} has no experts")
     if spec.is_moe and args.ep >= 1 and spec.num_experts % args.ep:
@@ -256,10 +256,10 @@ def _layout(args: argparse.Namespace, cfg):
 
 
 def _output_problem(out: Path, overwrite: bool) -> str | None:
-    """Why no checkpoint may be written at ``out`` (:func:`weightstream.staging.check_target`), found before any
+    """Why no checkpoint may be written at ``out`` (:func:`weightstream.common.staging.check_target`), found before any
     work starts; None when it may."""
+    from weightstream.common.staging import check_target
     from weightstream.errors import WeightstreamError
-    from weightstream.staging import check_target
 
     try:
         check_target(out, overwrite=overwrite)
@@ -269,10 +269,10 @@ def _output_problem(out: Path, overwrite: bool) -> str | None:
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
+    from weightstream.common.staging import clean_leftovers
     from weightstream.jobs import dump_job
     from weightstream.launch import LaunchError, launch
     from weightstream.models.presets import preset_config, save_random_checkpoint
-    from weightstream.staging import clean_leftovers
 
     out = Path(os.path.realpath(args.out))
     problem = _output_problem(out, args.overwrite)
@@ -327,11 +327,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     import torch
 
-    from weightstream.engine.server import serve, stop
+    from weightstream.engines import ReferenceEngine
     from weightstream.jobs import dump_job
     from weightstream.models.presets import preset_config, random_hf_model
-    from weightstream.streaming.adapters import ReferenceEngine
-    from weightstream.verify import compare_checkpoints
+    from weightstream.reference_engine.server import serve, stop
+    from weightstream.testing.compare import compare_checkpoints
 
     cfg = preset_config(args.preset)
     layout = _layout(args, cfg)
@@ -434,7 +434,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from weightstream.errors import WeightstreamError
-    from weightstream.verify import compare_checkpoints
+    from weightstream.testing.compare import compare_checkpoints
 
     for d in (args.a, args.b):
         if not Path(d).is_dir():
@@ -463,7 +463,7 @@ def engine_api_key(args: argparse.Namespace) -> str | None:
 def _engine_model_problem(model_dir: str) -> str | None:
     """What stops an engine from starting on ``model_dir`` (no config, an unreadable config or weight file),
     found before any worker starts; None when there is nothing (a directory without weights is fine)."""
-    from weightstream.disk import CheckpointReader, NoWeightsError
+    from weightstream.common.hf_files import CheckpointReader, NoWeightsError
     from weightstream.errors import WeightstreamError
     from weightstream.models.spec import load_hf_config
 
@@ -485,7 +485,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from weightstream.engine.server import ServerLimits, serve, stop
+    from weightstream.reference_engine.server import ServerLimits, serve, stop
 
     problem = _engine_model_problem(args.model)
     if problem is not None:
@@ -573,7 +573,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from weightstream.quiet import quiet_command
+    from weightstream.common.quiet import quiet_command
 
     args = build_parser().parse_args(argv)
     quiet_command(args.verbose)

@@ -1,6 +1,6 @@
 """``convert_checkpoint``: a Megatron-Core checkpoint on disk -> an HF checkpoint, in one process.
 
-The checkpoint is read tensor by tensor (:class:`~weightstream.streaming.sources.checkpoint.MegatronCheckpointSource`)
+The checkpoint is read tensor by tensor (:class:`~weightstream.sources.megatron_checkpoint.MegatronCheckpointSource`)
 and streamed through the same planner, converter and safetensors writer as a live model, so the whole model
 is never held: memory stays within a bucket or two plus the largest tensor.
 """
@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
+from weightstream.common.staging import check_target, clean_leftovers
 from weightstream.errors import WeightstreamError
 from weightstream.models.spec import load_hf_config
-from weightstream.staging import check_target, clean_leftovers
-from weightstream.streaming.checkpoint import DEFAULT_SHARD_BYTES, save_hf_checkpoint
-from weightstream.streaming.sources.checkpoint import MegatronCheckpointSource
-from weightstream.verify import Comparison, compare_checkpoints
+from weightstream.sinks.safetensors import DEFAULT_SHARD_BYTES, save_hf_checkpoint
+from weightstream.sources.megatron_checkpoint import MegatronCheckpointSource
+from weightstream.testing.compare import Comparison, compare_checkpoints
 
 DEFAULT_CONVERT_BUCKET_BYTES = 256 << 20
 

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightstream.disk import CheckpointReader
-from weightstream.models.megatron import build_gpt_model, initialize_parallel, load_hf_weights, megatron_logits
+from weightstream.common.hf_files import CheckpointReader
 from weightstream.models.spec import dtype_from_name, load_hf_config
-from weightstream.streaming.checkpoint import save_hf_checkpoint
+from weightstream.sinks.safetensors import save_hf_checkpoint
+from weightstream.testing.megatron import build_gpt_model, initialize_parallel, load_hf_weights, megatron_logits
 
 
 @dataclass(frozen=True)

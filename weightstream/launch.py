@@ -11,19 +11,23 @@ from __future__ import annotations
 import os
 import pickle
 import queue
-import socket
-import sys
-import threading
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
+from weightstream.common.processes import (
+    die_with_parent,
+    free_port,
+    process_context,
+    start_process,
+    start_process_server,
+)
 from weightstream.errors import WeightstreamError
-from weightstream.processes import die_with_parent
+
+__all__ = ["LaunchError", "free_port", "launch", "start_process_server"]
 
 
 class LaunchError(RuntimeError):
@@ -33,75 +37,6 @@ class LaunchError(RuntimeError):
     def __init__(self, message: str, reasons: dict[int, str] | None = None):
         super().__init__(message)
         self.reasons = dict(reasons or {})
-
-
-# What the fork server imports once, so that each process forked from it starts in a fraction of a second
-# instead of importing these again (about 6 s each on a 2-core machine). Modules that are not installed
-# are skipped.
-PRELOAD = [
-    "torch", "torch.distributed", "transformers", "safetensors.torch",
-    "transformers.models.qwen2.modeling_qwen2", "transformers.models.qwen3.modeling_qwen3",
-    "transformers.models.qwen2_moe.modeling_qwen2_moe", "transformers.models.qwen3_moe.modeling_qwen3_moe",
-    "megatron.core", "megatron.core.models.gpt", "weightstream.models.megatron", "weightstream.engine.worker",
-    "weightstream.streaming.stream",
-]
-
-
-def process_context():
-    """Where weightstream's processes (launched ranks, engine workers) come from: a fork server that has
-    imported torch, transformers and Megatron-Core once (Linux, no CUDA), else spawn.
-    ``WEIGHTSTREAM_START_METHOD=spawn`` asks for spawn. Where CUDA is present, importing those modules may
-    initialise it in the fork server, and a process forked from it then cannot use CUDA: spawn there.
-    A fork server that the main thread starts dies with this process (``weightstream.fork_server_guard``)."""
-    default = "spawn" if torch.cuda.is_available() else "forkserver"
-    method = os.environ.get("WEIGHTSTREAM_START_METHOD", default)
-    if method not in ("forkserver", "spawn"):
-        raise ValueError(f"WEIGHTSTREAM_START_METHOD must be forkserver or spawn, got {method!r}")
-    if method == "forkserver" and "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        # Has no effect once the server runs (it keeps what it loaded). The guard only where the main thread
-        # asks: the kernel's parent-death signal follows the thread that starts the server.
-        main = threading.current_thread() is threading.main_thread()
-        ctx.set_forkserver_preload(["weightstream.fork_server_guard", *PRELOAD] if main else PRELOAD)
-        return ctx
-    return mp.get_context("spawn")
-
-
-def start_process_server() -> None:
-    """Start the fork server now, from the main thread, where :func:`process_context` uses one: it imports its
-    preload (several seconds) in its own process while the caller goes on, instead of when the first process
-    is asked for."""
-    ctx = process_context()
-    if ctx.get_start_method() == "forkserver":
-        from multiprocessing import forkserver
-
-        forkserver.ensure_running()
-
-
-def _in_environment(env: dict[str, str], cwd: str, path: list[str], target: Callable[..., Any], *args: Any) -> None:
-    """Run ``target`` with the environment, working directory and ``sys.path`` the parent had when it started
-    this process (a process forked from the fork server would otherwise have those of the moment the server
-    started)."""
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
-    sys.path[:] = path
-    target(*args)
-
-
-def start_process(ctx, target: Callable[..., Any], args: tuple, *, daemon: bool):
-    """``target(*args)`` in a new process of ``ctx`` (:func:`process_context`). ``target`` must be importable
-    in a fresh interpreter; anything that may not be (a user's function) goes pickled in ``args``."""
-    proc = ctx.Process(target=_in_environment, args=(dict(os.environ), os.getcwd(), list(sys.path), target, *args),
-                       daemon=daemon)
-    proc.start()
-    return proc
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(launcher: int, rank: int, world: int, port: int, backend: str, timeout_s: float, job: bytes,
@@ -115,7 +50,7 @@ def _worker(launcher: int, rank: int, world: int, port: int, backend: str, timeo
 
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        from weightstream.streaming.groups import tcp_store
+        from weightstream.wire.groups import tcp_store
 
         timeout = timedelta(seconds=timeout_s)
         store = tcp_store("127.0.0.1", port, is_master=rank == 0, world_size=world, timeout=timeout)

@@ -17,12 +17,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from weightstream.bounds import Deadline, cleanup_budget
-from weightstream.converters.registry import get_converter
-from weightstream.errors import UpdateError, WeightstreamError
-from weightstream.models.spec import ModelSpec, load_hf_config
-from weightstream.streaming.adapters import ADAPTERS, detect, make_adapter
-from weightstream.streaming.adapters.base import (
+from weightstream.common.bounds import Deadline, cleanup_budget
+from weightstream.common.layout import ALIGN
+from weightstream.converters.registry import get_converter, model_spec
+from weightstream.engines import ADAPTERS, detect, make_adapter
+from weightstream.engines.base import (
     BROADCAST,
     IPC,
     P2P,
@@ -32,13 +31,14 @@ from weightstream.streaming.adapters.base import (
     EngineAdapter,
     EngineError,
 )
-from weightstream.streaming.plan import ALIGN
-from weightstream.streaming.serialization import gpu_uuid
-from weightstream.streaming.sinks import BroadcastSink, IPCSink, P2PSink
-from weightstream.streaming.sources import as_source
-from weightstream.streaming.sources.megatron import MegatronSource
+from weightstream.errors import UpdateError, WeightstreamError
+from weightstream.models.spec import ModelSpec, load_hf_config
+from weightstream.sinks import BroadcastSink, IPCSink, P2PSink
+from weightstream.sources import as_source
+from weightstream.sources.megatron import MegatronSource
+from weightstream.sources.topology import Topology
 from weightstream.streaming.stream import DEFAULT_BUCKET_BYTES, Mode, stream_hf_weights
-from weightstream.streaming.topology import Topology
+from weightstream.wire.handles import gpu_uuid
 
 log = logging.getLogger("weightstream")
 
@@ -252,7 +252,7 @@ class WeightSync:
         start = time.perf_counter()
         seconds: dict[str, float] = {}
         cfg = load_hf_config(hf_config)
-        spec = ModelSpec.from_hf_config(cfg)
+        spec = model_spec(cfg)
         source = as_source(model_chunks)
         topo = source.topology
         self.updates += 1
@@ -377,7 +377,7 @@ class WeightSync:
         later one does. The engines keep serving meanwhile (nothing is paused). Returns the transport; raises
         on every rank what the first update would have raised."""
         cfg = load_hf_config(hf_config)
-        spec = ModelSpec.from_hf_config(cfg)
+        spec = model_spec(cfg)
         source = as_source(model_chunks)
         self._resolve_engines()
         urls = [e.url for e in self.engines]

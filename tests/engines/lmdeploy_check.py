@@ -277,8 +277,8 @@ def route_table(router) -> dict[tuple[str, str], type | None]:
 
 
 def capture_requests(url, ctx, engine, wire, dense, mixed, ipc_payloads):
-    from weightstream.streaming.adapters.base import EngineError, GroupSpec
-    from weightstream.streaming.adapters.lmdeploy import LMDeployEngine
+    from weightstream.engines.base import EngineError, GroupSpec
+    from weightstream.engines.lmdeploy import LMDeployEngine
 
     class Recording(LMDeployEngine):
         """The adapter as it is; ``request`` records, then sends (HTTPEngine's real request)."""
@@ -600,8 +600,8 @@ def check_ipc(bucket_json: str, finished_json: str, expected: dict) -> dict:
 
 def check_guard(url, mixed) -> dict:
     """A mixed-dtype bucket: refused before anything is sent (the engine behind url would get it)."""
-    from weightstream.streaming.adapters.base import EngineError
-    from weightstream.streaming.adapters.lmdeploy import LMDeployEngine
+    from weightstream.engines.base import EngineError
+    from weightstream.engines.lmdeploy import LMDeployEngine
 
     class Counting(LMDeployEngine):
         sent = 0
@@ -636,9 +636,9 @@ def main() -> None:
     torch.multiprocessing.set_sharing_strategy("file_system")  # CPU tensors readable by an unrelated process
     import lmdeploy
 
-    from weightstream.streaming.adapters.lmdeploy import LMDeployEngine
+    from weightstream.engines.lmdeploy import LMDeployEngine
     from weightstream.streaming.bucket import Bucket
-    from weightstream.streaming.plan import ALIGN
+    from weightstream.common.layout import ALIGN
 
     result: dict = {"lmdeploy_version": getattr(lmdeploy, "__version__", None), "torch_version": torch.__version__}
     named = original_tensors(0)

@@ -104,9 +104,9 @@ def http_routes() -> dict[tuple[str, str], str | None]:
 # --------------------------------------------------------------------------------------- capture the bodies
 
 def capture_requests(dense_bucket, ipc_payloads, ipc_checksums):
-    from weightstream.streaming.adapters.base import GroupSpec
-    from weightstream.streaming.adapters.sglang import SGLangEngine
-    from weightstream.streaming.serialization import checksum
+    from weightstream.engines.base import GroupSpec
+    from weightstream.engines.sglang import SGLangEngine
+    from weightstream.wire.handles import checksum
 
     class Recording(SGLangEngine):
         def __init__(self, *a, **kw):
@@ -327,10 +327,10 @@ def main() -> None:
     import sglang
     import sglang.srt.managers.io_struct as io
 
-    from weightstream.streaming.adapters.sglang import SGLangEngine
+    from weightstream.engines.sglang import SGLangEngine
     from weightstream.streaming.bucket import Bucket
-    from weightstream.streaming.plan import ALIGN
-    from weightstream.streaming.serialization import checksum
+    from weightstream.common.layout import ALIGN
+    from weightstream.wire.handles import checksum
 
     result: dict = {"sglang_version": getattr(sglang, "__version__", None), "torch_version": torch.__version__,
                     "our_extras": sorted(OUR_EXTRAS)}

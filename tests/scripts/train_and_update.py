@@ -36,9 +36,9 @@ def main() -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
     import weightstream as ws
-    from weightstream.disk import CheckpointReader
-    from weightstream.models.megatron import build_gpt_model, initialize_parallel, load_hf_weights
-    from weightstream.streaming.adapters import ReferenceEngine
+    from weightstream.common.hf_files import CheckpointReader
+    from weightstream.engines import ReferenceEngine
+    from weightstream.testing.megatron import build_gpt_model, initialize_parallel, load_hf_weights
 
     initialize_parallel(args.tp, args.pp, ep=args.ep)
     chunks = build_gpt_model(args.src)

@@ -115,7 +115,7 @@ class EngineService:
             self.proc.kill()
             raise RuntimeError(f"the engine did not start (exit code {self.proc.wait(timeout=30)})")
         self.url = line.rsplit(" ", 1)[-1].strip()
-        from weightstream.streaming.adapters import ReferenceEngine
+        from weightstream.engines import ReferenceEngine
 
         self.pids = [self.proc.pid, *ReferenceEngine(self.url).server_info()["worker_pids"]]
 
@@ -139,18 +139,18 @@ def run_soak(updates: int = 1000, *, transports: tuple[str, ...] = ("broadcast",
              sample_every: int = 10, warmup: int | None = None, progress: bool = True) -> SoakReport:
     import torch.distributed as dist
 
-    from weightstream.disk import CheckpointReader
-    from weightstream.launch import free_port
-    from weightstream.models.megatron import (
+    from weightstream.common.hf_files import CheckpointReader
+    from weightstream.common.processes import free_port
+    from weightstream.engines import ReferenceEngine
+    from weightstream.models.presets import preset_config, save_random_checkpoint
+    from weightstream.testing.megatron import (
         build_gpt_model,
         initialize_parallel,
         load_hf_weights,
     )
-    from weightstream.models.presets import preset_config, save_random_checkpoint
-    from weightstream.streaming import groups
-    from weightstream.streaming.adapters import ReferenceEngine
-    from weightstream.streaming.groups import tcp_store
     from weightstream.update import WeightSync
+    from weightstream.wire import groups
+    from weightstream.wire.groups import tcp_store
 
     torch.set_num_threads(1)
     warmup = warmup if warmup is not None else min(max(updates // 4, sample_every), 500)

@@ -151,7 +151,7 @@ def copy_ceiling(total: int, bucket_bytes: int, device: torch.device, repeats: i
 
 
 def _trainer(cfg, dtype: str, tp: int = 1, ep: int = 1):
-    from weightstream.models.megatron import build_gpt_model, initialize_parallel
+    from weightstream.testing.megatron import build_gpt_model, initialize_parallel
 
     initialize_parallel(tp, 1, ep=ep)
     chunks = build_gpt_model(cfg, dtype=getattr(torch, dtype))
@@ -185,12 +185,11 @@ def _expected_hf_tensors(chunks, cfg) -> dict[str, torch.Tensor]:
     """Each HF tensor as the converter's op makes it from its Megatron parameter directly (one rank, TP 1): no
     plan, no batching, no kept buffers."""
     from weightstream.converters.ops import OpContext
-    from weightstream.converters.registry import get_converter
-    from weightstream.models.spec import ModelSpec
-    from weightstream.streaming.sources.megatron import local_tensors
-    from weightstream.streaming.topology import Topology
+    from weightstream.converters.registry import get_converter, model_spec
+    from weightstream.sources.megatron import local_tensors
+    from weightstream.sources.topology import Topology
 
-    spec = ModelSpec.from_hf_config(cfg)
+    spec = model_spec(cfg)
     converter = get_converter(spec.model_type)
     expected: dict[str, torch.Tensor] = {}
     for local in local_tensors(chunks, Topology.current(), spec.num_experts):
@@ -238,8 +237,8 @@ def update_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype:
     cfg = load_hf_config(cfg_dir)
     chunks, device = _trainer(cfg, dtype, tp, ep)
     if load:
-        from weightstream.disk import CheckpointReader
-        from weightstream.models.megatron import load_hf_weights
+        from weightstream.common.hf_files import CheckpointReader
+        from weightstream.testing.megatron import load_hf_weights
 
         with CheckpointReader(cfg_dir) as reader:
             load_hf_weights(chunks, cfg, reader)
@@ -255,7 +254,7 @@ def update_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype:
     reports = [{"wall": t, "transport": rep.transport, "bytes": rep.bytes, "buckets": rep.buckets,
                 "tensors": rep.tensors, "seconds": rep.seconds, "direct": rep.direct} for t, rep in runs]
     ceiling = copy_ceiling(reports[-1]["bytes"], bucket_bytes, device, repeats) if transport == "ipc" else None
-    from weightstream.models.megatron import megatron_logits
+    from weightstream.testing.megatron import megatron_logits
 
     logits: torch.Tensor | str
     try:
@@ -291,7 +290,7 @@ def _logits_tolerance(dtype: str, scale: float) -> float:
 def _engine_check(url: str, rank0: dict, dtype: str) -> tuple[str, bool]:
     """The row's check after its runs: every bucket of a checksummed update verified by the engine, and the
     engine's logits within :func:`_logits_tolerance` of the Megatron model's."""
-    from weightstream.streaming.adapters import ReferenceEngine
+    from weightstream.engines import ReferenceEngine
 
     problems = []
     if rank0["verified"] is not None:
@@ -387,8 +386,8 @@ def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_byte
                   engine_device: str | None, backend: str, rollback: bool = True, ahead: bool = True,
                   tp: int = 1, engine_tp: int = 1, ep: int = 1, prepare: bool = False,
                   direct: bool = True) -> BenchResult:
-    from weightstream.engine.server import serve, stop
     from weightstream.launch import launch
+    from weightstream.reference_engine.server import serve, stop
 
     cuda = torch.cuda.is_available()
     if engine_device is None and not cuda:
@@ -455,8 +454,8 @@ def _checkpoint_bench(res: BenchResult, cfg, dtype: str, bucket_bytes: int, repe
 def checkpoint_job(cfg, dtype: str, bucket_bytes: int, repeats: int) -> dict:
     from safetensors.torch import load_file, save_file
 
-    from weightstream.disk import CheckpointReader
-    from weightstream.streaming.checkpoint import save_hf_checkpoint
+    from weightstream.common.hf_files import CheckpointReader
+    from weightstream.sinks.safetensors import save_hf_checkpoint
 
     chunks, _ = _trainer(cfg, dtype)
     tmp = tempfile.mkdtemp(prefix="ws-bench-ckpt-")

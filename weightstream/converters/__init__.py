@@ -14,6 +14,7 @@ from weightstream.converters.ops import (
 from weightstream.converters.registry import (
     get_converter,
     known_model_types,
+    model_spec,
     register_converter,
     unregister_converter,
 )
@@ -21,5 +22,5 @@ from weightstream.converters.registry import (
 __all__ = [
     "Converter", "Mapping", "Resolved", "tied", "untied",
     "GATED", "IDENTITY", "QKV", "VOCAB", "NotRepresentable", "OpContext", "TensorOp", "Unrepresentable",
-    "get_converter", "known_model_types", "register_converter", "unregister_converter",
+    "get_converter", "known_model_types", "model_spec", "register_converter", "unregister_converter",
 ]

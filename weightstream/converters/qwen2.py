@@ -6,7 +6,6 @@ from typing import Any
 
 from weightstream.converters.mapping import Converter, Mapping, tied, untied
 from weightstream.converters.ops import GATED, QKV, VOCAB
-from weightstream.converters.registry import register_converter
 
 L = "decoder.layers.*"
 H = "model.layers.*"
@@ -52,5 +51,3 @@ def qwen2_features(config: Any) -> dict[str, Any]:
 
 
 QWEN2 = Converter("qwen2", EMBEDDINGS + ATTENTION + DENSE_MLP, features=qwen2_features)
-
-register_converter("qwen2", QWEN2)

@@ -6,7 +6,6 @@ from typing import Any
 
 from weightstream.converters.mapping import Mapping
 from weightstream.converters.qwen2 import QWEN2, H, L
-from weightstream.converters.registry import register_converter
 
 QK_NORM = (
     Mapping(f"{L}.self_attention.q_layernorm.weight", f"{H}.self_attn.q_norm.weight"),
@@ -19,5 +18,3 @@ def qwen3_features(config: Any) -> dict[str, Any]:
 
 
 QWEN3 = QWEN2.derive("qwen3", add=QK_NORM, features=qwen3_features)
-
-register_converter("qwen3", QWEN3)

@@ -16,7 +16,6 @@ from weightstream.converters.mapping import Mapping
 from weightstream.converters.ops import GATED, FusedExperts, Unrepresentable
 from weightstream.converters.qwen2 import QWEN2, H, L, qwen2_features
 from weightstream.converters.qwen3 import QWEN3, qwen3_features
-from weightstream.converters.registry import register_converter
 
 _GATE_UP = (f"{H}.mlp.experts.*.gate_proj.weight", f"{H}.mlp.experts.*.up_proj.weight")
 _DOWN = f"{H}.mlp.experts.*.down_proj.weight"
@@ -106,6 +105,3 @@ QWEN2_MOE = QWEN2.derive("qwen2_moe", add=ROUTER + ROUTED_EXPERTS + SHARED_EXPER
                          memory=FUSED_EXPERTS)
 QWEN3_MOE = QWEN3.derive("qwen3_moe", add=ROUTER + ROUTED_EXPERTS, features=qwen3_moe_features,
                          memory=FUSED_EXPERTS)
-
-register_converter("qwen3_moe", QWEN3_MOE)
-register_converter("qwen2_moe", QWEN2_MOE)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import overload
+from typing import Any, overload
 
 from weightstream.converters.mapping import Converter
 from weightstream.errors import UnknownModelError
+from weightstream.models.spec import ModelSpec, load_hf_config
 
 ConverterFactory = Callable[[], Converter]
 
@@ -68,6 +69,13 @@ def get_converter(model_type: str) -> Converter:
     return _BUILT[model_type]
 
 
+def model_spec(config: Any) -> ModelSpec:
+    """The :class:`ModelSpec` of an HF config (a transformers config, a dict with ``model_type``, or a
+    directory), with the features its registered converter reads; an unknown model type raises."""
+    cfg = load_hf_config(config)
+    return ModelSpec.from_hf_config(cfg, get_converter(cfg.model_type).features)
+
+
 def known_model_types() -> list[str]:
     _load_builtins()
     return sorted(_FACTORIES)
@@ -85,4 +93,9 @@ def _load_builtins() -> None:
     global _builtins_loaded
     if not _builtins_loaded:
         _builtins_loaded = True
-        from weightstream.converters import qwen2, qwen3, qwen_moe  # noqa: F401  (they register themselves)
+        from weightstream.converters.qwen2 import QWEN2
+        from weightstream.converters.qwen3 import QWEN3
+        from weightstream.converters.qwen_moe import QWEN2_MOE, QWEN3_MOE
+
+        for converter in (QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE):
+            register_converter(converter.model_type, converter)

@@ -4,16 +4,16 @@ weight-update group and receive each bucket as ONE broadcast of its flat buffer.
 Enable it with the ``vllm.general_plugins`` entry point ``weightstream =
 "weightstream.integrations.vllm_backend:register"`` (vLLM loads it in every process, its workers
 included) and ``--weight-transfer-config '{"backend": "weightstream"}'``. The HTTP side is
-:class:`weightstream.streaming.adapters.vllm.VLLMEngine`.
+:class:`weightstream.engines.vllm.VLLMEngine`.
 
 ``/init_weight_transfer_engine {"init_info": {...}}``: ``master_address``, ``master_port``,
 ``rank_offset``, ``world_size``, ``timeout_s``, ``group_name``, meaning what they mean in
-:class:`~weightstream.streaming.adapters.base.GroupSpec` (the trainer's sender is rank 0 and hosts the
+:class:`~weightstream.engines.base.GroupSpec` (the trainer's sender is rank 0 and hosts the
 store; worker r joins as ``rank_offset + r``). The group is gloo on the CPU, NCCL on CUDA.
 
 ``/update_weights {"update_info": {...}}``: ``names``, ``dtype_names``, ``shapes`` and an optional
-``checksum`` (:func:`weightstream.streaming.serialization.checksum` of the flat buffer). The buffer is
-laid out back to back in ``names`` order (``weightstream.engine.worker.dense_layout``).
+``checksum`` (:func:`weightstream.wire.handles.checksum` of the flat buffer). The buffer is
+laid out back to back in ``names`` order (``weightstream.reference_engine.worker.dense_layout``).
 
 vLLM is imported only when vLLM itself loads this module's engine (``register`` or the
 ``WeightstreamTransferEngine`` attribute), so ``import weightstream`` never needs vLLM.
@@ -71,9 +71,9 @@ class WeightstreamUpdateInfo:
 def receive_bucket(group, info: WeightstreamUpdateInfo, device: torch.device):
     """One broadcast from rank 0 into a buffer of the dense layout; the ``(name, tensor)`` views.
     Raises :class:`ChecksumMismatch` (naming the tensors) before anything is handed out."""
-    from weightstream.engine.worker import dense_layout
+    from weightstream.reference_engine.worker import dense_layout
     from weightstream.streaming.bucket import view_tensor
-    from weightstream.streaming.serialization import checksum
+    from weightstream.wire.handles import checksum
 
     metas = dense_layout(info.names, info.dtype_names, info.shapes)
     total = metas[-1].offset + metas[-1].nbytes if metas else 0
@@ -157,7 +157,7 @@ def _engine_class():
             self._reloading = False
 
         def init_transfer_engine(self, init_info) -> None:
-            from weightstream.streaming.groups import destroy_group, init_custom_process_group
+            from weightstream.wire.groups import destroy_group, init_custom_process_group
 
             if self.group is not None:  # a trainer that reconnects: the old group is gone on its side
                 destroy_group(self.group)
@@ -223,7 +223,7 @@ def _engine_class():
                      time.perf_counter() - t0)
 
         def shutdown(self) -> None:
-            from weightstream.streaming.groups import destroy_group
+            from weightstream.wire.groups import destroy_group
 
             group, self.group = self.group, None
             destroy_group(group)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,11 +70,10 @@ class ModelSpec:
         return self.is_moe and layer not in self.dense_layers
 
     @classmethod
-    def from_hf_config(cls, config: Any) -> ModelSpec:
-        from weightstream.converters.registry import get_converter
-
+    def from_hf_config(cls, config: Any, features: Callable[[Any], dict[str, Any]]) -> ModelSpec:
+        """The spec of an HF config; ``features``: what the family reads from it besides the common fields (a
+        converter's ``features``; :func:`weightstream.converters.model_spec` passes the registered one)."""
         cfg = load_hf_config(config)
-        converter = get_converter(cfg.model_type)
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -91,7 +91,7 @@ class ModelSpec:
             max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         )
-        values.update(converter.features(cfg))
+        values.update(features(cfg))
         spec = cls(**values)
         spec.validate()
         return spec

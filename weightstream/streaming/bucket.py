@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from weightstream.common.layout import ALIGN, layout, round_up
 from weightstream.models.spec import dtype_name
-from weightstream.streaming.plan import ALIGN, layout, round_up
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,19 +42,6 @@ class TensorMeta:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
-
-
-@contextmanager
-def no_cyclic_gc():
-    """Python's cyclic collector paused: making or copying thousands of tensor views (which hold no cycles)
-    would otherwise set off collections of the whole heap midway, costing more than the copies."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def view_tensor(buffer: Tensor, meta: TensorMeta) -> Tensor:

@@ -11,11 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-ALIGN = 256
-
-
-def round_up(n: int, align: int) -> int:
-    return (n + align - 1) // align * align
+from weightstream.common.layout import ALIGN, layout
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,19 +22,6 @@ class BucketPlan:
     items: range
     offsets: tuple[tuple[int, ...], ...]  # per item, per tensor
     nbytes: int
-
-
-def layout(items: Sequence[Sequence[int]], align: int = ALIGN, start: int = 0) -> tuple[list[tuple[int, ...]], int]:
-    """Offsets of the tensors of ``items`` laid out one after another from ``start``; and the end."""
-    offsets, end = [], start
-    for sizes in items:
-        item_offsets = []
-        for size in sizes:
-            off = round_up(end, align)
-            item_offsets.append(off)
-            end = off + size
-        offsets.append(tuple(item_offsets))
-    return offsets, end
 
 
 def plan_buckets(items: Sequence[Sequence[int]], limit: int, align: int = ALIGN,

@@ -2,7 +2,7 @@
 
 Flow for one call (on every rank of the job):
 
-1. source (:mod:`weightstream.streaming.sources`): the global table (same on all ranks) and this
+1. source (:mod:`weightstream.sources`): the global table (same on all ranks) and this
    rank's live tensors: a Megatron-Core model, an FSDP2/DTensor model, or a Megatron checkpoint on disk;
 2. plan: buckets of at most ``bucket_bytes``, and for each bucket its copy program;
 3. per bucket, lazily: what the converter reads for the tensors this rank makes is taken as a view of a
@@ -15,7 +15,7 @@ model, config, converter, parallel layout and bucket settings reuses them after 
 few milliseconds, that no parameter was replaced, moved to new storage, added or removed (all ranks
 agree through one all-reduce). Packing is then batched: the converted tensors are views of the live
 parameters, prepared once, and each bucket is filled with one batched copy per dtype (``_foreach_copy_``,
-or on a GPU one launch of :mod:`~weightstream.streaming.piececopy` into a kept buffer).
+or on a GPU one launch of :mod:`~weightstream.streaming.copies` into a kept buffer).
 
 A receiver whose memory this process can write (a colocated engine's own weights, mapped through CUDA IPC)
 may take the tensors there instead of in bucket buffers (:meth:`BucketStream.write_into`): the same batched
@@ -36,40 +36,40 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from weightstream.common.cyclic_gc import no_cyclic_gc
+from weightstream.common.layout import ALIGN, layout
 from weightstream.converters.ops import OpContext, convert_into
-from weightstream.converters.registry import get_converter
+from weightstream.converters.registry import get_converter, model_spec
 from weightstream.models.hf import expected_hf_shapes
 from weightstream.models.spec import ModelSpec, load_hf_config
+from weightstream.sources import as_source
+from weightstream.sources.base import CollectiveCounts, ModuleGuard, Source, first_device
+from weightstream.sources.megatron import WEIGHT_BUFFERS
+from weightstream.sources.table import HFOut, TensorEntry
+from weightstream.sources.topology import Topology
 from weightstream.streaming.bucket import (
     Bucket,
     Shard,
     TensorMeta,
-    no_cyclic_gc,
     typed_buffer,
     typed_runs,
     typed_views,
     view_tensor,
 )
-from weightstream.streaming.piececopy import batched_copy, warm_kernel
-from weightstream.streaming.plan import ALIGN, BucketPlan, layout, plan_buckets
-from weightstream.streaming.sources.base import ModuleGuard, Source, as_source, first_device
-from weightstream.streaming.sources.megatron import WEIGHT_BUFFERS
-from weightstream.streaming.table import HFOut, TensorEntry
-from weightstream.streaming.topology import Topology
+from weightstream.streaming.copies import batched_copy, warm_kernel
+from weightstream.streaming.plan import BucketPlan, plan_buckets
 
 Mode = Literal["full", "per_rank"]
 DEFAULT_BUCKET_BYTES = 512 << 20
 
 
 @dataclass
-class StreamStats:
-    """Counters of one stream, filled as buckets are produced."""
+class StreamStats(CollectiveCounts):
+    """Counters of one stream, filled as buckets are produced (and the source's collectives)."""
 
     buckets: int = 0
     tensors: int = 0
     bytes: int = 0
-    gathers: int = 0  # TP / expert-TP all-gathers issued
-    broadcasts: int = 0  # EP / PP broadcasts issued
     peak_staging_bytes: int = 0  # largest (output buffer + gather buffers + conversion temp) at once
     setup_seconds: float = 0.0  # metadata exchange, checks and planning (or checking the kept plan)
     seconds: float = 0.0  # producing the buckets
@@ -556,7 +556,7 @@ def stream_hf_weights(
     ``model``: Megatron-Core model chunks (a ``GPTModel``, possibly wrapped in DDP / Float16Module, or
     the list of VPP chunks); a transformers model (or an ``nn.Module`` with HF names) whose parameters
     are FSDP2 / tensor-parallel DTensors or plain tensors; or any :class:`Source`, such as
-    :class:`~weightstream.streaming.sources.checkpoint.MegatronCheckpointSource` for a checkpoint on
+    :class:`~weightstream.sources.megatron_checkpoint.MegatronCheckpointSource` for a checkpoint on
     disk. ``hf_config``: a transformers config, a dict with ``model_type``, or a directory.
 
     ``mode="full"``: each HF tensor whole, on every rank (shards all-gathered once per bucket and
@@ -595,7 +595,7 @@ def stream_hf_weights(
     source = as_source(model, topology)
     topo = source.topology
     cfg = load_hf_config(hf_config)
-    spec = ModelSpec.from_hf_config(cfg)
+    spec = model_spec(cfg)
     converter = get_converter(spec.model_type)
     modules = list(source.modules())
     plan: StreamPlan | None = None

@@ -1,0 +1,225 @@
+"""The architecture of the package, measured: its layers and the imports between them, import circles,
+capability probes (``getattr``/``hasattr``), the longest functions and the lines per folder.
+
+``python tools/architecture.py`` prints the report; ``tests/test_architecture.py`` holds the package to it
+(imports only downward, no circle, no probe outside the declared exceptions, no function over 60 lines).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "weightstream"
+
+# The layers, bottom first: a module imports only from its own layer or the ones below it.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("foundation", ("weightstream._version", "weightstream.errors", "weightstream.common")),
+    ("wire", ("weightstream.wire",)),
+    ("models", ("weightstream.models",)),
+    ("converters", ("weightstream.converters",)),
+    ("sources", ("weightstream.sources",)),
+    ("streaming", ("weightstream.streaming",)),
+    ("engines", ("weightstream.engines",)),
+    ("sinks", ("weightstream.sinks",)),
+    ("reference_engine", ("weightstream.reference_engine",)),
+    ("integrations", ("weightstream.integrations",)),
+    ("testing", ("weightstream.testing",)),
+    ("operations", ("weightstream.launch", "weightstream.update", "weightstream.convert", "weightstream.jobs")),
+    ("bench", ("weightstream.bench",)),
+    ("entry", ("weightstream.cli", "weightstream")),
+)
+
+# Where reading an attribute by name is the point, not a probe of what an object of ours can do: the
+# optional fields of a transformers config (a family's config declares only its own), torch's dtypes by
+# name, Megatron-Core's argument namespace and vLLM's own objects (their classes vary by version), and the
+# reference engine's worker dispatching a declared command.
+PROBE_EXCEPTIONS: dict[str, str] = {
+    "weightstream.models.spec": "optional fields of an HF config",
+    "weightstream.models.hf": "optional fields of an HF config and of a transformers model",
+    "weightstream.models.presets": "optional fields of an HF config",
+    "weightstream.converters.qwen2": "optional fields of an HF config",
+    "weightstream.converters.qwen3": "optional fields of an HF config",
+    "weightstream.converters.qwen_moe": "optional fields of an HF config",
+    "weightstream.wire.handles": "torch's dtypes and builtins by name (the unpickler's allow-list)",
+    "weightstream.sources.megatron_checkpoint": "Megatron-Core's saved argument namespace",
+    "weightstream.integrations.vllm_backend": "vLLM's own objects inside vLLM",
+    "weightstream.cli": "a torch dtype by name",
+    "weightstream.bench.speed": "a torch dtype by name; optional fields of an HF config",
+}
+
+MAX_FUNCTION_LINES = 60
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def layer_of(module: str) -> int:
+    best, index = -1, -1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, index = len(prefix), i
+    if index < 0:
+        raise ValueError(f"{module} is in no layer: add it to LAYERS in tools/architecture.py")
+    return index
+
+
+def _imported(tree: ast.AST, module: str, known: set[str]) -> Iterator[tuple[str, int]]:
+    """(imported weightstream module, line) for every import anywhere in the file (function bodies and
+    ``TYPE_CHECKING`` blocks included: a type is a dependency too)."""
+    package = module if (PACKAGE / Path(*module.split(".")[1:]) / "__init__.py").exists() else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "weightstream":
+                    yield _nearest(alias.name, known), node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            if base.split(".")[0] != "weightstream":
+                continue
+            for alias in node.names:
+                child = f"{base}.{alias.name}"
+                yield (child if child in known else _nearest(base, known)), node.lineno
+
+
+def _nearest(name: str, known: set[str]) -> str:
+    while name not in known and "." in name:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def import_graph() -> dict[str, set[tuple[str, int]]]:
+    mods = modules()
+    known = set(mods)
+    return {m: {(d, line) for d, line in _imported(ast.parse(p.read_text()), m, known) if d != m}
+            for m, p in mods.items()}
+
+
+def upward_imports() -> list[str]:
+    out = []
+    for m, deps in import_graph().items():
+        for d, line in sorted(deps):
+            if layer_of(d) > layer_of(m):
+                out.append(f"{m}:{line} imports {d} ({LAYERS[layer_of(m)][0]} -> {LAYERS[layer_of(d)][0]})")
+    return out
+
+
+def circles() -> list[list[str]]:
+    """Import circles between modules (strongly connected components of more than one module; a package's
+    ``__init__`` importing its own modules is not one unless they import it back)."""
+    graph = {m: {d for d, _ in deps} for m, deps in import_graph().items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+    sys.setrecursionlimit(10000)
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+@dataclass(frozen=True)
+class Probe:
+    module: str
+    line: int
+    call: str
+
+
+def probes() -> list[Probe]:
+    out = []
+    for m, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr")):
+                out.append(Probe(m, node.lineno, ast.unparse(node)))
+    return out
+
+
+def long_functions(limit: int = MAX_FUNCTION_LINES) -> list[tuple[int, str]]:
+    out = []
+    for m, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = (node.end_lineno or node.lineno) - node.lineno + 1
+                if n > limit:
+                    out.append((n, f"{m}.{node.name}"))
+    return sorted(out, reverse=True)
+
+
+def lines_per_folder() -> dict[str, int]:
+    out: dict[str, int] = defaultdict(int)
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        folder = str(rel.parent) if rel.parent != Path("weightstream") else f"weightstream/{rel.name}"
+        out[folder] += len(path.read_text().splitlines())
+    return dict(sorted(out.items()))
+
+
+def main() -> int:
+    print("lines per folder (top-level modules by name):")
+    for folder, n in lines_per_folder().items():
+        print(f"  {n:6d}  {folder}")
+    print(f"  {sum(lines_per_folder().values()):6d}  total")
+    print("longest functions:")
+    for n, name in long_functions(0)[:10]:
+        print(f"  {n:4d}  {name}")
+    found = probes()
+    crossing = [p for p in found if p.module not in PROBE_EXCEPTIONS]
+    print(f"getattr/hasattr calls: {len(found)}, outside the declared exceptions: {len(crossing)}")
+    for p in crossing:
+        print(f"  {p.module}:{p.line}  {p.call}")
+    up = upward_imports()
+    print(f"upward imports: {len(up)}")
+    for line in up:
+        print("  " + line)
+    loops = circles()
+    print(f"import circles: {len(loops)}")
+    for loop in loops:
+        print("  " + " <-> ".join(loop))
+    return 1 if crossing or up or loops or long_functions() else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

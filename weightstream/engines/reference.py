@@ -1,0 +1,126 @@
+"""The reference engine (``weightstream engine``): SGLang's protocol, plus per-rank (P2P) buckets, rollback
+of an aborted session, and logits for checking."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from weightstream.engines.base import (
+    BROADCAST,
+    IPC,
+    IPC_AHEAD,
+    P2P,
+    RELEASE_MEMORY,
+    ROLLBACK,
+    RankBucket,
+)
+from weightstream.engines.sglang import SGLangEngine
+from weightstream.models.spec import dtype_name
+from weightstream.streaming.bucket import TensorMeta
+
+ENGINE_NAME = "weightstream-reference"
+
+
+def _meta_json(m) -> dict:
+    shard = None if m.shard is None else {"dim": m.shard.dim, "start": m.shard.start, "length": m.shard.length,
+                                          "full": m.shard.full}
+    return {"name": m.name, "dtype": dtype_name(m.dtype), "shape": list(m.shape), "offset": m.offset, "shard": shard}
+
+
+class ReferenceEngine(SGLangEngine):
+    name = "reference"
+
+    def capabilities(self, server_info: dict) -> frozenset[str]:
+        return frozenset(server_info.get("capabilities") or (BROADCAST, IPC, IPC_AHEAD, P2P, ROLLBACK, RELEASE_MEMORY))
+
+    def commit_update(self) -> str | None:
+        """One request: the reference engine's ``/end_weight_update`` answers with the weight version it
+        now serves (it keeps no KV cache to flush)."""
+        return self._end({}, "end_weight_update")
+
+    def commit_and_resume(self) -> str | None:
+        """:meth:`commit_update`, then generation resumes, in the same request (``{"resume": true}``)."""
+        return self._end({"resume": True}, "end_weight_update (and continue_generation)")
+
+    def _end(self, body: dict, step: str) -> str | None:
+        self._session = False
+        reply = self.post("/end_weight_update", body, step=step)
+        return None if reply.get("weight_version") is None else str(reply["weight_version"])
+
+    def pause_and_begin(self, mode: str, version: str | None, timeout_s: float | None = None) -> None:
+        """Pause generation and open the session in one request (``/begin_weight_update`` with ``pause``)."""
+        self._version = version
+        body: dict = {"pause": mode}
+        if timeout_s:
+            body["timeout_s"] = timeout_s
+        self.post("/begin_weight_update", body, step="pause_generation and begin_weight_update")
+        self._session = True
+
+    def abort_update(self, timeout_s: float | None = None) -> None:
+        """Close the session without committing: the engine puts its last committed weights back."""
+        if not self._session:
+            return
+        self._session = False
+        self.post("/weightstream/abort_weight_update", {}, step="abort_weight_update", timeout_s=timeout_s)
+
+    def receive_broadcast_ahead(self, buckets: Sequence[Sequence[TensorMeta]], timeout_s: float) -> None:
+        """The metadata of every dense bucket of this update, in order, before the first is broadcast; the
+        engine receives them back to back and answers once all are loaded (or once one failed: it still
+        receives the rest, so that the broadcasts match, and loads none of them)."""
+        self.post("/weightstream/update_weights_from_distributed_ahead", {
+            "group_name": self.group_name, "weight_version": self._version, "load_format": "flattened_bucket",
+            "buckets": [{"names": [m.name for m in b], "dtypes": [dtype_name(m.dtype) for m in b],
+                         "shapes": [list(m.shape) for m in b]} for b in buckets],
+        }, step=f"update_weights_from_distributed_ahead ({len(buckets)} buckets)", timeout_s=timeout_s)
+
+    def receive_ipc_ahead(self, plan: str, num_buckets: int, channels: Sequence[str], client: str,
+                          timeout_s: float) -> None:
+        """A colocated update of ``num_buckets`` buckets laid out as ``plan`` (a digest of their metadata), and
+        the control channel each engine TP rank connects to (``host:port``, the colocated trainer rank's);
+        an engine rank that does not know the plan asks for its metadata there (:meth:`ipc_plan_frame`).
+        The engine answers once every bucket is loaded, or once one failed. ``client`` names the trainer's
+        buffers: the engine keeps those it was asked to keep mapped for the next update from the same
+        client. ``timeout_s``: the bound of each wait on the trainer."""
+        self.post("/weightstream/update_weights_from_ipc_ahead", {
+            "weight_version": self._version, "client": client, "channels": list(channels), "timeout_s": timeout_s,
+            "plan": plan, "num_buckets": num_buckets,
+        }, step=f"update_weights_from_ipc_ahead ({num_buckets} buckets)", timeout_s=timeout_s * (num_buckets + 4))
+
+    def prepare_ipc_ahead(self, plan: str, num_buckets: int, channels: Sequence[str], client: str,
+                          timeout_s: float) -> None:
+        """Before the first update, outside a session: each engine rank connects to its control channel as
+        for :meth:`receive_ipc_ahead`, learns the plan if it does not know it, and maps the buffers the
+        trainer names in one frame (``{"buffers": [...]}``), keeping them for this client's updates."""
+        self.post("/weightstream/prepare_ipc_ahead", {
+            "client": client, "channels": list(channels), "timeout_s": timeout_s, "plan": plan,
+            "num_buckets": num_buckets,
+        }, step="prepare_ipc_ahead", timeout_s=timeout_s * 5)
+
+    def release_ipc_buffers(self, client: str, timeout_s: float | None = None) -> None:
+        """The trainer ``client`` is done: the engine closes the buffers it kept mapped for it."""
+        self.post("/weightstream/release_ipc_buffers", {"client": client}, step="release_ipc_buffers",
+                  timeout_s=timeout_s)
+
+    @staticmethod
+    def ipc_plan_frame(buckets: Sequence[Sequence[TensorMeta]]) -> dict:
+        """The control-channel frame with the metadata of every bucket of a plan, in order."""
+        return {"buckets": [{"names": [m.name for m in b], "dtypes": [dtype_name(m.dtype) for m in b],
+                             "shapes": [list(m.shape) for m in b], "offsets": [m.offset for m in b]} for b in buckets]}
+
+    def receive_p2p(self, index: int, ranks: Sequence[RankBucket]) -> None:
+        """Metadata of what each engine rank receives by send/recv in this bucket."""
+        self.post("/weightstream/update_weights_from_p2p", {
+            "group_name": self.group_name, "weight_version": self._version,
+            "ranks": [{"src": r.src, "metas": [_meta_json(m) for m in r.metas], "nbytes": r.nbytes,
+                       "checksum": r.checksum} for r in ranks],
+        }, step=f"update_weights_from_p2p (bucket {index})")
+
+    def logits(self, input_ids: list[list[int]]):
+        import base64
+
+        import numpy as np
+        import torch
+
+        reply = self.post("/weightstream/logits", {"input_ids": input_ids}, step="logits")
+        arr = np.frombuffer(base64.b64decode(reply["logits_b64"]), dtype=np.float32).reshape(reply["shape"])
+        return torch.from_numpy(arr.copy())

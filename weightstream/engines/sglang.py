@@ -1,0 +1,143 @@
+"""SGLang's HTTP weight-update protocol (0.5.x; field names as ``sglang/srt/managers/io_struct.py``
+spells them, see ``docs/engines.md``). Endpoint names and payload fields live here and nowhere else."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from weightstream.engines.base import (
+    BROADCAST,
+    IPC,
+    RELEASE_MEMORY,
+    EngineError,
+    EngineInfo,
+    GroupSpec,
+    HTTPEngine,
+    RankBucket,
+)
+from weightstream.models.spec import dtype_name
+from weightstream.streaming.bucket import Bucket
+from weightstream.wire.handles import dumps_b64
+
+
+class SGLangEngine(HTTPEngine):
+    """One SGLang server (all its TP ranks) behind one HTTP address."""
+
+    name = "sglang"
+
+    # -- what the engine is ------------------------------------------------------------------
+
+    def server_info(self, refresh: bool = False) -> dict:
+        if refresh or not hasattr(self, "_server_info"):
+            self._server_info = self.get("/get_server_info", step="get_server_info")
+        return self._server_info
+
+    def info(self, refresh: bool = False) -> EngineInfo:
+        if self._info is None or refresh:
+            s = self.server_info(refresh)
+            self._info = EngineInfo(
+                engine=self.name, tp_size=int(s.get("tp_size", 1)), pp_size=int(s.get("pp_size", 1)),
+                ep_size=int(s.get("ep_size", 1)), dp_size=int(s.get("dp_size", 1)),
+                gpu_uuids=tuple(s.get("gpu_uuids") or ()), capabilities=self.capabilities(s),
+            )
+        return self._info
+
+    def capabilities(self, server_info: dict) -> frozenset[str]:
+        return frozenset({BROADCAST, IPC, RELEASE_MEMORY})
+
+    def weight_version(self) -> str:
+        return str(self.get("/model_info", step="model_info").get("weight_version"))
+
+    # -- generation and sessions -----------------------------------------------------------------
+
+    def pause(self, mode: str = "abort") -> None:
+        self.post("/pause_generation", {"mode": mode}, step="pause_generation")
+
+    def resume(self, timeout_s: float | None = None) -> None:
+        self.post("/continue_generation", {}, step="continue_generation", timeout_s=timeout_s)
+
+    def begin_update(self, version: str | None, timeout_s: float | None = None) -> None:
+        """Open a versioned session. ``timeout_s``: how long an engine that can may wait for this trainer
+        between two steps before it gives the session up (SGLang ignores the field)."""
+        self._version = version
+        self.post("/begin_weight_update", {"timeout_s": timeout_s} if timeout_s else {}, step="begin_weight_update")
+        self._session = True
+
+    def commit_update(self) -> str | None:
+        self._session = False
+        self.post("/end_weight_update", {}, step="end_weight_update")
+        self.post("/flush_cache", {}, step="flush_cache")  # cached KV entries were computed with the old weights
+        return self.weight_version()
+
+    def abort_update(self, timeout_s: float | None = None) -> None:
+        """SGLang cannot roll back: the session is ended as it stands (the caller reports the failure)."""
+        if not self._session:
+            return  # none was opened (or it was already ended)
+        self._session = False
+        self.post("/end_weight_update", {}, step="end_weight_update", timeout_s=timeout_s)
+
+    # -- the group -------------------------------------------------------------------------------
+
+    def join_group(self, spec: GroupSpec) -> None:
+        self.post("/init_weights_update_group", {
+            "master_address": spec.master_address, "master_port": spec.master_port,
+            "rank_offset": spec.rank_offset, "world_size": spec.world_size, "group_name": spec.group_name,
+            "backend": spec.backend, "timeout_s": spec.timeout_s,
+        }, step="init_weights_update_group", timeout_s=spec.timeout_s + 2.0)
+        # SGLang ignores timeout_s (its side of the rendezvous waits by torch's default); the reference
+        # engine gives up at it. Either way this trainer stops waiting at its own bound.
+
+    def leave_group(self, timeout_s: float | None = None) -> None:
+        self.post("/destroy_weights_update_group", {"group_name": self.group_name},
+                  step="destroy_weights_update_group", timeout_s=timeout_s)
+
+    # -- buckets ---------------------------------------------------------------------------------
+
+    def receive_broadcast(self, bucket: Bucket, checksum: str | None) -> None:
+        """The metadata of one dense (back-to-back) bucket whose buffer is being broadcast."""
+        self.post("/update_weights_from_distributed", {
+            "names": [m.name for m in bucket.metas], "dtypes": [dtype_name(m.dtype) for m in bucket.metas],
+            "shapes": [list(m.shape) for m in bucket.metas], "group_name": self.group_name,
+            "flush_cache": False, "load_format": "flattened_bucket", "weight_version": self._version,
+            "weightstream_checksum": checksum,
+        }, step=f"update_weights_from_distributed (bucket {bucket.index})")
+
+    def receive_p2p(self, index: int, ranks: Sequence[RankBucket]) -> None:
+        raise EngineError(self.url, "update_weights_from_p2p", "SGLang does not receive per-rank buckets")
+
+    def encode_ipc(self, bucket: Bucket) -> str:
+        """SGLang's flattened-bucket payload for ``/update_weights_from_tensor``: offsets and ``numel`` in
+        bytes, as SGLang's own ``FlattenedTensorBucket`` writes them (over its ``uint8`` buffer)."""
+        metadata = [
+            SimpleNamespace(name=m.name, shape=torch.Size(m.shape), dtype=m.dtype, start_idx=m.offset,
+                            end_idx=m.offset + m.nbytes, numel=m.nbytes)
+            for m in bucket.metas
+        ]
+        return dumps_b64({"flattened_tensor": bucket.buffer, "metadata": metadata})
+
+    def receive_ipc(self, index: int, payloads: Sequence[Any], checksums: Sequence[str | None] | None) -> None:
+        self.post("/update_weights_from_tensor", {
+            "serialized_named_tensors": list(payloads), "load_format": "flattened_bucket",
+            "flush_cache": False, "weight_version": self._version,
+            "weightstream_checksums": list(checksums) if checksums else None,
+        }, step=f"update_weights_from_tensor (bucket {index})")
+
+    # -- memory ----------------------------------------------------------------------------------
+
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        self.post("/release_memory_occupation", {"tags": list(tags) if tags else None},
+                  step="release_memory_occupation")
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        self.post("/resume_memory_occupation", {"tags": list(tags) if tags else None},
+                  step="resume_memory_occupation")
+
+    # -- serving -----------------------------------------------------------------------------------
+
+    def generate(self, input_ids: list[int], max_new_tokens: int = 8) -> dict:
+        return self.post("/generate", {"input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens}},
+                         step="generate")

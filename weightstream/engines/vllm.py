@@ -1,0 +1,172 @@
+"""vLLM's HTTP weight-transfer protocol (0.32.0, dev-mode routes: ``VLLM_SERVER_DEV_MODE=1``), with the
+``weightstream`` weight-transfer backend (``weightstream.integrations.vllm_backend``) on the engine side:
+``--weight-transfer-config '{"backend": "weightstream"}'``. Endpoint names and payload fields live here
+and nowhere else (see ``docs/engines.md``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import quote
+
+from weightstream.engines.base import (
+    BROADCAST,
+    EngineError,
+    EngineInfo,
+    GroupSpec,
+    HTTPEngine,
+    RankBucket,
+)
+from weightstream.models.spec import dtype_name
+from weightstream.streaming.bucket import Bucket
+
+# SGLang-style pause modes (what WeightSync's pause_mode speaks) -> vLLM's /pause?mode=
+PAUSE_MODES = {"abort": "abort", "retract": "wait", "in_place": "keep", "wait": "wait", "keep": "keep"}
+
+
+class VLLMEngine(HTTPEngine):
+    """One vLLM OpenAI server (all its workers) behind one HTTP address."""
+
+    name = "vllm"
+
+    # -- what the engine is ------------------------------------------------------------------
+
+    def server_info(self, refresh: bool = False) -> dict:
+        """The parts of vLLM's config an update cares about (``GET /server_info?config_format=json``)."""
+        if refresh or not hasattr(self, "_server_info"):
+            reply = self.get("/server_info?config_format=json", step="server_info")
+            config = reply.get("vllm_config") if isinstance(reply, dict) else None
+            if not isinstance(config, dict):
+                raise EngineError(self.url, "server_info",
+                                  "no vllm_config in the reply (is VLLM_SERVER_DEV_MODE=1 set?)")
+            parallel = config.get("parallel_config") or {}
+            device = config.get("device_config") or {}
+            self._server_info = {
+                "tp_size": int(parallel.get("tensor_parallel_size") or 1),
+                "pp_size": int(parallel.get("pipeline_parallel_size") or 1),
+                "dp_size": int(parallel.get("data_parallel_size") or 1),
+                "ep": bool(parallel.get("enable_expert_parallel")),
+                "device": str(device.get("device_type") or device.get("device") or "cpu"),
+                "weight_transfer_backend": (config.get("weight_transfer_config") or {}).get("backend"),
+            }
+        return self._server_info
+
+    def info(self, refresh: bool = False) -> EngineInfo:
+        if self._info is None or refresh:
+            s = self.server_info(refresh)
+            self._info = EngineInfo(engine=self.name, tp_size=s["tp_size"], pp_size=s["pp_size"],
+                                    ep_size=s["tp_size"] * s["dp_size"] if s["ep"] else 1, dp_size=s["dp_size"],
+                                    capabilities=self.capabilities(s))
+        return self._info
+
+    def capabilities(self, server_info: dict) -> frozenset[str]:
+        """Broadcast only, and only where the sinks' group accounting (``tp_size`` ranks per engine) is the
+        engine's whole world (PP 1, DP 1). vLLM cannot roll back; sleep/wake do nothing on the CPU."""
+        caps = set()
+        if server_info.get("pp_size", 1) == 1 and server_info.get("dp_size", 1) == 1:
+            caps.add(BROADCAST)
+        return frozenset(caps)
+
+    def world_size(self) -> int:
+        return int(self.get("/get_world_size", step="get_world_size")["world_size"])
+
+    def weight_version(self) -> str | None:
+        version = self.get("/weight_info", step="weight_info").get("weight_version")
+        return None if version is None else str(version)
+
+    # -- generation and sessions -----------------------------------------------------------------
+
+    def pause(self, mode: str = "abort") -> None:
+        try:
+            vllm_mode = PAUSE_MODES[mode]
+        except KeyError:
+            raise EngineError(self.url, "pause", f"unknown pause mode {mode!r}; known: {sorted(PAUSE_MODES)}") from None
+        self.post(f"/pause?mode={vllm_mode}", {}, step="pause")
+
+    def resume(self, timeout_s: float | None = None) -> None:
+        self.post("/resume", {}, step="resume", timeout_s=timeout_s)
+
+    def begin_update(self, version: str | None, timeout_s: float | None = None) -> None:
+        """Open a session (vLLM's layerwise reload starts). vLLM has no session bound: ``timeout_s`` is unused."""
+        self._version = version
+        self.post("/start_weight_update", {}, step="start_weight_update")
+        self._session = True
+
+    def commit_update(self) -> str | None:
+        self._session = False
+        self.post("/finish_weight_update", {"weight_version": self._version}, step="finish_weight_update")
+        return self.weight_version()
+
+    def abort_update(self, timeout_s: float | None = None) -> None:
+        """vLLM cannot roll back: an open session is finished as it stands (what was loaded stays). After a
+        failed bucket vLLM has already ended the session itself, so its refusal is expected and ignored."""
+        if not self._session:
+            return
+        self._session = False
+        try:
+            self.post("/finish_weight_update", {"weight_version": None}, step="finish_weight_update (abort)",
+                      timeout_s=timeout_s)
+        except EngineError:
+            pass
+
+    # -- the group -------------------------------------------------------------------------------
+
+    def join_group(self, spec: GroupSpec) -> None:
+        """vLLM's workers join as ``rank_offset + r``; the backend picks gloo or NCCL from its device."""
+        self.post("/init_weight_transfer_engine", {"init_info": {
+            "master_address": spec.master_address, "master_port": spec.master_port,
+            "rank_offset": spec.rank_offset, "world_size": spec.world_size, "timeout_s": spec.timeout_s,
+            "group_name": spec.group_name,
+        }}, step="init_weight_transfer_engine", timeout_s=spec.timeout_s + 2.0)
+
+    def leave_group(self, timeout_s: float | None = None) -> None:
+        self.post("/shutdown_weight_transfer_engine", {}, step="shutdown_weight_transfer_engine", timeout_s=timeout_s)
+
+    # -- buckets ---------------------------------------------------------------------------------
+
+    def receive_broadcast(self, bucket: Bucket, checksum: str | None) -> None:
+        """The metadata of one dense (back-to-back) bucket whose buffer is being broadcast; answers when
+        every worker has received and loaded it."""
+        info: dict[str, Any] = {
+            "names": [m.name for m in bucket.metas], "dtype_names": [dtype_name(m.dtype) for m in bucket.metas],
+            "shapes": [list(m.shape) for m in bucket.metas],
+        }
+        if checksum is not None:
+            info["checksum"] = checksum
+        self.post("/update_weights", {"update_info": info}, step=f"update_weights (bucket {bucket.index})")
+
+    def receive_p2p(self, index: int, ranks: Sequence[RankBucket]) -> None:
+        raise EngineError(self.url, "update_weights (p2p)", "vLLM does not receive per-rank buckets")
+
+    def encode_ipc(self, bucket: Bucket) -> Any:
+        raise EngineError(self.url, "update_weights (ipc)", "the weightstream vLLM backend receives no IPC buckets")
+
+    def receive_ipc(self, index: int, payloads: Sequence[Any], checksums: Sequence[str | None] | None) -> None:
+        raise EngineError(self.url, "update_weights (ipc)", "the weightstream vLLM backend receives no IPC buckets")
+
+    # -- memory ----------------------------------------------------------------------------------
+
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        self.post("/sleep?level=1", {}, step="sleep")
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        query = "".join(f"&tags={quote(t)}" for t in tags or ()).lstrip("&")
+        self.post("/wake_up" + (f"?{query}" if query else ""), {}, step="wake_up")
+
+    # -- serving -----------------------------------------------------------------------------------
+
+    def greedy(self, prompt_ids: list[int], max_tokens: int = 8) -> list[int]:
+        """Greedy token ids after ``prompt_ids`` (``/v1/completions``, temperature 0)."""
+        reply = self.post("/v1/completions", {
+            "model": self.served_model(), "prompt": list(prompt_ids), "temperature": 0.0, "max_tokens": max_tokens,
+            "return_token_ids": True, "ignore_eos": True,
+        }, step="completions")
+        try:
+            return [int(t) for t in reply["choices"][0]["token_ids"]]
+        except (KeyError, IndexError, TypeError):
+            raise EngineError(self.url, "completions", f"no token ids in the reply: {str(reply)[:300]}") from None
+
+    def served_model(self) -> str:
+        if not hasattr(self, "_model"):
+            self._model = self.get("/v1/models", step="models")["data"][0]["id"]
+        return self._model

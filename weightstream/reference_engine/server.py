@@ -1,0 +1,980 @@
+"""The embedded reference engine: an HTTP server speaking SGLang's weight-update protocol.
+
+``weightstream engine --model DIR --tp N`` starts N worker processes (one per engine TP rank, each
+holding its shard) and serves, on loopback by default:
+
+- SGLang's protocol: ``/init_weights_update_group``, ``/update_weights_from_distributed``
+  (per tensor or ``flattened_bucket``), ``/update_weights_from_tensor``, ``/destroy_weights_update_group``,
+  ``/pause_generation``, ``/continue_generation``, ``/begin_weight_update``, ``/end_weight_update``,
+  ``/update_weight_version``, ``/flush_cache``, ``/generate``, ``/model_info``, ``/get_server_info``, ``/health``;
+- weightstream's additions: ``/weightstream/update_weights_from_p2p`` (per-rank buckets by send/recv),
+  the ``*_ahead`` routes (every bucket's metadata in one request), ``/weightstream/logits``, and two fields:
+  ``pause`` in ``/begin_weight_update`` and ``resume`` in ``/end_weight_update`` (one request each instead
+  of two).
+
+Every reply to a weight-update call is ``{"success": bool, "message": str}`` (HTTP 200 or 400); the
+optional bearer token is checked on every route but ``/health``.
+"""
+
+from __future__ import annotations
+
+import base64
+import fcntl
+import hmac
+import io
+import ipaddress
+import json
+import os
+import re
+import socket
+import struct
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+
+from weightstream.common.processes import free_port, process_context, start_process
+from weightstream.engines.reference import ENGINE_NAME
+from weightstream.reference_engine.schema import (
+    MAX_JSON_DEPTH,
+    bucket_problems,
+    buckets_problems,
+    duration_problem,
+    nesting_exceeds,
+    range_problem,
+    text_problem,
+    token_rows,
+)
+from weightstream.reference_engine.worker import FAULT_ENV
+from weightstream.wire.channel import address_problem
+from weightstream.wire.handles import gpu_uuid
+
+MAX_BODY_BYTES = 64 << 20
+# Routes whose bodies carry weights or the metadata of every bucket: these may be up to ``max_body_bytes``;
+# every other route's body is small (``max_small_body_bytes``).
+BULK_ROUTES = frozenset({
+    "/update_weights_from_distributed", "/weightstream/update_weights_from_distributed_ahead",
+    "/update_weights_from_tensor", "/weightstream/update_weights_from_p2p",
+})
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """What one client may hold of the HTTP server, or ask of the engine in one request (docs/engines.md,
+    "Bounds")."""
+
+    max_body_bytes: int = MAX_BODY_BYTES  # a body of a route in BULK_ROUTES
+    max_small_body_bytes: int = 1 << 20  # a body of any other route
+    max_connections: int = 512  # open at once; one more is answered 503 and closed
+    idle_timeout_s: float = 30.0  # a client that sends nothing (or stops mid-request) this long is disconnected
+    listen_backlog: int = 1024  # connections the kernel queues until the server accepts them (bursts)
+    max_batch_tokens: int = 16384  # /generate and /weightstream/logits: the sum over rows of prompt + new tokens
+
+
+def log(message: str) -> None:
+    print(f"weightstream engine: {message}", file=sys.stderr, flush=True)
+
+
+# A session whose trainer has been silent for its bound T plus this is rolled back (finished by T + 2 s).
+SESSION_GRACE_S = 1.0
+
+
+class EngineFailure(RuntimeError):
+    """A request the engine could not carry out (reported as success=false)."""
+
+
+class UpdateInFlight(EngineFailure):
+    """A read of the weights while an update session has loaded part of an update (HTTP 409)."""
+
+
+class BadRequest(Exception):
+    """A request the engine refuses as it stands (4xx), before anything runs."""
+
+    def __init__(self, status: int, message: str):
+        self.status, self.message = HTTPStatus(status), message
+        super().__init__(message)
+
+
+_NUMBER = (int, float)
+_OPT_STR = (str, type(None))
+# The body each route takes: field -> (accepted types, required). Other fields are ignored, as
+# SGLang's clients send fields of newer versions.
+SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
+    "/init_weights_update_group": {
+        "master_address": ((str,), True), "master_port": ((int,), True), "rank_offset": ((int,), True),
+        "world_size": ((int,), True), "group_name": ((str,), False), "backend": ((str,), False),
+        "timeout_s": (_NUMBER, False),
+    },
+    "/destroy_weights_update_group": {"group_name": ((str,), False)},
+    "/update_weights_from_distributed": {
+        "names": ((list,), True), "dtypes": ((list,), True), "shapes": ((list,), True), "group_name": ((str,), False),
+        "load_format": (_OPT_STR, False), "weight_version": (_OPT_STR, False), "flush_cache": ((bool,), False),
+        "weightstream_checksum": (_OPT_STR, False),
+    },
+    "/weightstream/update_weights_from_distributed_ahead": {
+        "buckets": ((list,), True), "group_name": ((str,), False), "load_format": (_OPT_STR, False),
+        "weight_version": (_OPT_STR, False),
+    },
+    "/weightstream/update_weights_from_ipc_ahead": {
+        "plan": ((str,), True), "num_buckets": ((int,), True), "channels": ((list,), True),
+        "client": ((str,), True), "timeout_s": (_NUMBER, False), "weight_version": (_OPT_STR, False),
+    },
+    "/weightstream/release_ipc_buffers": {"client": ((str,), True)},
+    "/update_weights_from_tensor": {
+        "serialized_named_tensors": ((list, str), True), "load_format": (_OPT_STR, False),
+        "weight_version": (_OPT_STR, False), "flush_cache": ((bool,), False),
+        "weightstream_checksums": ((list, type(None)), False),
+    },
+    "/weightstream/update_weights_from_p2p": {
+        "ranks": ((list,), True), "group_name": ((str,), False), "weight_version": (_OPT_STR, False),
+    },
+    "/begin_weight_update": {"timeout_s": (_NUMBER + (type(None),), False), "pause": ((str,), False)},
+    "/end_weight_update": {"resume": ((bool,), False)},
+    "/pause_generation": {"mode": ((str,), False)},
+    "/update_weight_version": {"new_version": ((str,), True)},
+    "/generate": {"input_ids": ((list,), True), "sampling_params": ((dict, type(None)), False)},
+    "/weightstream/logits": {"input_ids": ((list,), True)},
+    "/release_memory_occupation": {"tags": ((list, type(None)), False)},
+    "/resume_memory_occupation": {"tags": ((list, type(None)), False)},
+}
+
+
+# Preparing a colocated update takes the update's fields, less the weight version (no update is open).
+SCHEMAS["/weightstream/prepare_ipc_ahead"] = {
+    k: v for k, v in SCHEMAS["/weightstream/update_weights_from_ipc_ahead"].items() if k != "weight_version"}
+
+
+# Bounds on fields of any route, checked once the field has its type: durations (finite seconds, so that
+# every wait and the session watchdog end), a few integers, and short texts (a version is echoed in replies).
+DURATION_FIELDS = frozenset({"timeout_s"})
+INT_RANGES = {"master_port": (1, 65535), "world_size": (1, 1 << 16), "rank_offset": (0, 1 << 16),
+              "num_buckets": (0, 1 << 24)}
+TEXT_FIELDS = frozenset({"weight_version", "new_version", "group_name", "client", "plan", "backend",
+                         "load_format", "pause", "mode", "master_address"})
+
+
+def _field_problem(name: str, value: Any) -> str | None:
+    if name in DURATION_FIELDS:
+        return duration_problem(name, value)
+    if name in INT_RANGES:
+        return range_problem(name, value, *INT_RANGES[name])
+    if name in TEXT_FIELDS:
+        return text_problem(name, value)
+    return None
+
+
+def _type_names(types: tuple[type, ...]) -> str:
+    return " or ".join("null" if t is type(None) else t.__name__ for t in types)
+
+
+def check_body(path: str, body: dict) -> None:
+    """Raise one :class:`BadRequest` listing every problem of ``body`` for ``path``."""
+    problems = []
+    for name, (types, required) in SCHEMAS.get(path, {}).items():
+        if name not in body:
+            if required:
+                problems.append(f"missing field {name!r}")
+            continue
+        value = body[name]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            problems.append(f"field {name!r} must be {_type_names(types)}, got {type(value).__name__}")
+        elif (problem := _field_problem(name, value)) is not None:
+            problems.append(problem)
+    if not problems and path == "/update_weights_from_distributed":
+        problems += bucket_problems(body)
+    if not problems and path == "/weightstream/update_weights_from_distributed_ahead":
+        problems += buckets_problems(body["buckets"])
+    if not problems and path in ("/weightstream/update_weights_from_ipc_ahead", "/weightstream/prepare_ipc_ahead") \
+            and any(address_problem(c) for c in body["channels"]):
+        problems.append("channels must be 'unix:@NAME' addresses (the trainer ranks' control channels), one per "
+                        "engine rank")
+    if not problems and path in ("/generate", "/weightstream/logits"):
+        rows = token_rows(body["input_ids"], flat=path == "/generate")  # SGLang's /generate takes one list too
+        if isinstance(rows, str):
+            problems.append(rows)
+        elif path == "/weightstream/logits" and len({len(r) for r in rows}) != 1:
+            problems.append("the rows of input_ids must have one length")
+    if problems:
+        raise BadRequest(HTTPStatus.BAD_REQUEST, f"bad request to {path}: " + "; ".join(problems))
+
+
+_SIOCGIFADDR = 0x8915
+
+
+def _ipv4_address(interface: str) -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", interface.encode()[:15]))
+        except OSError:  # no IPv4 address
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def gloo_interface(host: str) -> str | None:
+    """The network interface holding ``host``'s (IPv4) address: where the workers' gloo listeners go
+    (``GLOO_SOCKET_IFNAME``), so that they are reachable where the HTTP server is and nowhere else. None
+    for a wildcard host, or an address no interface holds (gloo then picks by the machine's hostname)."""
+    if host in ("", "0.0.0.0", "::"):
+        return None
+    try:
+        wanted = {ipaddress.ip_address(a[4][0]) for a in socket.getaddrinfo(host, None, socket.AF_INET)}
+    except socket.gaierror:
+        return None
+    for _, name in socket.if_nameindex():
+        address = _ipv4_address(name)
+        if address is None:
+            continue
+        mine = ipaddress.ip_address(address)
+        if mine in wanted or (mine.is_loopback and any(a.is_loopback for a in wanted)):
+            return name
+    return None
+
+
+class Engine:
+    """The worker processes of one engine and the state the HTTP routes act on."""
+
+    def __init__(self, model_dir: str, tp: int = 1, *, device: str | None = None, dtype: str = "float32",
+                 command_timeout_s: float = 300.0, start_timeout_s: float = 300.0, rollback: bool = True,
+                 host: str = "127.0.0.1"):
+        """``host``: the address the HTTP server is bound to; the workers' gloo listeners go on its interface."""
+        self.model_dir = os.path.abspath(model_dir)
+        self.tp = tp
+        self.rollback = rollback  # keep what a session overwrites, to put it back if the session is aborted
+        self.fault = os.environ.get(FAULT_ENV, "")  # a test fault, injected into the workers bucket by bucket
+        with open(os.path.join(self.model_dir, "config.json")) as f:
+            config = json.load(f)
+        vocab_size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+        if vocab_size is None:
+            raise ValueError(f"{self.model_dir}/config.json names no vocab_size")
+        self.vocab_size = int(vocab_size)
+        positions = config.get("max_position_embeddings") or (config.get("text_config") or {}).get(
+            "max_position_embeddings")
+        self.max_positions: int | None = int(positions) if positions else None  # tokens of one row, new ones included
+        self.dtype = dtype
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if "," in device:  # one device per rank: "cuda:2,cuda:3"
+            self.devices = [d.strip() for d in device.split(",")]
+            if len(self.devices) != tp:
+                raise ValueError(f"{len(self.devices)} devices given for engine TP {tp}: {device!r}")
+        else:
+            self.devices = [f"cuda:{r % torch.cuda.device_count()}" if device == "cuda" else device
+                            for r in range(tp)]
+        self.backend = "nccl" if device.startswith("cuda") else "gloo"
+        self.command_timeout_s = command_timeout_s
+        self.weight_version = "default"
+        self.paused = threading.Event()
+        self.pending_version: str | None = None
+        self.session_open = False
+        self.session_failed: str | None = None
+        self.session_loaded = 0
+        self.session_touched = False  # a load of the open session has started: the weights may be half-updated
+        self.session_timeout_s = command_timeout_s
+        self.lock = threading.Lock()  # one command at a time through the workers
+        self.session_lock = threading.RLock()  # begin / commit / abort, one at a time
+        self.busy = 0
+        self.last_activity = time.monotonic()
+        self.stopping = False
+        self.weights_released = False  # until an update has loaded every weight again
+        from weightstream.reference_engine.worker import worker_main
+
+        ctx = process_context()
+        port = free_port()
+        interface = gloo_interface(host)
+        if interface is None and host not in ("", "0.0.0.0", "::"):
+            log(f"no network interface holds {host}'s address: the workers' gloo listeners go where gloo's default "
+                "puts them")
+        self.conns, self.procs = [], []
+        for rank in range(tp):
+            parent, child = ctx.Pipe()
+            proc = start_process(ctx, worker_main,
+                                 (rank, tp, self.model_dir, port, self.backend, self.devices[rank], dtype, child,
+                                  rollback, interface), daemon=True)
+            self.conns.append(parent)
+            self.procs.append(proc)
+        deadline = time.monotonic() + start_timeout_s
+        for rank, conn in enumerate(self.conns):
+            ok, msg = self._recv(rank, conn, deadline - time.monotonic(), "start")
+            if not ok:
+                self.shutdown()
+                raise EngineFailure(f"engine rank {rank} failed to start:\n{msg}")
+
+    def _recv(self, rank: int, conn, timeout: float, what: str):
+        step = 0.5
+        waited = 0.0
+        while not conn.poll(step):
+            waited += step
+            if not self.procs[rank].is_alive():
+                raise EngineFailure(f"engine rank {rank} died (exit code {self.procs[rank].exitcode}) during {what}")
+            if waited >= timeout:
+                raise EngineFailure(f"engine rank {rank} did not answer {what} within {timeout:.0f} s")
+        try:
+            return conn.recv()
+        except (EOFError, OSError):
+            self.procs[rank].join(timeout=5)
+            raise EngineFailure(
+                f"engine rank {rank} died (exit code {self.procs[rank].exitcode}) during {what}"
+            ) from None
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def call(self, command: str, per_rank: list[dict] | None = None, *, wait_s: float | None = None,
+             committed: bool = False, **kwargs) -> list[Any]:
+        """Run ``command`` on every worker; returns their results or raises naming the failing ranks.
+        Waits at most ``wait_s`` (default ``command_timeout_s``) for the workers to be free, and as
+        long again for their answers. ``committed``: the command reads the weights, and must see the
+        committed ones only (:class:`UpdateInFlight` while an open session has started loading)."""
+        timeout = self.command_timeout_s if wait_s is None else wait_s
+        if self.stopping:
+            raise EngineFailure("the engine is shutting down")
+        if committed:
+            self.check_settled()
+        if not self.lock.acquire(timeout=timeout):
+            raise EngineFailure(f"{command}: the workers stayed busy for {timeout:.0f} s")
+        self.busy += 1
+        try:
+            if committed:
+                self.check_settled()  # again, holding the workers: a load that started meanwhile is seen
+            for rank, conn in enumerate(self.conns):
+                if not self.procs[rank].is_alive():
+                    raise EngineFailure(f"engine rank {rank} is not running (exit code {self.procs[rank].exitcode})")
+                conn.send((command, per_rank[rank] if per_rank is not None else kwargs))
+            deadline = time.monotonic() + timeout
+            replies = [self._recv(r, c, deadline - time.monotonic(), command) for r, c in enumerate(self.conns)]
+        finally:
+            self.busy -= 1
+            self.last_activity = time.monotonic()
+            self.lock.release()
+        failed = [f"rank {r}: {msg}" for r, (ok, msg) in enumerate(replies) if not ok]
+        if failed:
+            raise EngineFailure(" | ".join(failed))
+        return [msg for _, msg in replies]
+
+    # -- update sessions: committed whole, or rolled back to the last committed weights -----------
+
+    def check_settled(self) -> None:
+        """Raise :class:`UpdateInFlight` while an open session has started loading: the weights may be part
+        old, part new (with rollback on, the committed ones come back if the session is aborted)."""
+        if self.session_open and self.session_touched:
+            raise UpdateInFlight(
+                f"a weight update is being loaded ({self.session_loaded} tensors so far): the weights are not "
+                f"served until it is committed or aborted (committed version: {self.weight_version})")
+
+    def begin_session(self, timeout_s: float | None) -> None:
+        problem = duration_problem("timeout_s", timeout_s)  # the watchdog must be able to end the session
+        if problem is not None:
+            raise EngineFailure(problem)
+        with self.session_lock:
+            if self.session_open:
+                raise EngineFailure("a weight update session is already open")
+            self.call("begin_session")
+            self.session_open, self.session_failed, self.session_loaded, self.pending_version = True, None, 0, None
+            self.session_touched = False
+            self.session_timeout_s = float(timeout_s) if timeout_s else self.command_timeout_s
+            self.last_activity = time.monotonic()
+
+    def commit_session(self) -> str:
+        with self.session_lock:
+            if not self.session_open:
+                raise EngineFailure("no weight update session is open")
+            if self.session_failed:
+                failed = self.session_failed
+                self._abort_locked()
+                raise EngineFailure(f"the session failed and was not committed: {failed}; {self.after_abort()}")
+            self.call("commit_session")
+            self.session_open = False
+            self.weights_released = False
+            if self.pending_version is not None:
+                self.weight_version = self.pending_version
+            return f"committed {self.session_loaded} tensors; weight_version {self.weight_version}"
+
+    def abort_session(self, why: str) -> str:
+        with self.session_lock:
+            if not self.session_open:
+                return "no weight update session was open"
+            self._abort_locked()
+            log(f"update session aborted ({why}); {self.after_abort()}")
+            return f"aborted; {self.after_abort()}"
+
+    def after_abort(self) -> str:
+        if self.rollback:
+            return f"the last committed weights (version {self.weight_version}) are back in place"
+        return ("this engine keeps no backup (rollback off): what the session loaded is stale, and the engine "
+                "serves again after a complete update")
+
+    def _abort_locked(self) -> None:
+        self.session_open = False
+        self.call("abort_session")
+
+    def watch_sessions(self) -> None:
+        """A session whose trainer went quiet for longer than the bound it gave is given up: the last
+        committed weights are put back, the groups torn down and generation resumed."""
+        while not self.stopping:
+            # Woken at the session's deadline, not on a coarse tick: the rollback starts 1 s before the
+            # documented bound (T + 2 s after the trainer's last word) and has that second to finish.
+            due = self.last_activity + self.session_timeout_s + SESSION_GRACE_S - time.monotonic()
+            time.sleep(min(0.25, max(0.01, due)) if self.session_open else 0.25)
+            if not self.session_open or self.busy:
+                continue
+            idle = time.monotonic() - self.last_activity
+            if idle >= self.session_timeout_s + SESSION_GRACE_S:
+                try:
+                    self.abort_session(f"no word from the trainer for {idle:.0f} s")
+                    self.call("destroy_all_groups", wait_s=10.0)
+                except EngineFailure as exc:
+                    log(f"could not abort the idle session: {exc}")
+                self.paused.clear()
+
+    def gpu_uuids(self) -> list[str]:
+        if self.backend != "nccl":
+            return []
+        return [gpu_uuid(torch.device(d)) for d in self.devices]
+
+    def shutdown(self, grace_s: float = 2.0) -> None:
+        """Stop the workers: asked to exit, then killed if they are still busy (a worker stuck in a
+        transfer cannot listen) after ``grace_s``. An update in flight is not committed."""
+        self.stopping = True
+        for rank, conn in enumerate(self.conns):
+            try:
+                if self.procs[rank].is_alive():
+                    conn.send(("shutdown", {}))
+            except (BrokenPipeError, OSError):
+                pass
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=2.0)
+        for conn in self.conns:
+            conn.close()
+
+
+def bearer_matches(header: str, key: str) -> bool:
+    """``Authorization: Bearer KEY``, the scheme in any case (RFC 9110), the key compared in constant time.
+    (Header text arrives decoded as Latin-1: encoded back, it is the bytes the client sent.)"""
+    scheme, _, token = header.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), key.encode())
+
+
+def announces_body(headers) -> bool:
+    return headers.get("Transfer-Encoding") is not None or headers.get("Content-Length", "0").strip() not in ("", "0")
+
+
+_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
+
+
+def read_chunked(rfile: io.BufferedIOBase, limit: int) -> bytes:
+    """A body sent with ``Transfer-Encoding: chunked`` (RFC 9112, 7.1), at most ``limit`` bytes; chunk
+    extensions and trailer fields are read and dropped."""
+    parts, total = [], 0
+    while True:
+        line = rfile.readline(4096)
+        size_text = line.split(b";", 1)[0].strip()
+        if not line.endswith(b"\n") or not _CHUNK_SIZE.fullmatch(size_text):
+            raise BadRequest(HTTPStatus.BAD_REQUEST, f"bad chunk size line {line[:40]!r}")
+        size = int(size_text, 16)
+        if size == 0:
+            break
+        total += size
+        if total > limit:
+            raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                             f"chunked body of more than {limit} bytes exceeds the limit of {limit} bytes")
+        data = rfile.read(size)
+        if len(data) < size or rfile.readline(3) not in (b"\r\n", b"\n"):
+            raise BadRequest(HTTPStatus.BAD_REQUEST, "chunked body cut short (or a chunk not followed by CRLF)")
+        parts.append(data)
+    for _ in range(64):
+        line = rfile.readline(4096)
+        if line in (b"\r\n", b"\n"):
+            return b"".join(parts)
+        if not line.endswith(b"\n"):
+            raise BadRequest(HTTPStatus.BAD_REQUEST, "chunked body cut short in its trailer")
+    raise BadRequest(HTTPStatus.BAD_REQUEST, "more than 64 trailer lines after a chunked body")
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a number this engine takes (finite numbers only)")
+
+
+def parse_body(raw: bytes) -> dict:
+    """A request's body: a JSON object of finite numbers, nested at most ``MAX_JSON_DEPTH`` levels."""
+    deep = BadRequest(HTTPStatus.BAD_REQUEST, f"bad JSON: nested more than {MAX_JSON_DEPTH} levels deep")
+    try:
+        body = json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise deep from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(HTTPStatus.BAD_REQUEST, f"bad JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(HTTPStatus.BAD_REQUEST, f"the body must be a JSON object, got {type(body).__name__}")
+    if nesting_exceeds(body):
+        raise deep
+    return body
+
+
+def _error(exc: BadRequest) -> dict:
+    return {"object": "error", "success": False, "message": exc.message, "code": int(exc.status)}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: EngineServer
+    protocol_version = "HTTP/1.1"
+    _unread = False  # the request announced a body that has not been read (whole) yet
+
+    def setup(self) -> None:
+        # bounds every read and write on this connection; typeshed declares timeout a ClassVar, but
+        # StreamRequestHandler.setup reads it from the instance, so a per-connection value is what it takes
+        self.timeout = self.server.limits.idle_timeout_s  # type: ignore[misc]
+        super().setup()
+
+    def log_message(self, fmt, *args):  # quiet
+        pass
+
+    def _reply(self, status: int, body: Any) -> None:
+        """``body``: text (sent as such, as SGLang answers /flush_cache) or what JSON encodes."""
+        text = isinstance(body, str)
+        data = body.encode() if text else json.dumps(body).encode()
+        if self._unread:  # what follows on this connection is the rest of a body, not a request
+            self.close_connection = True
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain; charset=utf-8" if text else "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _authorised(self) -> bool:
+        key = self.server.api_key
+        if not key or self.path == "/health":
+            return True
+        if bearer_matches(self.headers.get("Authorization", ""), key):
+            return True
+        self._reply(HTTPStatus.UNAUTHORIZED, {"error": {"message": "missing or wrong bearer token"}})
+        return False
+
+    def _body(self, path: str) -> dict:
+        raw = self._read_body(self.server.body_limit(path))
+        self._unread = False
+        return parse_body(raw) if raw else {}
+
+    def _read_body(self, limit: int) -> bytes:
+        encoding = self.headers.get("Transfer-Encoding")
+        length = self.headers.get("Content-Length")
+        if encoding is not None:
+            if length is not None:
+                raise BadRequest(HTTPStatus.BAD_REQUEST, "a request may not carry both Transfer-Encoding and "
+                                                         "Content-Length")
+            if encoding.strip().lower() != "chunked":
+                raise BadRequest(HTTPStatus.NOT_IMPLEMENTED, f"Transfer-Encoding {encoding!r}: only chunked is taken")
+            return read_chunked(self.rfile, limit)
+        try:
+            n = int(length or 0)
+        except ValueError:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, f"Content-Length {length!r} is not a number") from None
+        if n < 0:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, f"Content-Length {n} is negative")
+        if n > limit:
+            raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                             f"body of {n} bytes exceeds the limit of {limit} bytes")
+        raw = self.rfile.read(n) if n else b""
+        if len(raw) < n:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, f"body cut short: {len(raw)} of {n} bytes")
+        return raw
+
+    def do_GET(self):
+        self._dispatch("GET")
+
+    def do_POST(self):
+        self._dispatch("POST")
+
+    def _dispatch(self, method: str) -> None:
+        self._unread = announces_body(self.headers)
+        if not self._authorised():  # before any body is read
+            return
+        path = self.path.split("?", 1)[0]
+        route = self.server.routes.get((method, path)) or (
+            self.server.routes.get(("POST", path)) if path == "/flush_cache" else None
+        )
+        try:
+            if route is None:
+                allowed = [m for (m, p) in self.server.routes if p == path]
+                if allowed:
+                    raise BadRequest(HTTPStatus.METHOD_NOT_ALLOWED, f"{path} takes {', '.join(allowed)}, not {method}")
+                raise BadRequest(HTTPStatus.NOT_FOUND, f"no route {method} {path}")
+            body = self._body(path) if method == "POST" else {}
+            check_body(path, body)
+        except BadRequest as exc:
+            self._reply(exc.status, _error(exc))
+            return
+        try:
+            status, reply = route(body)
+        except BadRequest as exc:
+            status, reply = exc.status, _error(exc)
+        except UpdateInFlight as exc:
+            status, reply = HTTPStatus.CONFLICT, {"success": False, "message": str(exc)}
+        except EngineFailure as exc:
+            status, reply = HTTPStatus.BAD_REQUEST, {"success": False, "message": str(exc)}
+        except (KeyError, TypeError, ValueError) as exc:
+            status, reply = HTTPStatus.BAD_REQUEST, {"object": "error", "message": f"bad request: {exc!r}", "code": 400}
+        except Exception as exc:  # noqa: BLE001 — never drop a connection without an answer
+            status = HTTPStatus.INTERNAL_SERVER_ERROR
+            reply = {"success": False, "message": f"{type(exc).__name__}: {exc}"}
+        self._reply(status, reply)
+
+
+class EngineServer(ThreadingHTTPServer):
+    """The engine's HTTP face: one thread per connection, at most ``limits.max_connections`` of them."""
+
+    daemon_threads = True
+
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
+                 limits: ServerLimits = ServerLimits()):
+        self.request_queue_size = limits.listen_backlog  # the listen() backlog, set as the socket is bound
+        super().__init__((host, port), _Handler)
+        self.engine = engine
+        self.api_key = api_key
+        self.limits = limits
+        self.slots = threading.BoundedSemaphore(limits.max_connections)
+        if not api_key:
+            log(f"WARNING: no API key: any process that can reach {self.url} can load weights into this engine, "
+                "pause it and free its memory (set WEIGHTSTREAM_API_KEY or --api-key-file)")
+        e = engine
+        self.routes = {
+            ("GET", "/health"): lambda b: (200 if e.alive() else 503, {}),
+            ("GET", "/model_info"): lambda b: (200, {"model_path": e.model_dir, "weight_version": e.weight_version,
+                                                     "is_generation": True}),
+            ("GET", "/get_server_info"): self.server_info,
+            ("POST", "/init_weights_update_group"): self.init_group,
+            ("POST", "/destroy_weights_update_group"): self.destroy_group,
+            ("POST", "/update_weights_from_distributed"): self.update_distributed,
+            ("POST", "/weightstream/update_weights_from_distributed_ahead"): self.update_distributed_ahead,
+            ("POST", "/update_weights_from_tensor"): self.update_tensor,
+            ("POST", "/weightstream/update_weights_from_ipc_ahead"): self.update_ipc_ahead,
+            ("POST", "/weightstream/update_weights_from_p2p"): self.update_p2p,
+            ("POST", "/weightstream/release_ipc_buffers"): self.release_ipc,
+            ("POST", "/weightstream/prepare_ipc_ahead"): self.prepare_ipc_ahead,
+            ("POST", "/begin_weight_update"): self.begin,
+            ("POST", "/end_weight_update"): self.end,
+            ("POST", "/weightstream/abort_weight_update"): self.abort,
+            ("POST", "/pause_generation"): self.pause,
+            ("POST", "/continue_generation"): self.resume,
+            ("POST", "/update_weight_version"): self.update_version,
+            ("POST", "/flush_cache"): lambda b: (200, "Cache flushed.\n"),
+            ("POST", "/generate"): self.generate,
+            ("POST", "/weightstream/logits"): self.logits,
+            ("POST", "/release_memory_occupation"): self.release_memory,
+            ("POST", "/resume_memory_occupation"): self.resume_memory,
+            ("GET", "/weightstream/memory"): lambda b: (200, {"ranks": self.engine.call("memory")}),
+        }
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that went away (or a request cut by shutdown) is not worth a traceback."""
+        exc = sys.exc_info()[1]
+        if self.engine.stopping or isinstance(exc, (BrokenPipeError, ConnectionResetError, TimeoutError)):
+            return
+        log(f"request from {client_address[0]}:{client_address[1]} failed: {type(exc).__name__}: {exc}")
+
+    def body_limit(self, path: str) -> int:
+        return self.limits.max_body_bytes if path in BULK_ROUTES else self.limits.max_small_body_bytes
+
+    # A TCP server's request is its connection's socket: typeshed types every server's as a TCP or a UDP one.
+    def process_request(self, request: socket.socket, client_address) -> None:  # type: ignore[override]
+        """A thread for the connection, if fewer than ``max_connections`` are open; else it is answered 503
+        and closed at once, here in the accepting thread."""
+        if not self.slots.acquire(blocking=False):
+            self._refuse(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: the slot is free again
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address) -> None:  # type: ignore[override]
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def _refuse(self, request: socket.socket) -> None:
+        body = json.dumps({"success": False, "code": 503, "message": (
+            f"this engine serves at most {self.limits.max_connections} connections at once; try again")}).encode()
+        head = ("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\nRetry-After: 1\r\n\r\n").encode()
+        try:
+            request.settimeout(1.0)
+            request.sendall(head + body)
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        if isinstance(host, (bytes, bytearray)):  # typed as any address bind() takes; bound, it is text
+            host = host.decode()
+        return f"http://{host}:{port}"
+
+    # -- routes -------------------------------------------------------------------------------
+
+    def server_info(self, body):
+        e = self.engine
+        return 200, {
+            "engine": ENGINE_NAME, "tp_size": e.tp, "pp_size": 1, "dp_size": 1, "model_path": e.model_dir,
+            "weight_version": e.weight_version, "device": e.devices[0].split(":")[0], "gpu_uuids": e.gpu_uuids(),
+            "hostname": socket.gethostname(), "pid": os.getpid(), "dtype": e.dtype,
+            "capabilities": ["broadcast", "ipc", "ipc_ahead", "p2p", "release_memory"]
+            + (["rollback"] if e.rollback else []) + ([] if e.fault else ["broadcast_ahead"]),
+            "update_session_open": e.session_open,
+            "update_session_loaded": e.session_loaded,  # tensors loaded in the open session so far
+            "worker_pids": [p.pid for p in e.procs],
+        }
+
+    def init_group(self, b):
+        timeout_s = float(b.get("timeout_s") or 60.0)  # the trainer's bound: the workers give up at it
+        msgs = self.engine.call(
+            "init_group", wait_s=timeout_s + 5.0, master_address=b["master_address"],
+            master_port=int(b["master_port"]), rank_offset=int(b["rank_offset"]), world_size=int(b["world_size"]),
+            group_name=b.get("group_name", "weight_update_group"), backend=b.get("backend", "nccl"),
+            timeout_s=timeout_s,
+        )
+        return 200, {"success": True, "message": " | ".join(msgs)}
+
+    def destroy_group(self, b):
+        self.engine.call("destroy_group", group_name=b.get("group_name", "weight_update_group"))
+        return 200, {"success": True, "message": "destroyed"}
+
+    def _in_session(self, what: str) -> None:
+        if not self.engine.session_open:
+            raise EngineFailure(f"{what} must run between begin_weight_update() and end_weight_update()")
+
+    def _record(self, results, b) -> tuple[int, dict]:
+        loaded = len(results[0]["loaded"]) if results and isinstance(results[0], dict) else 0
+        self.engine.session_loaded += loaded
+        msg = f"Succeeded to update weights ({loaded} tensors)."
+        if b.get("weight_version") is not None:
+            self.engine.pending_version = str(b["weight_version"])
+        return 200, {"success": True, "message": msg}
+
+    def _guarded(self, fn, b):
+        """Run an update step; a failure marks the session failed (the update is then not complete). From
+        the first step on, the weights are not served until the session ends (:meth:`Engine.check_settled`)."""
+        self.engine.session_touched = True
+        try:
+            return self._record(fn(), b)
+        except EngineFailure as exc:
+            self.engine.session_failed = str(exc)
+            raise EngineFailure(f"Failed to update weights: {exc}. This session will not be committed: "
+                                f"ending or aborting it: {self.engine.after_abort()}.") from None
+
+    def update_distributed(self, b):
+        self._in_session("update_weights_from_distributed")
+        return self._guarded(lambda: self.engine.call(
+            "update_distributed", names=list(b["names"]), dtypes=list(b["dtypes"]),
+            shapes=[list(s) for s in b["shapes"]], group_name=b.get("group_name", "weight_update_group"),
+            load_format=b.get("load_format"), expected_checksum=b.get("weightstream_checksum"),
+        ), b)
+
+    def update_distributed_ahead(self, b):
+        self._in_session("update_weights_from_distributed_ahead")
+        return self._guarded(lambda: self.engine.call(
+            "update_distributed_ahead", buckets=[{"names": list(x["names"]), "dtypes": list(x["dtypes"]),
+                                                  "shapes": [list(s) for s in x["shapes"]]} for x in b["buckets"]],
+            group_name=b.get("group_name", "weight_update_group"), load_format=b.get("load_format"),
+        ), b)
+
+    def update_tensor(self, b):
+        self._in_session("update_weights_from_tensor")
+        payloads = b["serialized_named_tensors"]
+        if isinstance(payloads, str):
+            payloads = [payloads]
+        if len(payloads) != self.engine.tp:
+            raise EngineFailure(f"got {len(payloads)} payloads for {self.engine.tp} engine TP ranks")
+        per_rank = [{"payload": p, "load_format": b.get("load_format"),
+                     "expected_checksum": (b.get("weightstream_checksums") or [None] * self.engine.tp)[r]}
+                    for r, p in enumerate(payloads)]
+        return self._guarded(lambda: self.engine.call("update_tensor", per_rank=per_rank), b)
+
+    def update_ipc_ahead(self, b):
+        self._in_session("update_weights_from_ipc_ahead")
+        timeout_s, per_rank = self._ipc_ranks(b)
+        # The workers answer once the last bucket is loaded: each frame waits at most timeout_s.
+        bound = timeout_s * (b["num_buckets"] + 3)
+        return self._guarded(lambda: self.engine.call("update_ipc_ahead", per_rank=per_rank, wait_s=bound), b)
+
+    def prepare_ipc_ahead(self, b):
+        """Outside any session: the workers learn a trainer's plan and map its kept buffers."""
+        timeout_s, per_rank = self._ipc_ranks(b)
+        held = self.engine.call("prepare_ipc_ahead", per_rank=per_rank, wait_s=timeout_s * 4)
+        return 200, {"success": True, "message": f"prepared; IPC buffers held per rank: {[h['held'] for h in held]}"}
+
+    def _ipc_ranks(self, b) -> tuple[float, list[dict]]:
+        """The bound of each wait on the trainer, and each worker's arguments (its channel)."""
+        if len(b["channels"]) != self.engine.tp:
+            raise EngineFailure(f"got {len(b['channels'])} control channels for {self.engine.tp} engine TP ranks")
+        timeout_s = float(b.get("timeout_s") or self.engine.session_timeout_s)
+        return timeout_s, [{"plan": b["plan"], "num_buckets": b["num_buckets"], "channel": c, "client": b["client"],
+                            "timeout_s": timeout_s} for c in b["channels"]]
+
+    def release_ipc(self, b):
+        released = sum(r["released"] for r in self.engine.call("release_ipc", client=b["client"]))
+        return 200, {"success": True, "message": f"closed {released} IPC buffers of this client"}
+
+    def update_p2p(self, b):
+        self._in_session("update_weights_from_p2p")
+        ranks = b["ranks"]
+        if len(ranks) != self.engine.tp:
+            raise EngineFailure(f"got metadata for {len(ranks)} ranks, engine has {self.engine.tp}")
+        group = b.get("group_name", "weight_update_group")
+        per_rank = [{"group_name": group, "src": int(r["src"]), "metas": r["metas"], "nbytes": int(r["nbytes"]),
+                     "expected_checksum": r.get("checksum")} for r in ranks]
+        return self._guarded(lambda: self.engine.call("update_p2p", per_rank=per_rank), b)
+
+    def begin(self, b):
+        """``pause`` (a mode): pause generation first, as ``/pause_generation`` does (one request for both)."""
+        if b.get("pause"):
+            self.pause(b)
+        self.engine.begin_session(b.get("timeout_s"))
+        return 200, {"success": True, "message": "weight update session opened"}
+
+    def end(self, b):
+        """``resume``: generation continues once the session is committed (one request for both)."""
+        message = self.engine.commit_session()  # the engine has no cache of its own to flush
+        if b.get("resume"):
+            self.resume(b)
+        return 200, {"success": True, "message": message, "weight_version": self.engine.weight_version}
+
+    def abort(self, b):
+        return 200, {"success": True, "message": self.engine.abort_session("asked by the trainer")}
+
+    def pause(self, b):
+        self.engine.paused.set()
+        return 200, {"message": "Generation paused successfully.", "status": "ok"}
+
+    def resume(self, b):
+        if self.engine.session_open:  # generation continues when the session is committed or aborted
+            raise UpdateInFlight("a weight update session is open: generation continues once it is committed "
+                                 "(/end_weight_update with resume) or aborted")
+        self.engine.paused.clear()
+        return 200, {"message": "Generation continued successfully.", "status": "ok"}
+
+    MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+    def _tags(self, b) -> list[str]:
+        tags = b.get("tags") or list(self.MEMORY_TAGS)
+        unknown = [t for t in tags if t not in self.MEMORY_TAGS]
+        if unknown:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, f"unknown memory tags {unknown}; known: {list(self.MEMORY_TAGS)}")
+        return tags
+
+    def release_memory(self, b):
+        if self.engine.session_open:
+            raise EngineFailure("cannot release memory during a weight update session")
+        tags = self._tags(b)
+        ranks = self.engine.call("release_memory", tags=tags)
+        if "weights" in tags:
+            self.engine.weights_released = True
+        return 200, {"success": True, "message": f"released {sum(r['freed_bytes'] for r in ranks)} bytes",
+                     "ranks": ranks}
+
+    def resume_memory(self, b):
+        ranks = self.engine.call("resume_memory", tags=self._tags(b))
+        return 200, {"success": True, "message": f"re-created {sum(r['restored_bytes'] for r in ranks)} bytes",
+                     "ranks": ranks}
+
+    def update_version(self, b):
+        self.engine.weight_version = str(b["new_version"])
+        return 200, {"success": True, "message": f"Weight version updated to {b['new_version']}",
+                     "new_version": self.engine.weight_version}
+
+    def _wait_unpaused(self) -> None:
+        if self.engine.weights_released:
+            raise BadRequest(HTTPStatus.CONFLICT,
+                             "the weights were released: resume them and update them before generating")
+        deadline = time.monotonic() + self.engine.command_timeout_s
+        while self.engine.paused.is_set():
+            if time.monotonic() > deadline:
+                raise EngineFailure("generation stayed paused past the request's time limit")
+            time.sleep(0.05)
+
+    def _check_work(self, rows: list[list[int]], new_tokens: int) -> None:
+        """What one request may ask of the model: 413 past the bounds (each row's tokens, new ones included,
+        within the model's ``max_position_embeddings``; all rows' within ``max_batch_tokens``), then 400 for
+        token ids outside the vocabulary."""
+        too_much = []
+        total = sum(len(row) for row in rows) + new_tokens * len(rows)
+        if total > self.limits.max_batch_tokens:
+            too_much.append(f"{len(rows)} rows of {total} tokens in all (prompt + max_new_tokens) exceed this "
+                            f"engine's max_batch_tokens ({self.limits.max_batch_tokens})")
+        limit = self.engine.max_positions
+        long = [i for i, row in enumerate(rows) if limit is not None and len(row) + new_tokens > limit]
+        if long:
+            too_much.append(f"rows {long[:5]} have more tokens (prompt + max_new_tokens) than the model's "
+                            f"max_position_embeddings ({limit})")
+        if too_much:
+            raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "; ".join(too_much))
+        vocab = self.engine.vocab_size
+        out_of_range = sorted({t for row in rows for t in row if t >= vocab})
+        if out_of_range:
+            raise BadRequest(HTTPStatus.BAD_REQUEST,
+                             f"token ids {out_of_range[:5]} are outside the vocabulary (size {vocab})")
+
+    def generate(self, b):
+        ids = b["input_ids"]
+        n = (b.get("sampling_params") or {}).get("max_new_tokens", 16)
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 4096:
+            raise BadRequest(HTTPStatus.BAD_REQUEST,
+                             f"sampling_params.max_new_tokens must be an integer in [0, 4096], got {n!r}")
+        batch = ids if isinstance(ids[0], list) else [ids]
+        self._check_work(batch, n)
+        self.engine.check_settled()
+        self._wait_unpaused()
+        outs = []
+        for seq in batch:
+            out = self.engine.call("generate", input_ids=seq, max_new_tokens=n, committed=True)[0]
+            outs.append({"text": "", "output_ids": out, "meta_info": {
+                "finish_reason": {"type": "length", "length": n}, "prompt_tokens": len(seq),
+                "completion_tokens": len(out), "weight_version": self.engine.weight_version}})
+        return 200, outs if batch is ids else outs[0]
+
+    def logits(self, b):
+        self._check_work(b["input_ids"], 0)  # rows of one length (check_body)
+        self.engine.check_settled()
+        self._wait_unpaused()
+        out = self.engine.call("logits", input_ids=b["input_ids"], committed=True)[0]
+        return 200, {"shape": list(out.shape), "dtype": "float32",
+                     "logits_b64": base64.b64encode(out.contiguous().numpy().tobytes()).decode(),
+                     "weight_version": self.engine.weight_version}
+
+
+def serve(model_dir: str, tp: int = 1, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
+          device: str | None = None, dtype: str = "float32", rollback: bool = True,
+          limits: ServerLimits = ServerLimits()) -> EngineServer:
+    """Start an engine and its HTTP server (serving in a background thread); returns the server.
+    ``rollback=False``: no copy of the weights is kept during an update (as SGLang keeps none); an aborted
+    update then leaves the engine refusing to serve until a complete update has loaded every tensor.
+    ``limits``: what one client may hold or ask (:class:`ServerLimits`)."""
+    engine = Engine(model_dir, tp, device=device, dtype=dtype, rollback=rollback, host=host)
+    try:
+        server = EngineServer(engine, host, port, api_key, limits)
+    except BaseException:
+        engine.shutdown()
+        raise
+    threading.Thread(target=server.serve_forever, name="weightstream-engine-http", daemon=True).start()
+    threading.Thread(target=engine.watch_sessions, name="weightstream-engine-sessions", daemon=True).start()
+    return server
+
+
+def stop(server: EngineServer) -> None:
+    server.shutdown()
+    server.server_close()
+    server.engine.shutdown()

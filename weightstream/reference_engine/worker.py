@@ -1,0 +1,771 @@
+"""One engine TP rank: holds its shard, joins weight-update groups, receives and loads buckets.
+
+The server drives each worker through a pipe with ``(command, args)`` messages and gets back
+``(ok, result_or_error)``; workers of one engine also form their own process group (the engine's
+TP group) for the forward pass and for completing vocabulary rows.
+"""
+
+from __future__ import annotations
+
+import base64
+import gc
+import os
+import signal
+import socket
+import time
+import traceback
+import uuid
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_for
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weightstream.common.processes import die_with_parent
+from weightstream.models.spec import dtype_from_name, dtype_name
+from weightstream.reference_engine.schema import buckets_problems
+from weightstream.streaming.bucket import (
+    Bucket,
+    Shard,
+    TensorMeta,
+    typed_buffer,
+    typed_runs,
+    typed_views,
+    view_tensor,
+)
+from weightstream.streaming.copies import batched_copy, warm_kernel
+from weightstream.wire.channel import Channel, fd_peer
+from weightstream.wire.groups import destroy_group, init_custom_process_group, tcp_store
+from weightstream.wire.handles import ShmGrant, checksum, dumps_b64, loads_b64, map_fd, share_fd
+
+FAULT_ENV = "WEIGHTSTREAM_ENGINE_FAULT"
+
+
+class ChecksumError(RuntimeError):
+    pass
+
+
+@contextmanager
+def _closing(fds: list[int]) -> Iterator[None]:
+    """Descriptors that came with a frame are closed once it is handled (what was mapped keeps its own)."""
+    try:
+        yield
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+@contextmanager
+def _failures_answered(chan: Channel, **fields):
+    """A failure inside is answered on the control channel (with ``fields``: the bucket), then raised."""
+    try:
+        yield
+    except Exception as exc:
+        chan.send({**fields, "error": f"{type(exc).__name__}: {exc}"})
+        raise
+
+
+def dense_layout(names, dtypes, shapes) -> list[TensorMeta]:
+    """SGLang's flattened-bucket layout for the distributed path: back to back, in ``names`` order."""
+    metas, offset = [], 0
+    for name, dt, shape in zip(names, dtypes, shapes, strict=True):
+        dtype = dtype_from_name(dt)
+        if offset % dtype.itemsize:
+            raise ValueError(f"{name}: starts at byte {offset}, not a multiple of its {dtype} size")
+        meta = TensorMeta(name, dtype, tuple(int(d) for d in shape), offset)
+        metas.append(meta)
+        offset += meta.nbytes
+    return metas
+
+
+class _Pipeline:
+    """Receiving bucket k + 1 while bucket k is loaded, on a GPU: two receive buffers kept by the worker,
+    the loads on a stream of their own, and an event per buffer that the next receive into it waits for
+    (on the device, not the host). On a CPU the steps simply run in turn."""
+
+    def __init__(self, worker: Worker, largest: int):
+        self.worker = worker
+        self.cuda = worker.device.type == "cuda"
+        if not self.cuda:
+            return
+        bufs = worker.receive_buffers
+        if len(bufs) != 2 or bufs[0].numel() < largest:
+            worker.receive_buffers = bufs = [typed_buffer(largest, worker.device) for _ in range(2)]
+        if worker.load_stream is None:
+            worker.load_stream = torch.cuda.Stream(worker.device)
+        self.load_stream = worker.load_stream  # the worker's, kept across updates
+        self.loaded = [torch.cuda.Event(), torch.cuda.Event()]
+        self.main = torch.cuda.current_stream(worker.device)
+
+    def receive(self, i: int, nbytes: int, group) -> torch.Tensor:
+        if not self.cuda:
+            raw = typed_buffer(nbytes, self.worker.device)
+            dist.broadcast(raw.narrow(0, 0, nbytes), group=group, group_src=0)
+            return raw
+        raw = self.worker.receive_buffers[i % 2]
+        self.main.wait_event(self.loaded[i % 2])  # bucket i - 2 was loaded out of this buffer
+        dist.broadcast(raw.narrow(0, 0, nbytes), group=group, group_src=0)  # after it: this stream has the bytes
+        return raw
+
+    @contextmanager
+    def loading(self, i: int):
+        if not self.cuda:
+            yield
+            return
+        stream = self.load_stream
+        stream.wait_stream(self.main)
+        try:
+            with torch.cuda.stream(stream):
+                yield
+        finally:
+            self.loaded[i % 2].record(stream)
+
+    def finish(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.worker.device)
+
+
+class Worker:
+    def __init__(self, rank: int, size: int, model_dir: str, device: torch.device, dtype: torch.dtype):
+        from transformers import AutoConfig
+
+        from weightstream.reference_engine.model import ShardedCausalLM
+
+        self.rank, self.size, self.device = rank, size, device
+        self.config = AutoConfig.from_pretrained(model_dir)
+        self.model = ShardedCausalLM(self.config, rank, size, dist.group.WORLD, device, dtype)
+        self.groups: dict[str, Any] = {}
+        self.bucket_count = 0
+        # The last IPC buffers received from a trainer, kept mapped: a trainer that packs into the same few
+        # buffers sends the same CUDA IPC handles, which torch then resolves from its cache without opening
+        # them again.
+        self.ipc_buffers: deque = deque(maxlen=4)
+        # Buffers a trainer sends ahead-style (``update_ipc_ahead``) and asks to keep, by its ids; they stay
+        # mapped across updates until that trainer says to drop them, another trainer connects, or its lease
+        # (the control channel of its last update, which it keeps open) closes: see ``next_command``.
+        self.ipc_client: str | None = None
+        self.ipc_kept: dict[int, torch.Tensor] = {}
+        self.ipc_lease: Channel | None = None
+        self.engine_pid = os.getppid()  # the engine's own process: see next_command
+        self.ipc_opened = 0  # buffers opened from a handle by update_ipc_ahead (kept or not)
+        self.ipc_plans: dict[str, list] = {}  # bucket programs of the trainers' plans, by their digest
+        # Where a colocated trainer may write a plan's tensors itself (one copy): per plan digest, the export
+        # (its id; its frame: our weights' storages as handles, each tensor's place in them; the plan's names
+        # and our tensors they go into). Made again whenever the weights' storage changes (released, resumed).
+        self.exports: dict[str, SimpleNamespace] = {}
+        self.direct_updates = 0  # updates the trainer wrote straight into our weights
+        # GPU: broadcast buckets sent ahead are received into two kept buffers, loaded on a stream of their own.
+        self.receive_buffers: list[torch.Tensor] = []
+        self.load_stream: torch.cuda.Stream | None = None
+        # Dense broadcast buckets seen before (by names, dtypes, shapes): the parameters they load into,
+        # checked once, and how to cut the received buffer; an update repeats the same buckets.
+        self.programs: dict[tuple, Any] = {}
+        self.fault = os.environ.get(FAULT_ENV, "")
+        self._load_initial(model_dir)
+        # A buffer lent by name (a payload pickled by torch on the CPU) is at most twice the model's size.
+        self.max_lent_bytes = 2 * size * sum(st.nbytes() for st in self.model._storages())
+
+    def _load_initial(self, model_dir: str) -> None:
+        from weightstream.common.hf_files import CheckpointReader
+
+        try:
+            reader = CheckpointReader(model_dir)
+        except FileNotFoundError:
+            self.model.mark_never_loaded(set())  # weights come later, through an update
+            return
+        with reader:
+            report = self.model.load_weights((n, reader.get(n), None) for n in reader.keys())
+        if report.problems:
+            raise RuntimeError("initial weights do not fit the model: " + "; ".join(report.problems))
+        self.model.mark_never_loaded(set(report.loaded))
+
+    # -- commands ----------------------------------------------------------------------------
+
+    def init_group(self, master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s):
+        if group_name in self.groups:
+            raise RuntimeError(f"group {group_name!r} already exists")
+        if self.fault == f"skip_join@{self.rank}":
+            return f"rank {rank_offset + self.rank} skipped joining {group_name} (test fault)"
+        self.groups[group_name] = init_custom_process_group(
+            backend, f"tcp://{master_address}:{master_port}", world_size, rank_offset + self.rank, group_name,
+            timedelta(seconds=timeout_s),
+        )
+        return f"rank {rank_offset + self.rank} of {world_size} joined {group_name}"
+
+    def destroy_group(self, group_name):
+        destroy_group(self.groups.pop(group_name, None))
+        return "destroyed"
+
+    def destroy_all_groups(self):
+        for name in list(self.groups):
+            destroy_group(self.groups.pop(name))
+        return "destroyed"
+
+    def _group(self, name):
+        if name not in self.groups:
+            raise RuntimeError(f"no weight-update group {name!r} (call init_weights_update_group first)")
+        return self.groups[name]
+
+    def update_distributed(self, names, dtypes, shapes, group_name, load_format, expected_checksum):
+        group = self._group(group_name)
+        if load_format == "flattened_bucket":
+            program = self._dense_program(names, dtypes, shapes)
+            raw = self._receive_dense(program, group)
+            return self._load_dense(program, raw, expected_checksum)
+        tensors = []
+        for name, dt, shape in zip(names, dtypes, shapes, strict=True):
+            t = torch.empty(tuple(shape), dtype=dtype_from_name(dt), device=self.device)
+            dist.broadcast(t, group=group, group_src=0)
+            tensors.append((name, t, None))
+        return self._load(tensors)
+
+    def update_distributed_ahead(self, buckets, group_name, load_format):
+        """Every bucket of an update, received back to back. After a failure the rest are still received
+        (the sender broadcasts them all) but not loaded; the failure is raised at the end, naming the bucket."""
+        if load_format != "flattened_bucket":
+            raise ValueError(f"load_format {load_format!r}: buckets sent ahead are flattened buckets")
+        group = self._group(group_name)
+        programs = [self._dense_program(b["names"], b["dtypes"], b["shapes"]) for b in buckets]
+        pipe = _Pipeline(self, max((p.total for p in programs), default=0))
+        loaded, failure = [], None
+        for i, program in enumerate(programs):
+            raw = pipe.receive(i, program.total, group)
+            if failure is not None:
+                continue
+            try:
+                with pipe.loading(i):
+                    loaded += self._load_dense(program, raw, None)["loaded"]
+            except Exception as exc:  # noqa: BLE001 -- the rest is drained, then this is raised
+                failure = f"bucket {i}: {exc}"
+        pipe.finish()
+        if failure is not None:
+            raise RuntimeError(failure)
+        return {"loaded": loaded}
+
+    def _dense_program(self, names, dtypes, shapes) -> SimpleNamespace:
+        key = (tuple(names), tuple(dtypes), tuple(tuple(s) for s in shapes))
+        program = self.programs.get(key)
+        if program is None:
+            program = self.programs[key] = self._program(dense_layout(names, dtypes, shapes))
+        return program
+
+    def _ipc_plan(self, plan: str, num_buckets: int, frame: dict) -> list | str:
+        """The programs of every bucket of ``plan`` from the trainer's metadata frame (kept for the next
+        update of the same plan), or what is wrong with the frame."""
+        buckets = frame.get("buckets")
+        problems = buckets_problems(buckets, offsets=True)  # says so where it is not a list
+        if problems or not isinstance(buckets, list):
+            return "bad bucket metadata: " + "; ".join(problems)
+        if len(buckets) != num_buckets:
+            return f"bad bucket metadata: {len(buckets)} buckets described, {num_buckets} announced"
+        programs = [self._program([TensorMeta(n, dtype_from_name(d), tuple(s), o) for n, d, s, o in
+                                   zip(b["names"], b["dtypes"], b["shapes"], b["offsets"], strict=True)])
+                    for b in buckets]
+        self.ipc_plans[plan] = programs
+        while len(self.ipc_plans) > 4:
+            self.ipc_plans.pop(next(iter(self.ipc_plans)))
+        gc.freeze()  # kept as long as the plan: see prepare_ipc_ahead
+        return programs
+
+    def _receive_dense(self, program, group) -> torch.Tensor:
+        """The bucket's bytes, broadcast into a buffer of ours (that views as any dtype)."""
+        raw = typed_buffer(program.total, self.device)
+        dist.broadcast(raw.narrow(0, 0, program.total), group=group, group_src=0)
+        return raw
+
+    def _load_dense(self, program, raw, expected_checksum, kept: bool = False):
+        """``kept``: ``raw`` is a buffer this worker holds across updates (its addresses stay), so the copies
+        out of it are made once, per buffer (:func:`~weightstream.streaming.copies.batched_copy`)."""
+        if program.runs is not None and expected_checksum is None and not self.fault:
+            self.bucket_count += 1
+            return self._report(self.model.load_flat(program.names, program.targets,
+                                                     self._copies_from(program, raw, kept)))
+        bucket = Bucket(self.bucket_count, raw.narrow(0, 0, program.total), tuple(program.metas))
+        return self._apply(bucket, expected_checksum)
+
+    def update_ipc_ahead(self, plan, num_buckets, channel, client, timeout_s):
+        """Every bucket of a colocated update, announced ahead; per bucket the trainer sends one small frame
+        on the control ``channel`` naming the buffer (a handle is opened once per kept buffer) and, on a GPU,
+        this worker's stream waits for the trainer's event instead of either side synchronising. The reply
+        frame goes once the copies are queued; the trainer waits on our event before reusing the buffer.
+        The first failure is answered on the channel and raised (nothing after it is loaded). Where every
+        tensor of the plan is one whole weight of ours, the trainer may write into our weights instead
+        (:meth:`_offer_writes`, :meth:`_take_writes`): no bucket frames then."""
+        cuda = self.device.type == "cuda"
+        chan, programs = self._ipc_connect(plan, num_buckets, channel, client, timeout_s)
+        loaded: list[str] = []
+        with self._leased(chan):
+            offer = self._offer_writes(chan, plan, programs, timeout_s)
+            if offer is not None:
+                return self._take_writes(chan, *offer, timeout_s * (num_buckets + 1))
+            events = None
+            for k, program in enumerate(programs):
+                frame, fds = chan.recv_fds(timeout_s, f"frame of bucket {k} from the trainer")
+                with _closing(fds), _failures_answered(chan, k=k):
+                    if frame.get("k") != k:
+                        raise RuntimeError(f"expected bucket {k}, the trainer sent {frame.get('k')!r}")
+                    if frame.get("drop"):
+                        self._close_ipc_buffers([int(d) for d in frame["drop"]])
+                    if cuda and frame.get("events"):
+                        events = self._open_events(frame["events"])
+                    buf_id = int(frame["buf"])
+                    if frame.get("payload") or "fd" in frame:
+                        whole = self._open_lent(frame, iter(fds))
+                        if frame.get("keep"):
+                            self.ipc_kept[buf_id] = whole
+                    elif buf_id in self.ipc_kept:
+                        whole = self.ipc_kept[buf_id]
+                    else:
+                        raise RuntimeError(f"the trainer named buffer {buf_id}, which this engine does not hold")
+                    if program.total > int(frame["nbytes"]):
+                        raise RuntimeError(f"bucket {k} needs {program.total} bytes, "
+                                           f"the trainer sent {frame['nbytes']}")
+                    view = whole.narrow(0, int(frame["offset"]), int(frame["nbytes"]))
+                    if cuda:
+                        if events is None:
+                            raise RuntimeError("the trainer sent no CUDA events")
+                        torch.cuda.current_stream(self.device).wait_event(events[k % 2])
+                    kept = bool(frame.get("keep"))
+                    loaded += self._load_dense(program, view, frame.get("checksum"), kept=kept)["loaded"]
+                    if cuda:
+                        events[2 + k % 2].record(torch.cuda.current_stream(self.device))
+                        if not frame.get("keep"):
+                            # A buffer used once is closed as it is dropped: the copies out of it finish first.
+                            torch.cuda.current_stream(self.device).synchronize()
+                    del view, whole
+                chan.send({"k": k})
+            if cuda:
+                torch.cuda.synchronize(self.device)
+        return {"loaded": loaded}
+
+    def prepare_ipc_ahead(self, plan, num_buckets, channel, client, timeout_s):
+        """Before a trainer's first update: learn its plan's layout, map its kept buffers and make each
+        bucket's copies out of the buffer it will arrive in, so that the update itself does none of it. One
+        frame: ``{"buffers": [{"buf", "payload"?}, ...], "slots": [buf id of bucket k % len(slots)]}``."""
+        chan, programs = self._ipc_connect(plan, num_buckets, channel, client, timeout_s)
+        with self._leased(chan):
+            self._offer_writes(chan, plan, programs, timeout_s)
+            frame, fds = chan.recv_fds(timeout_s, "the trainer's kept buffers")
+            with _closing(fds), _failures_answered(chan):
+                lent = iter(fds)
+                for named in frame.get("buffers") or ():
+                    if named.get("payload") or "fd" in named:
+                        self.ipc_kept[int(named["buf"])] = self._open_lent(named, lent)
+                slots = [self.ipc_kept.get(int(i)) for i in frame.get("slots") or ()]
+                for k, program in enumerate(programs):
+                    whole = slots[k % len(slots)] if slots else None
+                    if whole is not None and program.runs is not None and program.total <= whole.numel():
+                        self._copies_from(program, whole.narrow(0, 0, program.total), kept=True)
+                if slots:
+                    warm_kernel(self.device)  # its first launch compiles it (a second or more): not in the update
+                # What was just made lives as long as the plan: left to the cyclic collector, the first
+                # update's new objects would set off a collection of all of it (300 ms at 18,867 tensors on
+                # a 2-core CPU); frozen, collections skip it (dropped plans are still freed by refcount).
+                gc.freeze()
+            chan.send({"ok": True})
+        return {"held": len(self.ipc_kept)}
+
+    def _open_lent(self, named: dict, fds: Iterator[int]) -> torch.Tensor:
+        """A whole buffer the trainer lends: on the CPU the shared-memory file whose descriptor came with the
+        frame (the next of ``fds``; ``fd``: its size), on a GPU its CUDA IPC handle (``payload``)."""
+        if "fd" in named:
+            fd = next(fds, None)
+            if fd is None:
+                raise RuntimeError(f"the trainer named buffer {named.get('buf')!r} by a descriptor it did not send")
+            whole = map_fd(fd, int(named["fd"]))
+        else:
+            whole = loads_b64(named["payload"], self._grant())
+        self.ipc_opened += 1
+        return whole
+
+    def _grant(self) -> ShmGrant:
+        """The named shared memory a payload may have this worker map: that made by the engine's own process
+        (the other end of the server's pipe) or by the trainer rank at the other end of the lease (the kernel
+        says which process each is), each at most ``max_lent_bytes``."""
+        pids = {self.engine_pid} | ({self.ipc_lease.peer.pid} if self.ipc_lease is not None else set())
+        return ShmGrant(frozenset(pids), self.max_lent_bytes)
+
+    @contextmanager
+    def _leased(self, chan: Channel) -> Iterator[None]:
+        """A request on the control channel ``chan``: where it succeeds, the channel becomes the trainer's
+        lease (in place of its last one); where it fails, it is closed."""
+        try:
+            yield
+        except BaseException:
+            chan.close()
+            raise
+        lease, self.ipc_lease = self.ipc_lease, chan
+        if lease is not None:
+            lease.close()
+
+    def next_command(self, conn: Connection) -> tuple[str, dict]:
+        """The server's next command. Meanwhile the trainer's lease is watched: when the trainer's end closes
+        (it exited, however it exited, or disconnected), what this worker mapped of it is let go at once."""
+        # The pipe is a socket pair the engine's process made: the kernel names that process, whatever started
+        # this worker (a fork server, spawn).
+        self.engine_pid = fd_peer(conn.fileno()).pid
+        while True:
+            # The lease by its descriptor: what wait() registers of it anyway, and a type typeshed knows.
+            watched: list[Connection | int] = [conn] if self.ipc_lease is None else [conn, self.ipc_lease.fileno()]
+            ready = wait_for(watched)
+            if conn in ready:
+                return conn.recv()
+            if self.ipc_lease is not None and self.ipc_lease.ended():
+                self._trainer_gone()
+
+    def _trainer_gone(self) -> None:
+        """The trainer's lease ended: close it and the buffers it lent (the engine's own weights it mapped go
+        with its process)."""
+        if self.ipc_lease is not None:
+            self.ipc_lease.close()
+            self.ipc_lease = None
+        self._close_ipc_buffers(None)
+        self.ipc_client = None
+
+    def _offer_writes(self, chan, plan, programs, timeout_s) -> tuple[SimpleNamespace, dict] | None:
+        """Offer the trainer to write the plan's tensors straight into our weights, where every tensor of it is
+        one whole weight of ours (loaded by a plain copy): ``{"direct": bool}``. Its answer says whether it
+        will, and which export of ours it holds (``have``); where it will, the export follows: its id, and
+        unless the trainer holds it, our weights' storages and each tensor's place in them. Returns the
+        export and the answer where it will, else None."""
+        can = self._can_take_writes(programs)
+        chan.send({"direct": can})
+        answer = chan.recv(timeout_s, "the trainer's answer to the offer of direct writes")
+        if not answer.get("direct"):
+            return None
+        if not can:
+            raise RuntimeError("the trainer asked to write into weights this engine did not offer")
+        export = self._export(plan, programs)
+        if answer.get("have") == export.id:
+            chan.send({"export": export.id})
+        else:
+            chan.send(*self._export_frame(export))
+        return export, answer
+
+    def _can_take_writes(self, programs) -> bool:
+        """Whether every tensor of the plan is one whole weight of ours (not a shard, nor a vocabulary piece, of
+        the dtype it arrives in) and the weights are there."""
+        return not (self.fault or self.model.released_bytes or not programs or any(p.runs is None for p in programs))
+
+    def _export(self, plan, programs) -> SimpleNamespace:
+        """The export of ``plan``'s weights (``id``, ``frame``, and the plan's ``names`` with the ``targets``
+        they go into), made once per plan and weight storage."""
+        made = self.exports.get(plan)
+        if made is not None:
+            return made
+        names = [n for program in programs for n in program.names]
+        targets = [t for program in programs for group in program.targets for t in group]
+        storages: dict[int, int] = {}
+        wholes: list[torch.Tensor] = []
+        where: list[list[Any]] = []
+        for t in targets:
+            st = t.untyped_storage()
+            idx = storages.get(st._cdata)
+            if idx is None:
+                idx = storages[st._cdata] = len(wholes)
+                wholes.append(torch.empty(0, dtype=torch.uint8, device=self.device).set_(st))
+            where.append([idx, t.storage_offset() * t.element_size(), t.numel(), dtype_name(t.dtype)])
+        frame = {"names": names, "where": where}
+        if self.device.type == "cpu":
+            # Each storage moves into an unnamed shared-memory file, in place (our views follow it): what is
+            # sent is its descriptor, which no later trainer's exit or kill can take away (nothing is named).
+            frame["sizes"] = [share_fd(w.untyped_storage())[1] for w in wholes]
+        made = self.exports[plan] = SimpleNamespace(id=uuid.uuid4().hex, frame=frame, names=names, targets=targets,
+                                                    wholes=wholes)
+        return made
+
+    def _export_frame(self, export: SimpleNamespace) -> tuple[dict, list[int]]:
+        """The export as a trainer that does not hold it gets it: on the CPU the storages' descriptors (the
+        same each time); on a GPU their CUDA IPC handles, pickled for this trainer (each pickle is one
+        receiver's reference)."""
+        if self.device.type == "cpu":
+            fds = [share_fd(w.untyped_storage())[0] for w in export.wholes]
+            return {"export": export.id, "targets": export.frame}, fds
+        return {"export": export.id, "targets": {**export.frame, "payload": dumps_b64(export.wholes)}}, []
+
+    def _take_writes(self, chan, export: SimpleNamespace, answer: dict, bound_s: float) -> dict:
+        """The trainer writes every tensor of the plan into our weights (``export``): we back up what it
+        overwrites (the session rolls back whole), say ready (on a GPU: an event its stream waits on), and
+        wait for its "done" (on a GPU: our stream waits on its event, then the device finishes before we
+        answer)."""
+        cuda = self.device.type == "cuda"
+        with _failures_answered(chan):
+            events = self._open_events(answer.get("events") or ()) if cuda else []
+            if cuda and len(events) != 4:
+                raise RuntimeError("the trainer sent no CUDA events")
+            self.model.begin_writes(export.names, export.targets)
+            if cuda:
+                events[2].record(torch.cuda.current_stream(self.device))
+        chan.send({"ready": True})
+        done = chan.recv(bound_s, "the trainer's writes into our weights")
+        if "error" in done or not done.get("done"):
+            raise RuntimeError(f"the trainer did not finish its writes: {done.get('error') or done}")
+        if cuda:
+            torch.cuda.current_stream(self.device).wait_event(events[0])
+            torch.cuda.synchronize(self.device)
+        self.direct_updates += 1
+        chan.send({"ok": True})
+        return {"loaded": export.names}
+
+    def _open_events(self, handles) -> list:
+        """The trainer's interprocess CUDA events, from their handles (base64)."""
+        return [torch.cuda.Event.from_ipc_handle(self.device, base64.b64decode(h)) for h in handles]
+
+    def _ipc_connect(self, plan, num_buckets, channel, client, timeout_s):
+        """Connect to the trainer rank's control channel, greet it (the buffers we hold of it, whether we know
+        ``plan``) and take the plan's layout if we did not: the channel and each bucket's program."""
+        if client != self.ipc_client:  # another trainer: the last one's lease and buffers go
+            self._trainer_gone()
+            self.ipc_client = client
+        chan = Channel.connect(channel, timeout_s)
+        try:
+            programs = self.ipc_plans.get(plan)
+            chan.send({"hello": self.rank, "client": client, "have": sorted(self.ipc_kept),
+                       "plan_known": programs is not None})
+            if programs is None:  # the layout of every bucket, once per plan of this trainer
+                programs = self._ipc_plan(plan, num_buckets, chan.recv(timeout_s, "bucket metadata from the trainer"))
+                if isinstance(programs, str):
+                    chan.send({"k": 0, "error": programs})
+                    raise ValueError(programs)
+        except BaseException:
+            chan.close()
+            raise
+        return chan, programs
+
+    def update_p2p(self, group_name, src, metas, nbytes, expected_checksum):
+        group = self._group(group_name)
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        dist.recv(buffer, group=group, group_src=src)
+        metas = tuple(
+            TensorMeta(m["name"], dtype_from_name(m["dtype"]), tuple(m["shape"]), m["offset"],
+                       Shard(**m["shard"]) if m.get("shard") else None)
+            for m in metas
+        )
+        return self._apply(Bucket(self.bucket_count, buffer, metas), expected_checksum)
+
+    def update_tensor(self, payload, load_format, expected_checksum):
+        """SGLang's ``/update_weights_from_tensor`` payload, unpickled through the allow-list: named shared
+        memory (the CPU) only from the processes :meth:`_grant` knows."""
+        obj = loads_b64(payload, self._grant())
+        if load_format == "flattened_bucket":
+            buffer = obj["flattened_tensor"]
+            metas = tuple(
+                TensorMeta(m.name, m.dtype, tuple(m.shape), int(m.start_idx)) for m in obj["metadata"]
+            )
+            for meta, m in zip(metas, obj["metadata"], strict=True):
+                if meta.offset + meta.nbytes != int(m.end_idx):
+                    raise ValueError(f"{meta.name}: metadata end {m.end_idx} != start + size")
+                if meta.offset < 0 or int(m.end_idx) > buffer.numel() * buffer.element_size():
+                    raise ValueError(f"{meta.name}: bytes {meta.offset} to {m.end_idx} are outside the "
+                                     f"{buffer.numel() * buffer.element_size()}-byte buffer")
+            if buffer.is_cuda:
+                self.ipc_buffers.append(buffer)
+            return self._apply(Bucket(self.bucket_count, buffer, metas), expected_checksum, foreign=True)
+        return self._load([(name, t, None) for name, t in obj], foreign=True)
+
+    def _apply(self, bucket: Bucket, expected_checksum, foreign: bool = False):
+        index = self.bucket_count
+        self.bucket_count += 1
+        self._inject_fault(index, bucket.buffer)
+        if expected_checksum is not None:
+            got = checksum(bucket.buffer)
+            if got != expected_checksum:
+                names = [m.name for m in bucket.metas]
+                raise ChecksumError(
+                    f"bucket {index} arrived corrupted (checksum {got} != sender's {expected_checksum}); "
+                    f"nothing of it was loaded; its tensors: {names}"
+                )
+        return self._load([(m.name, view_tensor(bucket.buffer, m), m.shard) for m in bucket.metas], foreign)
+
+    def _program(self, metas: list[TensorMeta]) -> SimpleNamespace:
+        """``runs`` (how to cut the buffer, with each tensor's name and parameter) where every tensor of the
+        bucket loads by a plain copy, else None; ``names`` in the order the runs cut, and ``targets`` per
+        run (one dtype each: the batched copy of a run takes the GPU's fused kernels)."""
+        total = metas[-1].offset + metas[-1].nbytes if metas else 0
+        targets = self.model.whole_targets(metas) if metas else None
+        runs = None if targets is None else typed_runs(
+            (m.dtype, m.offset, m.numel, (m.name, t)) for m, t in zip(metas, targets, strict=True))
+        return SimpleNamespace(metas=metas, total=total, runs=runs, copies={},
+                               names=[n for _, _, payload in runs or () for n, _ in payload],
+                               targets=[[t for _, t in payload] for _, _, payload in runs or ()])
+
+    @staticmethod
+    def _copies_from(program, raw, kept: bool) -> list:
+        """The batched copies of ``program`` out of ``raw``; kept with the program for a kept buffer."""
+        copies = program.copies.get(raw.data_ptr()) if kept else None
+        if copies is None:
+            copies = [batched_copy(targets, list(typed_views(raw, dtype, sizes)), stable=kept)
+                      for (dtype, sizes, _), targets in zip(program.runs, program.targets, strict=True)]
+            if kept:
+                if len(program.copies) >= 4:
+                    program.copies.clear()
+                program.copies[raw.data_ptr()] = copies
+        return copies
+
+    def _report(self, report):
+        if report.problems:
+            raise RuntimeError(f"{len(report.problems)} tensors could not be loaded: " + "; ".join(report.problems))
+        return {"loaded": report.loaded}
+
+    def _load(self, tensors, foreign: bool = False):
+        """``foreign``: the tensors live in the sender's memory (IPC), which it may free or reuse as soon as
+        we answer, so the copies are finished first. A buffer of our own (broadcast, P2P) is freed into
+        this stream's allocator, which orders its reuse after the copies: the answer goes at once and
+        the next bucket's receive overlaps this one's copies."""
+        report = self.model.load_weights(tensors)
+        if foreign and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return self._report(report)
+
+    def begin_session(self):
+        self.model.begin_session()
+        self.bucket_count = 0
+        return "ok"
+
+    def commit_session(self):
+        if self.fault == "stall_commit":
+            time.sleep(3600)
+        self.model.commit_session()
+        self.bucket_count = 0
+        return "ok"
+
+    def abort_session(self):
+        restored = self.model.rollback_session()
+        self.bucket_count = 0
+        return f"restored {restored} tensors"
+
+    def release_memory(self, tags):
+        """SGLang's tags: ``weights`` frees the weights (re-created, zeroed, by ``resume_memory``; an update
+        must then load every tensor before the engine serves again); this engine keeps no KV cache and
+        captures no CUDA graphs, so ``kv_cache`` and ``cuda_graph`` free nothing."""
+        self._forget_weight_views()
+        self.receive_buffers = []
+        freed = self.model.release_weights() if "weights" in tags else 0
+        return {"freed_bytes": freed, **self.memory()}
+
+    def resume_memory(self, tags):
+        self._forget_weight_views()
+        restored = self.model.resume_weights() if "weights" in tags else 0
+        return {"restored_bytes": restored, **self.memory()}
+
+    def _forget_weight_views(self) -> None:
+        """Drop what holds views of our weights' storage (the programs, the plans' copies, the exports): the
+        storage is about to go away, or has been made anew."""
+        self.programs.clear()
+        self.ipc_plans.clear()
+        self.exports.clear()
+
+    def release_ipc(self, client):
+        """Close the buffers a trainer ``client`` kept mapped here (it is done with this engine)."""
+        held = len(self.ipc_kept) if client == self.ipc_client else 0
+        if client == self.ipc_client:
+            self._trainer_gone()
+        return {"released": held}
+
+    def _close_ipc_buffers(self, ids: list[int] | None) -> None:
+        """Drop kept IPC buffers (``None``: all), with the batched copies made out of them, which hold views
+        of them: a buffer is closed once nothing refers to it."""
+        for i in list(self.ipc_kept) if ids is None else ids:
+            self.ipc_kept.pop(i, None)
+        for programs in self.ipc_plans.values():
+            for program in programs:
+                program.copies.clear()
+
+    def memory(self):
+        """This worker's memory: the device's allocated bytes (CUDA) and the process's resident size."""
+        with open("/proc/self/status") as f:
+            rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        cuda = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
+        return {"rss_bytes": rss, "cuda_allocated_bytes": cuda, "ipc_buffers_opened": self.ipc_opened,
+                "ipc_buffers_held": len(self.ipc_kept), "direct_updates": self.direct_updates,
+                "ipc_lease": self.ipc_lease is not None, "fds": len(os.listdir("/proc/self/fd"))}
+
+    def logits(self, input_ids):
+        out = self.model.logits(torch.tensor(input_ids))
+        return out.cpu() if self.rank == 0 else None
+
+    def generate(self, input_ids, max_new_tokens):
+        return self.model.generate(input_ids, max_new_tokens)
+
+    def _inject_fault(self, index: int, buffer: torch.Tensor) -> None:
+        """Test-only faults, named by the ``WEIGHTSTREAM_ENGINE_FAULT`` environment variable."""
+        if not self.fault:
+            return
+        kind, _, at = self.fault.partition("@")
+        if int(at or 0) != index:
+            return
+        if kind == "corrupt" and buffer.numel():
+            buffer.view(-1)[buffer.numel() // 2] ^= 0x5A
+        elif kind == "die":
+            os._exit(17)
+        elif kind == "stall":
+            time.sleep(3600)
+
+
+def _fixed_mmap_threshold() -> None:
+    """glibc raises its mmap threshold after each large free, after which buffers of a bucket's size come
+    from the heap; with gloo's threads coming and going with each weight-update group, the heap then
+    fragments and the resident size creeps up (about 0.3 MB per group formed, measured). Keeping the
+    threshold at glibc's initial 128 KiB maps large buffers and gives them back whole."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def _loopback_store(port: int, rank: int, size: int, timeout: timedelta) -> dist.TCPStore:
+    """The store of the engine's own TP group, reachable on loopback only: rank 0 hands torch a socket it
+    bound to 127.0.0.1 (torch's own listener takes every interface), the other ranks connect to it."""
+    if rank != 0:
+        return tcp_store("127.0.0.1", port, is_master=False, world_size=size, timeout=timeout)
+    listener = socket.create_server(("127.0.0.1", port), backlog=max(size, 8))
+    return dist.TCPStore("127.0.0.1", port, size, True, timeout, wait_for_workers=False,
+                         master_listen_fd=listener.detach())
+
+
+def worker_main(rank, size, model_dir, port, backend, device, dtype, conn, rollback=True,
+                gloo_interface: str | None = None) -> None:
+    """``gloo_interface``: where gloo's listeners go (``GLOO_SOCKET_IFNAME``, unless the user set it): the
+    interface of the engine's HTTP address."""
+    die_with_parent()  # the kernel ends this worker when the engine's main process dies, however it dies
+    _fixed_mmap_threshold()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server decides
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if gloo_interface:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", gloo_interface)
+    torch.set_num_threads(1)
+    try:
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
+        timeout = timedelta(seconds=120)
+        store = _loopback_store(port, rank, size, timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+        worker = Worker(rank, size, model_dir, torch.device(device), dtype_from_name(dtype))
+        worker.model.rollback = rollback
+        conn.send((True, "ready"))
+    except BaseException:  # noqa: BLE001
+        conn.send((False, traceback.format_exc()))
+        return
+    while True:
+        try:
+            command, kwargs = worker.next_command(conn)
+        except EOFError:
+            break
+        if command == "shutdown":
+            conn.send((True, "bye"))
+            break
+        try:
+            conn.send((True, getattr(worker, command)(**kwargs)))
+        except BaseException as exc:  # noqa: BLE001 — reported to the server, the worker lives on
+            conn.send((False, f"{type(exc).__name__}: {exc}"))
+    for name in list(worker.groups):
+        destroy_group(worker.groups.pop(name))
+    dist.destroy_process_group()

@@ -1,0 +1,142 @@
+"""``BroadcastSink``: one broadcast of each bucket's flat buffer from the trainer's sender rank to
+every rank of every engine, through a process group made outside the default world (NCCL on GPUs,
+gloo on CPUs). The bucket metadata goes to each engine over HTTP concurrently, and the next bucket
+is packed while this one is on the wire."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import cast
+
+import torch
+import torch.distributed as dist
+
+from weightstream.common.bounds import Deadline
+from weightstream.common.processes import free_port
+from weightstream.engines.base import BROADCAST_AHEAD, BroadcastAheadEngine, EngineAdapter, GroupSpec
+from weightstream.errors import UpdateError
+from weightstream.sinks.base import InFlight, PipelinedSink, future_errors
+from weightstream.streaming.bucket import Bucket
+from weightstream.wire.groups import GroupLayout, init_custom_process_group
+from weightstream.wire.handles import checksum
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _is_sender() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+class BroadcastSink(PipelinedSink):
+    name = "broadcast"
+
+    def __init__(self, engines: Sequence[EngineAdapter], *, master_address: str = "127.0.0.1",
+                 master_port: int | None = None, backend: str | None = None, timeout_s: float = 60.0,
+                 checksums: bool = False, ahead: bool = True):
+        self.engines = list(engines)
+        self.master_address = master_address
+        self.master_port = master_port
+        self.backend = backend or default_backend()
+        self.timeout_s = timeout_s
+        self.checksums = checksums
+        self.ahead = ahead  # where every engine takes it, the metadata of all buckets goes in one request
+        self.group = None
+        self.sender = _is_sender()
+        self._pool: ThreadPoolExecutor | None = None
+        self._inflight = InFlight(timeout_s, [e.url for e in self.engines])
+        self._ahead: list = []  # the engines' replies to the metadata of every bucket, sent ahead
+
+    # -- group lifetime (separate steps: connect once, update many times) ------------------------
+
+    def _ranks(self) -> tuple[list[int], int]:
+        """Each engine's first rank in the group, and the group's size (the sender is rank 0)."""
+        offsets, world = [], 1
+        for e in self.engines:
+            offsets.append(world)
+            world += e.info().tp_size
+        return offsets, world
+
+    def layout(self) -> GroupLayout | None:
+        if not self.sender:
+            return None
+        offsets, world = self._ranks()
+        return GroupLayout(self.master_address, self.backend, self.engines[0].group_name, self.timeout_s, world, 0,
+                           tuple((e.url, off) for e, off in zip(self.engines, offsets, strict=True)))
+
+    def connect(self) -> None:
+        if not self.sender or self.group is not None:
+            return
+        port = self.master_port or free_port()
+        offsets, world = self._ranks()
+        self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.engines)), thread_name_prefix="ws-broadcast")
+        posts = [
+            self._pool.submit(e.join_group, GroupSpec(self.master_address, port, off, world, self.backend,
+                                                      self.timeout_s, e.group_name))
+            for e, off in zip(self.engines, offsets, strict=True)
+        ]
+        self._join(posts, lambda: init_custom_process_group(
+            self.backend, f"tcp://{self.master_address}:{port}", world, 0, self.engines[0].group_name, self.timeout_s,
+        ), [e.url for e in self.engines])
+
+    def disconnect(self, seconds: float | None = None) -> None:
+        if self.sender:
+            self._leave(self.engines, self.timeout_s if seconds is None else seconds)
+
+    # -- per update ------------------------------------------------------------------------------
+
+    def open(self, stream) -> None:
+        """Connect; where every engine takes the metadata of all buckets ahead (and no per-bucket checksum
+        is asked for), send it now: the buckets then go on the wire back to back."""
+        self.connect()
+        self._ahead = []
+        self.ahead_used = False
+        if not self.sender or self.checksums or not self.ahead or not len(stream):
+            return
+        if all(e.info().can(BROADCAST_AHEAD) for e in self.engines):
+            metas = [stream.bucket_metas(i) for i in range(len(stream))]
+            # The engine answers once it has loaded the last bucket: bounded by the whole update's bytes.
+            bound = self.timeout_s * (1 + len(metas) / 8)
+            # An engine that declares BROADCAST_AHEAD has receive_broadcast_ahead: its info says so, not its type.
+            ahead = [cast(BroadcastAheadEngine, e) for e in self.engines]
+            self._ahead = [self._engine_pool().submit(e.receive_broadcast_ahead, metas, bound) for e in ahead]
+            self._ahead_bound = bound
+            self.ahead_used = True
+
+    def _finish(self) -> None:
+        """Finish the bucket in flight; a transfer that failed while the engines had the metadata ahead is
+        reported with what the engines answered, where they already did (a dead engine says so)."""
+        try:
+            self._inflight.finish()
+        except UpdateError as exc:
+            said = [str(f.exception()) for f in self._ahead if f.done() and f.exception() is not None]
+            if said:
+                raise UpdateError(exc.phase, f"{exc.detail} | the engines said: {' | '.join(said)}",
+                                  exc.engines) from None
+            raise
+
+    def send(self, bucket: Bucket) -> None:
+        if not self.sender:
+            return
+        self._finish()
+        digest = checksum(bucket.buffer) if self.checksums else None
+        posts = [] if self._ahead else [self._engine_pool().submit(e.receive_broadcast, bucket, digest)
+                                        for e in self.engines]
+        work = dist.broadcast(bucket.buffer, group=self.group, group_src=0, async_op=True)
+        self._inflight.start(bucket, work, posts)
+
+    def close(self) -> None:
+        if not self.sender:
+            return
+        self._finish()
+        ahead, self._ahead = self._ahead, []
+        if ahead:
+            problems = future_errors(ahead, Deadline(self._ahead_bound + 2.0))
+            if problems:
+                raise UpdateError("buckets", " | ".join(problems), [e.url for e in self.engines])
+
+    def abort(self) -> None:
+        self._ahead = []
+        super().abort()

@@ -1,0 +1,513 @@
+"""``IPCSink``: colocated delivery. Trainer rank r and engine TP rank r share a device; each bucket's
+flat buffer crosses as a CUDA IPC handle (by GPU UUID) or, on the CPU, as a shared-memory file.
+
+Two ways, by what the engine declares:
+
+- ahead (``ipc_ahead``): the metadata of every bucket goes in one request when the update opens; the engine
+  rank connects to a control channel of its trainer rank, and per bucket one frame of a few dozen bytes
+  crosses. A buffer the stream keeps (``reuse_buffers``) is sent once and then named by an id (on a GPU as
+  a CUDA IPC handle; on the CPU as the descriptor of its unnamed shared-memory file, passed on the channel);
+  on a GPU the engine's stream waits on the trainer's event for the bucket, and the trainer's stream waits
+  on the engine's event before it packs that buffer again: neither side synchronises its device per bucket,
+  and the trainer packs bucket k + 1 while the engine loads bucket k.
+- straight into the engine's weights (``direct``, ahead only): where every tensor of the plan is one whole
+  weight of the engine (the reference engine at TP 1), the engine offers them on the control channel; the
+  trainer maps their storages once per export and its stream writes each tensor into them, one copy and no
+  bucket buffer. The engine backs up what is overwritten first and says ready (a CUDA event the trainer's
+  stream waits on); at the end the engine's stream waits on the trainer's event.
+- per bucket (any other engine, e.g. SGLang's ``/update_weights_from_tensor``): every rank's handle is
+  gathered on trainer rank 0, which posts them; every rank holds its buffer until the engine answered. On
+  the CPU these handles name shared memory, which an engine that keeps control channels maps only from
+  the processes at the other end of one: each colocated rank opens one first (:meth:`IPCSink._announce`).
+
+The last control channel of an update stays open until the next update replaces it, or this sink
+disconnects: it is this trainer rank's lease on what the engine keeps mapped of it (the kept buffers; this
+trainer's mapping of the engine's weights is its own). When it closes, however this process ends, the
+engine lets go of them at once.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import time
+import uuid
+import weakref
+from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from weightstream.common.bounds import Deadline
+from weightstream.engines.base import IPC_AHEAD, EngineAdapter, IPCAheadEngine
+from weightstream.errors import UpdateError
+from weightstream.models.spec import dtype_from_name
+from weightstream.streaming.bucket import Bucket
+from weightstream.wire.channel import Channel, Listener
+from weightstream.wire.handles import (
+    checksum,
+    dumps_b64,
+    loads_b64,
+    map_fd,
+    share_fd,
+)
+
+log = logging.getLogger("weightstream")
+
+KEPT_HANDLES = 4  # kept buffers whose handles the engine holds for this trainer (the stream keeps two)
+
+
+class IPCSink:
+    name = "ipc"
+
+    def __init__(self, engine: EngineAdapter, *, checksums: bool = False, timeout_s: float = 60.0,
+                 ahead: bool = True, direct: bool = True):
+        self.engine = engine
+        self.ahead = ahead  # use the engine's ipc_ahead where it has it
+        self.direct = direct  # write into the engine's weights where it offers them (ahead only)
+        self.checksums = checksums
+        self.timeout_s = timeout_s
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.engine_tp = 1
+        self.ahead_used = False
+        self._engine_holds = False  # the engine may keep buffers of this client mapped (released at disconnect)
+        self._client = uuid.uuid4().hex  # names this trainer's buffers to the engine (rank 0's, on every rank)
+        self._listener: Listener | None = None
+        self._channel: Channel | None = None  # this update's
+        self._lease: Channel | None = None  # the last update's, kept open: the engine holds our buffers while it is
+        self._announces = False  # per bucket on the CPU, to an engine that takes the control channel
+        self._announced = False  # (every rank) the colocated ranks' leases are open
+        self._keeps_channels = False  # the engine declares ipc_ahead (rank 0 asked it; every rank is told)
+        self._pool: ThreadPoolExecutor | None = None
+        self._ahead: Future | None = None
+        self._events: list[torch.cuda.Event] | None = None  # CUDA: ready[0], ready[1], done[0], done[1]
+        self._known: OrderedDict[int, tuple[int, torch.Tensor]] = OrderedDict()  # storage -> (id, whole buffer)
+        self._next_id = 0
+        self._sent = 0
+        self._outstanding: deque[tuple[int, Any]] = deque()
+        self._device: torch.device | None = None
+        self.waited = 0.0  # seconds of this update spent waiting for the engine's answers
+        # Direct writes: the engine's weights mapped here (by HF name) under the engine's export id, and the
+        # plans holding copies into them (dropped with them, so the engine can free its memory).
+        self._targets: dict[str, torch.Tensor] | None = None
+        self._targets_id: str | None = None
+        self._into_plans: list[weakref.ref] = []
+        self.writing = False  # this update writes straight into the engine's weights (one copy)
+
+    # -- per update ------------------------------------------------------------------------------
+
+    def open(self, stream) -> None:
+        self._decide(stream)
+        self._sent = 0
+        self.waited = 0.0
+        self.writing = False
+        self._outstanding.clear()
+        if self.ahead_used:
+            self._open_ahead(stream)
+        elif self._announces and not self._announced:
+            self._announce(stream)
+        if self.writing:  # the engine backs up what we overwrite first: its stream's event, or (CPU) its word
+            ready = self._control().recv(self.timeout_s, "the engine's word that it is ready for the writes")
+            if "error" in ready:
+                raise UpdateError("connect", str(ready["error"]), [self.engine.url])
+            if self._events is not None:
+                torch.cuda.current_stream(stream.device).wait_event(self._events[2])
+
+    def prepare(self, stream) -> None:
+        """Before the first update (``WeightSync.prepare``), on every rank: an engine that takes the metadata
+        ahead learns this plan's layout now, and either exports its weights for the stream to write into or
+        maps this trainer's two kept buffers, so that the first update sends none of it. The engine keeps
+        serving meanwhile."""
+        self._decide(stream)
+        if not (self.ahead_used and (stream.can_write_into() or stream.kept_buffers())):
+            return
+        self._open_ahead(stream, prepare=True)
+        writes, self.writing = self.writing, False
+        if self.rank < self.engine_tp:
+            # Written into the engine's weights: no buffers of ours to map (nor to allocate).
+            kept = [] if writes else stream.kept_buffers()
+            named = [self._name_buffer(b.untyped_storage(), b.device, keep=True) for b in kept]
+            names = [n for n, _, _ in named]
+            # Bucket k is packed into kept buffer k % 2 from its start: the engine makes its copies out of it now.
+            channel = self._control()
+            channel.send({"buffers": names, "slots": [n["buf"] for n in names]},
+                         [fd for _, _, fds in named for fd in fds])
+            reply = channel.recv(self.timeout_s, "the engine's answer to the kept buffers")
+            if "error" in reply:
+                raise UpdateError("prepare", str(reply["error"]), [self.engine.url])
+        self.close("prepare")
+
+    def _announce(self, stream) -> None:
+        """Per bucket on the CPU, to an engine that takes the control channel: before the first payload, this
+        rank opens one (the engine's preparation, with no buffers and no writes), which tells the engine, by
+        the kernel's word, which process made the shared memory the payloads name; kept as the lease."""
+        self._open_ahead(stream, prepare=True, direct=False)
+        if self.rank < self.engine_tp:
+            channel = self._control()
+            channel.send({"buffers": [], "slots": []})
+            reply = channel.recv(self.timeout_s, "the engine's answer to this trainer's announcement")
+            if "error" in reply:
+                raise UpdateError("connect", str(reply["error"]), [self.engine.url])
+        self._end_ahead("connect")
+        self._announced = True
+
+    def _decide(self, stream) -> None:
+        """Rank 0 asks the engine (its TP size; whether it takes the metadata ahead) and tells every rank."""
+        if stream.mode != "full":
+            raise ValueError("IPCSink sends whole tensors: it needs a full stream")
+        info: list[Any] = [None]
+        if self.rank == 0:
+            i = self.engine.info()
+            channel = i.can(IPC_AHEAD) and hasattr(self.engine, "receive_ipc_ahead")
+            info = [(i.tp_size, channel, self._client)]
+        if self.world > 1:
+            dist.broadcast_object_list(info, group_src=0)
+        self.engine_tp, channel, self._client = int(info[0][0]), bool(info[0][1]), info[0][2]
+        self._keeps_channels = channel
+        if self.engine_tp > self.world:
+            raise ValueError(f"engine TP {self.engine_tp} needs as many colocated trainer ranks; "
+                             f"the job has {self.world}")
+        self.ahead_used = self.ahead and channel and len(stream) > 0
+        self._announces = bool(channel) and not self.ahead_used and stream.device.type == "cpu" and len(stream) > 0
+        self._engine_holds = self._engine_holds or self.ahead_used or self._announces
+
+    def _open_ahead(self, stream, prepare: bool = False, direct: bool = True) -> None:
+        """The engine's request (the update, or with ``prepare`` its preparation) goes from rank 0; each
+        engine rank connects to its trainer rank's control channel and is told the plan's layout if it does
+        not know it. ``direct``: this rank may take the engine's offer to write into its weights."""
+        listener: Listener | None = None  # where this rank sends: the engine rank of its TP rank connects to it
+        if self.rank < self.engine_tp:
+            if self._listener is None:
+                self._listener = Listener()
+            listener = self._listener
+        everyone = self._gather(listener.address if listener is not None else None)
+        if self.rank == 0:
+            self._pool = self._pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="ws-ipc")
+            channels = everyone[: self.engine_tp]
+            engine = self._ahead_engine()
+            post = engine.prepare_ipc_ahead if prepare else engine.receive_ipc_ahead
+            self._ahead = self._pool.submit(post, stream.metadata_digest(), len(stream), channels, self._client,
+                                            self.timeout_s)
+        if listener is None:
+            return
+        channel = self._channel = listener.accept(self.timeout_s, abandon=self._engine_gave_up)
+        hello = channel.recv(self.timeout_s, "greeting from the engine")
+        held = set(hello.get("have") or ()) if hello.get("client") == self._client else set()
+        for key in [k for k, (i, _) in self._known.items() if i not in held]:
+            del self._known[key]  # the engine no longer holds it: sent again when next used
+        if not hello.get("plan_known"):  # the layout of every bucket, once per plan
+            channel.send(self._ahead_engine().ipc_plan_frame([stream.bucket_metas(i) for i in range(len(stream))]))
+        if stream.device.type == "cuda" and self._events is None:
+            self._events = [torch.cuda.Event(interprocess=True) for _ in range(4)]
+        self._answer_offer(stream, direct)
+
+    def _answer_offer(self, stream, direct: bool = True) -> None:
+        """The engine offers its weights to write into where it can take the plan so. This rank takes the offer
+        where the stream can write into them (it makes every tensor itself; no checksums asked for, as no
+        transport copy is left to check), naming the export of the engine's weights it holds; the engine
+        answers with its export's id, and with the export itself unless that is the one held (mapped here
+        then), and the stream writes into it. On the CPU the export's storages come as descriptors."""
+        channel = self._control()
+        can = channel.recv(self.timeout_s, "the engine's offer of direct writes").get("direct")
+        use = bool(can) and direct and self.direct and not self.checksums and stream.can_write_into()
+        answer: dict[str, Any] = {"direct": use, "have": self._targets_id}
+        if use and self._events is not None:
+            answer["events"] = [base64.b64encode(e.ipc_handle()).decode() for e in self._events]
+        channel.send(answer)
+        if not use:
+            return
+        frame, fds = channel.recv_fds(self.timeout_s, "the engine's weights to write into")
+        try:
+            if "error" in frame or not frame.get("export"):
+                raise UpdateError("connect", str(frame.get("error") or "the engine sent no export of its weights"),
+                                  [self.engine.url])
+            if frame["export"] != self._targets_id:
+                if "targets" not in frame:
+                    raise UpdateError("connect", f"the engine named export {frame['export']} and did not send it",
+                                      [self.engine.url])
+                self.forget_targets()
+                self._targets, self._targets_id = _open_targets(frame["targets"], fds), frame["export"]
+        finally:
+            _close_all(fds)  # what was mapped keeps descriptors of its own
+        stream.write_into(self._targets, self._targets_id)
+        if all(p() is not stream.shared for p in self._into_plans):
+            self._into_plans.append(weakref.ref(stream.shared))
+        self.writing = True
+
+    def forget_targets(self) -> None:
+        """Let go of the engine's weights mapped here (and of the copies into them): the engine can free them
+        (before it releases its memory, and when this sink is done)."""
+        for plan in self._into_plans:
+            p = plan()
+            if p is not None and self._targets_id is not None:
+                p.forget_copies(("into", self._targets_id))
+        self._into_plans = []
+        self._targets = self._targets_id = None
+
+    def _engine_gave_up(self) -> str | None:
+        if self._ahead is not None and self._ahead.done() and self._ahead.exception() is not None:
+            return f"the engine refused the update: {self._ahead.exception()}"
+        return None
+
+    def send(self, bucket: Bucket) -> None:
+        if bucket.written:  # already in the engine's weights
+            return
+        if not self.ahead_used:
+            self._send_one_request(bucket)
+            return
+        if self.rank >= self.engine_tp:
+            return
+        k = self._sent
+        self._sent += 1
+        buffer = bucket.buffer
+        cuda = buffer.is_cuda
+        self._device = buffer.device
+        storage = buffer.untyped_storage()
+        frame: dict[str, Any] = {"k": k, "offset": buffer.storage_offset(), "nbytes": buffer.numel(),
+                                 "keep": bucket.kept}
+        named, hold, fds = self._name_buffer(storage, buffer.device, keep=bucket.kept)
+        frame.update(named)
+        if self.checksums:
+            frame["checksum"] = checksum(buffer)
+        if cuda:
+            events = self._cuda_events()
+            if k == 0:
+                frame["events"] = [base64.b64encode(e.ipc_handle()).decode() for e in events]
+            events[k % 2].record(torch.cuda.current_stream(buffer.device))
+        self._control().send(frame, fds)
+        self._outstanding.append((k, hold))
+        while len(self._outstanding) > 1:  # bucket k - 1's buffer is packed again next
+            self._settle()
+
+    def _name_buffer(self, storage, device: torch.device, keep: bool) -> tuple[dict[str, Any], Any, list[int]]:
+        """How a frame names the buffer of ``storage``: the id of a kept buffer the engine holds, or a new id
+        and the buffer itself (kept by the engine if ``keep``, with the oldest kept one dropped past
+        ``KEPT_HANDLES``): on a GPU its CUDA IPC handle (``payload``), on the CPU the descriptor of its
+        shared-memory file (``fd``: its size; the descriptor goes with the frame). Also what must stay alive
+        until the engine answered (a buffer not kept), and the descriptors to send."""
+        known = self._known.get(storage._cdata) if keep else None
+        if known is not None:
+            return {"buf": known[0]}, None, []
+        whole = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+        named: dict[str, Any] = {"buf": self._next_id, "keep": keep}
+        fds: list[int] = []
+        if device.type == "cuda":
+            named["payload"] = dumps_b64(whole)
+        else:
+            fd, size = share_fd(storage)
+            named["fd"], fds = size, [fd]
+        self._next_id += 1
+        if not keep:
+            return named, whole, fds  # alive until the engine has loaded it
+        self._known[storage._cdata] = (named["buf"], whole)
+        if len(self._known) > KEPT_HANDLES:
+            _, (dropped, _) = self._known.popitem(last=False)
+            named["drop"] = [dropped]
+        return named, None, fds
+
+    def _settle(self) -> None:
+        """The engine's answer to the oldest bucket in flight; on a GPU this stream then waits for the
+        engine's copies out of that buffer (an event), not the host."""
+        k, _ = self._outstanding[0]
+        channel = self._control()
+        t = time.perf_counter()
+        try:
+            reply = channel.recv(self.timeout_s, f"answer to bucket {k} from the engine")
+        except TimeoutError as exc:
+            raise UpdateError(f"bucket {k}", f"{exc}{self._engine_said(0.0)}", [self.engine.url]) from None
+        except ConnectionError as exc:  # the engine's request ends at once too: say what it answered
+            raise UpdateError(f"bucket {k}", f"{exc}{self._engine_said(2.0)}", [self.engine.url]) from None
+        if reply.get("k") != k or "error" in reply:
+            raise UpdateError(f"bucket {k}", str(reply.get("error") or f"answer for bucket {reply.get('k')!r}"),
+                              [self.engine.url])
+        self.waited += time.perf_counter() - t
+        if self._events is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._events[2 + k % 2])
+        self._outstanding.popleft()
+
+    def _finish_writes(self) -> None:
+        """Every tensor is written (queued, on a GPU): the engine's stream waits on our event, then its device
+        finishes, and it answers."""
+        if self._events is not None:
+            self._events[0].record(torch.cuda.current_stream(self._device_of_targets()))
+        channel = self._control()
+        channel.send({"done": True})
+        t = time.perf_counter()
+        try:
+            reply = channel.recv(self.timeout_s, "the engine's answer to the writes")
+        except (TimeoutError, ConnectionError) as exc:
+            raise UpdateError("buckets", f"{exc}{self._engine_said(2.0)}", [self.engine.url]) from None
+        self.waited += time.perf_counter() - t
+        if "error" in reply or not reply.get("ok"):
+            raise UpdateError("buckets", str(reply.get("error") or reply), [self.engine.url])
+
+    def _device_of_targets(self) -> torch.device:
+        if self._targets is None:
+            raise RuntimeError("IPCSink: no weights of the engine are mapped here to write into")
+        return next(iter(self._targets.values())).device
+
+    # -- what only some states have, checked ------------------------------------------------------
+
+    def _control(self) -> Channel:
+        """This update's control channel: opened by :meth:`_open_ahead` on a rank that sends, until the update
+        ends (then it is the lease)."""
+        if self._channel is None:
+            raise RuntimeError("IPCSink: no control channel is open on this rank (no update opened ahead)")
+        return self._channel
+
+    def _cuda_events(self) -> list[torch.cuda.Event]:
+        """The interprocess events of this sink: made by :meth:`_open_ahead` for a stream on a GPU."""
+        if self._events is None:
+            raise RuntimeError("IPCSink: a bucket on a GPU, but the update was not opened ahead on one")
+        return self._events
+
+    def _ahead_engine(self) -> IPCAheadEngine:
+        """The engine as one that keeps control channels: reached only where :meth:`_decide` found that it
+        declares ipc_ahead (and has ``receive_ipc_ahead``); its info says so, not its type."""
+        if not self._keeps_channels:
+            raise RuntimeError(f"IPCSink: the engine at {self.engine.url} does not declare ipc_ahead")
+        return cast(IPCAheadEngine, self.engine)
+
+    def _gather(self, mine: Any) -> list[Any]:
+        """Every rank's ``mine`` in rank order, on rank 0 (which alone uses it); an empty list on the others."""
+        if self.world == 1:
+            return [mine]
+        everyone = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(mine, everyone, group_dst=0)
+        return everyone or []
+
+    def _engine_said(self, wait_s: float) -> str:
+        """What the engine answered the update's request, if it does within ``wait_s`` (a dead engine says so)."""
+        if self._ahead is None:
+            return ""
+        try:
+            self._ahead.result(timeout=wait_s)
+        except FutureTimeout:
+            return ""
+        except Exception as exc:  # noqa: BLE001
+            return f" | the engine said: {exc}"
+        return ""
+
+    def close(self, phase: str = "buckets") -> None:
+        """The update's end: the answers still due, and the engine's answer to the update's request (an error
+        of it is raised as one of ``phase``). The channel stays open as the lease (:meth:`_keep_lease`)."""
+        if not self.ahead_used:
+            return
+        try:
+            while self._outstanding:
+                self._settle()
+            if self.writing:
+                self._finish_writes()
+        except BaseException:
+            self._drop_channel()
+            raise
+        self._end_ahead(phase)
+
+    def _keep_lease(self) -> None:
+        """This update's channel becomes the lease, in place of the last one."""
+        lease, self._lease, self._channel = self._lease, self._channel, None
+        if lease is not None:
+            lease.close()
+
+    def _drop_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def _end_ahead(self, phase: str) -> None:
+        """The channel is kept as the lease; the engine's answer to the request (an error of it is raised as
+        one of ``phase``)."""
+        self._keep_lease()
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            deadline = Deadline(self.timeout_s * 2 + 2.0)
+            try:
+                ahead.result(timeout=deadline.remaining())
+            except Exception as exc:  # noqa: BLE001
+                raise UpdateError(phase, str(exc), [self.engine.url]) from None
+
+    def abort(self) -> None:
+        """After a failure: the channel is closed (the engine stops waiting at once) and this sink is done.
+        Writes into the engine's weights already queued finish first, so that none lands after the engine
+        has put its backup back."""
+        if self.writing and self._events is not None and self._targets:
+            torch.cuda.current_stream(self._device_of_targets()).synchronize()
+        self.writing = False
+        self._outstanding.clear()
+        self._ahead = None
+        self.disconnect()
+
+    def disconnect(self, seconds: float | None = None) -> None:
+        """Done with this engine: the channel and the lease close, so the engine closes the buffers it kept
+        mapped for this trainer (it is also asked to, by rank 0: an engine that keeps no lease)."""
+        for end in (self._channel, self._lease, self._listener):
+            if end is not None:
+                end.close()
+        self._channel = self._lease = self._listener = None
+        self._announced = False
+        self._known.clear()
+        self.forget_targets()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        if self._engine_holds and self.rank == 0:
+            self._engine_holds = False
+            try:
+                self._ahead_engine().release_ipc_buffers(self._client, timeout_s=min(self.timeout_s, seconds or 10.0))
+            except Exception as exc:  # noqa: BLE001 -- best effort: the engine may be gone
+                log.warning("the engine at %s could not close this trainer's IPC buffers: %s", self.engine.url, exc)
+
+    # -- one request per bucket (engines without ``ipc_ahead``) -------------------------------------
+
+    def _send_one_request(self, bucket: Bucket) -> None:
+        if bucket.buffer.is_cuda:
+            # The engine reads the buffer from another process, outside this stream's order.
+            torch.cuda.current_stream(bucket.buffer.device).synchronize()
+        mine: Any = None
+        if self.rank < self.engine_tp:
+            mine = (self.engine.encode_ipc(bucket), checksum(bucket.buffer) if self.checksums else None)
+        everyone = self._gather(mine)
+        status: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                payloads = [p for p, _ in everyone[: self.engine_tp]]
+                digests = [d for _, d in everyone[: self.engine_tp]] if self.checksums else None
+                self.engine.receive_ipc(bucket.index, payloads, digests)
+            except Exception as exc:  # noqa: BLE001 — shared with the other ranks below
+                status[0] = UpdateError(f"bucket {bucket.index}", str(exc), [self.engine.url])
+        if self.world > 1:
+            # Every rank holds its buffer until the engine has loaded it.
+            dist.broadcast_object_list(status, group_src=0)
+        if status[0] is not None:
+            raise status[0]
+
+
+def _open_targets(frame: dict, fds: list[int]) -> dict[str, torch.Tensor]:
+    """The engine's weights by HF name, mapped into this process from its export: its weights' storages (on
+    the CPU ``sizes``, one descriptor each in ``fds``; on a GPU ``payload``, their CUDA IPC handles), and
+    per name its place in them (storage, byte offset, elements, dtype)."""
+    if "sizes" in frame:
+        sizes = frame["sizes"]
+        if len(sizes) != len(fds) or not all(isinstance(n, int) for n in sizes):
+            raise ValueError(f"the engine's export sizes {len(sizes)} storages and came with {len(fds)} descriptors")
+        wholes = [map_fd(fd, n) for fd, n in zip(fds, sizes, strict=True)]
+    else:
+        wholes = loads_b64(frame["payload"])
+    names, where = frame["names"], frame["where"]
+    if len(names) != len(where):
+        raise ValueError(f"the engine's export names {len(names)} tensors and places {len(where)}")
+    targets = {}
+    for name, (idx, offset, numel, dtype) in zip(names, where, strict=True):
+        dt = dtype_from_name(dtype)
+        targets[name] = wholes[idx].narrow(0, offset, numel * dt.itemsize).view(dt)
+    return targets
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)

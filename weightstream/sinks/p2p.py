@@ -1,0 +1,127 @@
+"""``P2PSink``: per-rank delivery. With ``mode="per_rank"`` trainer TP rank r sends its bucket straight
+to engine TP rank r (send/recv), so no gather happens anywhere. The group holds the trainer's TP
+ranks of the first pipeline stage and data-parallel replica (group ranks 0..tp-1) and the engine's
+ranks (tp..2tp-1). At TP 1 that is the group a broadcast to the same engine forms: a sink switching
+between the two hands the group over rather than forming it again."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from weightstream.common.processes import free_port
+from weightstream.engines.base import EngineAdapter, GroupSpec, RankBucket
+from weightstream.errors import UpdateError
+from weightstream.sinks.base import InFlight, PipelinedSink
+from weightstream.sinks.broadcast import default_backend
+from weightstream.streaming.bucket import Bucket
+from weightstream.wire.groups import GroupLayout, init_custom_process_group
+from weightstream.wire.handles import checksum
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from weightstream.streaming.stream import BucketStream
+
+
+def _sender_coords() -> tuple[bool, int, int, ProcessGroup | None]:
+    """(is a sender, its TP rank, TP size, TP group) for this trainer rank."""
+    if not dist.is_initialized():
+        return True, 0, 1, None
+    from megatron.core import parallel_state as ps
+
+    sender = ps.get_pipeline_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    return (sender, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_group())
+
+
+class P2PSink(PipelinedSink):
+    name = "p2p"
+
+    def __init__(self, engine: EngineAdapter, *, master_address: str = "127.0.0.1", master_port: int | None = None,
+                 backend: str | None = None, timeout_s: float = 60.0, checksums: bool = False):
+        self.engine = engine
+        self.master_address = master_address
+        self.master_port = master_port
+        self.backend = backend or default_backend()
+        self.timeout_s = timeout_s
+        self.checksums = checksums
+        self.sender, self.tp_rank, self.tp, self.tp_group = _sender_coords()
+        self.poster = self.sender and self.tp_rank == 0
+        self.group = None
+        self.stream: BucketStream | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._inflight = InFlight(timeout_s, [engine.url])
+
+    def layout(self) -> GroupLayout | None:
+        """Trainer TP rank r is rank r, the engine's TP rank r is rank ``tp + r``: at TP 1 the very group a
+        broadcast to the same engine forms (:meth:`PipelinedSink.hand_over`)."""
+        if not self.sender:
+            return None
+        return GroupLayout(self.master_address, self.backend, self.engine.group_name, self.timeout_s, 2 * self.tp,
+                           self.tp_rank, ((self.engine.url, self.tp),))
+
+    def connect(self) -> None:
+        if self.group is not None or not self.sender:
+            return
+        # The TCP store lives on TP rank 0; everyone needs its port.
+        port = [self.master_port or (free_port() if self.poster else 0)]
+        if self.tp > 1:
+            dist.broadcast_object_list(port, group=self.tp_group, group_src=0)
+        posts = []
+        if self.poster:
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ws-p2p")
+            posts.append(self._pool.submit(self.engine.join_group, GroupSpec(
+                self.master_address, port[0], self.tp, 2 * self.tp, self.backend, self.timeout_s,
+                self.engine.group_name)))
+        self._join(posts, lambda: init_custom_process_group(
+            self.backend, f"tcp://{self.master_address}:{port[0]}", 2 * self.tp, self.tp_rank,
+            self.engine.group_name, self.timeout_s,
+        ), [self.engine.url])
+
+    def disconnect(self, seconds: float | None = None) -> None:
+        if self.sender:
+            self._leave([self.engine] if self.poster else [], self.timeout_s if seconds is None else seconds)
+
+    def open(self, stream) -> None:
+        if stream.mode != "per_rank":
+            raise ValueError("P2PSink needs a per_rank stream")
+        self.stream = stream
+        self.connect()
+
+    def _opened(self) -> BucketStream:
+        if self.stream is None:
+            raise RuntimeError("P2PSink: send before open")
+        return self.stream
+
+    def send(self, bucket: Bucket) -> None:
+        if not self.sender:
+            return
+        failure: UpdateError | None = None
+        try:
+            self._inflight.finish()
+        except UpdateError as exc:
+            failure = exc
+        digest = checksum(bucket.buffer) if self.checksums else None
+        digests = [digest]
+        if self.checksums and self.tp > 1:
+            # The TP ranks meet here for every bucket: a failure seen by one (the poster hears the engine)
+            # is raised by all, so that none is left waiting in this collective for a rank that stopped.
+            everyone: list = [None] * self.tp
+            dist.all_gather_object(everyone, (digest, failure), group=self.tp_group)
+            digests = [d for d, _ in everyone]
+            failure = next((f for _, f in everyone if f is not None), None)
+        if failure is not None:
+            raise failure
+        posts = []
+        if self.poster:
+            ranks = []
+            for r in range(self.tp):
+                metas = bucket.metas if r == self.tp_rank else self._opened().metas_for_rank(bucket.index, r)
+                nbytes = max((m.offset + m.nbytes for m in metas), default=0)
+                ranks.append(RankBucket(r, tuple(metas), nbytes, digests[r] if self.checksums else None))
+            posts.append(self._engine_pool().submit(self.engine.receive_p2p, bucket.index, ranks))
+        work = dist.isend(bucket.buffer, group=self.group, group_dst=self.tp + self.tp_rank)
+        self._inflight.start(bucket, work, posts)

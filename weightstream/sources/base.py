@@ -1,0 +1,160 @@
+"""The source seam: where a stream's tensors come from.
+
+A source tells the planner every tensor of the model (global name, shape, dtype, and where its shards
+live) as rows of the global table, and, when a bucket is made, hands over what the converter reads for
+the tensors of that bucket. Planning, packing, sinks and engines are the same for every source:
+
+- :class:`~weightstream.sources.megatron.MegatronSource`: a live Megatron-Core model
+  (TP/PP/VPP/EP/expert-TP shards, gathered over the trainer's groups);
+- :class:`~weightstream.sources.dtensor.DTensorSource`: a transformers model sharded with
+  FSDP2 (``fully_shard``) and/or tensor parallel DTensors, or a plain HF module;
+- :class:`~weightstream.sources.megatron_checkpoint.MegatronCheckpointSource`: a Megatron-Core checkpoint
+  on disk (``torch_dist`` or the legacy per-rank files), read tensor by tensor in one process.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+from weightstream.common.cyclic_gc import no_cyclic_gc
+from weightstream.converters.mapping import Converter
+from weightstream.models.spec import ModelSpec
+from weightstream.sources.topology import Topology
+
+if TYPE_CHECKING:
+    from weightstream.sources.table import TensorEntry
+
+@dataclass
+class CollectiveCounts:
+    """The collectives a source issues, counted as it issues them (a stream's stats extend these)."""
+
+    gathers: int = 0  # TP / expert-TP all-gathers issued
+    broadcasts: int = 0  # EP / PP broadcasts issued
+
+
+# What ``fetch`` hands back per tensor: the tensor the converter reads, or a function making it on
+# demand (so only one is materialised at a time).
+Fetched = Tensor | Callable[[], Tensor]
+
+
+@runtime_checkable
+class Source(Protocol):
+    """Where a stream's tensors come from (see the module doc)."""
+
+    topology: Topology  # this rank's coordinates: TP for per-rank shards, PP/EP for ``share``
+
+    def modules(self) -> Sequence[nn.Module]:
+        """The live modules the tensors belong to: a plan is kept per first module and checked against
+        them before reuse. Empty: plans are not kept (each stream plans afresh)."""
+        ...
+
+    def table(self, converter: Converter, spec: ModelSpec, expected: dict[str, tuple[int, ...]],
+              ) -> tuple[list[TensorEntry], dict[str, Tensor]]:
+        """The global table (the same on every rank, in the same order; one error listing every
+        problem) and this rank's live tensors by table name. Collective over the source's ranks."""
+        ...
+
+    def direct(self, entry: TensorEntry, mode: str, local: dict[str, Tensor]) -> Tensor | None:
+        """The tensor the converter reads for ``entry`` when it is one of this rank's live tensors as it
+        stands (its views are copied by the batched copies); None when it must be fetched."""
+        ...
+
+    def fetch(self, entries: Sequence[TensorEntry], mode: str, local: dict[str, Tensor],
+              stats: CollectiveCounts) -> tuple[dict[str, Fetched], int]:
+        """What the converter reads for ``entries`` (this rank's, of one bucket, that ``direct`` does not
+        give), gathered with as few collectives as the source allows (every rank of the source calls it,
+        bucket by bucket), and the bytes staged for it."""
+        ...
+
+    def share(self, buffer: Tensor, spans: Sequence[tuple[int, int | None, int, int]], mode: str,
+              stats: CollectiveCounts) -> None:
+        """After a bucket is packed: pass each part of it from the ranks that made it to the others
+        (``spans``: (pp owner, ep owner, lo, hi) byte ranges). Nothing for a source whose every rank
+        makes the whole bucket."""
+        ...
+
+
+def local_data(t: Tensor) -> Tensor:
+    """The tensor that holds a parameter's data on this rank (a DTensor's local shard)."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, Tensor) else t
+
+
+_GUARDS: weakref.WeakSet[ModuleGuard] = weakref.WeakSet()
+_hooked = False
+
+
+def _on_module_set(parent: nn.Module, name: str, module: nn.Module) -> None:
+    """torch's global hook on every submodule set (``parent.name = module``, ``ModuleList[i] = module``,
+    ``add_module``): a guard watching ``parent`` no longer holds (a module replaced under the same name
+    leaves every dict the same size, and the replaced module's parameters where they were)."""
+    for guard in list(_GUARDS):
+        if id(parent) in guard.module_ids:
+            guard.moved = True
+
+
+class ModuleGuard:
+    """Tells, quickly, whether modules are still what a plan was made from: the same modules holding the
+    same parameters (and the buffers named in ``buffers``), each on the same storage with the same shape
+    and dtype, and no module, parameter or buffer added, removed or replaced anywhere (a submodule set
+    through ``nn.Module``'s own ``__setattr__``/``add_module``; writing into ``_modules`` directly bypasses
+    that)."""
+
+    def __init__(self, modules: Sequence[nn.Module], buffers: Sequence[str] = ()):
+        """``buffers``: the buffers a plan reads besides the parameters, as ``module.name`` suffixes
+        (``router.expert_bias``); only the buffers of modules so named are watched."""
+        global _hooked
+        if not _hooked:
+            torch.nn.modules.module.register_module_module_registration_hook(_on_module_set)
+            _hooked = True
+        self.roots = [weakref.ref(m) for m in modules]
+        named = [(n, m) for root in modules for n, m in root.named_modules()]
+        every = [m for _, m in named]
+        self.module_ids = set(map(id, every))
+        self.moved = False
+        _GUARDS.add(self)
+        owners = {b.rpartition(".")[0].rpartition(".")[2] for b in buffers}
+        watched = [m for n, m in named if n.rpartition(".")[2] in owners]
+        names = {b.rpartition(".")[2] for b in buffers}
+        # Tens of thousands of dicts and tensors, each a cache miss when a check comes between training steps:
+        # as few as tell (every module's parameters and children; buffers only where a plan reads them).
+        self.dicts = [m._parameters for m in every] + [m._modules for m in every] + [m._buffers for m in watched]
+        self.lengths = list(map(len, self.dicts))
+        held = [(m._parameters, n, p) for m in every for n, p in m._parameters.items() if p is not None]
+        held += [(m._buffers, n, b) for m in watched for n, b in m._buffers.items() if b is not None and n in names]
+        self.owners = [d for d, _, _ in held]
+        self.names = [n for _, n, _ in held]
+        self.tensors = [t for _, _, t in held]
+        self.wrapped = any(local_data(t) is not t for t in self.tensors)  # DTensors: their local shards' storage
+        self.meta = self._meta(self.tensors)
+
+    def _meta(self, tensors: Sequence[Tensor]) -> list[tuple[int, torch.Size, torch.dtype]]:
+        """Each tensor's (data pointer, shape, dtype), in one pass over them."""
+        if self.wrapped:
+            return [(local_data(t).data_ptr(), t.shape, t.dtype) for t in tensors]
+        return [(t.data_ptr(), t.size(), t.dtype) for t in tensors]
+
+    def holds(self, modules: Sequence[nn.Module]) -> bool:
+        if (self.moved or len(modules) != len(self.roots)
+                or any(r() is not m for r, m in zip(self.roots, modules, strict=True))):
+            return False
+        if list(map(len, self.dicts)) != self.lengths:
+            return False
+        if not all(map(operator.is_, map(dict.get, self.owners, self.names), self.tensors)):
+            return False
+        with no_cyclic_gc():  # tens of thousands of new shapes: collections of a heap of a million objects midway
+            return self._meta(self.tensors) == self.meta
+
+
+def first_device(modules: Sequence[nn.Module]) -> torch.device:
+    for m in modules:
+        for p in m.parameters():
+            return local_data(p).device
+    return torch.device("cpu")

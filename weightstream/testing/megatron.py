@@ -1,0 +1,360 @@
+"""Building Megatron-Core models for an HF config, and loading HF checkpoints into them.
+
+The loader is the inverse of the stream: the same converter declarations, each op's
+``to_megatron``, then this rank's TP shard. It is what tests, the demo and ``weightstream dump``
+use to put known weights into a Megatron model under any layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from collections.abc import Mapping as MappingABC
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from weightstream.converters.ops import NotRepresentable, OpContext
+from weightstream.converters.registry import get_converter, model_spec
+from weightstream.errors import ProblemList
+from weightstream.models.spec import ModelSpec, load_hf_config
+from weightstream.sources.megatron import local_tensors
+from weightstream.sources.topology import Topology
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+
+
+def initialize_parallel(
+    tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1, etp: int | None = None, *, seed: int = 1234
+) -> None:
+    """``parallel_state.initialize_model_parallel`` for an already initialised ``torch.distributed``."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        create_gloo_process_groups=torch.cuda.is_available(),
+    )
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        model_parallel_cuda_manual_seed(seed)
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    multiple = divisible_by * tp
+    return (vocab_size + multiple - 1) // multiple * multiple
+
+
+def transformer_config(spec: ModelSpec, *, dtype: torch.dtype = torch.float32, sequence_parallel: bool = False):
+    """A ``TransformerConfig`` matching ``spec`` under the current parallel state."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer import TransformerConfig
+
+    on_gpu = torch.cuda.is_available()
+    kwargs: dict[str, Any] = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.intermediate_size or spec.moe_intermediate_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_key_value_heads,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=True,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
+        pipeline_dtype=dtype,
+        sequence_parallel=sequence_parallel,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+    if spec.is_moe:
+        kwargs.update(
+            num_moe_experts=spec.num_experts,
+            moe_ffn_hidden_size=spec.moe_intermediate_size,
+            moe_router_topk=spec.moe_top_k,
+            moe_router_pre_softmax=not spec.norm_topk_prob,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
+            moe_shared_expert_intermediate_size=spec.shared_expert_intermediate_size or None,
+            moe_shared_expert_gate=spec.shared_expert_intermediate_size > 0,
+            expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+            expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+            moe_layer_freq=[0 if layer in spec.dense_layers else 1 for layer in range(spec.num_layers)],
+        )
+    return TransformerConfig(**kwargs)
+
+
+@contextlib.contextmanager
+def _cpu_build_shims() -> Iterator[None]:
+    """Tied embeddings with PP > 1 call ``.cuda()`` on the shared weight while building."""
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original  # type: ignore[method-assign]
+
+
+def build_gpt_model(
+    hf_config: Any,
+    *,
+    dtype: torch.dtype = torch.float32,
+    vocab_divisible_by: int = 128,
+    sequence_parallel: bool = False,
+) -> list[nn.Module]:
+    """Megatron-Core ``GPTModel`` chunks (one per virtual pipeline stage) for ``hf_config`` under the
+    current ``parallel_state``, built with the local (no Transformer Engine) layer spec; MoE layers
+    hold SequentialMLP experts, split over EP (and expert-TP) as ``parallel_state`` says.
+
+    MoE with TP > 1 needs ``sequence_parallel=True`` to run in training mode; evaluation (what
+    :func:`megatron_logits` does) runs without it."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+
+    spec = model_spec(hf_config)
+    config = transformer_config(spec, dtype=dtype, sequence_parallel=sequence_parallel)
+    layer_spec = get_gpt_layer_local_spec(
+        num_experts=spec.num_experts or None,
+        moe_grouped_gemm=False,
+        qk_layernorm=spec.qk_norm,
+        normalization="RMSNorm",
+    )
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    vocab = padded_vocab_size(spec.vocab_size, ps.get_tensor_model_parallel_world_size(), vocab_divisible_by)
+    chunks = []
+    with _cpu_build_shims():
+        for stage in range(vpp):
+            vp_stage = stage if vpp > 1 else None
+            # One layer spec serves every layer of a dense model; an MoE model with dense layers
+            # (moe_layer_freq) needs the block spec, which picks a dense or MoE spec layer by layer.
+            stage_spec = (
+                get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                           vp_stage=vp_stage)
+                if spec.is_moe
+                else layer_spec
+            )
+            model = GPTModel(
+                config=config,
+                transformer_layer_spec=stage_spec,
+                vocab_size=vocab,
+                max_sequence_length=spec.max_position_embeddings,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                share_embeddings_and_output_weights=spec.tie_word_embeddings,
+                position_embedding_type="rope",
+                rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+                vp_stage=vp_stage,
+            )
+            if dtype != torch.float32:
+                # What Megatron's Float16Module does: every parameter in the training dtype (the
+                # local spec builds its norms in float32).
+                model = model.to(dtype)
+            if torch.cuda.is_available():
+                model = model.cuda()
+            chunks.append(model)
+    return chunks
+
+
+def load_hf_weights(
+    model_chunks: nn.Module | Sequence[nn.Module],
+    hf_config: Any,
+    weights: MappingABC[str, Tensor] | Any,
+    *,
+    topology: Topology | None = None,
+) -> None:
+    """Copy HF weights into a Megatron model (every rank calls it, each filling its own shards).
+
+    ``weights``: a mapping name -> tensor, or anything with ``get(name)`` and ``keys()`` such as
+    :class:`weightstream.common.hf_files.CheckpointReader`. Every problem (a parameter no mapping covers,
+    missing HF tensors, shape mismatches, HF tensors no parameter took) is raised as one error.
+    """
+    topo = topology or Topology.current()
+    cfg = load_hf_config(hf_config)
+    spec = model_spec(cfg)
+    converter = get_converter(spec.model_type)
+    problems = ProblemList()
+    available = set(weights.keys())
+    used: set[str] = set()
+    with torch.no_grad():
+        for local in local_tensors(model_chunks, topo, spec.num_experts):
+            resolved = converter.resolve(local.name, spec)
+            if resolved is None:
+                problems.add("Megatron tensors no mapping covers", local.name)
+                continue
+            missing = [n for n in resolved.hf_names if n not in available]
+            if missing:
+                for n in missing:
+                    problems.add("HF tensors missing from the checkpoint", f"{n} (for {local.name})")
+                continue
+            mapping = resolved.mapping
+            tp_dim = mapping.tp_dim
+            parts_n = topo.group_size(mapping.tp_group) if tp_dim is not None else 1
+            rank = topo.group_rank(mapping.tp_group) if tp_dim is not None else 0
+            full_shape = list(local.tensor.shape)
+            if tp_dim is not None and parts_n > 1:
+                full_shape[tp_dim] *= parts_n
+            hf = [weights[n] if isinstance(weights, MappingABC) else weights.get(n) for n in resolved.hf_names]
+            try:
+                full = mapping.op.to_megatron(hf, OpContext(spec, parts=parts_n), torch.Size(full_shape))
+            except NotRepresentable as exc:
+                problems.add("Megatron tensors the HF model has no place for", f"{local.name}: {exc}")
+                continue
+            except (ValueError, RuntimeError) as exc:
+                problems.add("shape mismatches", f"{local.name} from {list(resolved.hf_names)}: {exc}")
+                continue
+            if list(full.shape) != full_shape:
+                problems.add(
+                    "shape mismatches",
+                    f"{local.name}: model has {tuple(full_shape)}, checkpoint gives {tuple(full.shape)}",
+                )
+                continue
+            shard = full
+            if tp_dim is not None and parts_n > 1:
+                length = local.tensor.shape[tp_dim]
+                shard = full.narrow(tp_dim, rank * length, length)
+            local.tensor.copy_(shard)
+            used.update(resolved.hf_names)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (sorted(used), problems._problems))
+        used = set().union(*(set(u) for u, _ in everyone))
+        merged = ProblemList()
+        for _, p in everyone:
+            for kind, items in p.items():
+                for item in items:
+                    if item not in merged._problems.get(kind, []):
+                        merged.add(kind, item)
+        problems = merged
+    for name in sorted(available - used):
+        problems.add("HF tensors no Megatron parameter took", name)
+    problems.raise_if_any(f"cannot load this {spec.model_type} checkpoint into the Megatron model")
+
+
+@contextlib.contextmanager
+def forward_shims() -> Iterator[None]:
+    """What Megatron-Core 0.16's forward needs where parts of its usual stack are missing: without Transformer
+    Engine (on any device) the MoE router's GEMM name is unbound (``te_general_gemm``: a NameError; Megatron
+    falls back to torch when it is None); without CUDA, a current device for rotary embeddings and a no-op
+    CUDA RNG tracker fork."""
+    with _moe_router_without_te():
+        if torch.cuda.is_available():
+            yield
+            return
+        from megatron.core.tensor_parallel import random as mrandom
+
+        tracker = mrandom.get_cuda_rng_tracker()
+        saved_device = torch.cuda.current_device
+        saved_fork = tracker.fork
+        # A patch, against torch's declared int: Megatron's rotary embeddings take the device it names.
+        torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+        tracker.fork = lambda *a, **k: contextlib.nullcontext()
+        try:
+            yield
+        finally:
+            torch.cuda.current_device = saved_device
+            tracker.fork = saved_fork
+
+
+@contextlib.contextmanager
+def _moe_router_without_te() -> Iterator[None]:
+    from megatron.core.transformer.moe import moe_utils
+
+    if moe_utils.HAVE_TE or "te_general_gemm" in vars(moe_utils):  # Transformer Engine's, or set by an outer call
+        yield
+        return
+    moe_utils.te_general_gemm = None  # what Megatron checks before using Transformer Engine's GEMM
+    try:
+        yield
+    finally:
+        del moe_utils.te_general_gemm
+
+
+def megatron_logits(model_chunks: nn.Module | Sequence[nn.Module], input_ids: Tensor, vocab_size: int) -> Tensor:
+    """Full-vocabulary logits ``(batch, seq, vocab_size)`` of a Megatron GPT model, on every rank.
+
+    Runs the pipeline by hand (stage by stage, chunk by chunk, hidden states passed with send/recv
+    over the PP group), gathers the vocab-parallel logits over TP and trims the padded vocabulary.
+    """
+    from megatron.core import parallel_state as ps
+
+    from weightstream.sources.megatron import as_chunks, unwrap
+
+    chunks: list[GPTModel] = [unwrap(c) for c in as_chunks(model_chunks)]
+    topo = Topology.current()
+    batch, seq = input_ids.shape
+    device = next(chunks[0].parameters()).device
+    input_ids = input_ids.to(device)
+    position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(batch, seq)
+    mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device=device), diagonal=1)
+    hidden_size = chunks[0].config.hidden_size
+    dtype = chunks[0].config.params_dtype
+    output = None
+    with torch.no_grad(), forward_shims():
+        for v, chunk in enumerate(chunks):
+            was_training = chunk.training
+            chunk.eval()
+            for stage in range(topo.pp_size):
+                if stage != topo.pp_rank:
+                    continue
+                first = v == 0 and stage == 0
+                hidden = None
+                if not first:
+                    hidden = torch.empty(seq, batch, hidden_size, dtype=dtype, device=device)
+                    prev = stage - 1 if stage > 0 else topo.pp_size - 1
+                    dist.recv(hidden, group=topo.pp_group, group_src=prev)
+                    chunk.set_input_tensor(hidden)
+                out = chunk(input_ids if first else None, position_ids, mask)
+                last = v == len(chunks) - 1 and stage == topo.pp_size - 1
+                if last:
+                    output = out
+                else:
+                    nxt = stage + 1 if stage + 1 < topo.pp_size else 0
+                    dist.send(out.contiguous(), group=topo.pp_group, group_dst=nxt)
+            chunk.train(was_training)
+    # The last stage holds the vocab-parallel logits: gather over TP, trim, share over PP.
+    vocab_local = torch.zeros(1, dtype=torch.long)
+    if output is not None:
+        vocab_local[0] = output.shape[-1]
+    if topo.pp_size > 1:
+        dist.broadcast(vocab_local, group=topo.pp_group, group_src=topo.pp_size - 1)
+    if output is None:
+        output = torch.empty(batch, seq, int(vocab_local[0]), dtype=dtype, device=device)
+    if topo.pp_size > 1:
+        output = output.contiguous()
+        dist.broadcast(output, group=topo.pp_group, group_src=topo.pp_size - 1)
+    if topo.tp_size > 1:
+        parts = [torch.empty_like(output) for _ in range(topo.tp_size)]
+        dist.all_gather(parts, output.contiguous(), group=ps.get_tensor_model_parallel_group())
+        output = torch.cat(parts, dim=-1)
+    return output[..., :vocab_size].float()
