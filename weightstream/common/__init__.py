@@ -1,0 +1,1 @@
+"""Foundation: bounds on waits, processes, byte layout, staged output directories, HF checkpoint files."""

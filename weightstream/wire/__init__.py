@@ -1,0 +1,1 @@
+"""What crosses between processes: tensor handles, the IPC control channel and its frames, process groups."""
