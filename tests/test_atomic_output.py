@@ -78,8 +78,8 @@ def mark_and_sleep(directory: str, seconds: float) -> None:
 def saves(tmp_path_factory) -> dict[str, tuple[str, Path]]:
     """Two tiny Qwen3 models of the same shapes with different weights ("old", "new"), each saved by a real
     Megatron-Core TP 2 job in torch_dist format: name -> (HF source directory, Megatron save)."""
-    from tests.megatron_saves import run_saves
-    from tests.workers import Case
+    from tests.helpers.megatron_saves import run_saves
+    from tests.helpers.workers import Case
 
     root = tmp_path_factory.mktemp("atomic")
     hf = {name: save_random_checkpoint(preset_config("tiny-qwen3"), root / f"hf-{name}", seed=seed)

@@ -46,8 +46,8 @@ EMBEDDING = "embedding.word_embeddings.weight"
 def saved(tmp_path_factory) -> dict[str, Path]:
     """A tiny Qwen3 (HF, random weights) and the Megatron-Core model built from it, saved by a one-rank job as
     ``meg/torch_dist`` and ``meg/legacy`` (with Megatron-LM's training state)."""
-    from tests.megatron_saves import run_saves
-    from tests.workers import Case
+    from tests.helpers.megatron_saves import run_saves
+    from tests.helpers.workers import Case
 
     root = tmp_path_factory.mktemp("safety")
     hf = save_random_checkpoint(preset_config("tiny-qwen3"), root / "hf", seed=91)

@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from tests.checks import INPUT_IDS, assert_logits_close
 from tests.conftest import hf_logits
+from tests.helpers.checks import INPUT_IDS, assert_logits_close
 from weightstream.common.hf_files import CheckpointReader
 from weightstream.convert import convert_checkpoint
 from weightstream.errors import ConversionError
@@ -29,8 +29,8 @@ from weightstream.sources.megatron_checkpoint import CheckpointFormatError
 def saved(tmp_path_factory):
     """A dense model saved by a TP 2 x PP 2 job, and an MoE model by a PP 2 x VPP 2 x EP 2 job (4 ranks),
     each in both formats, with the Megatron models' logits."""
-    from tests.megatron_saves import run_saves
-    from tests.workers import Case
+    from tests.helpers.megatron_saves import run_saves
+    from tests.helpers.workers import Case
 
     root = tmp_path_factory.mktemp("megatron")
     dense = save_random_checkpoint(preset_config("tiny-qwen3"), root / "hf-dense", seed=81)

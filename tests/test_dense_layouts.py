@@ -8,9 +8,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.checks import assert_full_exact, assert_logits_close, assert_per_rank_assembles, by_label, source_keys
 from tests.conftest import FAMILIES, hf_logits
-from tests.workers import INPUT_IDS, Case, run_cases
+from tests.helpers.checks import (
+    assert_full_exact,
+    assert_logits_close,
+    assert_per_rank_assembles,
+    by_label,
+    source_keys,
+)
+from tests.helpers.workers import INPUT_IDS, Case, run_cases
 from weightstream.jobs import Layout
 from weightstream.launch import launch
 

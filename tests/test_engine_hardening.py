@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.checks import INPUT_IDS
+from tests.helpers.checks import INPUT_IDS
 from weightstream.models.presets import preset_config, save_random_checkpoint
 from weightstream.reference_engine.server import (
     EngineFailure,

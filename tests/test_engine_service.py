@@ -16,10 +16,10 @@ import time
 
 import pytest
 
-from tests.checks import assert_logits_close
 from tests.conftest import hf_logits
+from tests.helpers.checks import assert_logits_close
+from tests.helpers.workers import INPUT_IDS, Case, run_timed_updates
 from tests.test_update import SMALL, engine
-from tests.workers import INPUT_IDS, Case, run_timed_updates
 from weightstream.engines import ReferenceEngine
 from weightstream.jobs import Layout
 from weightstream.launch import launch

@@ -10,10 +10,10 @@ import shutil
 import pytest
 from safetensors.torch import load_file, save_file
 
-from tests.checks import assert_logits_close
 from tests.conftest import hf_logits
+from tests.helpers.checks import assert_logits_close
+from tests.helpers.workers import INPUT_IDS, Case, run_update
 from tests.test_update import engine
-from tests.workers import INPUT_IDS, Case, run_update
 from weightstream.engines import EngineError, ReferenceEngine
 from weightstream.jobs import Layout
 from weightstream.launch import launch

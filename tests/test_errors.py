@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.workers import Case, run_error_case
+from tests.helpers.workers import Case, run_error_case
 from weightstream.common.hf_files import CheckpointReader
 from weightstream.jobs import Layout, dump_job
 from weightstream.launch import LaunchError, launch

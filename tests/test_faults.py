@@ -14,10 +14,10 @@ from contextlib import ExitStack
 import pytest
 import torch
 
-from tests.checks import assert_logits_close
 from tests.conftest import hf_logits
+from tests.helpers.checks import assert_logits_close
+from tests.helpers.workers import INPUT_IDS, Case, run_timed_updates, run_update
 from tests.test_update import SMALL, engine
-from tests.workers import INPUT_IDS, Case, run_timed_updates, run_update
 from weightstream.engines import EngineError, ReferenceEngine
 from weightstream.jobs import Layout
 from weightstream.launch import launch

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from tests.checks import INPUT_IDS, assert_logits_close
 from tests.conftest import hf_logits
+from tests.helpers.checks import INPUT_IDS, assert_logits_close
 from weightstream.common.hf_files import CheckpointReader
 from weightstream.converters.ops import FusedExperts, OpContext
 from weightstream.converters.registry import get_converter, model_spec
@@ -72,7 +72,7 @@ def test_fsdp_1d_moe_and_unsharded_after_forward(tmp_path):
     moe = save_random_checkpoint(preset_config("tiny-qwen3-moe"), tmp_path / "moe", seed=51)
     dense = save_random_checkpoint(preset_config("tiny-qwen3"), tmp_path / "dense", seed=52)
     cases = [("run_fsdp_stream", moe, (2,), ["full"]), ("run_fsdp_stream", dense, (2,), ["full"], True)]
-    from tests.fsdp_workers import run_fsdp_cases
+    from tests.helpers.fsdp_workers import run_fsdp_cases
 
     results = launch(2, run_fsdp_cases, cases)
     want_moe, want_dense = _saved(moe), _saved(dense)
@@ -96,7 +96,7 @@ def test_fsdp_2d_tensor_parallel(tmp_path):
     moe = save_random_checkpoint(preset_config("tiny-qwen3-moe"), tmp_path / "moe", seed=62)
     cases = [("run_fsdp_stream", dense, (2, 2), ["full", "per_rank"]),
              ("run_fsdp_stream", moe, ("hf", 2, 2), ["full", "per_rank"])]
-    from tests.fsdp_workers import run_fsdp_cases
+    from tests.helpers.fsdp_workers import run_fsdp_cases
 
     results = launch(4, run_fsdp_cases, cases)
     want_dense, want_moe = _saved(dense), _saved(moe)
@@ -118,7 +118,7 @@ def test_fsdp_updates_into_engines(tmp_path):
     """``update_weights`` of FSDP2 models (2 ranks) into reference engines: Qwen3 by broadcast and by IPC,
     Qwen3-MoE (fused experts sharded over the ranks) by broadcast. The engines' logits then equal the HF
     models'; ``save_hf_checkpoint`` of each is bit-identical to its source."""
-    from tests.fsdp_workers import run_fsdp_cases
+    from tests.helpers.fsdp_workers import run_fsdp_cases
 
     models = {"dense": ("tiny-qwen3", ["broadcast", "ipc"]), "moe": ("tiny-qwen3-moe", ["broadcast"])}
     srcs, servers, before = {}, {}, {}

@@ -25,10 +25,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.checks import assert_logits_close
 from tests.conftest import hf_logits
+from tests.helpers.checks import assert_logits_close
+from tests.helpers.workers import INPUT_IDS
 from tests.test_update import engine
-from tests.workers import INPUT_IDS
 from weightstream.engines import EngineError, ReferenceEngine
 from weightstream.launch import free_port
 from weightstream.models.presets import preset_config, save_random_checkpoint

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.checks import engine_python, run_engine_check
+from tests.helpers.checks import engine_python, run_engine_check
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = ROOT / "tests" / "engines" / "lmdeploy_check.py"

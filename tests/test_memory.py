@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from tests.checks import assert_logits_close
 from tests.conftest import hf_logits
+from tests.helpers.checks import assert_logits_close
+from tests.helpers.workers import INPUT_IDS, Case, run_release_cycle
 from tests.test_update import engine
-from tests.workers import INPUT_IDS, Case, run_release_cycle
 from weightstream.jobs import Layout
 from weightstream.launch import launch
 from weightstream.models.presets import save_random_checkpoint

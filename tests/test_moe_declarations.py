@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from weightstream.common.layout import ALIGN
 from weightstream.converters import NotRepresentable, OpContext, get_converter
 from weightstream.converters.registry import model_spec
 from weightstream.errors import ConversionError
@@ -16,7 +17,6 @@ from weightstream.models.hf import expected_hf_shapes
 from weightstream.models.presets import preset_config, random_hf_model
 from weightstream.models.spec import ModelSpec
 from weightstream.sources.table import RankMeta, build_table
-from weightstream.common.layout import ALIGN
 from weightstream.streaming.plan import plan_buckets
 
 pytestmark = pytest.mark.unit  # in-process, no peer processes: the fast subset

@@ -13,9 +13,9 @@ import re
 import pytest
 import torch
 
-from tests.checks import assert_full_exact, assert_logits_close, assert_per_rank_experts, by_label
 from tests.conftest import hf_logits
-from tests.workers import INPUT_IDS, Case, run_cases
+from tests.helpers.checks import assert_full_exact, assert_logits_close, assert_per_rank_experts, by_label
+from tests.helpers.workers import INPUT_IDS, Case, run_cases
 from weightstream.jobs import Layout
 from weightstream.launch import launch
 from weightstream.models.presets import preset_config, random_hf_model, save_random_checkpoint

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.workers import run_plan_reuse
+from tests.helpers.workers import run_plan_reuse
 from weightstream.launch import launch
 from weightstream.models.presets import preset_config, random_hf_model
 

@@ -14,9 +14,9 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from tests.checks import assert_logits_close
 from tests.conftest import hf_logits
-from tests.workers import INPUT_IDS, Case, run_prepared_update, run_update
+from tests.helpers.checks import assert_logits_close
+from tests.helpers.workers import INPUT_IDS, Case, run_prepared_update, run_update
 from weightstream.engines import EngineError, ReferenceEngine
 from weightstream.jobs import Layout
 from weightstream.launch import launch

@@ -124,7 +124,7 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int = MAX_TO
 def vllm_update(src: str, layout: Layout, url: str, version: str) -> dict:
     """On every trainer rank: build Megatron from ``src`` and push it into the vLLM server at ``url``."""
     import weightstream as ws
-    from tests.workers import Case, _build
+    from tests.helpers.workers import Case, _build
 
     cfg, chunks = _build(Case(src, layout))
     # engine="auto": the adapter is chosen by asking the server what it is.

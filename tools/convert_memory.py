@@ -27,7 +27,7 @@ def save_stages(preset: str, pp: int, root: str, dtype: str) -> float:
     import torch
     import torch.distributed as dist
 
-    from tests.megatron_saves import save_legacy
+    from tests.helpers.megatron_saves import save_legacy
     from weightstream.models.presets import preset_config
     from weightstream.testing.megatron import build_gpt_model, initialize_parallel
 

@@ -636,9 +636,9 @@ def main() -> None:
     torch.multiprocessing.set_sharing_strategy("file_system")  # CPU tensors readable by an unrelated process
     import lmdeploy
 
+    from weightstream.common.layout import ALIGN
     from weightstream.engines.lmdeploy import LMDeployEngine
     from weightstream.streaming.bucket import Bucket
-    from weightstream.common.layout import ALIGN
 
     result: dict = {"lmdeploy_version": getattr(lmdeploy, "__version__", None), "torch_version": torch.__version__}
     named = original_tensors(0)

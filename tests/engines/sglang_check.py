@@ -327,9 +327,9 @@ def main() -> None:
     import sglang
     import sglang.srt.managers.io_struct as io
 
+    from weightstream.common.layout import ALIGN
     from weightstream.engines.sglang import SGLangEngine
     from weightstream.streaming.bucket import Bucket
-    from weightstream.common.layout import ALIGN
     from weightstream.wire.handles import checksum
 
     result: dict = {"sglang_version": getattr(sglang, "__version__", None), "torch_version": torch.__version__,

@@ -75,7 +75,7 @@ class CheckpointFormatError(WeightstreamError):
 # What a legacy rank file (model_optim_rng.pt) may name beyond what torch's weights-only loader allows for
 # tensors (typed storages, _rebuild_tensor_v2, OrderedDict, torch dtypes): Megatron-Core's own list
 # (megatron/core/safe_globals.py), with which Megatron-LM reads these files back, under the names their pickles
-# use. Seen in saves: argparse.Namespace (``args``, in every file, the only one in tests/megatron_saves.py's);
+# use. Seen in saves: argparse.Namespace (``args``, in every file, the only one in tests/helpers/megatron_saves.py's);
 # numpy's _reconstruct, ndarray and dtype (``rng_state``: np.random.get_state()); AttnBackend, ModelType,
 # signal.Signals and torch dtypes in Megatron-LM's ``args``; io.BytesIO (Transformer Engine's older _extra_state).
 LEGACY_GLOBALS: tuple[str, ...] = (

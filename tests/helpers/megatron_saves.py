@@ -19,8 +19,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from tests.checks import INPUT_IDS
-from tests.workers import Case, _build
+from tests.helpers.checks import INPUT_IDS
+from tests.helpers.workers import Case, _build
 from weightstream.testing.megatron import megatron_logits
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.checks import INPUT_IDS  # noqa: E402,F401  (the prompts every logits check uses)
+from tests.helpers.checks import INPUT_IDS  # noqa: E402,F401  (the prompts every logits check uses)
 from weightstream.common.hf_files import CheckpointReader
 from weightstream.errors import WeightstreamError
 from weightstream.jobs import Layout

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tests.checks import INPUT_IDS
+from tests.helpers.checks import INPUT_IDS
 
 
 def build_fsdp(src: str, mesh_shape: tuple[int, ...], *, reshard_after_forward: bool = True):

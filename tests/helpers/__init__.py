@@ -1,0 +1,1 @@
+"""What the tests share: multi-process workers, comparisons of what engines hold, saved Megatron checkpoints."""
