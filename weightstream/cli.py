@@ -7,10 +7,19 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+if TYPE_CHECKING:
+    import torch
+
+    from weightstream.jobs import Layout
+    from weightstream.reference_engine.server import EngineServer
 
 DEMO_INPUT = [[1, 17, 42, 256, 999, 3, 511, 64, 128, 7, 900, 12]]
+
+_Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
 def _mb(value: str) -> int:
@@ -30,6 +39,7 @@ def _layout_args(p: argparse.ArgumentParser, tp: int, pp: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``weightstream`` command line: its global options and the sub-commands of :data:`_COMMANDS`."""
     from weightstream.models.presets import PRESETS
 
     parser = argparse.ArgumentParser(
@@ -42,7 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="also show third-party warnings and progress bars (Megatron-Core, torch, transformers)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    presets = sorted(PRESETS)
+    for add_command in _COMMANDS:
+        add_command(sub, presets)
+    return parser
 
+
+def _add_demo(sub: _Subparsers, presets: list[str]) -> None:
+    """``weightstream demo``: the whole path on a tiny model, proven."""
     demo = sub.add_parser(
         "demo",
         help="build a tiny Qwen3, stream it from a local TP×PP job into a reference engine and to disk, prove both",
@@ -55,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Exit status 0 only when proven."
         ),
     )
-    demo.add_argument("--preset", default="tiny-qwen3", choices=sorted(PRESETS), help="model (default tiny-qwen3)")
+    demo.add_argument("--preset", default="tiny-qwen3", choices=presets, help="model (default tiny-qwen3)")
     _layout_args(demo, 2, 2)
     demo.add_argument("--bucket-mb", type=_mb, default=_mb("0.25"), help="bucket size in MiB (default 0.25)")
     demo.add_argument("--out", default=None, help="keep the checkpoint here (default: a temporary directory)")
@@ -64,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--engine-tp", type=int, default=2,
                       help="TP size of the reference engine the demo updates (default 2; 0: no engine, disk only)")
 
+
+def _add_dump(sub: _Subparsers, presets: list[str]) -> None:
+    """``weightstream dump``: HF weights into a Megatron model under a layout, streamed to an HF checkpoint."""
     dump = sub.add_parser(
         "dump",
         help="build a Megatron model under a layout from HF weights, stream it, write an HF checkpoint",
@@ -75,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     src = dump.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf", help="HF checkpoint directory to start from")
-    src.add_argument("--preset", choices=sorted(PRESETS), help="a preset config with random weights")
+    src.add_argument("--preset", choices=presets, help="a preset config with random weights")
     dump.add_argument("--seed", type=int, default=0, help="seed of the random weights for --preset (default 0)")
     _layout_args(dump, 1, 1)
     dump.add_argument("--bucket-mb", type=_mb, default=_mb("512"), help="bucket size in MiB (default 512)")
@@ -89,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--overwrite", action="store_true",
                       help="replace a non-empty --out (whole, in one step, once the new checkpoint is complete)")
 
+
+def _add_bench(sub: _Subparsers, presets: list[str]) -> None:
+    """``weightstream bench``: its three modes (--soak, --transport, --from-json) and their options."""
     bench = sub.add_parser(
         "bench",
         help="measure weightstream: --transport T times one path against the machine's ceiling; "
@@ -114,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="path to time (repeatable)")
     what.add_argument("--from-json", nargs="+", metavar="F.json",
                       help="no run: print (and with --plot, chart) the rows saved by earlier --json runs")
+    _bench_transport_args(bench)
+    _bench_run_args(bench, presets)
+
+
+def _bench_transport_args(bench: argparse.ArgumentParser) -> None:
+    """The options of ``bench --transport`` (and ``--plot``, which ``--from-json`` takes too)."""
     bench.add_argument("--tiny", action="store_true", help="the preset's topology at small widths (CPU-sized)")
     bench.add_argument("--reuse-buffers", action="store_true",
                        help="--transport stream: pack into two kept buffers, as the sinks do (default: fresh buffers)")
@@ -132,10 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="(default bfloat16)")
     bench.add_argument("--repeats", type=int, default=3, help="warm runs after the cold one (default 3)")
     bench.add_argument("--plot", default=None, metavar="F.png", help="bar chart of ours vs ceiling (needs matplotlib)")
+
+
+def _bench_run_args(bench: argparse.ArgumentParser, presets: list[str]) -> None:
+    """The options of ``bench --soak``, those of the model, trainer and engine that both runs share, and --json."""
     bench.add_argument("--transports", default="broadcast,ipc",
                        help="comma-separated transports to rotate through (default broadcast,ipc)")
     bench.add_argument("--switch-every", type=int, default=2, help="updates per transport before switching (default 2)")
-    bench.add_argument("--preset", default="tiny-qwen3", choices=sorted(PRESETS), help="model (default tiny-qwen3)")
+    bench.add_argument("--preset", default="tiny-qwen3", choices=presets, help="model (default tiny-qwen3)")
     bench.add_argument("--tp", type=int, default=1,
                        help="--transport broadcast/ipc/p2p: the trainer's TP size, one GPU per rank (default 1)")
     bench.add_argument("--ep", type=int, default=1,
@@ -150,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--sample-every", type=int, default=10, help="sample resources every N updates")
     bench.add_argument("--json", default=None, help="also write the report (with every sample) here")
 
+
+def _add_engine(sub: _Subparsers, presets: list[str]) -> None:
+    """``weightstream engine``: the reference engine as an HTTP server."""
     engine = sub.add_parser(
         "engine",
         help="run the reference engine: an HTTP server speaking SGLang's weight-update protocol",
@@ -182,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "per update, as SGLang keeps none); an aborted update then leaves the engine refusing "
                              "to serve until a complete update")
 
+
+def _add_convert(sub: _Subparsers, presets: list[str]) -> None:
+    """``weightstream convert``: a Megatron-Core checkpoint on disk to an HF checkpoint."""
     convert = sub.add_parser(
         "convert",
         help="convert a Megatron-Core checkpoint on disk (torch_dist or legacy per-rank) to an HF checkpoint",
@@ -216,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "naming a global that Megatron does not save there is refused; --trust-checkpoint "
                               "reads it anyway and allows arbitrary code in it to run")
 
+
+def _add_verify(sub: _Subparsers, presets: list[str]) -> None:
+    """``weightstream verify``: two HF checkpoints compared tensor by tensor."""
     verify = sub.add_parser(
         "verify",
         help="compare two HF checkpoints tensor by tensor",
@@ -225,7 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("a", help="first checkpoint directory")
     verify.add_argument("b", help="second checkpoint directory")
     verify.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bit for bit)")
-    return parser
+
+
+# The sub-commands, in the order ``weightstream --help`` lists them.
+_COMMANDS: tuple[Callable[[_Subparsers, list[str]], None], ...] = (
+    _add_demo, _add_dump, _add_bench, _add_engine, _add_convert, _add_verify,
+)
 
 
 def _check_world(tp: int, pp: int) -> int:
@@ -319,23 +366,17 @@ def _summary(r: dict) -> str:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from weightstream.launch import launch, start_process_server
+    """``weightstream demo``: a random checkpoint through a local Megatron job into an engine and to disk, proven."""
+    from weightstream.launch import start_process_server
 
     start_process_server()  # the engine's and the job's processes come from it: its imports overlap ours
     import secrets
-    import shutil
 
-    import torch
-
-    from weightstream.engines import ReferenceEngine
-    from weightstream.jobs import dump_job
-    from weightstream.models.presets import preset_config, random_hf_model
-    from weightstream.reference_engine.server import serve, stop
-    from weightstream.testing.compare import compare_checkpoints
+    from weightstream.models.presets import preset_config
+    from weightstream.reference_engine.server import stop
 
     cfg = preset_config(args.preset)
     layout = _layout(args, cfg)
-    world = layout.world_size
     problem = None if args.out is None else _output_problem(Path(os.path.realpath(args.out)), args.overwrite)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
@@ -343,53 +384,98 @@ def cmd_demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     key = secrets.token_urlsafe(16)  # the demo's engine takes updates from the demo only
     with tempfile.TemporaryDirectory(prefix="weightstream-demo-") as tmp:
-        src = os.path.join(tmp, "source")
+        src = _demo_source(cfg, args.preset, args.seed, tmp)
         out = args.out or os.path.join(tmp, "streamed")
-        model = random_hf_model(cfg, seed=args.seed)
-        model.save_pretrained(src)
-        n_params = sum(p.numel() for p in model.parameters())
-        print(f"[1/5] {args.preset}: random HF checkpoint written ({n_params:,} parameters)")
-        server = None
-        if args.engine_tp > 0:
-            empty = os.path.join(tmp, "engine-model")
-            os.makedirs(empty)
-            shutil.copy(os.path.join(src, "config.json"), empty)  # the engine starts without these weights
-            server = serve(empty, args.engine_tp, api_key=key)
-            print(f"[2/5] reference engine (TP {args.engine_tp}) serving on {server.url}, weights not loaded yet")
-        else:
-            print("[2/5] no engine (--engine-tp 0)")
+        server = _demo_engine(src, args.engine_tp, key, tmp)
         try:
-            print(f"[3/5] starting {world} local processes ({layout.describe()}): build Megatron-Core model, load, "
-                  f"{'update the engine, ' if server else ''}stream to disk")
-            results = launch(world, dump_job, src, layout, out, args.bucket_mb, "float32", DEMO_INPUT, "rank0",
-                             server.url if server else None, args.overwrite, key)
-            r = results[0]
-            engine_logits = ReferenceEngine(server.url, api_key=key).logits(DEMO_INPUT) if server else None
+            results, engine_logits = _demo_stream(args, layout, src, out, server, key)
         finally:
             if server is not None:
                 stop(server)
+        r = results[0]
         if r["update"] is not None:
             print(f"      engine update: {r['update'].summary()}")
-        print("[4/5] checking every tensor of the checkpoint against the source, bit for bit")
-        cmp = compare_checkpoints(src, out)
-        print("      " + cmp.render("source", "streamed").replace("\n", "\n      "))
-        from transformers import AutoModelForCausalLM
-
-        loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-        with torch.no_grad():
-            hf_logits = loaded(torch.tensor(DEMO_INPUT)).logits.float()
-        diffs = [(res["logits"] - hf_logits).abs().max().item() for res in results]
-        checks = [max(diffs) <= 1e-4]
-        line = f"Megatron ({layout.describe()}) vs HF from the checkpoint: max |diff| {max(diffs):.2e}"
-        if engine_logits is not None:
-            engine_diff = (engine_logits - hf_logits).abs().max().item()
-            checks.append(engine_diff <= 1e-4)
-            line += f"; engine vs HF: {engine_diff:.2e}"
-        print(f"[5/5] logits: {line}")
-    proven = cmp.ok and all(checks)
+        same_tensors = _demo_compare(src, out)
+        same_logits = _demo_logits(results, engine_logits, out, layout)
+    proven = same_tensors and same_logits
     verdict = "PROVEN" if proven else "FAILED"
     print(f"{verdict}: {_summary(r)} (total {time.perf_counter() - start:.1f} s)")
     return 0 if proven else 1
+
+
+def _demo_source(cfg: Any, preset: str, seed: int, tmp: str) -> str:
+    """Step 1: the random HF checkpoint the demo streams, written under ``tmp``; its directory."""
+    from weightstream.models.presets import random_hf_model
+
+    src = os.path.join(tmp, "source")
+    model = random_hf_model(cfg, seed=seed)
+    model.save_pretrained(src)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"[1/5] {preset}: random HF checkpoint written ({n_params:,} parameters)")
+    return src
+
+
+def _demo_engine(src: str, engine_tp: int, key: str, tmp: str) -> EngineServer | None:
+    """Step 2: a reference engine of TP ``engine_tp`` on the source's config without its weights (None at TP 0)."""
+    import shutil
+
+    from weightstream.reference_engine.server import serve
+
+    if engine_tp <= 0:
+        print("[2/5] no engine (--engine-tp 0)")
+        return None
+    empty = os.path.join(tmp, "engine-model")
+    os.makedirs(empty)
+    shutil.copy(os.path.join(src, "config.json"), empty)  # the engine starts without these weights
+    server = serve(empty, engine_tp, api_key=key)
+    print(f"[2/5] reference engine (TP {engine_tp}) serving on {server.url}, weights not loaded yet")
+    return server
+
+
+def _demo_stream(args: argparse.Namespace, layout: Layout, src: str, out: str, server: EngineServer | None,
+                 key: str) -> tuple[list[dict[str, Any]], torch.Tensor | None]:
+    """Step 3: the local job loads ``src`` into Megatron, updates the engine and writes ``out``; every rank's
+    result, and the engine's logits after the update (None without an engine)."""
+    from weightstream.engines import ReferenceEngine
+    from weightstream.jobs import dump_job
+    from weightstream.launch import launch
+
+    print(f"[3/5] starting {layout.world_size} local processes ({layout.describe()}): build Megatron-Core model, "
+          f"load, {'update the engine, ' if server else ''}stream to disk")
+    results = launch(layout.world_size, dump_job, src, layout, out, args.bucket_mb, "float32", DEMO_INPUT, "rank0",
+                     server.url if server else None, args.overwrite, key)
+    engine_logits = ReferenceEngine(server.url, api_key=key).logits(DEMO_INPUT) if server else None
+    return results, engine_logits
+
+
+def _demo_compare(src: str, out: str) -> bool:
+    """Step 4: every tensor of the written checkpoint against the source, bit for bit; whether all are equal."""
+    from weightstream.testing.compare import compare_checkpoints
+
+    print("[4/5] checking every tensor of the checkpoint against the source, bit for bit")
+    cmp = compare_checkpoints(src, out)
+    print("      " + cmp.render("source", "streamed").replace("\n", "\n      "))
+    return cmp.ok
+
+
+def _demo_logits(results: list[dict[str, Any]], engine_logits: torch.Tensor | None, out: str, layout: Layout) -> bool:
+    """Step 5: the logits of every Megatron rank and of the engine against those of the HF model loaded from
+    ``out``; whether all are equal (within 1e-4)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf_logits = loaded(torch.tensor(DEMO_INPUT)).logits.float()
+    diffs = [(res["logits"] - hf_logits).abs().max().item() for res in results]
+    checks = [max(diffs) <= 1e-4]
+    line = f"Megatron ({layout.describe()}) vs HF from the checkpoint: max |diff| {max(diffs):.2e}"
+    if engine_logits is not None:
+        engine_diff = (engine_logits - hf_logits).abs().max().item()
+        checks.append(engine_diff <= 1e-4)
+        line += f"; engine vs HF: {engine_diff:.2e}"
+    print(f"[5/5] logits: {line}")
+    return all(checks)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
