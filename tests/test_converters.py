@@ -6,10 +6,10 @@ import pytest
 
 import weightstream as ws
 from weightstream.converters import IDENTITY, QKV, Mapping, get_converter, known_model_types, register_converter
+from weightstream.converters.expected import expected_hf_shapes
 from weightstream.converters.mapping import compile_pattern, fill_pattern
 from weightstream.converters.registry import model_spec, unregister_converter
 from weightstream.errors import ConversionError, UnknownModelError
-from weightstream.models.hf import expected_hf_shapes
 from weightstream.models.presets import preset_config
 from weightstream.sources.table import RankMeta, build_table
 

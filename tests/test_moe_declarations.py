@@ -11,9 +11,9 @@ from safetensors import safe_open
 
 from weightstream.common.layout import ALIGN
 from weightstream.converters import NotRepresentable, OpContext, get_converter
+from weightstream.converters.expected import expected_hf_shapes
 from weightstream.converters.registry import model_spec
 from weightstream.errors import ConversionError
-from weightstream.models.hf import expected_hf_shapes
 from weightstream.models.presets import preset_config, random_hf_model
 from weightstream.models.spec import ModelSpec
 from weightstream.sources.table import RankMeta, build_table

@@ -41,7 +41,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 # reference engine's worker dispatching a declared command.
 PROBE_EXCEPTIONS: dict[str, str] = {
     "weightstream.models.spec": "optional fields of an HF config",
-    "weightstream.models.hf": "optional fields of an HF config and of a transformers model",
     "weightstream.models.presets": "optional fields of an HF config",
     "weightstream.converters.qwen2": "optional fields of an HF config",
     "weightstream.converters.qwen3": "optional fields of an HF config",

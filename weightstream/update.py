@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, TypedDict, cast
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -23,21 +23,29 @@ from weightstream.converters.registry import get_converter, model_spec
 from weightstream.engines import ADAPTERS, detect, make_adapter
 from weightstream.engines.base import (
     BROADCAST,
+    COMMIT_AND_RESUME,
     IPC,
     P2P,
+    PAUSE_AND_BEGIN,
     RELEASE_MEMORY,
     SINGLE_DTYPE,
     CommitsAndResumes,
     EngineAdapter,
     EngineError,
+    EngineInfo,
+    MemoryEngine,
+    PausesAndBegins,
+    capable,
+    require,
 )
 from weightstream.errors import UpdateError, WeightstreamError
 from weightstream.models.spec import ModelSpec, load_hf_config
 from weightstream.sinks import BroadcastSink, IPCSink, P2PSink
+from weightstream.sinks.base import Delivery, PipelinedSink, Sink
 from weightstream.sources import as_source
-from weightstream.sources.megatron import MegatronSource
+from weightstream.sources.base import Source
 from weightstream.sources.topology import Topology
-from weightstream.streaming.stream import DEFAULT_BUCKET_BYTES, Mode, stream_hf_weights
+from weightstream.streaming.stream import DEFAULT_BUCKET_BYTES, BucketStream, Mode, stream_hf_weights
 from weightstream.wire.handles import gpu_uuid
 
 log = logging.getLogger("weightstream")
@@ -108,6 +116,24 @@ def _local_gpu_uuids() -> set[str]:
     return {gpu_uuid(torch.cuda.current_device())}
 
 
+@dataclass(frozen=True)
+class Decision:
+    """What an update (or :meth:`WeightSync.prepare`) decided on rank 0, the same on every rank."""
+
+    transport: str
+    reason: str
+    one_dtype: bool = False  # an engine takes buckets of one dtype only (SINGLE_DTYPE)
+
+    @property
+    def mode(self) -> Mode:
+        return "per_rank" if self.transport == "p2p" else "full"
+
+    @property
+    def align(self) -> int:
+        """Tensor starts in a bucket: packed back to back for a broadcast (engines read it as one run)."""
+        return 1 if self.transport == "broadcast" else ALIGN
+
+
 def choose_transport(requested: str, engines: Sequence[EngineAdapter], topo: Topology, spec: ModelSpec,
                      colocated: bool | None, *, p2p_source: bool = True) -> tuple[str, str]:
     """(transport, why), from what the engines declare they can do. Only rank 0 calls it (it asks the engines)."""
@@ -116,22 +142,38 @@ def choose_transport(requested: str, engines: Sequence[EngineAdapter], topo: Top
     infos = [e.info() for e in engines]
     unable = {kind: [e.url for e, i in zip(engines, infos, strict=True) if not i.can(kind)]
               for kind in (IPC, BROADCAST)}
-    if requested == "ipc":
-        if unable[IPC]:
-            raise ValueError(f"transport 'ipc' asked for, but engines {unable[IPC]} do not receive IPC buckets")
-        return "ipc", "asked for"
-    if requested == "broadcast":
-        if unable[BROADCAST]:
-            raise ValueError(f"transport 'broadcast' asked for, but engines {unable[BROADCAST]} "
-                             "do not receive broadcasts")
-        return "broadcast", "asked for"
+    if requested in ("ipc", "broadcast"):
+        return _as_asked(requested, unable[IPC if requested == "ipc" else BROADCAST])
     if requested == "auto" and not unable[IPC]:
         shared = any(_local_gpu_uuids() & set(i.gpu_uuids) for i in infos)
         if colocated or (colocated is None and shared):
             return "ipc", "the engine shares this trainer's GPU (colocated)"
+    failed = _p2p_problems(engines, infos, topo, spec, p2p_source)
+    if not failed:
+        return "p2p", "engine TP equals trainer TP, engine PP 1: each TP rank sends its own shards"
+    reason = "P2P preconditions failed: " + "; ".join(failed)
+    if unable[BROADCAST]:
+        raise ValueError(f"no transport fits: {reason}; and engines {unable[BROADCAST]} do not receive broadcasts")
+    if requested == "p2p":
+        log.warning("falling back to broadcast: %s", reason)
+        return "broadcast", "fell back from p2p: " + reason
+    return "broadcast", reason
+
+
+def _as_asked(transport: str, unable: list[str]) -> tuple[str, str]:
+    """An IPC or broadcast transport asked for by name: every engine must declare it."""
+    if unable:
+        what = "receive IPC buckets" if transport == "ipc" else "receive broadcasts"
+        raise ValueError(f"transport {transport!r} asked for, but engines {unable} do not {what}")
+    return transport, "asked for"
+
+
+def _p2p_problems(engines: Sequence[EngineAdapter], infos: Sequence[EngineInfo], topo: Topology, spec: ModelSpec,
+                  p2p_source: bool) -> list[str]:
+    """Why point-to-point per TP rank does not fit (nothing: it does)."""
     failed = []
     if not p2p_source:
-        failed.append("the trainer is not a Megatron-Core model (P2P sends from Megatron's TP ranks)")
+        failed.append("the source has no TP ranks that send their own shards (P2P sends from Megatron's TP ranks)")
     if len(engines) != 1:
         failed.append(f"{len(engines)} engines (P2P serves one)")
     for e, i in zip(engines[:1], infos[:1], strict=True):
@@ -147,25 +189,35 @@ def choose_transport(requested: str, engines: Sequence[EngineAdapter], topo: Top
         failed.append(f"trainer expert-TP {topo.etp_size} != TP {topo.tp_size}")
     if not get_converter(spec.model_type).per_rank:
         failed.append(f"the {spec.model_type} converter does not support per-rank export")
-    if not failed:
-        return "p2p", "engine TP equals trainer TP, engine PP 1: each TP rank sends its own shards"
-    reason = "P2P preconditions failed: " + "; ".join(failed)
-    if unable[BROADCAST]:
-        raise ValueError(f"no transport fits: {reason}; and engines {unable[BROADCAST]} do not receive broadcasts")
-    if requested == "p2p":
-        log.warning("falling back to broadcast: %s", reason)
-        return "broadcast", "fell back from p2p: " + reason
-    return "broadcast", reason
+    return failed
 
 
 def _pause_and_begin(engine: EngineAdapter, mode: str, version: str, timeout_s: float) -> None:
     """Pause generation and open a versioned update session: one request where the engine takes both."""
-    both = getattr(engine, "pause_and_begin", None)
+    both = capable(engine, PAUSE_AND_BEGIN, PausesAndBegins)
     if both is not None:
-        both(mode, version, timeout_s)
+        both.pause_and_begin(mode, version, timeout_s)
         return
     engine.pause(mode)
     engine.begin_update(version, timeout_s)
+
+
+def _memory(engine: EngineAdapter) -> MemoryEngine:
+    return require(engine, RELEASE_MEMORY, MemoryEngine, "release_memory")
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What one call is about: the model's config, spec and source."""
+
+    cfg: Any
+    spec: ModelSpec
+    source: Source
+
+    @classmethod
+    def of(cls, model_chunks: Any, hf_config: Any) -> _Job:
+        cfg = load_hf_config(hf_config)
+        return cls(cfg, model_spec(cfg), as_source(model_chunks))
 
 
 class _AdapterOptions(TypedDict):
@@ -210,11 +262,11 @@ class WeightSync:
         self.direct = direct
         self.checksums, self.timeout_s, self.pause_mode = checksums, timeout_s, pause_mode
         self.master_address, self.master_port, self.backend = master_address, master_port, backend
-        self.sinks: dict[str, Any] = {}  # one per transport used, kept across updates (groups are made once)
+        self.sinks: dict[str, Sink] = {}  # one per transport used, kept across updates (groups are made once)
         self.updates = 0
         self.released: list[str] = []  # memory the engines gave up (release_memory), re-created by the next update
 
-    def _make_sink(self, kind: str):
+    def _make_sink(self, kind: str, topology: Topology) -> Sink:
         sink = self.sinks.get(kind)
         if sink is not None:
             return sink
@@ -222,25 +274,24 @@ class WeightSync:
         # Both join the engines under one group name: one of them at a time. Where the new sink's group
         # would be the same (trainer and engine at TP 1), it takes the other's over instead of forming it again.
         previous = self.sinks.pop(other) if other in self.sinks else None
-        sink = self._new_sink(kind)
-        if previous is not None and not previous.hand_over(sink):
+        sink = self._new_sink(kind, topology)
+        if previous is not None and not (isinstance(previous, PipelinedSink) and isinstance(sink, PipelinedSink)
+                                         and previous.hand_over(sink)):
             previous.disconnect()
         self.sinks[kind] = sink
         return sink
 
-    def _new_sink(self, kind: str) -> IPCSink | P2PSink | BroadcastSink:
-        sink: IPCSink | P2PSink | BroadcastSink
+    def _new_sink(self, kind: str, topology: Topology) -> Sink:
         if kind == "ipc":
-            sink = IPCSink(self.engines[0], checksums=self.checksums, timeout_s=self.timeout_s,
+            return IPCSink(self.engines[0], checksums=self.checksums, timeout_s=self.timeout_s,
                            ahead=self.metadata_ahead, direct=self.direct)
-        elif kind == "p2p":
-            sink = P2PSink(self.engines[0], master_address=self.master_address, master_port=self.master_port,
-                           backend=self.backend, timeout_s=self.timeout_s, checksums=self.checksums)
-        else:
-            sink = BroadcastSink(self.engines, master_address=self.master_address, master_port=self.master_port,
-                                 backend=self.backend, timeout_s=self.timeout_s, checksums=self.checksums,
-                                 ahead=self.metadata_ahead)
-        return sink
+        if kind == "p2p":
+            return P2PSink(self.engines[0], topology, master_address=self.master_address,
+                           master_port=self.master_port, backend=self.backend, timeout_s=self.timeout_s,
+                           checksums=self.checksums)
+        return BroadcastSink(self.engines, master_address=self.master_address, master_port=self.master_port,
+                             backend=self.backend, timeout_s=self.timeout_s, checksums=self.checksums,
+                             ahead=self.metadata_ahead)
 
     def update(self, model_chunks: nn.Module | Sequence[nn.Module], hf_config: Any, *,
                weight_version: str | None = None) -> UpdateReport:
@@ -248,116 +299,20 @@ class WeightSync:
         :class:`UpdateError` naming the phase and the engines, or the :class:`ConversionError` that
         stopped the stream), the engines' sessions are aborted, the group is torn down on both sides,
         generation resumes, and it all ends within ``1.2 * timeout_s + 5`` seconds of the wait that
-        failed."""
+        failed. The phases: decide (and pause), open, transfer, commit, resume."""
         start = time.perf_counter()
-        seconds: dict[str, float] = {}
-        cfg = load_hf_config(hf_config)
-        spec = model_spec(cfg)
-        source = as_source(model_chunks)
-        topo = source.topology
+        job = _Job.of(model_chunks, hf_config)
         self.updates += 1
         version = weight_version if weight_version is not None else str(self.updates)
-        rank0 = _rank() == 0
-
-        # 1. Rank 0 asks the engines, decides, pauses them and opens their update sessions.
-        self._resolve_engines()
-        urls = [e.url for e in self.engines]
-        decision: Any = None
-        if rank0:
-            t = time.perf_counter()
-            try:
-                decision = choose_transport(self.transport, self.engines, topo, spec, self.colocated,
-                                            p2p_source=isinstance(source, MegatronSource))
-                decision = (*decision, any(e.info().can(SINGLE_DTYPE) for e in self.engines))
-                if "weights" in self.released:
-                    for e in self.engines:
-                        e.pause(self.pause_mode)
-                    for e in self.engines:
-                        e.resume_memory(["weights"])  # re-created before the update writes into them
-                    for e in self.engines:
-                        e.begin_update(version, self.timeout_s)
-                else:
-                    for e in self.engines:
-                        _pause_and_begin(e, self.pause_mode, version, self.timeout_s)
-            except Exception as exc:  # noqa: BLE001 — shared with every rank below
-                self._abort_sessions()
-                decision = _as_update_error("connect", exc, urls)
-            seconds["pause"] = time.perf_counter() - t
-        decision = _share(decision)
-        if isinstance(decision, BaseException):
-            raise decision
-        kind, reason, one_dtype = decision
-        mode: Mode = "per_rank" if kind == "p2p" else "full"
-        report = UpdateReport(kind, reason, mode, engines=urls)
-
-        # 2. Every rank streams; a failing rank keeps joining the collectives (drains) so nobody hangs.
-        err: BaseException | None = None
-        stream = None
-        phase = "group"
-        t = time.perf_counter()
-        try:
-            sink = self._make_sink(kind)
-            stream = stream_hf_weights(source, cfg, bucket_bytes=self.bucket_bytes, mode=mode,
-                                       align=1 if kind == "broadcast" else ALIGN, split_dtypes=one_dtype,
-                                       reuse_buffers=self.reuse_buffers)
-            tc = time.perf_counter()
-            sink.open(stream)
-            seconds["connect"] = time.perf_counter() - tc
-        except BaseException as exc:  # noqa: BLE001
-            err = _as_update_error(phase, exc, urls)
-        if stream is not None:
-            try:
-                for bucket in stream:  # iterated to the end even after a failure: the gathers need every rank
-                    phase = f"bucket {bucket.index}"
-                    if err is None:
-                        try:
-                            sink.send(bucket)
-                        except BaseException as exc:  # noqa: BLE001
-                            err = _as_update_error(phase, exc, urls)
-                if err is None:
-                    sink.close()
-            except BaseException as exc:  # noqa: BLE001
-                err = err or _as_update_error(phase, exc, urls)
-        report.metadata_ahead = bool(getattr(sink, "ahead_used", False)) if stream is not None else False
-        report.direct = bool(getattr(sink, "writing", False)) if stream is not None else False
-        if stream is not None:
-            report.buckets, report.tensors = stream.stats.buckets, stream.stats.tensors
-            report.bytes = stream.stats.bytes
-            report.gathers = stream.stats.gathers
-        seconds["transfer"] = time.perf_counter() - t - seconds.get("connect", 0.0)
-        if stream is not None:  # of which: this rank making the buckets, and waiting for the engine's answers
-            seconds["transfer:pack"] = stream.stats.seconds
-            if getattr(sink, "waited", None) is not None:
-                seconds["transfer:wait"] = sink.waited
+        seconds: dict[str, float] = {}
+        decision = self._decide(job, version, seconds)
+        report = UpdateReport(decision.transport, decision.reason, decision.mode, engines=self._urls())
+        err, opened = self._open(job, decision, seconds)
+        if opened is not None:
+            err = self._transfer(*opened, err, report, seconds)
         failure = _first_error(err)
-
-        # 3. Rank 0 commits, then resumes generation.
-        if failure is None and rank0:
-            t = time.perf_counter()
-            rest = [tag for tag in self.released if tag != "weights"]
-            together = not rest and all(hasattr(e, "commit_and_resume") for e in self.engines)
-            try:
-                # Where nothing else comes between, the engines that can commit and resume in one request.
-                # ``together``: every engine has commit_and_resume (the hasattr above); the cast says what it found.
-                versions = {e.url: cast(CommitsAndResumes, e).commit_and_resume() if together else e.commit_update()
-                            for e in self.engines}
-                wrong = {u: v for u, v in versions.items() if v != version}
-                if wrong:
-                    raise UpdateError("commit", f"engines report weight versions {wrong}, expected {version!r}", urls)
-            except Exception as exc:  # noqa: BLE001 — shared with every rank below
-                failure = _as_update_error("commit", exc, urls)
-            if failure is None and rest:
-                try:
-                    for e in self.engines:
-                        e.resume_memory(rest)
-                except Exception as exc:  # noqa: BLE001 — shared with every rank below
-                    failure = _as_update_error("commit", exc, urls)
-            seconds["commit"] = time.perf_counter() - t
-            seconds["resume"] = 0.0  # with the commit, where ``together``
-            if failure is None and not together:
-                t = time.perf_counter()
-                self._resume_quietly(self.timeout_s)
-                seconds["resume"] = time.perf_counter() - t
+        if failure is None and _rank() == 0:
+            failure = self._commit_and_resume(version, seconds)
         failure = _share(failure)
         if failure is not None:
             self._fail()
@@ -368,6 +323,122 @@ class WeightSync:
         report.seconds = seconds
         return report
 
+    def _urls(self) -> list[str]:
+        return [e.url for e in self.engines]
+
+    def _decide(self, job: _Job, version: str | None, seconds: dict[str, float]) -> Decision:
+        """Rank 0 asks the engines and decides; for an update (``version``) it also pauses them and opens
+        their sessions. Every rank gets the decision, or raises the same error."""
+        self._resolve_engines()
+        decided: Decision | BaseException | None = None
+        if _rank() == 0:
+            t = time.perf_counter()
+            try:
+                kind, reason = choose_transport(self.transport, self.engines, job.source.topology, job.spec,
+                                                self.colocated, p2p_source=job.source.per_rank_senders)
+                decided = Decision(kind, reason, any(e.info().can(SINGLE_DTYPE) for e in self.engines))
+                if version is not None:
+                    self._pause(version)
+            except Exception as exc:  # noqa: BLE001 — shared with every rank below
+                if version is not None:
+                    self._abort_sessions()
+                decided = _as_update_error("connect", exc, self._urls())
+            if version is not None:
+                seconds["pause"] = time.perf_counter() - t
+        decided = _share(decided)
+        if isinstance(decided, BaseException):
+            raise decided
+        if not isinstance(decided, Decision):
+            raise TypeError(f"rank 0 decided {decided!r}")
+        return decided
+
+    def _pause(self, version: str) -> None:
+        """Rank 0: pause generation and open every engine's session (weights released by :meth:`release_memory`
+        are re-created first, before the update writes into them)."""
+        if "weights" not in self.released:
+            for e in self.engines:
+                _pause_and_begin(e, self.pause_mode, version, self.timeout_s)
+            return
+        for e in self.engines:
+            e.pause(self.pause_mode)
+        for e in self.engines:
+            _memory(e).resume_memory(["weights"])
+        for e in self.engines:
+            e.begin_update(version, self.timeout_s)
+
+    def _stream(self, job: _Job, decision: Decision) -> BucketStream:
+        return stream_hf_weights(job.source, job.cfg, bucket_bytes=self.bucket_bytes, mode=decision.mode,
+                                 align=decision.align, split_dtypes=decision.one_dtype,
+                                 reuse_buffers=self.reuse_buffers)
+
+    def _open(self, job: _Job, decision: Decision, seconds: dict[str, float],
+              ) -> tuple[BaseException | None, tuple[Sink, BucketStream] | None]:
+        """Every rank: the sink (kept across updates), the stream, and the sink opened on it. A failure is
+        kept, not raised: the stream still runs on this rank so that no other rank waits on it."""
+        sink: Sink | None = None
+        stream: BucketStream | None = None
+        try:
+            sink = self._make_sink(decision.transport, job.source.topology)
+            stream = self._stream(job, decision)
+            t = time.perf_counter()
+            sink.open(stream)
+            seconds["connect"] = time.perf_counter() - t
+        except BaseException as exc:  # noqa: BLE001
+            return _as_update_error("group", exc, self._urls()), _opened(sink, stream)
+        return None, _opened(sink, stream)
+
+    def _transfer(self, sink: Sink, stream: BucketStream, err: BaseException | None, report: UpdateReport,
+                  seconds: dict[str, float]) -> BaseException | None:
+        """Every rank streams every bucket into the sink; a failing rank keeps joining the collectives
+        (drains) so nobody hangs. The first failure is returned."""
+        t = time.perf_counter()
+        phase = "transfer"
+        try:
+            for bucket in stream:  # iterated to the end even after a failure: the gathers need every rank
+                phase = f"bucket {bucket.index}"
+                if err is None:
+                    try:
+                        sink.send(bucket)
+                    except BaseException as exc:  # noqa: BLE001
+                        err = _as_update_error(phase, exc, self._urls())
+            if err is None:
+                sink.close()
+        except BaseException as exc:  # noqa: BLE001
+            err = err or _as_update_error(phase, exc, self._urls())
+        _fill_report(report, stream, sink.delivery())
+        seconds["transfer"] = time.perf_counter() - t
+        seconds["transfer:pack"] = stream.stats.seconds  # of which: this rank making the buckets
+        waited = sink.delivery().waited_s
+        if waited is not None:
+            seconds["transfer:wait"] = waited  # and waiting for the engine's answers
+        return err
+
+    def _commit_and_resume(self, version: str, seconds: dict[str, float]) -> BaseException | None:
+        """Rank 0: every engine commits (and reports ``version``), memory released before is re-created, and
+        generation resumes — in the commit's request where every engine takes both and nothing comes between."""
+        t = time.perf_counter()
+        rest = [tag for tag in self.released if tag != "weights"]
+        both = [c for e in self.engines if (c := capable(e, COMMIT_AND_RESUME, CommitsAndResumes)) is not None]
+        together = not rest and len(both) == len(self.engines)
+        try:
+            versions = ({e.url: e.commit_and_resume() for e in both} if together
+                        else {e.url: e.commit_update() for e in self.engines})
+            wrong = {u: v for u, v in versions.items() if v != version}
+            if wrong:
+                raise UpdateError("commit", f"engines report weight versions {wrong}, expected {version!r}",
+                                  self._urls())
+            for e in self.engines if rest else ():
+                _memory(e).resume_memory(rest)
+        except Exception as exc:  # noqa: BLE001 — shared with every rank
+            return _as_update_error("commit", exc, self._urls())
+        seconds["commit"] = time.perf_counter() - t
+        seconds["resume"] = 0.0  # with the commit, where ``together``
+        if not together:
+            t = time.perf_counter()
+            self._resume_quietly(self.timeout_s)
+            seconds["resume"] = time.perf_counter() - t
+        return None
+
     def prepare(self, model_chunks: nn.Module | Sequence[nn.Module], hf_config: Any) -> str:
         """What an update needs before its first bytes, done now: call it on every trainer rank once the model
         and the engines are up (before training starts, say). The engines are asked what they are, the
@@ -376,45 +447,23 @@ class WeightSync:
         group to the engines is formed (broadcast, P2P); the first :meth:`update` then costs about what a
         later one does. The engines keep serving meanwhile (nothing is paused). Returns the transport; raises
         on every rank what the first update would have raised."""
-        cfg = load_hf_config(hf_config)
-        spec = model_spec(cfg)
-        source = as_source(model_chunks)
-        self._resolve_engines()
-        urls = [e.url for e in self.engines]
-        decision: Any = None
-        if _rank() == 0:
-            try:
-                decision = choose_transport(self.transport, self.engines, source.topology, spec, self.colocated,
-                                            p2p_source=isinstance(source, MegatronSource))
-                decision = (*decision, any(e.info().can(SINGLE_DTYPE) for e in self.engines))
-            except Exception as exc:  # noqa: BLE001 — shared with every rank below
-                decision = _as_update_error("connect", exc, urls)
-        decision = _share(decision)
-        if isinstance(decision, BaseException):
-            raise decision
-        kind, _, one_dtype = decision
+        job = _Job.of(model_chunks, hf_config)
+        decision = self._decide(job, None, {})
         err: BaseException | None = None
         try:
-            stream = stream_hf_weights(source, cfg, bucket_bytes=self.bucket_bytes,
-                                       mode="per_rank" if kind == "p2p" else "full",
-                                       align=1 if kind == "broadcast" else ALIGN, split_dtypes=one_dtype,
-                                       reuse_buffers=self.reuse_buffers)
+            stream = self._stream(job, decision)
             stream.metadata_digest()  # every bucket's copy program, made and kept with the plan
-            sink = self._make_sink(kind)
-            ahead = getattr(sink, "prepare", None)  # IPC: the engine learns the plan and maps the kept buffers
-            if ahead is not None:
-                ahead(stream)  # (first: on the CPU, sharing a buffer moves it into shared memory)
-            stream.prepare_copies()  # the kept buffers and the copies into them
-            connect = getattr(sink, "connect", None)
-            if connect is not None:
-                connect()
+            sink = self._make_sink(decision.transport, job.source.topology)
+            sink.prepare(stream)  # IPC: the engine learns the plan and maps the kept buffers (first: on the CPU,
+            stream.prepare_copies()  # sharing a buffer moves it into shared memory); then the copies into them
+            sink.connect()
         except BaseException as exc:  # noqa: BLE001
-            err = _as_update_error("group", exc, urls)
+            err = _as_update_error("group", exc, self._urls())
         failure = _first_error(err)
         if failure is not None:
             self._teardown()
             raise failure
-        return kind
+        return decision.transport
 
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
         """Between rollouts, on every trainer rank: pause generation and have the engines free their memory
@@ -423,9 +472,8 @@ class WeightSync:
         after committing, then resumes generation; the engine serves nothing until then."""
         self._resolve_engines()
         tags = list(tags) if tags else ["weights", "kv_cache", "cuda_graph"]
-        urls = [e.url for e in self.engines]
         ipc = self.sinks.get("ipc")
-        if ipc is not None and "weights" in tags:
+        if isinstance(ipc, IPCSink) and "weights" in tags:
             ipc.forget_targets()  # the engine's weights mapped here would keep their memory from being freed
         err: Any = None
         if _rank() == 0:
@@ -435,9 +483,9 @@ class WeightSync:
                     raise ValueError(f"engines {unable} cannot release their memory")
                 for e in self.engines:
                     e.pause(self.pause_mode)
-                    e.release_memory(tags)
+                    _memory(e).release_memory(tags)
             except Exception as exc:  # noqa: BLE001 — shared with every rank below
-                err = _as_update_error("release_memory", exc, urls)
+                err = _as_update_error("release_memory", exc, self._urls())
         err = _share(err)
         if err is not None:
             raise err
@@ -518,15 +566,23 @@ class WeightSync:
         """Tear down the weight-update groups (engines keep their weights)."""
         sinks, self.sinks = list(self.sinks.values()), {}
         for sink in sinks:
-            disconnect = getattr(sink, "disconnect", None)
-            if disconnect is not None:
-                disconnect()
+            sink.disconnect()
 
     def __enter__(self) -> WeightSync:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _opened(sink: Sink | None, stream: BucketStream | None) -> tuple[Sink, BucketStream] | None:
+    return None if sink is None or stream is None else (sink, stream)
+
+
+def _fill_report(report: UpdateReport, stream: BucketStream, delivery: Delivery) -> None:
+    report.buckets, report.tensors, report.bytes = stream.stats.buckets, stream.stats.tensors, stream.stats.bytes
+    report.gathers = stream.stats.gathers
+    report.metadata_ahead, report.direct = delivery.metadata_ahead, delivery.direct
 
 
 def update_weights(model_chunks: nn.Module | Sequence[nn.Module], hf_config: Any,

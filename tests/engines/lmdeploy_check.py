@@ -637,7 +637,7 @@ def main() -> None:
     import lmdeploy
 
     from weightstream.common.layout import ALIGN
-    from weightstream.engines.lmdeploy import LMDeployEngine
+    from weightstream.engines.lmdeploy import ipc_payload
     from weightstream.streaming.bucket import Bucket
 
     result: dict = {"lmdeploy_version": getattr(lmdeploy, "__version__", None), "torch_version": torch.__version__}
@@ -647,7 +647,7 @@ def main() -> None:
     ipc_buckets = {rank: Bucket.pack(t, index=1) for rank, t in ipc_named.items()}  # ALIGN-padded
     result["ipc_bucket_align"] = ALIGN
     result["ipc_bucket_padded"] = any(b.nbytes > sum(m.nbytes for m in b.metas) for b in ipc_buckets.values())
-    payloads = [LMDeployEngine.encode_ipc(None, ipc_buckets[r]) for r in range(TP_SIZE)]
+    payloads = [ipc_payload(ipc_buckets[r]) for r in range(TP_SIZE)]
     mixed = Bucket.pack([("a.weight", torch.randn(4)), ("b.weight", torch.randn(3).to(torch.bfloat16))],
                         index=7, align=1)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -30,12 +30,8 @@ class OpContext:
 
 
 class TensorOp(Protocol):
-    """A reversible conversion between one Megatron tensor and ``arity`` HF tensors.
-
-    An op whose results are strided views of its input may also define ``pieces(tensor, ctx)``,
-    returning those views uncopied; :func:`convert_into` then writes each straight into its place
-    in a bucket buffer, with one copy.
-    """
+    """A reversible conversion between one Megatron tensor and ``arity`` HF tensors (an op whose results are
+    strided views of its input is a :class:`PiecewiseOp`)."""
 
     @property
     def arity(self) -> int: ...
@@ -43,6 +39,19 @@ class TensorOp(Protocol):
     def to_hf(self, tensor: Tensor, ctx: OpContext) -> list[Tensor]: ...
 
     def to_megatron(self, parts: Sequence[Tensor], ctx: OpContext, megatron_shape: torch.Size) -> Tensor: ...
+
+
+@runtime_checkable
+class PiecewiseOp(TensorOp, Protocol):
+    """An op whose results are strided views of its input: ``pieces(tensor, ctx)`` returns those views
+    uncopied, and :func:`convert_into` writes each straight into its place in a bucket buffer, with one copy."""
+
+    def pieces(self, tensor: Tensor, ctx: OpContext) -> list[Tensor]: ...
+
+
+def hf_views(op: TensorOp, tensor: Tensor, ctx: OpContext) -> list[Tensor]:
+    """The HF tensors of ``tensor``: uncopied views where the op makes views (:class:`PiecewiseOp`)."""
+    return op.pieces(tensor, ctx) if isinstance(op, PiecewiseOp) else op.to_hf(tensor, ctx)
 
 
 def _check_divisible(what: str, total: int, unit: int) -> int:
@@ -54,9 +63,8 @@ def _check_divisible(what: str, total: int, unit: int) -> int:
 def convert_into(op: TensorOp, tensor: Tensor, ctx: OpContext, outs: Sequence[Tensor]) -> None:
     """Write ``op.to_hf(tensor)`` into ``outs`` (contiguous, of the HF shapes), in one copy when the
     op offers ``pieces``."""
-    pieces = getattr(op, "pieces", None)
-    if pieces is not None:
-        for out, piece in zip(outs, pieces(tensor, ctx), strict=True):
+    if isinstance(op, PiecewiseOp):
+        for out, piece in zip(outs, op.pieces(tensor, ctx), strict=True):
             out.view(piece.shape).copy_(piece)
         return
     results = op.to_hf(tensor, ctx)

@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from weightstream.errors import WeightstreamError
 from weightstream.streaming.bucket import Bucket, TensorMeta
@@ -33,6 +33,8 @@ BROADCAST_AHEAD = "broadcast_ahead"
 # takes the metadata of every bucket of a colocated update in one request, then per bucket one small frame on
 # a control channel per TP rank (a kept buffer's handle is opened once; CUDA events instead of synchronising)
 IPC_AHEAD = "ipc_ahead"
+COMMIT_AND_RESUME = "commit_and_resume"  # commits an update and resumes generation in one request
+PAUSE_AND_BEGIN = "pause_and_begin"  # pauses generation and opens an update session in one request
 
 
 class EngineError(WeightstreamError):
@@ -87,7 +89,9 @@ class RankBucket:
 
 @runtime_checkable
 class EngineAdapter(Protocol):
-    """One engine (all its ranks) as an update sees it. Every call is bounded (``timeout_s`` of the
+    """One engine (all its ranks) as every update sees it: what it is, its generation, and versioned update
+    sessions. What moves the bytes is a capability (below), declared by the engine in :class:`EngineInfo` and
+    implemented by the adapter; :func:`capable` ties the two. Every call is bounded (``timeout_s`` of the
     adapter unless given) and raises :class:`EngineError` naming the engine and the step."""
 
     url: str
@@ -95,7 +99,6 @@ class EngineAdapter(Protocol):
 
     def info(self, refresh: bool = False) -> EngineInfo: ...
 
-    # generation and versioned sessions
     def pause(self, mode: str = "abort") -> None: ...
 
     def resume(self, timeout_s: float | None = None) -> None: ...
@@ -107,37 +110,62 @@ class EngineAdapter(Protocol):
 
     def abort_update(self, timeout_s: float | None = None) -> None: ...
 
-    # the group bytes travel through
+
+@runtime_checkable
+class GroupEngine(EngineAdapter, Protocol):
+    """Joins and leaves the process group that bytes travel through (:data:`BROADCAST`, :data:`P2P`)."""
+
     def join_group(self, spec: GroupSpec) -> None: ...
 
     def leave_group(self, timeout_s: float | None = None) -> None: ...
 
-    # one bucket
+
+@runtime_checkable
+class BroadcastEngine(GroupEngine, Protocol):
+    """:data:`BROADCAST`: receives each bucket's flat buffer by a broadcast over the joined group."""
+
     def receive_broadcast(self, bucket: Bucket, checksum: str | None) -> None:
         """Tell the engine the bucket being broadcast now (it receives it and loads it)."""
 
+
+@runtime_checkable
+class P2PEngine(GroupEngine, Protocol):
+    """:data:`P2P`: each engine TP rank receives its own per-rank bucket from trainer TP rank r."""
+
     def receive_p2p(self, index: int, ranks: Sequence[RankBucket]) -> None: ...
+
+
+@runtime_checkable
+class IPCEngine(EngineAdapter, Protocol):
+    """:data:`IPC`: receives each bucket as CUDA IPC handles / shared-memory files of the colocated ranks."""
 
     def encode_ipc(self, bucket: Bucket) -> Any:
         """This trainer rank's bucket as the engine's IPC payload (called on every colocated rank)."""
 
     def receive_ipc(self, index: int, payloads: Sequence[Any], checksums: Sequence[str | None] | None) -> None: ...
 
-    # memory around colocated updates
+
+@runtime_checkable
+class MemoryEngine(EngineAdapter, Protocol):
+    """:data:`RELEASE_MEMORY`: frees weights / KV cache while the trainer runs, re-creates them after."""
+
     def release_memory(self, tags: Sequence[str] | None = None) -> None: ...
 
     def resume_memory(self, tags: Sequence[str] | None = None) -> None: ...
 
 
-class BroadcastAheadEngine(Protocol):
-    """What an engine that declares :data:`BROADCAST_AHEAD` offers besides :class:`EngineAdapter`."""
+@runtime_checkable
+class BroadcastAheadEngine(EngineAdapter, Protocol):
+    """:data:`BROADCAST_AHEAD`: the metadata of every bucket in one request, then the broadcasts back to back."""
 
     def receive_broadcast_ahead(self, buckets: Sequence[Sequence[TensorMeta]], timeout_s: float) -> None:
         """The metadata of every bucket of this update, in order, before the first is broadcast."""
 
 
-class IPCAheadEngine(Protocol):
-    """What an engine that declares :data:`IPC_AHEAD` offers besides :class:`EngineAdapter`."""
+@runtime_checkable
+class IPCAheadEngine(EngineAdapter, Protocol):
+    """:data:`IPC_AHEAD`: a colocated update's plan announced once, then one small frame per bucket on a
+    control channel per TP rank (:mod:`weightstream.wire`)."""
 
     def receive_ipc_ahead(self, plan: str, num_buckets: int, channels: Sequence[str], client: str,
                           timeout_s: float) -> None: ...
@@ -150,10 +178,57 @@ class IPCAheadEngine(Protocol):
     def ipc_plan_frame(self, buckets: Sequence[Sequence[TensorMeta]]) -> dict: ...
 
 
-class CommitsAndResumes(Protocol):
-    """An engine that commits an update and resumes generation in one request."""
+@runtime_checkable
+class CommitsAndResumes(EngineAdapter, Protocol):
+    """:data:`COMMIT_AND_RESUME`: commits an update and resumes generation in one request."""
 
     def commit_and_resume(self) -> str | None: ...
+
+
+@runtime_checkable
+class PausesAndBegins(EngineAdapter, Protocol):
+    """:data:`PAUSE_AND_BEGIN`: pauses generation and opens an update session in one request."""
+
+    def pause_and_begin(self, mode: str, version: str | None, timeout_s: float | None = None) -> None: ...
+
+
+# What an adapter implements for each capability its engine may declare.
+CAPABILITY_PROTOCOLS: dict[str, type] = {
+    BROADCAST: BroadcastEngine, P2P: P2PEngine, IPC: IPCEngine, RELEASE_MEMORY: MemoryEngine,
+    BROADCAST_AHEAD: BroadcastAheadEngine, IPC_AHEAD: IPCAheadEngine,
+    COMMIT_AND_RESUME: CommitsAndResumes, PAUSE_AND_BEGIN: PausesAndBegins,
+}
+
+_P = TypeVar("_P")
+
+
+def implementing(engine: EngineAdapter, capability: str, protocol: type[_P]) -> _P:
+    """``engine`` as ``protocol`` (what an adapter implements for ``capability``); an adapter that does not
+    implement it raises, naming both. Asks the engine nothing."""
+    if CAPABILITY_PROTOCOLS.get(capability) is not protocol:
+        raise ValueError(f"capability {capability!r} is not served by {protocol.__name__}")
+    if not isinstance(engine, protocol):
+        raise TypeError(f"{type(engine).__name__} does not implement {protocol.__name__} (capability {capability!r})")
+    return engine
+
+
+def capable(engine: EngineAdapter, capability: str, protocol: type[_P]) -> _P | None:
+    """``engine`` as ``protocol`` where its engine declares ``capability`` (asked once, see
+    :meth:`EngineAdapter.info`), None where it does not. An engine that declares a capability its adapter does
+    not implement is an error of the adapter (raised)."""
+    if not engine.info().can(capability):
+        return None
+    return implementing(engine, capability, protocol)
+
+
+def require(engine: EngineAdapter, capability: str, protocol: type[_P], why: str) -> _P:
+    """``engine`` as ``protocol``; an engine that does not declare ``capability`` raises, saying ``why`` it is
+    needed."""
+    found = capable(engine, capability, protocol)
+    if found is None:
+        raise EngineError(engine.url, why, f"the engine does not declare {capability!r} "
+                          f"(it declares {', '.join(sorted(engine.info().capabilities)) or 'nothing'})")
+    return found
 
 
 class HTTPEngine:
@@ -166,6 +241,7 @@ class HTTPEngine:
         self.timeout_s = timeout_s
         self.group_name = group_name
         self._info: EngineInfo | None = None
+        self._server_info: dict | None = None  # what the engine said it is (each adapter asks in its own way)
         self._session = False  # a session this client opened and has not ended
         self._version: str | None = None  # the weight version of that session
 
@@ -193,7 +269,7 @@ class HTTPEngine:
                 pass
             raise EngineError(self.url, step, f"HTTP {exc.code}: {detail}") from None
         except (urllib.error.URLError, OSError, TimeoutError) as exc:
-            reason = getattr(exc, "reason", exc)
+            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
             raise EngineError(self.url, step, f"unreachable or no answer within {timeout:.0f} s ({reason})") from None
         try:
             reply = json.loads(raw) if raw else {}

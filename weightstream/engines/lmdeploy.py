@@ -37,7 +37,6 @@ from weightstream.engines.base import (
     EngineInfo,
     GroupSpec,
     HTTPEngine,
-    RankBucket,
 )
 from weightstream.models.spec import dtype_name
 from weightstream.streaming.bucket import Bucket
@@ -56,6 +55,28 @@ def _one_dtype(bucket: Bucket, url: str, step: str) -> torch.dtype:
     return dtypes.pop()
 
 
+def ipc_payload(bucket: Bucket, url: str = "lmdeploy") -> str:
+    """LMDeploy's ``serialize_state_dict`` form: ``base64(ForkingPickler.dumps({...}))`` with the flat
+    tensor (the bucket buffer viewed as its one dtype) as ``reduce_tensor``'s ``(rebuild, args)`` pair and
+    ``start_idx``/``end_idx``/``numel`` in elements. ``require_clone=False``: the engine loads straight
+    from our buffer, which stays untouched until it has answered."""
+    dtype = _one_dtype(bucket, url, f"update_weights (bucket {bucket.index})")
+    size = dtype.itemsize
+    misplaced = [m.name for m in bucket.metas if m.offset % size]
+    if misplaced:
+        raise EngineError(url, "update_weights",
+                          f"tensors not at a multiple of their element size {size}: {misplaced}")
+    used = max(m.offset + m.nbytes for m in bucket.metas)
+    flat = bucket.buffer.narrow(0, 0, used).view(dtype)
+    metadata = []
+    for m in bucket.metas:
+        start = m.offset // size
+        metadata.append(SimpleNamespace(name=m.name, shape=torch.Size(m.shape), dtype=m.dtype,
+                                        start_idx=start, end_idx=start + m.numel, numel=m.numel))
+    state = {"metadata": metadata, "flattened_tensor": reductions.reduce_tensor(flat), "require_clone": False}
+    return base64.b64encode(ForkingPickler.dumps(state)).decode("ascii")
+
+
 class LMDeployEngine(HTTPEngine):
     """One LMDeploy ``api_server`` (PyTorch backend, all its TP ranks) behind one HTTP address."""
 
@@ -72,7 +93,7 @@ class LMDeployEngine(HTTPEngine):
     def server_info(self, refresh: bool = False) -> dict:
         """``GET /distserve/engine_info``: LMDeploy's ``DistServeEngineConfig``, which its route returns
         as a JSON string inside the JSON reply."""
-        if refresh or not hasattr(self, "_server_info"):
+        if refresh or self._server_info is None:
             reply = self.get("/distserve/engine_info", step="distserve/engine_info")
             if isinstance(reply, str):
                 try:
@@ -183,29 +204,9 @@ class LMDeployEngine(HTTPEngine):
             "load_format": "flattened_bucket", "finished": False,
         }, step=step)
 
-    def receive_p2p(self, index: int, ranks: Sequence[RankBucket]) -> None:
-        raise EngineError(self.url, "update_weights_from_p2p", "LMDeploy does not receive per-rank buckets")
-
     def encode_ipc(self, bucket: Bucket) -> str:
-        """LMDeploy's ``serialize_state_dict`` form: ``base64(ForkingPickler.dumps({...}))`` with the flat
-        tensor (the bucket buffer viewed as its one dtype) as ``reduce_tensor``'s ``(rebuild, args)`` pair and
-        ``start_idx``/``end_idx``/``numel`` in elements. ``require_clone=False``: the engine loads straight
-        from our buffer, which stays untouched until it has answered."""
-        dtype = _one_dtype(bucket, getattr(self, "url", "lmdeploy"), f"update_weights (bucket {bucket.index})")
-        size = dtype.itemsize
-        misplaced = [m.name for m in bucket.metas if m.offset % size]
-        if misplaced:
-            raise EngineError(getattr(self, "url", "lmdeploy"), "update_weights",
-                              f"tensors not at a multiple of their element size {size}: {misplaced}")
-        used = max(m.offset + m.nbytes for m in bucket.metas)
-        flat = bucket.buffer.narrow(0, 0, used).view(dtype)
-        metadata = []
-        for m in bucket.metas:
-            start = m.offset // size
-            metadata.append(SimpleNamespace(name=m.name, shape=torch.Size(m.shape), dtype=m.dtype,
-                                            start_idx=start, end_idx=start + m.numel, numel=m.numel))
-        state = {"metadata": metadata, "flattened_tensor": reductions.reduce_tensor(flat), "require_clone": False}
-        return base64.b64encode(ForkingPickler.dumps(state)).decode("ascii")
+        """LMDeploy's ``serialize_state_dict`` form of this trainer rank's bucket (:func:`ipc_payload`)."""
+        return ipc_payload(bucket, self.url)
 
     @staticmethod
     def _empty_payload() -> str:

@@ -7,9 +7,11 @@ from collections.abc import Sequence
 
 from weightstream.engines.base import (
     BROADCAST,
+    COMMIT_AND_RESUME,
     IPC,
     IPC_AHEAD,
     P2P,
+    PAUSE_AND_BEGIN,
     RELEASE_MEMORY,
     ROLLBACK,
     RankBucket,
@@ -31,7 +33,9 @@ class ReferenceEngine(SGLangEngine):
     name = "reference"
 
     def capabilities(self, server_info: dict) -> frozenset[str]:
-        return frozenset(server_info.get("capabilities") or (BROADCAST, IPC, IPC_AHEAD, P2P, ROLLBACK, RELEASE_MEMORY))
+        declared = server_info.get("capabilities") or (BROADCAST, IPC, IPC_AHEAD, P2P, ROLLBACK, RELEASE_MEMORY)
+        # Its routes take a commit with a resume, and a pause with a begin, in one request each.
+        return frozenset(declared) | {COMMIT_AND_RESUME, PAUSE_AND_BEGIN}
 
     def commit_update(self) -> str | None:
         """One request: the reference engine's ``/end_weight_update`` answers with the weight version it

@@ -13,11 +13,9 @@ from weightstream.engines.base import (
     BROADCAST,
     IPC,
     RELEASE_MEMORY,
-    EngineError,
     EngineInfo,
     GroupSpec,
     HTTPEngine,
-    RankBucket,
 )
 from weightstream.models.spec import dtype_name
 from weightstream.streaming.bucket import Bucket
@@ -32,7 +30,7 @@ class SGLangEngine(HTTPEngine):
     # -- what the engine is ------------------------------------------------------------------
 
     def server_info(self, refresh: bool = False) -> dict:
-        if refresh or not hasattr(self, "_server_info"):
+        if refresh or self._server_info is None:
             self._server_info = self.get("/get_server_info", step="get_server_info")
         return self._server_info
 
@@ -105,9 +103,6 @@ class SGLangEngine(HTTPEngine):
             "flush_cache": False, "load_format": "flattened_bucket", "weight_version": self._version,
             "weightstream_checksum": checksum,
         }, step=f"update_weights_from_distributed (bucket {bucket.index})")
-
-    def receive_p2p(self, index: int, ranks: Sequence[RankBucket]) -> None:
-        raise EngineError(self.url, "update_weights_from_p2p", "SGLang does not receive per-rank buckets")
 
     def encode_ipc(self, bucket: Bucket) -> str:
         """SGLang's flattened-bucket payload for ``/update_weights_from_tensor``: offsets and ``numel`` in

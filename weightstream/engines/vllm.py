@@ -15,7 +15,6 @@ from weightstream.engines.base import (
     EngineInfo,
     GroupSpec,
     HTTPEngine,
-    RankBucket,
 )
 from weightstream.models.spec import dtype_name
 from weightstream.streaming.bucket import Bucket
@@ -29,11 +28,15 @@ class VLLMEngine(HTTPEngine):
 
     name = "vllm"
 
+    def __init__(self, url: str, **kw: Any):
+        super().__init__(url, **kw)
+        self._model: str | None = None  # the served model's name, asked once
+
     # -- what the engine is ------------------------------------------------------------------
 
     def server_info(self, refresh: bool = False) -> dict:
         """The parts of vLLM's config an update cares about (``GET /server_info?config_format=json``)."""
-        if refresh or not hasattr(self, "_server_info"):
+        if refresh or self._server_info is None:
             reply = self.get("/server_info?config_format=json", step="server_info")
             config = reply.get("vllm_config") if isinstance(reply, dict) else None
             if not isinstance(config, dict):
@@ -135,15 +138,6 @@ class VLLMEngine(HTTPEngine):
             info["checksum"] = checksum
         self.post("/update_weights", {"update_info": info}, step=f"update_weights (bucket {bucket.index})")
 
-    def receive_p2p(self, index: int, ranks: Sequence[RankBucket]) -> None:
-        raise EngineError(self.url, "update_weights (p2p)", "vLLM does not receive per-rank buckets")
-
-    def encode_ipc(self, bucket: Bucket) -> Any:
-        raise EngineError(self.url, "update_weights (ipc)", "the weightstream vLLM backend receives no IPC buckets")
-
-    def receive_ipc(self, index: int, payloads: Sequence[Any], checksums: Sequence[str | None] | None) -> None:
-        raise EngineError(self.url, "update_weights (ipc)", "the weightstream vLLM backend receives no IPC buckets")
-
     # -- memory ----------------------------------------------------------------------------------
 
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
@@ -167,6 +161,6 @@ class VLLMEngine(HTTPEngine):
             raise EngineError(self.url, "completions", f"no token ids in the reply: {str(reply)[:300]}") from None
 
     def served_model(self) -> str:
-        if not hasattr(self, "_model"):
-            self._model = self.get("/v1/models", step="models")["data"][0]["id"]
+        if self._model is None:
+            self._model = str(self.get("/v1/models", step="models")["data"][0]["id"])
         return self._model

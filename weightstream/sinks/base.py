@@ -5,28 +5,56 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from weightstream.common.bounds import Deadline, cleanup_budget
 from weightstream.errors import UpdateError
 from weightstream.streaming.bucket import Bucket
+from weightstream.streaming.stream import BucketStream
 from weightstream.wire.groups import GroupLayout, destroy_group
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """How a sink delivered its last update."""
+
+    metadata_ahead: bool = False  # every bucket's metadata went to the engines in one request, ahead
+    direct: bool = False  # the trainer wrote every tensor straight into the engine's weights (one copy)
+    waited_s: float | None = None  # seconds spent waiting for the engines' answers, where the sink counts them
 
 
 @runtime_checkable
 class Sink(Protocol):
-    """Called on every trainer rank, in this order: ``open``, ``send`` per bucket, ``close``
-    (or ``abort`` on failure). A rank that has nothing to deliver treats the calls as no-ops."""
+    """Where buckets go. Called on every trainer rank; a rank that has nothing to deliver treats the calls
+    as no-ops. A sink lives across updates:
+
+    - ``prepare(stream)``, once, optional: what the first update would do before its first bytes (an IPC
+      engine learns the plan and maps the kept buffers);
+    - ``connect()``: form what carries the bytes (a process group with the engines); kept until
+      ``disconnect``; ``open`` connects where not yet connected;
+    - per update: ``open(stream)``, ``send(bucket)`` per bucket, then ``close()`` — or ``abort()`` after a
+      failure (what is in flight is dropped and the connection torn down within the cleanup budget);
+    - ``delivery()``: how the last update went;
+    - ``disconnect(seconds)``: leave for good (the engines keep their weights)."""
 
     name: str
 
-    def open(self, stream) -> None: ...
+    def prepare(self, stream: BucketStream) -> None: ...
+
+    def connect(self) -> None: ...
+
+    def open(self, stream: BucketStream) -> None: ...
 
     def send(self, bucket: Bucket) -> None: ...
 
     def close(self) -> None: ...
 
     def abort(self) -> None: ...
+
+    def delivery(self) -> Delivery: ...
+
+    def disconnect(self, seconds: float | None = None) -> None: ...
 
 
 def _failures(futures: list[Future], deadline: Deadline) -> list[BaseException]:
@@ -130,9 +158,19 @@ class PipelinedSink:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
+    def prepare(self, stream: BucketStream) -> None:
+        """Nothing ahead of the first update but the group (:meth:`connect`)."""
+
+    def connect(self) -> None:
+        """Form the group with the engines (kept until :meth:`disconnect`)."""
+        raise NotImplementedError
+
     def disconnect(self, seconds: float | None = None) -> None:
         """Leave the group (within ``seconds``, by default the sink's bound)."""
         raise NotImplementedError
+
+    def delivery(self) -> Delivery:
+        return Delivery()
 
     def layout(self) -> GroupLayout | None:
         """The group this sink forms, as this process sees it; None where this rank forms none."""

@@ -7,16 +7,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import cast
 
 import torch
 import torch.distributed as dist
 
 from weightstream.common.bounds import Deadline
 from weightstream.common.processes import free_port
-from weightstream.engines.base import BROADCAST_AHEAD, BroadcastAheadEngine, EngineAdapter, GroupSpec
+from weightstream.engines.base import (
+    BROADCAST,
+    BROADCAST_AHEAD,
+    BroadcastAheadEngine,
+    BroadcastEngine,
+    EngineAdapter,
+    GroupSpec,
+    capable,
+    implementing,
+)
 from weightstream.errors import UpdateError
-from weightstream.sinks.base import InFlight, PipelinedSink, future_errors
+from weightstream.sinks.base import Delivery, InFlight, PipelinedSink, future_errors
 from weightstream.streaming.bucket import Bucket
 from weightstream.wire.groups import GroupLayout, init_custom_process_group
 from weightstream.wire.handles import checksum
@@ -36,7 +44,7 @@ class BroadcastSink(PipelinedSink):
     def __init__(self, engines: Sequence[EngineAdapter], *, master_address: str = "127.0.0.1",
                  master_port: int | None = None, backend: str | None = None, timeout_s: float = 60.0,
                  checksums: bool = False, ahead: bool = True):
-        self.engines = list(engines)
+        self.engines = [implementing(e, BROADCAST, BroadcastEngine) for e in engines]
         self.master_address = master_address
         self.master_port = master_port
         self.backend = backend or default_backend()
@@ -47,6 +55,7 @@ class BroadcastSink(PipelinedSink):
         self.sender = _is_sender()
         self._pool: ThreadPoolExecutor | None = None
         self._inflight = InFlight(timeout_s, [e.url for e in self.engines])
+        self.ahead_used = False  # the last update sent every bucket's metadata ahead
         self._ahead: list = []  # the engines' replies to the metadata of every bucket, sent ahead
 
     # -- group lifetime (separate steps: connect once, update many times) ------------------------
@@ -95,12 +104,11 @@ class BroadcastSink(PipelinedSink):
         self.ahead_used = False
         if not self.sender or self.checksums or not self.ahead or not len(stream):
             return
-        if all(e.info().can(BROADCAST_AHEAD) for e in self.engines):
+        ahead = [a for e in self.engines if (a := capable(e, BROADCAST_AHEAD, BroadcastAheadEngine)) is not None]
+        if len(ahead) == len(self.engines):
             metas = [stream.bucket_metas(i) for i in range(len(stream))]
             # The engine answers once it has loaded the last bucket: bounded by the whole update's bytes.
             bound = self.timeout_s * (1 + len(metas) / 8)
-            # An engine that declares BROADCAST_AHEAD has receive_broadcast_ahead: its info says so, not its type.
-            ahead = [cast(BroadcastAheadEngine, e) for e in self.engines]
             self._ahead = [self._engine_pool().submit(e.receive_broadcast_ahead, metas, bound) for e in ahead]
             self._ahead_bound = bound
             self.ahead_used = True
@@ -116,6 +124,9 @@ class BroadcastSink(PipelinedSink):
                 raise UpdateError(exc.phase, f"{exc.detail} | the engines said: {' | '.join(said)}",
                                   exc.engines) from None
             raise
+
+    def delivery(self) -> Delivery:
+        return Delivery(metadata_ahead=self.ahead_used)
 
     def send(self, bucket: Bucket) -> None:
         if not self.sender:

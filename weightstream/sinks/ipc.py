@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from weightstream.common.bounds import Deadline
-from weightstream.engines.base import IPC_AHEAD, EngineAdapter, IPCAheadEngine
+from weightstream.engines.base import IPC, IPC_AHEAD, EngineAdapter, IPCAheadEngine, IPCEngine, capable, implementing
 from weightstream.errors import UpdateError
 from weightstream.models.spec import dtype_from_name
 from weightstream.streaming.bucket import Bucket
@@ -66,7 +66,7 @@ class IPCSink:
 
     def __init__(self, engine: EngineAdapter, *, checksums: bool = False, timeout_s: float = 60.0,
                  ahead: bool = True, direct: bool = True):
-        self.engine = engine
+        self.engine = implementing(engine, IPC, IPCEngine)
         self.ahead = ahead  # use the engine's ipc_ahead where it has it
         self.direct = direct  # write into the engine's weights where it offers them (ahead only)
         self.checksums = checksums
@@ -163,7 +163,7 @@ class IPCSink:
         info: list[Any] = [None]
         if self.rank == 0:
             i = self.engine.info()
-            channel = i.can(IPC_AHEAD) and hasattr(self.engine, "receive_ipc_ahead")
+            channel = capable(self.engine, IPC_AHEAD, IPCAheadEngine) is not None
             info = [(i.tp_size, channel, self._client)]
         if self.world > 1:
             dist.broadcast_object_list(info, group_src=0)

@@ -12,43 +12,36 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from weightstream.common.processes import free_port
-from weightstream.engines.base import EngineAdapter, GroupSpec, RankBucket
+from weightstream.engines.base import P2P, EngineAdapter, GroupSpec, P2PEngine, RankBucket, implementing
 from weightstream.errors import UpdateError
 from weightstream.sinks.base import InFlight, PipelinedSink
 from weightstream.sinks.broadcast import default_backend
+from weightstream.sources.topology import Topology
 from weightstream.streaming.bucket import Bucket
 from weightstream.wire.groups import GroupLayout, init_custom_process_group
 from weightstream.wire.handles import checksum
 
 if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
 
     from weightstream.streaming.stream import BucketStream
-
-
-def _sender_coords() -> tuple[bool, int, int, ProcessGroup | None]:
-    """(is a sender, its TP rank, TP size, TP group) for this trainer rank."""
-    if not dist.is_initialized():
-        return True, 0, 1, None
-    from megatron.core import parallel_state as ps
-
-    sender = ps.get_pipeline_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
-    return (sender, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
-            ps.get_tensor_model_parallel_group())
 
 
 class P2PSink(PipelinedSink):
     name = "p2p"
 
-    def __init__(self, engine: EngineAdapter, *, master_address: str = "127.0.0.1", master_port: int | None = None,
-                 backend: str | None = None, timeout_s: float = 60.0, checksums: bool = False):
-        self.engine = engine
+    def __init__(self, engine: EngineAdapter, topology: Topology, *, master_address: str = "127.0.0.1",
+                 master_port: int | None = None, backend: str | None = None, timeout_s: float = 60.0,
+                 checksums: bool = False):
+        """``topology``: this trainer rank's coordinates (the source's): the ranks of the first pipeline stage
+        and data-parallel replica send, TP rank r to the engine's TP rank r."""
+        self.engine = implementing(engine, P2P, P2PEngine)
         self.master_address = master_address
         self.master_port = master_port
         self.backend = backend or default_backend()
         self.timeout_s = timeout_s
         self.checksums = checksums
-        self.sender, self.tp_rank, self.tp, self.tp_group = _sender_coords()
+        self.sender = topology.pp_rank == 0 and topology.dp_rank == 0
+        self.tp_rank, self.tp, self.tp_group = topology.tp_rank, topology.tp_size, topology.tp_group
         self.poster = self.sender and self.tp_rank == 0
         self.group = None
         self.stream: BucketStream | None = None

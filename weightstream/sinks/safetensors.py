@@ -27,9 +27,10 @@ from weightstream.common.hf_files import INDEX_NAME, shard_name
 from weightstream.common.staging import OutputDirectoryError, StagedDirectory, writing
 from weightstream.errors import WeightstreamError
 from weightstream.models.spec import dtype_name, load_hf_config
+from weightstream.sinks.base import Delivery
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.plan import plan_buckets
-from weightstream.streaming.stream import DEFAULT_BUCKET_BYTES, StreamStats, stream_hf_weights
+from weightstream.streaming.stream import DEFAULT_BUCKET_BYTES, BucketStream, StreamStats, stream_hf_weights
 
 DEFAULT_SHARD_BYTES = 4 << 30
 
@@ -146,7 +147,19 @@ class SafetensorsSink:
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.open_files: dict[int, SafetensorsFileWriter] = {}
 
-    def open(self, stream) -> None:
+    def prepare(self, stream: BucketStream) -> None:
+        """Nothing ahead: the files are planned when a stream opens."""
+
+    def connect(self) -> None:
+        """Nothing to connect: the files are this process's own."""
+
+    def disconnect(self, seconds: float | None = None) -> None:
+        """Nothing held between streams."""
+
+    def delivery(self) -> Delivery:
+        return Delivery()
+
+    def open(self, stream: BucketStream) -> None:
         if stream.mode != "full":
             raise ValueError("a checkpoint holds whole tensors: it needs a full stream")
         self.entries = [_Entry(o.name, o.dtype, o.shape, o.nbytes) for it in stream.items for o in it.outputs]
@@ -199,7 +212,7 @@ class SafetensorsSink:
         """Whether a bucket holding ``metas`` has tensors of this rank's files."""
         return any(self.file_of[m.name] in self.mine for m in metas)
 
-    def send(self, bucket) -> None:
+    def send(self, bucket: Bucket) -> None:
         if not self.wants(bucket.metas):
             return
         for name, tensor in self._on_host(bucket).named_tensors():
@@ -285,7 +298,7 @@ def save_hf_checkpoint(
     stream = stream_hf_weights(model_chunks, sink.cfg, bucket_bytes=bucket_bytes, mode="full", reuse_buffers=True)
     sink.open(stream)
     try:
-        if getattr(stream.source, "independent", False):
+        if stream.source.independent:
             # A rank that reads on its own (a checkpoint on disk) makes only the buckets its files need.
             stream.select = lambda i: sink.wants(stream.bucket_metas(i))
         total = stream.selected()
@@ -309,7 +322,7 @@ def _save_config(cfg, out: Path, dtype: torch.dtype | None) -> None:
     if dtype is not None:
         cfg.dtype = dtype_name(dtype)
 
-    if not getattr(cfg, "architectures", None) and cfg.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if not cfg.architectures and cfg.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         cfg.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[cfg.model_type]]
     cfg.save_pretrained(out)
 

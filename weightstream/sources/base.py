@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from weightstream.common.cyclic_gc import no_cyclic_gc
 from weightstream.converters.mapping import Converter
@@ -49,6 +50,11 @@ class Source(Protocol):
     """Where a stream's tensors come from (see the module doc)."""
 
     topology: Topology  # this rank's coordinates: TP for per-rank shards, PP/EP for ``share``
+    # Its ranks make their buckets without each other (no collective): a rank may make only some buckets.
+    independent: bool
+    # Its TP ranks can each send their own shards to an engine's TP rank of the same index (point to point),
+    # at the coordinates in ``topology``.
+    per_rank_senders: bool
 
     def modules(self) -> Sequence[nn.Module]:
         """The live modules the tensors belong to: a plan is kept per first module and checked against
@@ -83,8 +89,7 @@ class Source(Protocol):
 
 def local_data(t: Tensor) -> Tensor:
     """The tensor that holds a parameter's data on this rank (a DTensor's local shard)."""
-    inner = getattr(t, "_local_tensor", None)
-    return inner if isinstance(inner, Tensor) else t
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 _GUARDS: weakref.WeakSet[ModuleGuard] = weakref.WeakSet()

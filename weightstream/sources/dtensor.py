@@ -85,6 +85,9 @@ def _shard_dims(placements) -> list[tuple[int, int]]:
 class DTensorSource:
     """A transformers model (or an ``nn.Module`` with HF names) whose parameters are DTensors or plain."""
 
+    independent = False  # the ranks of its meshes gather together
+    per_rank_senders = False  # its shards follow its meshes, not an engine's TP layout
+
     def __init__(self, model: nn.Module, *, tp_mesh_dim: str = TP_DIM):
         self.model = model
         self.tp_mesh_dim = tp_mesh_dim

@@ -11,10 +11,9 @@ broadcast over the PP (and EP) group.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -25,21 +24,15 @@ from weightstream.common.layout import layout
 from weightstream.converters.mapping import Converter
 from weightstream.models.spec import ModelSpec, dtype_name
 from weightstream.sources.base import CollectiveCounts, Fetched
+from weightstream.sources.names import WEIGHT_BUFFERS, global_name
 from weightstream.sources.table import RankMeta, TensorEntry, build_table
 from weightstream.sources.topology import Topology
 
-# Buffers that are part of the weights (not parameters, yet engines need them).
-WEIGHT_BUFFERS = ("router.expert_bias",)
-
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_SEQUENTIAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)")
-_GROUPED_EXPERT = re.compile(r"(\.mlp\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
-
 
 def unwrap(module: nn.Module) -> nn.Module:
-    """Strip DDP / Float16Module / FSDP-style wrappers (anything exposing ``.module``)."""
-    while hasattr(module, "module") and isinstance(module.module, nn.Module):
-        module = module.module
+    """Strip DDP / Float16Module / FSDP-style wrappers: each holds the model as its child named ``module``."""
+    while isinstance(inner := module._modules.get("module"), nn.Module):
+        module = inner
     return module
 
 
@@ -60,34 +53,18 @@ class LocalTensor:
 
 
 def _layer_offsets(model: nn.Module) -> dict[int, int]:
-    layers = getattr(getattr(model, "decoder", None), "layers", None)
-    if layers is None:
+    decoder = model._modules.get("decoder")
+    layers = None if decoder is None else decoder._modules.get("layers")
+    if not isinstance(layers, nn.ModuleList):
         return {}
-    return {i: int(layer.layer_number) - 1 for i, layer in enumerate(layers)}
+    # Megatron-Core's TransformerLayer numbers itself from 1 across the pipeline stages.
+    return {i: cast(int, layer.layer_number) - 1 for i, layer in enumerate(layers)}
 
 
 def _experts_per_rank(model: nn.Module, num_experts: int, ep_size: int) -> int:
     if num_experts and num_experts % ep_size:
         raise ValueError(f"{num_experts} experts cannot be split over {ep_size} expert-parallel ranks")
     return num_experts // ep_size if num_experts else 0
-
-
-def global_name(name: str, layer_map: dict[int, int], ep_rank: int, experts_per_rank: int) -> tuple[str, bool]:
-    m = _LAYER.match(name)
-    if m:
-        local = int(m.group(1))
-        if local not in layer_map:
-            raise ValueError(f"{name}: layer {local} is not in the chunk's decoder")
-        name = f"decoder.layers.{layer_map[local]}." + name[m.end() :]
-    expert = False
-    for pattern in (_SEQUENTIAL_EXPERT, _GROUPED_EXPERT):
-        m = pattern.search(name)
-        if m:
-            expert = True
-            e = int(m.group(2)) + ep_rank * experts_per_rank
-            name = name[: m.start(2)] + str(e) + name[m.end(2) :]
-            break
-    return name, expert
 
 
 def local_tensors(
@@ -113,6 +90,9 @@ def local_tensors(
 
 class MegatronSource:
     """A live Megatron-Core model: its chunks (VPP) on this rank, and this rank's place in the job."""
+
+    independent = False  # the ranks gather and broadcast together
+    per_rank_senders = True  # TP rank r holds its own shards
 
     def __init__(self, chunks: Sequence[nn.Module], topology: Topology):
         self.chunks = list(chunks)

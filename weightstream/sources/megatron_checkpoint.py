@@ -53,7 +53,14 @@ from weightstream.converters.mapping import Converter
 from weightstream.errors import WeightstreamError
 from weightstream.models.spec import ModelSpec, dtype_name
 from weightstream.sources.base import CollectiveCounts, Fetched
-from weightstream.sources.megatron import global_name
+from weightstream.sources.names import (
+    expert_count,
+    global_name,
+    layer_count,
+    stacked_experts,
+    stacked_layers,
+    unstacked_name,
+)
 from weightstream.sources.table import RankMeta, TensorEntry, build_table
 from weightstream.sources.topology import Topology
 
@@ -61,8 +68,6 @@ TRACKER = "latest_checkpointed_iteration.txt"
 LEGACY_FILE = "model_optim_rng.pt"
 _ITER = re.compile(r"^iter_(\d{7})$")
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 # The GPT model's own tensors; anything else in a distributed checkpoint (optimizer state, RNG, ...) is not a weight.
 _MODEL_ROOTS = ("embedding.", "decoder.", "output_layer.")
 
@@ -353,6 +358,7 @@ class MegatronCheckpointSource:
     that Megatron does not save there is refused (see the module doc)."""
 
     independent = True  # each process reads what it needs itself: no collective between ranks
+    per_rank_senders = False  # one process reads every shard: it has no TP ranks
 
     def __init__(self, path: str | os.PathLike, *, iteration: int | str | None = None,
                  dtype: torch.dtype | None = None, trust_checkpoint: bool = False):
@@ -480,20 +486,16 @@ class _DistReader:
             if not isinstance(md, TensorStorageMetadata) or not key.startswith(_MODEL_ROOTS):
                 continue
             size = tuple(md.size)
-            stacked_layers = key.startswith("decoder.layers.") and not _LAYER.match(key)
-            expert_axis = ".mlp.experts.experts." in key
-            lead = int(stacked_layers) + int(expert_axis)
+            stacked = stacked_layers(key)
+            expert_axis = stacked_experts(key)
+            lead = int(stacked) + int(expert_axis)
             if len(size) < lead:
                 continue
-            layer_ids = range(size[0]) if stacked_layers else [None]
-            expert_ids = range(size[int(stacked_layers)]) if expert_axis else [None]
+            layer_ids = range(size[0]) if stacked else [None]
+            expert_ids = range(size[int(stacked)]) if expert_axis else [None]
             for layer in layer_ids:
                 for expert in expert_ids:
-                    name = key
-                    if layer is not None:
-                        name = f"decoder.layers.{layer}." + key[len("decoder.layers."):]
-                    if expert is not None:
-                        name = name.replace(".mlp.experts.experts.", f".mlp.experts.local_experts.{expert}.")
+                    name = unstacked_name(key, layer, expert)
                     offsets = tuple(i for i in (layer, expert) if i is not None) + (0,) * (len(size) - lead)
                     shape = size[lead:]
                     tensors.append((name, shape, md.properties.dtype, expert is not None))
@@ -836,7 +838,7 @@ class _LegacyReader:
         for v, chunk in enumerate(chunk_names):
             for p in range(self.pp):
                 sd = self._state((0, p, 0))[chunk]
-                counts[(v, p)] = len({int(m.group(1)) for k in sd if (m := _LAYER.match(k))})
+                counts[(v, p)] = layer_count(sd)
         offsets, total = {}, 0
         for v in range(len(chunk_names)):
             for p in range(self.pp):
@@ -850,7 +852,7 @@ class _LegacyReader:
             for v, chunk in enumerate(chunk_names):
                 sd = state[chunk]
                 layer_map = {i: offsets[(v, p)] + i for i in range(counts[(v, p)])}
-                per_rank = len({int(m.group(1)) for k in sd if (m := _LOCAL_EXPERT.search(k))})
+                per_rank = expert_count(sd)
                 for name, tensor in sd.items():
                     if not isinstance(tensor, Tensor) or name.endswith("_extra_state"):
                         continue

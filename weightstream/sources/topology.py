@@ -18,6 +18,7 @@ class Topology:
     ep_rank: int = 0
     etp_size: int = 1
     etp_rank: int = 0
+    dp_rank: int = 0  # data-parallel replica (with context parallelism): the first one sends per-rank buckets
     tp_group: Any = None
     pp_group: Any = None
     ep_group: Any = None
@@ -61,6 +62,7 @@ class Topology:
             ep_rank=ps.get_expert_model_parallel_rank(),
             etp_size=ps.get_expert_tensor_parallel_world_size(),
             etp_rank=ps.get_expert_tensor_parallel_rank(),
+            dp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
             tp_group=ps.get_tensor_model_parallel_group(),
             pp_group=ps.get_pipeline_model_parallel_group(),
             ep_group=ps.get_expert_model_parallel_group(),

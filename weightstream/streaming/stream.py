@@ -38,13 +38,14 @@ from torch import Tensor, nn
 
 from weightstream.common.cyclic_gc import no_cyclic_gc
 from weightstream.common.layout import ALIGN, layout
-from weightstream.converters.ops import OpContext, convert_into
+from weightstream.converters.expected import expected_hf_shapes
+from weightstream.converters.mapping import Converter
+from weightstream.converters.ops import OpContext, convert_into, hf_views
 from weightstream.converters.registry import get_converter, model_spec
-from weightstream.models.hf import expected_hf_shapes
 from weightstream.models.spec import ModelSpec, load_hf_config
 from weightstream.sources import as_source
 from weightstream.sources.base import CollectiveCounts, ModuleGuard, Source, first_device
-from weightstream.sources.megatron import WEIGHT_BUFFERS
+from weightstream.sources.names import WEIGHT_BUFFERS
 from weightstream.sources.table import HFOut, TensorEntry
 from weightstream.sources.topology import Topology
 from weightstream.streaming.bucket import (
@@ -183,7 +184,7 @@ class BucketStream(Iterator[Bucket]):
         return len(self.plan) if self.select is None else sum(1 for bp in self.plan if self.select(bp.index))
 
     def _produce(self) -> Iterator[Bucket]:
-        if self.select is not None and not getattr(self.source, "independent", False):
+        if self.select is not None and not self.source.independent:
             raise ValueError("only a source whose ranks work independently (a checkpoint on disk) can skip buckets")
         for bp in self.plan:
             if self.select is not None and not self.select(bp.index):
@@ -332,7 +333,7 @@ class BucketStream(Iterator[Bucket]):
             return None
         op = it.entry.resolved.mapping.op
         try:
-            views = (getattr(op, "pieces", None) or op.to_hf)(source, self._context(it))
+            views = hf_views(op, source, self._context(it))
         except Exception:  # noqa: BLE001 -- converted one by one, where the error is raised as it always was
             return None
         if len(views) != len(metas):
@@ -593,49 +594,53 @@ def stream_hf_weights(
         raise ValueError(f"mode must be 'full' or 'per_rank', got {mode!r}")
     start = time.perf_counter()
     source = as_source(model, topology)
-    topo = source.topology
     cfg = load_hf_config(hf_config)
     spec = model_spec(cfg)
+    plan, planned = _kept_or_new_plan(source, cfg, spec, _Settings(mode, bucket_bytes, align, split_dtypes))
+    modules = bool(list(source.modules()))
+    stream = BucketStream(spec=spec, mode=mode, topology=source.topology, source=source, plan=plan.buckets,
+                          items=plan.items, local=plan.local, device=plan.device, align=align, shared=plan,
+                          reuse_buffers=reuse_buffers and modules)
+    stream.stats.planned = planned
+    stream.stats.setup_seconds = time.perf_counter() - start
+    return stream
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """What a plan depends on besides the model, its config and the parallel layout."""
+
+    mode: Mode
+    bucket_bytes: int
+    align: int
+    split_dtypes: bool
+
+
+def _kept_or_new_plan(source: Source, cfg: Any, spec: ModelSpec, settings: _Settings) -> tuple[StreamPlan, bool]:
+    """The plan kept for this model and these settings where every rank still holds it (one vote), else a
+    new one (kept for the next stream); and whether it was made now."""
+    topo = source.topology
     converter = get_converter(spec.model_type)
     modules = list(source.modules())
     plan: StreamPlan | None = None
     kept: dict[tuple, StreamPlan] = {}
+    key = (tuple(map(id, modules)), spec, id(converter), settings, _layout_key(topo))
     if modules:
-        key = (tuple(map(id, modules)), spec, id(converter), mode, bucket_bytes, align, split_dtypes,
-               _layout_key(topo))
         kept = _PLANS.get(modules[0], {})
         plan = kept.get(key)
     reuse = plan is not None and plan.guard is not None and plan.guard.holds(modules)
     # Every rank joins the vote (where it has modules); a rank that votes to reuse has a plan.
-    everyone_reuses = bool(modules) and _everyone(reuse, topo,
-                                                  plan.device if plan is not None else first_device(modules))
-    if plan is None or not everyone_reuses:
-        plan = _make_plan(source, modules, cfg, spec, converter, mode, bucket_bytes, align, split_dtypes)
-        if modules:
-            kept.pop(key, None)
-            kept[key] = plan
-            while len(kept) > _KEEP:
-                kept.pop(next(iter(kept)))
-            _PLANS[modules[0]] = kept
-        planned = True
-    else:
-        planned = False
-    stream = BucketStream(
-        spec=spec,
-        mode=mode,
-        topology=topo,
-        source=source,
-        plan=plan.buckets,
-        items=plan.items,
-        local=plan.local,
-        device=plan.device,
-        align=align,
-        shared=plan,
-        reuse_buffers=reuse_buffers and bool(modules),
-    )
-    stream.stats.planned = planned
-    stream.stats.setup_seconds = time.perf_counter() - start
-    return stream
+    device = plan.device if plan is not None else first_device(modules)
+    if bool(modules) and _everyone(reuse, topo, device) and plan is not None:
+        return plan, False
+    plan = _make_plan(source, modules, cfg, spec, converter, settings)
+    if modules:
+        kept.pop(key, None)
+        kept[key] = plan
+        while len(kept) > _KEEP:
+            kept.pop(next(iter(kept)))
+        _PLANS[modules[0]] = kept
+    return plan, True
 
 
 # Plans kept per model (its first module), a few per model (e.g. a full and a per-rank stream).
@@ -665,13 +670,14 @@ def _everyone(ok: bool, topo: Topology, device: torch.device) -> bool:
     return bool(flag.item())
 
 
-def _make_plan(source, modules, cfg, spec, converter, mode, bucket_bytes, align, split_dtypes) -> StreamPlan:
+def _make_plan(source: Source, modules: Sequence[nn.Module], cfg: Any, spec: ModelSpec, converter: Converter,
+               settings: _Settings) -> StreamPlan:
     global plan_builds
-    topo = source.topology
+    topo, mode = source.topology, settings.mode
     table, local = source.table(converter, spec, expected_hf_shapes(cfg))
     items = [_item(e, spec, topo, mode) for e in table if mode == "full" or e.ep_owner in (None, topo.ep_rank)]
     keys = None
-    if split_dtypes:
+    if settings.split_dtypes:
         first_seen: dict[torch.dtype, int] = {}
         for it in items:
             first_seen.setdefault(it.entry.dtype, len(first_seen))
@@ -683,7 +689,8 @@ def _make_plan(source, modules, cfg, spec, converter, mode, bucket_bytes, align,
     plan_builds += 1
     device = next((t.device for t in local.values()), None) or first_device(modules)
     return StreamPlan(
-        buckets=plan_buckets(planning, bucket_bytes, align, keys=keys), items=items, local=local, device=device,
+        buckets=plan_buckets(planning, settings.bucket_bytes, settings.align, keys=keys), items=items, local=local,
+        device=device,
         guard=ModuleGuard(modules, WEIGHT_BUFFERS) if modules else None,
     )
 
