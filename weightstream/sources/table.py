@@ -93,6 +93,11 @@ def _order_key(name: str, position: int) -> tuple[int, int, int, int]:
     return (1, int(m.group(1)), expert, position)
 
 
+# What the ranks reported of one tensor: {(pp, ep or None): {(tp, etp): (shape, dtype)}}.
+_Shards = dict[tuple[int, int], tuple[tuple[int, ...], str]]
+_Owners = dict[tuple[int, int | None], _Shards]
+
+
 def build_table(
     ranks: Sequence[RankMeta],
     converter: Converter,
@@ -105,100 +110,132 @@ def build_table(
     """Match every reported tensor to the converter, check it against ``expected`` HF shapes,
     and order the emitted ones. Raises one ConversionError listing every problem."""
     problems = ProblemList()
-    # name -> {(pp, ep or None): {group rank: (shape, dtype)}}, plus listing position for ordering.
-    seen: dict[str, dict[tuple[int, int | None], dict[tuple[int, int], tuple[tuple[int, ...], str]]]] = {}
-    position: dict[str, int] = {}
-    expert_flag: dict[str, bool] = {}
-    for rank in ranks:
-        for pos, (name, shape, reported_dtype, expert) in enumerate(rank.tensors):
-            position.setdefault(name, pos)
-            expert_flag[name] = expert
-            owner = (rank.pp, rank.ep if expert else None)
-            seen.setdefault(name, {}).setdefault(owner, {})
-            # Record by TP rank here; re-keyed by ETP rank for expert-TP tensors below.
-            seen[name][owner][(rank.tp, rank.etp)] = (tuple(shape), reported_dtype)
-
+    seen, position = _reported(ranks)
     entries: list[TensorEntry] = []
     produced: dict[str, str] = {}
     for name in sorted(seen, key=lambda n: _order_key(n, position[n])):
-        resolved = converter.resolve(name, spec)
-        if resolved is None:
-            problems.add("Megatron tensors no mapping covers", name)
+        entry = _entry(name, seen[name], converter, spec, problems, tp_size=tp_size, etp_size=etp_size)
+        if entry is None:
             continue
-        owners = seen[name]
-        if len({pp for pp, _ in owners}) > 1 and resolved.emit:
-            problems.add("tensors held by several pipeline stages", f"{name}: stages {sorted({p for p, _ in owners})}")
-            continue
-        if not resolved.emit:
-            continue
-        ep_owners = sorted({ep for _, ep in owners if ep is not None})
-        if len(ep_owners) > 1:
-            problems.add(
-                "experts held by several expert-parallel ranks (local expert ids reported as global?)",
-                f"{name}: EP ranks {ep_owners}",
-            )
-            continue
-        mapping = resolved.mapping
-        pp_owner, ep_owner = next(iter(owners))
-        shards = owners[(pp_owner, ep_owner)]
-        group_size = etp_size if mapping.tp_group == "etp" else tp_size
-        by_group_rank: dict[int, tuple[tuple[int, ...], str]] = {}
-        for (tp, etp), info in shards.items():
-            by_group_rank[etp if mapping.tp_group == "etp" else tp] = info
-        variants = set(by_group_rank.values())
-        if len(variants) != 1:
-            problems.add("tensors whose shards differ between ranks", f"{name}: {sorted(variants)}")
-            continue
-        ((local_shape, dtype_str),) = variants
-        dtype = dtype_from_name(dtype_str)
-        tp_dim = mapping.tp_dim if group_size > 1 else None
-        if tp_dim is not None and tp_dim >= len(local_shape):
-            problems.add("shape mismatches", f"{name}: partition dim {mapping.tp_dim} but shape {local_shape}")
-            continue
-        entry = TensorEntry(
-            resolved=resolved,
-            dtype=dtype,
-            local_shape=local_shape,
-            shard_dim=tp_dim,
-            group=mapping.tp_group,
-            parts=group_size if tp_dim is not None else 1,
-            pp_owner=pp_owner,
-            ep_owner=ep_owner,
-            outputs=(),
-        )
-        meta = torch.empty(entry.full_shape, dtype=dtype, device="meta")
-        try:
-            outs = mapping.op.to_hf(meta, OpContext(spec, parts=entry.parts))
-        except NotRepresentable as exc:
-            problems.add("Megatron tensors the HF model has no place for", f"{name}: {exc}")
-            continue
-        except (ValueError, RuntimeError) as exc:
-            targets = ", ".join(resolved.hf_names)
-            problems.add("shape mismatches", f"{targets}: cannot be made from {name} {entry.full_shape}: {exc}")
-            continue
-        outputs = tuple(HFOut(n, tuple(o.shape), o.dtype) for n, o in zip(resolved.hf_names, outs, strict=True))
-        bad = False
-        for out in outputs:
-            if out.name in produced:
-                problems.add("HF tensors produced twice", f"{out.name}: from {produced[out.name]} and {name}")
-                bad = True
-                continue
-            produced[out.name] = name
-            want = expected.get(out.name)
-            if want is None:
-                problems.add("HF tensors the config does not have", f"{out.name} (from {name})")
-                bad = True
-            elif want != out.shape:
-                problems.add("shape mismatches",
-                             f"{out.name}: config says {want}, model gives {out.shape} (from {name})")
-                bad = True
-        if not bad:
+        outputs = _hf_outputs(entry, spec, problems)
+        if outputs is not None and _outputs_fit(name, outputs, expected, produced, problems):
             entries.append(_with_outputs(entry, outputs))
     for name in expected:
         if name not in produced:
             problems.add("HF tensors the model does not provide", name)
     problems.raise_if_any(f"cannot convert this {spec.model_type} model to Hugging Face tensors")
     return entries
+
+
+def _reported(ranks: Sequence[RankMeta]) -> tuple[dict[str, _Owners], dict[str, int]]:
+    """Every rank's tensors by name and owner, and the position at which each name was first listed."""
+    seen: dict[str, _Owners] = {}
+    position: dict[str, int] = {}
+    for rank in ranks:
+        for pos, (name, shape, reported_dtype, expert) in enumerate(rank.tensors):
+            position.setdefault(name, pos)
+            owner = (rank.pp, rank.ep if expert else None)
+            seen.setdefault(name, {}).setdefault(owner, {})
+            # Record by TP rank here; re-keyed by ETP rank for expert-TP tensors in _local_shape.
+            seen[name][owner][(rank.tp, rank.etp)] = (tuple(shape), reported_dtype)
+    return seen, position
+
+
+def _entry(name: str, owners: _Owners, converter: Converter, spec: ModelSpec, problems: ProblemList, *,
+           tp_size: int, etp_size: int) -> TensorEntry | None:
+    """The entry of tensor ``name`` (its HF outputs still empty); None when it is not emitted or has a problem
+    (added to ``problems``)."""
+    resolved = converter.resolve(name, spec)
+    if resolved is None:
+        problems.add("Megatron tensors no mapping covers", name)
+        return None
+    if len({pp for pp, _ in owners}) > 1 and resolved.emit:
+        problems.add("tensors held by several pipeline stages", f"{name}: stages {sorted({p for p, _ in owners})}")
+        return None
+    if not resolved.emit:
+        return None
+    ep_owners = sorted({ep for _, ep in owners if ep is not None})
+    if len(ep_owners) > 1:
+        problems.add(
+            "experts held by several expert-parallel ranks (local expert ids reported as global?)",
+            f"{name}: EP ranks {ep_owners}",
+        )
+        return None
+    mapping = resolved.mapping
+    pp_owner, ep_owner = next(iter(owners))
+    local = _local_shape(name, owners[(pp_owner, ep_owner)], mapping.tp_group, problems)
+    if local is None:
+        return None
+    local_shape, dtype_str = local
+    group_size = etp_size if mapping.tp_group == "etp" else tp_size
+    tp_dim = mapping.tp_dim if group_size > 1 else None
+    if tp_dim is not None and tp_dim >= len(local_shape):
+        problems.add("shape mismatches", f"{name}: partition dim {mapping.tp_dim} but shape {local_shape}")
+        return None
+    return TensorEntry(
+        resolved=resolved,
+        dtype=dtype_from_name(dtype_str),
+        local_shape=local_shape,
+        shard_dim=tp_dim,
+        group=mapping.tp_group,
+        parts=group_size if tp_dim is not None else 1,
+        pp_owner=pp_owner,
+        ep_owner=ep_owner,
+        outputs=(),
+    )
+
+
+def _local_shape(name: str, shards: _Shards, group: str, problems: ProblemList) -> tuple[tuple[int, ...], str] | None:
+    """The ``(shape, dtype)`` every rank of the tensor's ``group`` ("tp" or "etp") reported for its shard; None
+    when they differ (a problem added)."""
+    by_group_rank: dict[int, tuple[tuple[int, ...], str]] = {}
+    for (tp, etp), info in shards.items():
+        by_group_rank[etp if group == "etp" else tp] = info
+    variants = set(by_group_rank.values())
+    if len(variants) != 1:
+        problems.add("tensors whose shards differ between ranks", f"{name}: {sorted(variants)}")
+        return None
+    ((local_shape, dtype_str),) = variants
+    return local_shape, dtype_str
+
+
+def _hf_outputs(entry: TensorEntry, spec: ModelSpec, problems: ProblemList) -> tuple[HFOut, ...] | None:
+    """The HF tensors the converter makes of the whole tensor (on the meta device); None when it cannot (a
+    problem added)."""
+    resolved = entry.resolved
+    meta = torch.empty(entry.full_shape, dtype=entry.dtype, device="meta")
+    try:
+        outs = resolved.mapping.op.to_hf(meta, OpContext(spec, parts=entry.parts))
+    except NotRepresentable as exc:
+        problems.add("Megatron tensors the HF model has no place for", f"{entry.name}: {exc}")
+        return None
+    except (ValueError, RuntimeError) as exc:
+        targets = ", ".join(resolved.hf_names)
+        problems.add("shape mismatches", f"{targets}: cannot be made from {entry.name} {entry.full_shape}: {exc}")
+        return None
+    return tuple(HFOut(n, tuple(o.shape), o.dtype) for n, o in zip(resolved.hf_names, outs, strict=True))
+
+
+def _outputs_fit(name: str, outputs: tuple[HFOut, ...], expected: dict[str, tuple[int, ...]],
+                 produced: dict[str, str], problems: ProblemList) -> bool:
+    """Whether every HF tensor made from ``name`` is one the config expects, of its shape, and made once;
+    records them in ``produced`` (HF name -> Megatron name) and adds a problem for each that is not."""
+    fit = True
+    for out in outputs:
+        if out.name in produced:
+            problems.add("HF tensors produced twice", f"{out.name}: from {produced[out.name]} and {name}")
+            fit = False
+            continue
+        produced[out.name] = name
+        want = expected.get(out.name)
+        if want is None:
+            problems.add("HF tensors the config does not have", f"{out.name} (from {name})")
+            fit = False
+        elif want != out.shape:
+            problems.add("shape mismatches",
+                         f"{out.name}: config says {want}, model gives {out.shape} (from {name})")
+            fit = False
+    return fit
 
 
 def _with_outputs(entry: TensorEntry, outputs: tuple[HFOut, ...]) -> TensorEntry:
