@@ -27,9 +27,15 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
+    from weightstream.engines import ReferenceEngine
+    from weightstream.update import WeightSync
 
 INPUT_IDS = [[3, 14, 159, 265, 358, 979, 323, 846, 26, 433], [999, 0, 1, 2, 500, 501, 77, 88, 99, 111]]
 
@@ -137,90 +143,36 @@ def _stats(values: list[float]) -> dict[str, float]:
 def run_soak(updates: int = 1000, *, transports: tuple[str, ...] = ("broadcast", "ipc"), switch_every: int = 2,
              preset: str = "tiny-qwen3", engine_tp: int = 1, bucket_bytes: int = 256 << 10, check_every: int = 100,
              sample_every: int = 10, warmup: int | None = None, progress: bool = True) -> SoakReport:
+    """``updates`` consecutive updates of the ``preset`` model into a reference engine of TP ``engine_tp`` (see the
+    module's doc); the report of what passed, what failed and what grew."""
     import torch.distributed as dist
 
-    from weightstream.common.hf_files import CheckpointReader
-    from weightstream.common.processes import free_port
     from weightstream.engines import ReferenceEngine
     from weightstream.models.presets import preset_config, save_random_checkpoint
-    from weightstream.testing.megatron import (
-        build_gpt_model,
-        initialize_parallel,
-        load_hf_weights,
-    )
     from weightstream.update import WeightSync
     from weightstream.wire import groups
-    from weightstream.wire.groups import tcp_store
 
     torch.set_num_threads(1)
     warmup = warmup if warmup is not None else min(max(updates // 4, sample_every), 500)
     report = SoakReport(updates, list(transports), preset, engine_tp, bucket_bytes, warmup=warmup)
+    schedule = _Schedule(updates, transports, switch_every, check_every, sample_every)
     cfg = preset_config(preset)
     with tempfile.TemporaryDirectory(prefix="weightstream-soak-") as tmp:
         sets = [save_random_checkpoint(cfg, os.path.join(tmp, name), seed=seed) for name, seed in (("a", 1), ("b", 2))]
         engine_dir = save_random_checkpoint(cfg, os.path.join(tmp, "engine"), seed=3)
-        from transformers import AutoModelForCausalLM
-
-        expected = []
-        for d in sets:
-            hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-            with torch.no_grad():
-                expected.append(hf(torch.tensor(INPUT_IDS)).logits.float())
-            del hf
-
-        port = free_port()
-        dist.init_process_group("gloo", store=tcp_store("127.0.0.1", port, is_master=True, world_size=1), rank=0,
-                                world_size=1)
-        initialize_parallel(1, 1)
-        chunks = build_gpt_model(cfg)
-        snapshots = []
-        for d in sets:
-            with CheckpointReader(d) as reader:
-                load_hf_weights(chunks, cfg, reader)
-            snapshots.append([p.detach().clone() for c in chunks for p in c.parameters()])
-        params = [p for c in chunks for p in c.parameters()]
-
+        expected = _hf_logits(sets)
+        trainer = _start_trainer(cfg, sets)
         service = EngineService(engine_dir, engine_tp)
         engine = ReferenceEngine(service.url, timeout_s=60)
         engine.logits(INPUT_IDS)  # its one-off costs paid before the first sample (see the module's doc)
-        formed_before = groups.groups_formed
+        probe = _Probe(engine, service, expected, groups.groups_formed)
         times: dict[str, list[float]] = {t: [] for t in transports}
         start = time.perf_counter()
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=updates, desc="soak", unit="update")
+        bar = _progress_bar(updates) if progress else None
         try:
             with WeightSync([service.url], transport=transports[0], bucket_bytes=bucket_bytes, checksums=True,
                             timeout_s=60) as sync:
-                for i in range(updates):
-                    which = i % 2
-                    kind = transports[(i // switch_every) % len(transports)]
-                    with torch.no_grad():
-                        for p, v in zip(params, snapshots[which], strict=True):
-                            p.copy_(v)
-                    sync.transport = kind
-                    t = time.perf_counter()
-                    rep = sync.update(chunks, cfg, weight_version=f"soak-{i}")
-                    times[kind].append(time.perf_counter() - t)
-                    if rep.transport != kind or rep.weight_version != f"soak-{i}":
-                        report.failures.append(f"update {i}: {rep.summary()}")
-                    done = i + 1
-                    if done % check_every == 0 or done == updates:
-                        got = engine.logits(INPUT_IDS)
-                        diff = float((got - expected[which]).abs().max())
-                        report.logits_checks.append({"update": done, "weights": "ab"[which], "transport": kind,
-                                                     "max_abs_diff": diff, "ok": diff <= 1e-4})
-                    if done % sample_every == 0 or done == updates:
-                        trainer = process_resources([os.getpid()])
-                        eng = process_resources(service.pids)
-                        report.samples.append({"update": done, "shm": shm_entries(),
-                                               "trainer_groups": groups.groups_formed - formed_before,
-                                               **{f"trainer_{k}": v for k, v in trainer.items()},
-                                               **{f"engine_{k}": v for k, v in eng.items()}})
-                    if bar is not None:
-                        bar.update(1)
+                _run_updates(sync, trainer, probe, schedule, report, times, bar)
         except Exception as exc:  # noqa: BLE001 — the report says what failed
             report.failures.append(f"{type(exc).__name__}: {exc}")
         finally:
@@ -228,13 +180,148 @@ def run_soak(updates: int = 1000, *, transports: tuple[str, ...] = ("broadcast",
                 bar.close()
             service.stop()
             dist.destroy_process_group()
-        report.groups_formed = groups.groups_formed - formed_before
+        report.groups_formed = groups.groups_formed - probe.formed_before
         report.seconds_total = time.perf_counter() - start
         report.seconds_per_update = {k: _stats(v) for k, v in times.items() if v}
-        base = next((s for s in report.samples if s["update"] >= warmup), None)
-        if base is not None and report.samples:
-            last = report.samples[-1]
-            report.growth = {k: last[k] - base[k] for k in base if k != "update"}
-            mid = next(s for s in report.samples if s["update"] >= updates // 2)
-            report.growth_second_half = {k: last[k] - mid[k] for k in mid if k != "update"}
+        _measure_growth(report, warmup)
     return report
+
+
+@dataclass
+class _Schedule:
+    """How many updates, the transport of each, and after which updates the soak checks and samples."""
+
+    updates: int
+    transports: tuple[str, ...]
+    switch_every: int
+    check_every: int
+    sample_every: int
+
+    def transport(self, i: int) -> str:
+        return self.transports[(i // self.switch_every) % len(self.transports)]
+
+    def checks_after(self, done: int) -> bool:
+        return done % self.check_every == 0 or done == self.updates
+
+    def samples_after(self, done: int) -> bool:
+        return done % self.sample_every == 0 or done == self.updates
+
+
+@dataclass
+class _Trainer:
+    """The trainer's Megatron-Core model and the two sets of weights it alternates between."""
+
+    cfg: Any
+    chunks: list[torch.nn.Module]
+    params: list[torch.nn.Parameter]
+    snapshots: list[list[torch.Tensor]]
+
+    def hold(self, which: int) -> None:
+        """Put weight set ``which`` into the model."""
+        with torch.no_grad():
+            for p, v in zip(self.params, self.snapshots[which], strict=True):
+                p.copy_(v)
+
+
+@dataclass
+class _Probe:
+    """What the soak watches: the engine's logits and the resources of the trainer and of the engine."""
+
+    engine: ReferenceEngine
+    service: EngineService
+    expected: list[torch.Tensor]  # the HF model's logits for each set of weights
+    formed_before: int  # weight-update groups the trainer had formed before the soak
+
+    def check_logits(self, report: SoakReport, done: int, which: int, kind: str) -> None:
+        """Compare the engine's logits with those of the HF model holding weight set ``which``."""
+        got = self.engine.logits(INPUT_IDS)
+        diff = float((got - self.expected[which]).abs().max())
+        report.logits_checks.append({"update": done, "weights": "ab"[which], "transport": kind,
+                                     "max_abs_diff": diff, "ok": diff <= 1e-4})
+
+    def sample(self, report: SoakReport, done: int) -> None:
+        """Record the resources of both sides, /dev/shm's entries and the groups formed so far."""
+        from weightstream.wire import groups
+
+        trainer = process_resources([os.getpid()])
+        eng = process_resources(self.service.pids)
+        report.samples.append({"update": done, "shm": shm_entries(),
+                               "trainer_groups": groups.groups_formed - self.formed_before,
+                               **{f"trainer_{k}": v for k, v in trainer.items()},
+                               **{f"engine_{k}": v for k, v in eng.items()}})
+
+
+def _hf_logits(sets: list[str]) -> list[torch.Tensor]:
+    """The logits the HF model of each checkpoint gives for :data:`INPUT_IDS`."""
+    from transformers import AutoModelForCausalLM
+
+    expected = []
+    for d in sets:
+        hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        with torch.no_grad():
+            expected.append(hf(torch.tensor(INPUT_IDS)).logits.float())
+        del hf
+    return expected
+
+
+def _start_trainer(cfg: Any, sets: list[str]) -> _Trainer:
+    """A one-rank ``torch.distributed`` job in this process and its Megatron-Core model, with the weights of
+    each checkpoint of ``sets`` kept aside (the model holds the last)."""
+    import torch.distributed as dist
+
+    from weightstream.common.hf_files import CheckpointReader
+    from weightstream.common.processes import free_port
+    from weightstream.testing.megatron import build_gpt_model, initialize_parallel, load_hf_weights
+    from weightstream.wire.groups import tcp_store
+
+    port = free_port()
+    dist.init_process_group("gloo", store=tcp_store("127.0.0.1", port, is_master=True, world_size=1), rank=0,
+                            world_size=1)
+    initialize_parallel(1, 1)
+    chunks = build_gpt_model(cfg)
+    snapshots = []
+    for d in sets:
+        with CheckpointReader(d) as reader:
+            load_hf_weights(chunks, cfg, reader)
+        snapshots.append([p.detach().clone() for c in chunks for p in c.parameters()])
+    params = [p for c in chunks for p in c.parameters()]
+    return _Trainer(cfg, chunks, params, snapshots)
+
+
+def _progress_bar(updates: int) -> tqdm:
+    from tqdm import tqdm
+
+    return tqdm(total=updates, desc="soak", unit="update")
+
+
+def _run_updates(sync: WeightSync, trainer: _Trainer, probe: _Probe, schedule: _Schedule, report: SoakReport,
+                 times: dict[str, list[float]], bar: tqdm | None) -> None:
+    """The updates, alternating the two sets of weights and switching transport as ``schedule`` says; each one
+    timed (``times``, by transport), and checked and sampled when due."""
+    for i in range(schedule.updates):
+        which = i % 2
+        kind = schedule.transport(i)
+        trainer.hold(which)
+        sync.transport = kind
+        t = time.perf_counter()
+        rep = sync.update(trainer.chunks, trainer.cfg, weight_version=f"soak-{i}")
+        times[kind].append(time.perf_counter() - t)
+        if rep.transport != kind or rep.weight_version != f"soak-{i}":
+            report.failures.append(f"update {i}: {rep.summary()}")
+        done = i + 1
+        if schedule.checks_after(done):
+            probe.check_logits(report, done, which, kind)
+        if schedule.samples_after(done):
+            probe.sample(report, done)
+        if bar is not None:
+            bar.update(1)
+
+
+def _measure_growth(report: SoakReport, warmup: int) -> None:
+    """The growth of every sampled figure from the end of the warm-up, and over the second half, to the end."""
+    base = next((s for s in report.samples if s["update"] >= warmup), None)
+    if base is not None and report.samples:
+        last = report.samples[-1]
+        report.growth = {k: last[k] - base[k] for k in base if k != "update"}
+        mid = next(s for s in report.samples if s["update"] >= report.updates // 2)
+        report.growth_second_half = {k: last[k] - mid[k] for k in mid if k != "update"}
