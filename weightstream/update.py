@@ -67,6 +67,8 @@ class UpdateReport:
     seconds: dict[str, float] = field(default_factory=dict)
     metadata_ahead: bool = False  # broadcast / IPC: every bucket's metadata went ahead in one request
     direct: bool = False  # IPC: the trainer wrote every tensor straight into the engine's weights (one copy)
+    planned: bool = False  # this update made the stream's plan (False: it used the one kept, e.g. by prepare)
+    copies_made: int = 0  # buckets whose batched copies this update made (0: all were kept)
 
     def summary(self) -> str:
         total = self.seconds.get("total", 0.0)
@@ -582,6 +584,7 @@ def _opened(sink: Sink | None, stream: BucketStream | None) -> tuple[Sink, Bucke
 def _fill_report(report: UpdateReport, stream: BucketStream, delivery: Delivery) -> None:
     report.buckets, report.tensors, report.bytes = stream.stats.buckets, stream.stats.tensors, stream.stats.bytes
     report.gathers = stream.stats.gathers
+    report.planned, report.copies_made = stream.stats.planned, stream.stats.copy_programs
     report.metadata_ahead, report.direct = delivery.metadata_ahead, delivery.direct
 
 

@@ -306,6 +306,31 @@ def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
         and torch.equal(a[n].reshape(-1).view(torch.uint8), b[n].reshape(-1).view(torch.uint8)) for n in a)
 
 
+class PlanBuilds:
+    """Counts the plans this process makes while it is entered: the stream module's plan maker, wrapped from
+    the test side (an independent check of each stream's ``stats.planned``)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __enter__(self) -> PlanBuilds:
+        from weightstream.streaming import stream as stream_mod
+
+        self._original = original = stream_mod._make_plan
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return original(*args, **kwargs)
+
+        stream_mod._make_plan = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from weightstream.streaming import stream as stream_mod
+
+        stream_mod._make_plan = self._original
+
+
 def run_plan_reuse(src: str, tp: int) -> dict:
     """Streams of one live model, again and again, with the model changed in between in the ways a
     trainer changes it (values in place) and in ways that must re-plan (a parameter replaced, new
@@ -319,10 +344,10 @@ def run_plan_reuse(src: str, tp: int) -> dict:
     steps: list[dict] = []
 
     def step(label: str, **kw) -> dict[str, torch.Tensor]:
-        before = stream_mod.plan_builds
-        s = stream_hf_weights(chunks, cfg, bucket_bytes=kw.pop("bucket_bytes", 32 << 10), **kw)
+        with PlanBuilds() as builds:
+            s = stream_hf_weights(chunks, cfg, bucket_bytes=kw.pop("bucket_bytes", 32 << 10), **kw)
         got = _snapshot(s)
-        steps.append({"label": label, "planned": s.stats.planned, "builds": stream_mod.plan_builds - before,
+        steps.append({"label": label, "planned": s.stats.planned, "builds": builds.count,
                       "batched": s.stats.batched, "unbatched": s.stats.unbatched, "tensors": s.stats.tensors,
                       "copies": s.stats.copies, "gate_projs": sum("gate_proj" in n for n in got)})
         return got
@@ -375,7 +400,6 @@ def run_plan_reuse(src: str, tp: int) -> dict:
 
 def run_prepared_update(case: Case, url: str, options: dict) -> dict:
     """``WeightSync.prepare`` then one update: how many plans the update itself made, and its report."""
-    from weightstream.streaming import stream as stream_mod
     from weightstream.update import WeightSync
 
     cfg, chunks = _build(case)
@@ -388,10 +412,10 @@ def run_prepared_update(case: Case, url: str, options: dict) -> dict:
             from weightstream.engines import ReferenceEngine
 
             memory.append(ReferenceEngine(url).get("/weightstream/memory")["ranks"])
-        before, copies = stream_mod.plan_builds, stream_mod.copy_builds
-        report = sync.update(chunks, cfg)
+        with PlanBuilds() as builds:
+            report = sync.update(chunks, cfg)
         if dist.get_rank() == 0:
             memory.append(ReferenceEngine(url).get("/weightstream/memory")["ranks"])
-        return {"prepared": kind, "group_ready": group_ready, "builds_in_update": stream_mod.plan_builds - before,
-                "copies_in_update": stream_mod.copy_builds - copies, "report": report,
+        return {"prepared": kind, "group_ready": group_ready, "builds_in_update": builds.count,
+                "copies_in_update": report.copies_made, "report": report,
                 "engine_memory": memory}

@@ -18,7 +18,7 @@ import operator
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -39,6 +39,9 @@ class CollectiveCounts:
     gathers: int = 0  # TP / expert-TP all-gathers issued
     broadcasts: int = 0  # EP / PP broadcasts issued
 
+
+# What a stream yields: each HF tensor whole on every rank, or the shard each engine TP rank holds.
+Mode = Literal["full", "per_rank"]
 
 # What ``fetch`` hands back per tensor: the tensor the converter reads, or a function making it on
 # demand (so only one is materialised at a time).
@@ -62,25 +65,30 @@ class Source(Protocol):
         ...
 
     def table(self, converter: Converter, spec: ModelSpec, expected: dict[str, tuple[int, ...]],
-              ) -> tuple[list[TensorEntry], dict[str, Tensor]]:
-        """The global table (the same on every rank, in the same order; one error listing every
-        problem) and this rank's live tensors by table name. Collective over the source's ranks."""
+              ) -> list[TensorEntry]:
+        """The global table (the same on every rank, in the same order; one error listing every problem).
+        Collective over the source's ranks. The source keeps this rank's live tensors for the calls below
+        (a plan keeps the source that made it)."""
         ...
 
-    def direct(self, entry: TensorEntry, mode: str, local: dict[str, Tensor]) -> Tensor | None:
+    def live_device(self) -> torch.device | None:
+        """Where this rank's live tensors are (after :meth:`table`); None where it holds none."""
+        ...
+
+    def direct(self, entry: TensorEntry, mode: Mode) -> Tensor | None:
         """The tensor the converter reads for ``entry`` when it is one of this rank's live tensors as it
         stands (its views are copied by the batched copies); None when it must be fetched."""
         ...
 
-    def fetch(self, entries: Sequence[TensorEntry], mode: str, local: dict[str, Tensor],
-              stats: CollectiveCounts) -> tuple[dict[str, Fetched], int]:
+    def fetch(self, entries: Sequence[TensorEntry], mode: Mode, counts: CollectiveCounts,
+              ) -> tuple[dict[str, Fetched], int]:
         """What the converter reads for ``entries`` (this rank's, of one bucket, that ``direct`` does not
         give), gathered with as few collectives as the source allows (every rank of the source calls it,
         bucket by bucket), and the bytes staged for it."""
         ...
 
-    def share(self, buffer: Tensor, spans: Sequence[tuple[int, int | None, int, int]], mode: str,
-              stats: CollectiveCounts) -> None:
+    def share(self, buffer: Tensor, spans: Sequence[tuple[int, int | None, int, int]], mode: Mode,
+              counts: CollectiveCounts) -> None:
         """After a bucket is packed: pass each part of it from the ranks that made it to the others
         (``spans``: (pp owner, ep owner, lo, hi) byte ranges). Nothing for a source whose every rank
         makes the whole bucket."""

@@ -29,7 +29,7 @@ from weightstream.common.layout import layout
 from weightstream.converters.mapping import Converter
 from weightstream.converters.ops import Identity
 from weightstream.models.spec import ModelSpec, dtype_name
-from weightstream.sources.base import CollectiveCounts, Fetched
+from weightstream.sources.base import CollectiveCounts, Fetched, Mode
 from weightstream.sources.table import RankMeta, TensorEntry, build_table
 from weightstream.sources.topology import Topology
 
@@ -93,6 +93,7 @@ class DTensorSource:
         self.tp_mesh_dim = tp_mesh_dim
         self.named = self._weights(model)
         self.topology = self._topology()
+        self.local: dict[str, Tensor] = {}  # the weights by table name (made by ``table``)
 
     @staticmethod
     def _weights(model: nn.Module) -> list[tuple[str, Tensor]]:
@@ -138,8 +139,8 @@ class DTensorSource:
         return p.dim, size
 
     def table(self, converter: Converter, spec: ModelSpec, expected: dict[str, tuple[int, ...]],
-              ) -> tuple[list[TensorEntry], dict[str, Tensor]]:
-        local = dict(self.named)
+              ) -> list[TensorEntry]:
+        local = self.local = dict(self.named)
         meta = RankMeta(0, 0, 0, 0,
                         tensors=tuple((n, tuple(t.shape), dtype_name(t.dtype), False) for n, t in self.named))
         table = build_table([meta], converter.in_memory(), spec, expected, tp_size=1)
@@ -152,10 +153,13 @@ class DTensorSource:
                 shape[dim] //= size
                 entry = replace(entry, local_shape=tuple(shape), shard_dim=dim, parts=size)
             out.append(entry)
-        return out, local
+        return out
 
-    def direct(self, entry: TensorEntry, mode: str, local: dict[str, Tensor]) -> Tensor | None:
-        t = local[entry.name]
+    def live_device(self) -> torch.device | None:
+        return next((t.device for t in self.local.values()), None)
+
+    def direct(self, entry: TensorEntry, mode: Mode) -> Tensor | None:
+        t = self.local[entry.name]
         if not is_dtensor(t):
             return t
         sharded = _shard_dims(t.placements)
@@ -167,8 +171,8 @@ class DTensorSource:
             return t.to_local()
         return None
 
-    def fetch(self, entries: Sequence[TensorEntry], mode: str, local: dict[str, Tensor],
-              stats: CollectiveCounts) -> tuple[dict[str, Fetched], int]:
+    def fetch(self, entries: Sequence[TensorEntry], mode: Mode, stats: CollectiveCounts,
+              ) -> tuple[dict[str, Fetched], int]:
         """One all-gather per (mesh, gathered dimensions) for ``entries``, each rank's block placed where
         DTensor puts it."""
         out: dict[str, Fetched] = {}
@@ -176,7 +180,7 @@ class DTensorSource:
         meshes: dict[int, DeviceMesh] = {}
         held: dict[str, DTensor] = {}
         for e in entries:
-            t = local[e.name]
+            t = self.local[e.name]
             if not is_dtensor(t):
                 out[e.name] = t
                 continue
@@ -194,7 +198,8 @@ class DTensorSource:
             staged += nbytes
         return out, staged
 
-    def share(self, buffer: Tensor, spans, mode: str, stats: CollectiveCounts) -> None:
+    def share(self, buffer: Tensor, spans: Sequence[tuple[int, int | None, int, int]], mode: Mode,
+              stats: CollectiveCounts) -> None:
         return None  # every rank makes the whole bucket
 
 

@@ -23,7 +23,7 @@ from weightstream.common.distributed import all_gather_flat
 from weightstream.common.layout import layout
 from weightstream.converters.mapping import Converter
 from weightstream.models.spec import ModelSpec, dtype_name
-from weightstream.sources.base import CollectiveCounts, Fetched
+from weightstream.sources.base import CollectiveCounts, Fetched, Mode
 from weightstream.sources.names import WEIGHT_BUFFERS, global_name
 from weightstream.sources.table import RankMeta, TensorEntry, build_table
 from weightstream.sources.topology import Topology
@@ -97,12 +97,13 @@ class MegatronSource:
     def __init__(self, chunks: Sequence[nn.Module], topology: Topology):
         self.chunks = list(chunks)
         self.topology = topology
+        self.local: dict[str, Tensor] = {}  # this rank's live tensors by table name (made by ``table``)
 
     def modules(self) -> list[nn.Module]:
         return [unwrap(c) for c in self.chunks]
 
     def table(self, converter: Converter, spec: ModelSpec, expected: dict[str, tuple[int, ...]],
-              ) -> tuple[list[TensorEntry], dict[str, Tensor]]:
+              ) -> list[TensorEntry]:
         topo = self.topology
         local = local_tensors(self.chunks, topo, spec.num_experts)
         meta = RankMeta(
@@ -111,17 +112,22 @@ class MegatronSource:
         )
         table = build_table(_exchange(meta, topo), converter, spec, expected, tp_size=topo.tp_size,
                             etp_size=topo.etp_size)
-        return table, {t.name: t.tensor for t in local}
+        self.local = {t.name: t.tensor for t in local}
+        return table
 
-    def direct(self, entry: TensorEntry, mode: str, local: dict[str, Tensor]) -> Tensor | None:
+    def live_device(self) -> torch.device | None:
+        return next((t.device for t in self.local.values()), None)
+
+    def direct(self, entry: TensorEntry, mode: Mode) -> Tensor | None:
         if mode == "full" and entry.shard_dim is not None:
             return None  # gathered over its TP group first
-        return local[entry.name]
+        return self.local[entry.name]
 
-    def fetch(self, entries: Sequence[TensorEntry], mode: str, local: dict[str, Tensor],
-              stats: CollectiveCounts) -> tuple[dict[str, Fetched], int]:
+    def fetch(self, entries: Sequence[TensorEntry], mode: Mode, stats: CollectiveCounts,
+              ) -> tuple[dict[str, Fetched], int]:
         """One all-gather per group (TP, expert-TP) for the split tensors among ``entries``; the others as
         they are held."""
+        local = self.local
         out: dict[str, Fetched] = {e.name: local[e.name] for e in entries}
         if mode != "full":
             return out, 0
@@ -148,7 +154,7 @@ class MegatronSource:
                 out[e.name] = _Concat(recv, total, off, e)
         return out, staged
 
-    def share(self, buffer: Tensor, spans: Sequence[tuple[int, int | None, int, int]], mode: str,
+    def share(self, buffer: Tensor, spans: Sequence[tuple[int, int | None, int, int]], mode: Mode,
               stats: CollectiveCounts) -> None:
         topo = self.topology
         if topo.pp_size == 1 and (mode != "full" or topo.ep_size == 1):

@@ -52,7 +52,7 @@ from torch import Tensor
 from weightstream.converters.mapping import Converter
 from weightstream.errors import WeightstreamError
 from weightstream.models.spec import ModelSpec, dtype_name
-from weightstream.sources.base import CollectiveCounts, Fetched
+from weightstream.sources.base import CollectiveCounts, Fetched, Mode
 from weightstream.sources.names import (
     expert_count,
     global_name,
@@ -381,19 +381,22 @@ class MegatronCheckpointSource:
         return self.dtype if self.dtype is not None and dtype.is_floating_point else dtype
 
     def table(self, converter: Converter, spec: ModelSpec, expected: dict[str, tuple[int, ...]],
-              ) -> tuple[list[TensorEntry], dict[str, Tensor]]:
+              ) -> list[TensorEntry]:
         stored, self._pieces, tp, etp = self._reader.describe(spec)
         metas = [RankMeta(m.pp, m.tp, m.ep, m.etp, tuple((n, s, dtype_name(self._cast(_dtype(d))), x)
                                                          for n, s, d, x in m.tensors)) for m in stored]
         table = build_table(metas, converter, spec, expected, tp_size=tp, etp_size=etp)
         # This one process reads every stage's and every expert owner's tensors itself.
-        return [replace(e, pp_owner=0, ep_owner=None) for e in table], {}
+        return [replace(e, pp_owner=0, ep_owner=None) for e in table]
 
-    def direct(self, entry: TensorEntry, mode: str, local: dict[str, Tensor]) -> Tensor | None:
+    def live_device(self) -> torch.device | None:
+        return None  # nothing is live: every tensor is read from disk
+
+    def direct(self, entry: TensorEntry, mode: Mode) -> Tensor | None:
         return None
 
-    def fetch(self, entries: Sequence[TensorEntry], mode: str, local: dict[str, Tensor],
-              stats: CollectiveCounts) -> tuple[dict[str, Fetched], int]:
+    def fetch(self, entries: Sequence[TensorEntry], mode: Mode, stats: CollectiveCounts,
+              ) -> tuple[dict[str, Fetched], int]:
         if mode != "full":
             raise ValueError("a checkpoint on disk streams whole tensors (mode='full')")
         out: dict[str, Fetched] = {}
@@ -410,7 +413,8 @@ class MegatronCheckpointSource:
             out[e.name] = whole
         return out, staged
 
-    def share(self, buffer: Tensor, spans, mode: str, stats: CollectiveCounts) -> None:
+    def share(self, buffer: Tensor, spans: Sequence[tuple[int, int | None, int, int]], mode: Mode,
+              stats: CollectiveCounts) -> None:
         return None
 
     def close(self) -> None:

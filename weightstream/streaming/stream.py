@@ -30,7 +30,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,7 @@ from weightstream.converters.ops import OpContext, convert_into, hf_views
 from weightstream.converters.registry import get_converter, model_spec
 from weightstream.models.spec import ModelSpec, load_hf_config
 from weightstream.sources import as_source
-from weightstream.sources.base import CollectiveCounts, ModuleGuard, Source, first_device
+from weightstream.sources.base import CollectiveCounts, Mode, ModuleGuard, Source, first_device
 from weightstream.sources.names import WEIGHT_BUFFERS
 from weightstream.sources.table import HFOut, TensorEntry
 from weightstream.sources.topology import Topology
@@ -60,7 +60,6 @@ from weightstream.streaming.bucket import (
 from weightstream.streaming.copies import batched_copy, warm_kernel
 from weightstream.streaming.plan import BucketPlan, plan_buckets
 
-Mode = Literal["full", "per_rank"]
 DEFAULT_BUCKET_BYTES = 512 << 20
 
 
@@ -78,6 +77,7 @@ class StreamStats(CollectiveCounts):
     batched: int = 0  # tensors packed by the batched copies
     copies: int = 0  # copies those take (tensors back to back in the bucket and in one storage: one copy)
     unbatched: int = 0  # tensors converted one by one (TP-gathered tensors, ops that make new tensors)
+    copy_programs: int = 0  # buckets whose batched copies this stream made (0: every bucket's were kept)
 
 
 @dataclass
@@ -118,7 +118,7 @@ class StreamPlan:
 
     buckets: list[BucketPlan]
     items: list[_Item]
-    local: dict[str, Tensor]
+    source: Source  # the source that made the table: it holds this rank's live tensors
     device: torch.device
     guard: ModuleGuard | None
     programs: dict[int, _Program] = field(default_factory=dict)
@@ -143,7 +143,6 @@ class BucketStream(Iterator[Bucket]):
     source: Source
     plan: list[BucketPlan]
     items: list[_Item]
-    local: dict[str, Tensor]
     device: torch.device
     align: int = ALIGN
     stats: StreamStats = field(default_factory=StreamStats)
@@ -328,7 +327,7 @@ class BucketStream(Iterator[Bucket]):
     def _views(self, it: _Item, metas: Sequence[TensorMeta]) -> list[Tensor] | None:
         """The item's HF tensors as views of the live parameter (what a batched copy reads), or None
         where they are not views of it (gathered over TP, or an op that computes new tensors)."""
-        source = self.source.direct(it.entry, self.mode, self.local)
+        source = self.source.direct(it.entry, self.mode)
         if source is None:
             return None
         op = it.entry.resolved.mapping.op
@@ -398,13 +397,12 @@ class BucketStream(Iterator[Bucket]):
         other pair sends the whole list down one copy per tensor); with kept buffers on a GPU, where the
         addresses stay, a :class:`PieceCopy` does the flat copies of a dtype in one launch. Kept with the
         program per kept buffer, so a reused buffer costs no view making at all."""
-        global copy_builds
         key = raw.data_ptr()
         kept = self._keeps_buffers
         made = program.copies.get(key) if kept else None
         if made is not None:
             return made
-        copy_builds += 1
+        self.stats.copy_programs += 1
         calls = [batched_copy(list(typed_views(raw, dtype, sizes)), sources, stable=kept)
                  for dtype, sizes, sources in program.runs]
         if program.strided:
@@ -423,11 +421,10 @@ class BucketStream(Iterator[Bucket]):
         """The batched copies of ``program`` straight into the :meth:`write_into` targets ``into``, made once per
         plan and targets: per dtype the contiguous copies in one call (runs back to back in a source and in
         a target made one copy), and the strided ones in one."""
-        global copy_builds
         made = program.copies.get(self._into_key)
         if made is not None:
             return made
-        copy_builds += 1
+        self.stats.copy_programs += 1
         flat: dict[torch.dtype, list[tuple[Tensor, Tensor]]] = {}
         strided: list[tuple[Tensor, Tensor]] = []
         for name, dtype, view in program.named:
@@ -453,7 +450,7 @@ class BucketStream(Iterator[Bucket]):
         gather_bytes = largest = 0
         if program.slow:
             items, metas = program.items, program.item_metas
-            fetched, gather_bytes = self.source.fetch([items[k].entry for k in program.slow], self.mode, self.local,
+            fetched, gather_bytes = self.source.fetch([items[k].entry for k in program.slow], self.mode,
                                                       self.stats)
             for k in program.slow:
                 it = items[k]
@@ -485,7 +482,7 @@ class BucketStream(Iterator[Bucket]):
         gather_bytes = 0
         if program.slow:
             slow = [items[k] for k in program.slow]
-            fetched, gather_bytes = self.source.fetch([it.entry for it in slow if it.mine], self.mode, self.local,
+            fetched, gather_bytes = self.source.fetch([it.entry for it in slow if it.mine], self.mode,
                                                       self.stats)
             for k, it in zip(program.slow, slow, strict=True):
                 if not it.mine:
@@ -598,8 +595,8 @@ def stream_hf_weights(
     spec = model_spec(cfg)
     plan, planned = _kept_or_new_plan(source, cfg, spec, _Settings(mode, bucket_bytes, align, split_dtypes))
     modules = bool(list(source.modules()))
-    stream = BucketStream(spec=spec, mode=mode, topology=source.topology, source=source, plan=plan.buckets,
-                          items=plan.items, local=plan.local, device=plan.device, align=align, shared=plan,
+    stream = BucketStream(spec=spec, mode=mode, topology=source.topology, source=plan.source, plan=plan.buckets,
+                          items=plan.items, device=plan.device, align=align, shared=plan,
                           reuse_buffers=reuse_buffers and modules)
     stream.stats.planned = planned
     stream.stats.setup_seconds = time.perf_counter() - start
@@ -646,8 +643,6 @@ def _kept_or_new_plan(source: Source, cfg: Any, spec: ModelSpec, settings: _Sett
 # Plans kept per model (its first module), a few per model (e.g. a full and a per-rank stream).
 _PLANS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, StreamPlan]] = weakref.WeakKeyDictionary()
 _KEEP = 4
-plan_builds = 0  # how many plans were made in this process (the tests count them)
-copy_builds = 0  # how many buckets' batched copies were made
 
 
 def clear_plans() -> None:
@@ -672,9 +667,8 @@ def _everyone(ok: bool, topo: Topology, device: torch.device) -> bool:
 
 def _make_plan(source: Source, modules: Sequence[nn.Module], cfg: Any, spec: ModelSpec, converter: Converter,
                settings: _Settings) -> StreamPlan:
-    global plan_builds
     topo, mode = source.topology, settings.mode
-    table, local = source.table(converter, spec, expected_hf_shapes(cfg))
+    table = source.table(converter, spec, expected_hf_shapes(cfg))
     items = [_item(e, spec, topo, mode) for e in table if mode == "full" or e.ep_owner in (None, topo.ep_rank)]
     keys = None
     if settings.split_dtypes:
@@ -686,10 +680,9 @@ def _make_plan(source: Source, modules: Sequence[nn.Module], cfg: Any, spec: Mod
     planning = [
         [o.nbytes for o in (it.outputs if mode == "full" else it.entry.shard_outputs(spec, 0))] for it in items
     ]
-    plan_builds += 1
-    device = next((t.device for t in local.values()), None) or first_device(modules)
+    device = source.live_device() or first_device(modules)
     return StreamPlan(
-        buckets=plan_buckets(planning, settings.bucket_bytes, settings.align, keys=keys), items=items, local=local,
+        buckets=plan_buckets(planning, settings.bucket_bytes, settings.align, keys=keys), items=items, source=source,
         device=device,
         guard=ModuleGuard(modules, WEIGHT_BUFFERS) if modules else None,
     )
