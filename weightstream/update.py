@@ -69,6 +69,7 @@ class UpdateReport:
     direct: bool = False  # IPC: the trainer wrote every tensor straight into the engine's weights (one copy)
     planned: bool = False  # this update made the stream's plan (False: it used the one kept, e.g. by prepare)
     copies_made: int = 0  # buckets whose batched copies this update made (0: all were kept)
+    formed_group: bool = False  # broadcast / P2P: this update formed the group to the engines (not kept)
 
     def summary(self) -> str:
         total = self.seconds.get("total", 0.0)
@@ -586,6 +587,7 @@ def _fill_report(report: UpdateReport, stream: BucketStream, delivery: Delivery)
     report.gathers = stream.stats.gathers
     report.planned, report.copies_made = stream.stats.planned, stream.stats.copy_programs
     report.metadata_ahead, report.direct = delivery.metadata_ahead, delivery.direct
+    report.formed_group = delivery.formed_group
 
 
 def update_weights(model_chunks: nn.Module | Sequence[nn.Module], hf_config: Any,

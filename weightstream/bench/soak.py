@@ -150,7 +150,6 @@ def run_soak(updates: int = 1000, *, transports: tuple[str, ...] = ("broadcast",
     from weightstream.engines import ReferenceEngine
     from weightstream.models.presets import preset_config, save_random_checkpoint
     from weightstream.update import WeightSync
-    from weightstream.wire import groups
 
     torch.set_num_threads(1)
     warmup = warmup if warmup is not None else min(max(updates // 4, sample_every), 500)
@@ -165,7 +164,7 @@ def run_soak(updates: int = 1000, *, transports: tuple[str, ...] = ("broadcast",
         service = EngineService(engine_dir, engine_tp)
         engine = ReferenceEngine(service.url, timeout_s=60)
         engine.logits(INPUT_IDS)  # its one-off costs paid before the first sample (see the module's doc)
-        probe = _Probe(engine, service, expected, groups.groups_formed)
+        probe = _Probe(engine, service, expected)
         times: dict[str, list[float]] = {t: [] for t in transports}
         start = time.perf_counter()
         bar = _progress_bar(updates) if progress else None
@@ -180,7 +179,7 @@ def run_soak(updates: int = 1000, *, transports: tuple[str, ...] = ("broadcast",
                 bar.close()
             service.stop()
             dist.destroy_process_group()
-        report.groups_formed = groups.groups_formed - probe.formed_before
+        report.groups_formed = probe.groups_formed
         report.seconds_total = time.perf_counter() - start
         report.seconds_per_update = {k: _stats(v) for k, v in times.items() if v}
         _measure_growth(report, warmup)
@@ -230,7 +229,7 @@ class _Probe:
     engine: ReferenceEngine
     service: EngineService
     expected: list[torch.Tensor]  # the HF model's logits for each set of weights
-    formed_before: int  # weight-update groups the trainer had formed before the soak
+    groups_formed: int = 0  # weight-update groups the trainer's updates formed so far
 
     def check_logits(self, report: SoakReport, done: int, which: int, kind: str) -> None:
         """Compare the engine's logits with those of the HF model holding weight set ``which``."""
@@ -241,12 +240,10 @@ class _Probe:
 
     def sample(self, report: SoakReport, done: int) -> None:
         """Record the resources of both sides, /dev/shm's entries and the groups formed so far."""
-        from weightstream.wire import groups
-
         trainer = process_resources([os.getpid()])
         eng = process_resources(self.service.pids)
         report.samples.append({"update": done, "shm": shm_entries(),
-                               "trainer_groups": groups.groups_formed - self.formed_before,
+                               "trainer_groups": self.groups_formed,
                                **{f"trainer_{k}": v for k, v in trainer.items()},
                                **{f"engine_{k}": v for k, v in eng.items()}})
 
@@ -306,6 +303,7 @@ def _run_updates(sync: WeightSync, trainer: _Trainer, probe: _Probe, schedule: _
         t = time.perf_counter()
         rep = sync.update(trainer.chunks, trainer.cfg, weight_version=f"soak-{i}")
         times[kind].append(time.perf_counter() - t)
+        probe.groups_formed += rep.formed_group
         if rep.transport != kind or rep.weight_version != f"soak-{i}":
             report.failures.append(f"update {i}: {rep.summary()}")
         done = i + 1

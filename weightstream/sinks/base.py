@@ -22,6 +22,7 @@ class Delivery:
     metadata_ahead: bool = False  # every bucket's metadata went to the engines in one request, ahead
     direct: bool = False  # the trainer wrote every tensor straight into the engine's weights (one copy)
     waited_s: float | None = None  # seconds spent waiting for the engines' answers, where the sink counts them
+    formed_group: bool = False  # the update formed the group to the engines (it was not kept from before)
 
 
 @runtime_checkable
@@ -120,6 +121,12 @@ class PipelinedSink:
     timeout_s: float
     _pool: ThreadPoolExecutor | None = None
     _inflight: InFlight
+    formed: int = 0  # groups this sink has formed
+    _formed_before: int = 0  # of them, before the update that is open
+
+    def _begin_update(self) -> None:
+        """An update opens: what it forms from now on is its own (:meth:`delivery`)."""
+        self._formed_before = self.formed
 
     def _join(self, posts: list[Future], create: Callable[[], Any], engines: Sequence[str]) -> None:
         """Form the group (``create``, bounded by ``timeout_s`` itself) while the engines join it
@@ -133,6 +140,7 @@ class PipelinedSink:
             said = ("; the engines said: " + " | ".join(engine_errors)) if engine_errors else ""
             raise UpdateError("group", f"{exc}{said}", engines) from exc
         self.group = group
+        self.formed += 1
         problems = future_errors(posts, deadline)
         if problems:
             raise UpdateError("group", " | ".join(problems), engines)
@@ -170,7 +178,7 @@ class PipelinedSink:
         raise NotImplementedError
 
     def delivery(self) -> Delivery:
-        return Delivery()
+        return Delivery(formed_group=self.formed > self._formed_before)
 
     def layout(self) -> GroupLayout | None:
         """The group this sink forms, as this process sees it; None where this rank forms none."""

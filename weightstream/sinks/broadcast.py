@@ -99,6 +99,7 @@ class BroadcastSink(PipelinedSink):
     def open(self, stream) -> None:
         """Connect; where every engine takes the metadata of all buckets ahead (and no per-bucket checksum
         is asked for), send it now: the buckets then go on the wire back to back."""
+        self._begin_update()
         self.connect()
         self._ahead = []
         self.ahead_used = False
@@ -126,7 +127,7 @@ class BroadcastSink(PipelinedSink):
             raise
 
     def delivery(self) -> Delivery:
-        return Delivery(metadata_ahead=self.ahead_used)
+        return Delivery(metadata_ahead=self.ahead_used, formed_group=self.formed > self._formed_before)
 
     def send(self, bucket: Bucket) -> None:
         if not self.sender:

@@ -82,6 +82,7 @@ class P2PSink(PipelinedSink):
         if stream.mode != "per_rank":
             raise ValueError("P2PSink needs a per_rank stream")
         self.stream = stream
+        self._begin_update()
         self.connect()
 
     def _opened(self) -> BucketStream:

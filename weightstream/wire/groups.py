@@ -37,7 +37,6 @@ class GroupError(RuntimeError):
     pass
 
 
-groups_formed = 0  # weight-update groups this process formed (the soak reports it)
 
 
 @dataclass(frozen=True)
@@ -110,8 +109,6 @@ def init_custom_process_group(
             f"within {timeout.total_seconds():.0f} s: {exc}"
         ) from exc
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    global groups_formed
-    groups_formed += 1
     return pg
 
 
