@@ -315,7 +315,9 @@ class WeightSync:
             err = self._transfer(*opened, err, report, seconds)
         failure = _first_error(err)
         if failure is None and _rank() == 0:
-            failure = self._commit_and_resume(version, seconds)
+            failure, resumed = self._commit(version, seconds)
+            if failure is None and not resumed:
+                self._resume(seconds)
         failure = _share(failure)
         if failure is not None:
             self._fail()
@@ -416,9 +418,10 @@ class WeightSync:
             seconds["transfer:wait"] = waited  # and waiting for the engine's answers
         return err
 
-    def _commit_and_resume(self, version: str, seconds: dict[str, float]) -> BaseException | None:
-        """Rank 0: every engine commits (and reports ``version``), memory released before is re-created, and
-        generation resumes — in the commit's request where every engine takes both and nothing comes between."""
+    def _commit(self, version: str, seconds: dict[str, float]) -> tuple[BaseException | None, bool]:
+        """Rank 0: every engine commits (and reports ``version``) and memory released before is re-created; and
+        whether generation resumed with the commit (one request, where every engine takes both and nothing
+        comes between)."""
         t = time.perf_counter()
         rest = [tag for tag in self.released if tag != "weights"]
         both = [c for e in self.engines if (c := capable(e, COMMIT_AND_RESUME, CommitsAndResumes)) is not None]
@@ -433,14 +436,16 @@ class WeightSync:
             for e in self.engines if rest else ():
                 _memory(e).resume_memory(rest)
         except Exception as exc:  # noqa: BLE001 — shared with every rank
-            return _as_update_error("commit", exc, self._urls())
+            return _as_update_error("commit", exc, self._urls()), False
         seconds["commit"] = time.perf_counter() - t
         seconds["resume"] = 0.0  # with the commit, where ``together``
-        if not together:
-            t = time.perf_counter()
-            self._resume_quietly(self.timeout_s)
-            seconds["resume"] = time.perf_counter() - t
-        return None
+        return None, together
+
+    def _resume(self, seconds: dict[str, float]) -> None:
+        """Rank 0: generation resumes on every engine (best effort: the update is committed)."""
+        t = time.perf_counter()
+        self._resume_quietly(self.timeout_s)
+        seconds["resume"] = time.perf_counter() - t
 
     def prepare(self, model_chunks: nn.Module | Sequence[nn.Module], hf_config: Any) -> str:
         """What an update needs before its first bytes, done now: call it on every trainer rank once the model
