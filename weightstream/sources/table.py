@@ -8,7 +8,6 @@ collected and raised as one :class:`~weightstream.errors.ConversionError`, on ev
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,6 +17,7 @@ from weightstream.converters.mapping import Converter, Resolved
 from weightstream.converters.ops import NotRepresentable, OpContext
 from weightstream.errors import ProblemList
 from weightstream.models.spec import ModelSpec, dtype_from_name
+from weightstream.sources.names import order_key
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,19 +80,6 @@ class TensorEntry:
         return tuple(HFOut(n, tuple(o.shape), o.dtype) for n, o in zip(self.resolved.hf_names, outs, strict=True))
 
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"\.experts\.(?:local_experts\.(\d+)\.|linear_fc[12]\.(?:weight|bias)(\d+)$)")
-
-
-def _order_key(name: str, position: int) -> tuple[int, int, int, int]:
-    m = _LAYER.match(name)
-    if not m:
-        return (0 if name.startswith("embedding") else 2, 0, 0, position)
-    e = _EXPERT.search(name)
-    expert = int(e.group(1) or e.group(2)) if e else -1
-    return (1, int(m.group(1)), expert, position)
-
-
 # What the ranks reported of one tensor: {(pp, ep or None): {(tp, etp): (shape, dtype)}}.
 _Shards = dict[tuple[int, int], tuple[tuple[int, ...], str]]
 _Owners = dict[tuple[int, int | None], _Shards]
@@ -113,7 +100,7 @@ def build_table(
     seen, position = _reported(ranks)
     entries: list[TensorEntry] = []
     produced: dict[str, str] = {}
-    for name in sorted(seen, key=lambda n: _order_key(n, position[n])):
+    for name in sorted(seen, key=lambda n: order_key(n, position[n])):
         entry = _entry(name, seen[name], converter, spec, problems, tp_size=tp_size, etp_size=etp_size)
         if entry is None:
             continue
