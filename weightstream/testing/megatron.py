@@ -17,11 +17,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from weightstream.converters.mapping import Converter, Resolved
 from weightstream.converters.ops import NotRepresentable, OpContext
 from weightstream.converters.registry import get_converter, model_spec
 from weightstream.errors import ProblemList
 from weightstream.models.spec import ModelSpec, load_hf_config
-from weightstream.sources.megatron import local_tensors
+from weightstream.sources.megatron import LocalTensor, local_tensors
 from weightstream.sources.topology import Topology
 
 if TYPE_CHECKING:
@@ -208,57 +209,79 @@ def load_hf_weights(
     used: set[str] = set()
     with torch.no_grad():
         for local in local_tensors(model_chunks, topo, spec.num_experts):
-            resolved = converter.resolve(local.name, spec)
-            if resolved is None:
-                problems.add("Megatron tensors no mapping covers", local.name)
-                continue
-            missing = [n for n in resolved.hf_names if n not in available]
-            if missing:
-                for n in missing:
-                    problems.add("HF tensors missing from the checkpoint", f"{n} (for {local.name})")
-                continue
-            mapping = resolved.mapping
-            tp_dim = mapping.tp_dim
-            parts_n = topo.group_size(mapping.tp_group) if tp_dim is not None else 1
-            rank = topo.group_rank(mapping.tp_group) if tp_dim is not None else 0
-            full_shape = list(local.tensor.shape)
-            if tp_dim is not None and parts_n > 1:
-                full_shape[tp_dim] *= parts_n
-            hf = [weights[n] if isinstance(weights, MappingABC) else weights.get(n) for n in resolved.hf_names]
-            try:
-                full = mapping.op.to_megatron(hf, OpContext(spec, parts=parts_n), torch.Size(full_shape))
-            except NotRepresentable as exc:
-                problems.add("Megatron tensors the HF model has no place for", f"{local.name}: {exc}")
-                continue
-            except (ValueError, RuntimeError) as exc:
-                problems.add("shape mismatches", f"{local.name} from {list(resolved.hf_names)}: {exc}")
-                continue
-            if list(full.shape) != full_shape:
-                problems.add(
-                    "shape mismatches",
-                    f"{local.name}: model has {tuple(full_shape)}, checkpoint gives {tuple(full.shape)}",
-                )
-                continue
-            shard = full
-            if tp_dim is not None and parts_n > 1:
-                length = local.tensor.shape[tp_dim]
-                shard = full.narrow(tp_dim, rank * length, length)
-            local.tensor.copy_(shard)
-            used.update(resolved.hf_names)
+            used.update(_load_tensor(local, converter, spec, weights, available, topo, problems))
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (sorted(used), problems._problems))
-        used = set().union(*(set(u) for u, _ in everyone))
-        merged = ProblemList()
-        for _, p in everyone:
-            for kind, items in p.items():
-                for item in items:
-                    if item not in merged._problems.get(kind, []):
-                        merged.add(kind, item)
-        problems = merged
+        used, problems = _merged_over_ranks(used, problems)
     for name in sorted(available - used):
         problems.add("HF tensors no Megatron parameter took", name)
     problems.raise_if_any(f"cannot load this {spec.model_type} checkpoint into the Megatron model")
+
+
+def _load_tensor(local: LocalTensor, converter: Converter, spec: ModelSpec, weights: MappingABC[str, Tensor] | Any,
+                 available: set[str], topo: Topology, problems: ProblemList) -> tuple[str, ...]:
+    """Fill one tensor of this rank with its shard of what its mapping makes of the HF tensors; the HF names
+    it took (none when there is a problem, added to ``problems``)."""
+    resolved = converter.resolve(local.name, spec)
+    if resolved is None:
+        problems.add("Megatron tensors no mapping covers", local.name)
+        return ()
+    missing = [n for n in resolved.hf_names if n not in available]
+    if missing:
+        for n in missing:
+            problems.add("HF tensors missing from the checkpoint", f"{n} (for {local.name})")
+        return ()
+    mapping = resolved.mapping
+    tp_dim = mapping.tp_dim
+    parts_n = topo.group_size(mapping.tp_group) if tp_dim is not None else 1
+    rank = topo.group_rank(mapping.tp_group) if tp_dim is not None else 0
+    full_shape = list(local.tensor.shape)
+    if tp_dim is not None and parts_n > 1:
+        full_shape[tp_dim] *= parts_n
+    hf = [weights[n] if isinstance(weights, MappingABC) else weights.get(n) for n in resolved.hf_names]
+    full = _megatron_tensor(local.name, resolved, hf, OpContext(spec, parts=parts_n), full_shape, problems)
+    if full is None:
+        return ()
+    shard = full
+    if tp_dim is not None and parts_n > 1:
+        length = local.tensor.shape[tp_dim]
+        shard = full.narrow(tp_dim, rank * length, length)
+    local.tensor.copy_(shard)
+    return resolved.hf_names
+
+
+def _megatron_tensor(name: str, resolved: Resolved, hf: list[Tensor], ctx: OpContext, full_shape: list[int],
+                     problems: ProblemList) -> Tensor | None:
+    """The whole Megatron tensor ``name`` (of ``full_shape``) that the mapping makes of the HF tensors ``hf``;
+    None when it cannot (a problem added)."""
+    try:
+        full = resolved.mapping.op.to_megatron(hf, ctx, torch.Size(full_shape))
+    except NotRepresentable as exc:
+        problems.add("Megatron tensors the HF model has no place for", f"{name}: {exc}")
+        return None
+    except (ValueError, RuntimeError) as exc:
+        problems.add("shape mismatches", f"{name} from {list(resolved.hf_names)}: {exc}")
+        return None
+    if list(full.shape) != full_shape:
+        problems.add(
+            "shape mismatches",
+            f"{name}: model has {tuple(full_shape)}, checkpoint gives {tuple(full.shape)}",
+        )
+        return None
+    return full
+
+
+def _merged_over_ranks(used: set[str], problems: ProblemList) -> tuple[set[str], ProblemList]:
+    """The HF names every rank took and the problems every rank found (each once, in rank order)."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (sorted(used), problems._problems))
+    used = set().union(*(set(u) for u, _ in everyone))
+    merged = ProblemList()
+    for _, p in everyone:
+        for kind, items in p.items():
+            for item in items:
+                if item not in merged._problems.get(kind, []):
+                    merged.add(kind, item)
+    return used, merged
 
 
 @contextlib.contextmanager
