@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +27,10 @@ from weightstream.common.processes import (
     start_process_server,
 )
 from weightstream.errors import WeightstreamError
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+    from multiprocessing.queues import Queue
 
 __all__ = ["LaunchError", "free_port", "launch", "start_process_server"]
 
@@ -94,47 +99,58 @@ def launch(
     procs = [start_process(ctx, _worker, (os.getpid(), r, world_size, port, backend, timeout_s, job, results),
                            daemon=False)
              for r in range(world_size)]
-    got: dict[int, tuple[bool, Any]] = {}
-    import time
-
-    deadline = time.monotonic() + timeout_s
     try:
-        while len(got) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = sorted(set(range(world_size)) - set(got))
-                raise LaunchError(f"ranks {missing} did not finish within {timeout_s:.0f} s" + _failures(got),
-                                  _reasons(got))
-            try:
-                rank, ok, value = results.get(timeout=min(remaining, 1.0))
-                got[rank] = (ok, value)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
-                if dead:
-                    # Give a dying rank's traceback a moment to arrive before calling it dead.
-                    try:
-                        rank, ok, value = results.get(timeout=2.0)
-                        got[rank] = (ok, value)
-                        continue
-                    except queue.Empty:
-                        raise LaunchError(
-                            f"ranks {dead} exited (codes {[procs[r].exitcode for r in dead]}) without a result"
-                            + _failures(got), _reasons(got)
-                        ) from None
-            if any(not ok for ok, _ in got.values()) and len(got) < world_size:
-                # One rank failed: the others may be stuck in a collective with it; don't wait long.
-                deadline = min(deadline, time.monotonic() + 10.0)
+        got = _collect(results, procs, timeout_s)
     finally:
-        for p in procs:
-            p.join(timeout=5.0)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5.0)
+        _reap(procs)
     failed = {r: v for r, (ok, v) in got.items() if not ok}
     if failed:
         raise LaunchError(_failures(got).lstrip("\n"), _reasons(got))
     return [pickle.loads(got[r][1]) for r in range(world_size)]
+
+
+def _collect(results: Queue[Any], procs: list[BaseProcess], timeout_s: float) -> dict[int, tuple[bool, Any]]:
+    """Every rank's answer ``(ok, pickled value or (traceback, reason))``, by rank. Raises :class:`LaunchError`
+    when a rank does not answer within ``timeout_s`` (10 s once another rank has failed) or exits without."""
+    world_size = len(procs)
+    got: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(got) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = sorted(set(range(world_size)) - set(got))
+            raise LaunchError(f"ranks {missing} did not finish within {timeout_s:.0f} s" + _failures(got),
+                              _reasons(got))
+        try:
+            rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            got[rank] = (ok, value)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
+            if dead:
+                # Give a dying rank's traceback a moment to arrive before calling it dead.
+                try:
+                    rank, ok, value = results.get(timeout=2.0)
+                    got[rank] = (ok, value)
+                    continue
+                except queue.Empty:
+                    raise LaunchError(
+                        f"ranks {dead} exited (codes {[procs[r].exitcode for r in dead]}) without a result"
+                        + _failures(got), _reasons(got)
+                    ) from None
+        if any(not ok for ok, _ in got.values()) and len(got) < world_size:
+            # One rank failed: the others may be stuck in a collective with it; don't wait long.
+            deadline = min(deadline, time.monotonic() + 10.0)
+    return got
+
+
+def _reap(procs: list[BaseProcess]) -> None:
+    """Wait a little for every process to end, then kill those still running."""
+    for p in procs:
+        p.join(timeout=5.0)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5.0)
 
 
 def _failures(got: dict[int, tuple[bool, Any]]) -> str:
