@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
+
+from weightstream.wire.groups import destroy_group, init_custom_process_group
 
 BACKEND_NAME = "weightstream"
 ENGINE_CLASS_NAME = "WeightstreamTransferEngine"
@@ -119,10 +122,60 @@ def _moe_module(name: str) -> str | None:
     return name.split(".experts.")[0] + ".experts"
 
 
-_ENGINE_CLS = None
+def _worker_rank(parallel_config: Any) -> int:
+    """This vLLM worker's rank among all of the engine's workers (its data-parallel replicas included)."""
+    return parallel_config.data_parallel_index * parallel_config.world_size + parallel_config.rank
 
 
-def _engine_class():
+def _join_group(init_info: WeightstreamInitInfo, rank: int, device: torch.device) -> Any:
+    """The trainer's weight-update group, joined as ``rank`` (gloo on the CPU, NCCL on CUDA)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    t0 = time.perf_counter()
+    group = init_custom_process_group(
+        backend, f"tcp://{init_info.master_address}:{int(init_info.master_port)}", int(init_info.world_size),
+        rank, init_info.group_name, timedelta(seconds=float(init_info.timeout_s)))
+    log.info("weightstream: rank %d of %d joined %r (%s) in %.3f s", rank, init_info.world_size,
+             init_info.group_name, backend, time.perf_counter() - t0)
+    return group
+
+
+def _load_bucket(group: Any, info: WeightstreamUpdateInfo, device: torch.device, model: Any) -> set[str]:
+    """One bucket received through ``group`` (None before /init_weight_transfer_engine: an error) and loaded
+    into ``model``; the MoE modules (``..experts``) it loaded into."""
+    if group is None:
+        raise RuntimeError("no weightstream group: call /init_weight_transfer_engine first")
+    t0 = time.perf_counter()
+    tensors, nbytes = receive_bucket(group, info, device)
+    model.load_weights(tensors)
+    touched = {moe for name, _ in tensors if (moe := _moe_module(name)) is not None}
+    log.info("weightstream: loaded %d tensors (%d bytes) in %.3f s", len(tensors), nbytes,
+             time.perf_counter() - t0)
+    return touched
+
+
+def _repack_touched(model: torch.nn.Module, touched: set[str]) -> None:
+    """:func:`reprepack_cpu_moe` after a reload, logged."""
+    n = reprepack_cpu_moe(model, touched)
+    if n:
+        log.info("weightstream: re-packed %d CPU MoE layers", n)
+
+
+def _finish_after_failure(finish: Callable[[], None]) -> None:
+    """Called while a failed update's error is handled. vLLM ends the session on any error there, so
+    /finish_weight_update would be refused and the model would keep the meta tensors of the layerwise reload:
+    ``finish`` (the engine's ``finish_weight_update``) finalises it now (layers that received nothing get their
+    old tensors back). The server keeps serving."""
+    log.exception("weightstream: update failed; finalising the reload before re-raising")
+    try:
+        finish()
+    except Exception:  # noqa: BLE001 — the original error is the one to report
+        log.exception("weightstream: finalising after the failure failed too")
+
+
+_ENGINE_CLS: type | None = None
+
+
+def _engine_class() -> type:
     """vLLM's ``WeightTransferEngine`` subclass, made on first use (this is where vLLM is imported)."""
     global _ENGINE_CLS
     if _ENGINE_CLS is not None:
@@ -142,11 +195,21 @@ def _engine_class():
     class UpdateInfo(WeightstreamUpdateInfo, WeightTransferUpdateInfo):
         pass
 
-    class WeightstreamTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
+    engine_cls = _transfer_engine_class(WeightTransferEngine, InitInfo, UpdateInfo)
+    engine_cls.__module__ = __name__
+    engine_cls.__qualname__ = ENGINE_CLASS_NAME
+    _ENGINE_CLS = engine_cls
+    return _ENGINE_CLS
+
+
+def _transfer_engine_class(base: Any, init_cls: type, update_cls: type) -> type:
+    """The engine class: vLLM's ``base`` (``WeightTransferEngine``) taking ``init_cls`` and ``update_cls``."""
+
+    class WeightstreamTransferEngine(base[init_cls, update_cls]):
         """Receives weightstream's broadcast buckets in one vLLM worker."""
 
-        init_info_cls = InitInfo
-        update_info_cls = UpdateInfo
+        init_info_cls = init_cls
+        update_info_cls = update_cls
         supports_draft_weight_update = False
 
         def __init__(self, config, vllm_config, device, model) -> None:
@@ -157,21 +220,11 @@ def _engine_class():
             self._reloading = False
 
         def init_transfer_engine(self, init_info) -> None:
-            from weightstream.wire.groups import destroy_group, init_custom_process_group
-
             if self.group is not None:  # a trainer that reconnects: the old group is gone on its side
                 destroy_group(self.group)
                 self.group = None
-            pc = self.parallel_config
-            worker_rank = pc.data_parallel_index * pc.world_size + pc.rank
-            self.rank = int(init_info.rank_offset) + worker_rank
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            t0 = time.perf_counter()
-            self.group = init_custom_process_group(
-                backend, f"tcp://{init_info.master_address}:{int(init_info.master_port)}", int(init_info.world_size),
-                self.rank, init_info.group_name, timedelta(seconds=float(init_info.timeout_s)))
-            log.info("weightstream: rank %d of %d joined %r (%s) in %.3f s", self.rank, init_info.world_size,
-                     init_info.group_name, backend, time.perf_counter() - t0)
+            self.rank = int(init_info.rank_offset) + _worker_rank(self.parallel_config)
+            self.group = _join_group(init_info, self.rank, self.device)
 
         def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -188,9 +241,7 @@ def _engine_class():
             self._reloading = False
             finalize_layerwise_reload(self.model, self.model_config)
             touched, self._touched_moe = self._touched_moe, set()
-            n = reprepack_cpu_moe(self.model, touched)
-            if n:
-                log.info("weightstream: re-packed %d CPU MoE layers", n)
+            _repack_touched(self.model, touched)
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
             # The base class ends with torch.accelerator.synchronize(), which raises on a CPU-only host.
@@ -199,39 +250,17 @@ def _engine_class():
                 if self.device.type != "cpu" and torch.accelerator.is_available():
                     torch.accelerator.synchronize()
             except BaseException:
-                # vLLM ends the session on any error here, so /finish_weight_update would be refused and the
-                # model would keep the meta tensors of the layerwise reload: finalise now (layers that
-                # received nothing get their old tensors back), then re-raise. The server keeps serving.
-                log.exception("weightstream: update failed; finalising the reload before re-raising")
-                try:
-                    self.finish_weight_update()
-                except Exception:  # noqa: BLE001 — the original error is the one to report
-                    log.exception("weightstream: finalising after the failure failed too")
+                _finish_after_failure(self.finish_weight_update)
                 raise
 
         def receive_weights(self, update_info) -> None:
-            if self.group is None:
-                raise RuntimeError("no weightstream group: call /init_weight_transfer_engine first")
-            t0 = time.perf_counter()
-            tensors, nbytes = receive_bucket(self.group, update_info, self.device)
-            self.model.load_weights(tensors)
-            for name, _ in tensors:
-                moe = _moe_module(name)
-                if moe is not None:
-                    self._touched_moe.add(moe)
-            log.info("weightstream: loaded %d tensors (%d bytes) in %.3f s", len(tensors), nbytes,
-                     time.perf_counter() - t0)
+            self._touched_moe |= _load_bucket(self.group, update_info, self.device, self.model)
 
         def shutdown(self) -> None:
-            from weightstream.wire.groups import destroy_group
-
             group, self.group = self.group, None
             destroy_group(group)
 
-    WeightstreamTransferEngine.__module__ = __name__
-    WeightstreamTransferEngine.__qualname__ = ENGINE_CLASS_NAME
-    _ENGINE_CLS = WeightstreamTransferEngine
-    return _ENGINE_CLS
+    return WeightstreamTransferEngine
 
 
 def __getattr__(name: str):
