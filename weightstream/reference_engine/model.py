@@ -27,8 +27,10 @@ VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def _is_fused_experts(module: nn.Module) -> bool:
-    p = getattr(module, "gate_up_proj", None)
-    return isinstance(p, nn.Parameter) and p.dim() == 3 and isinstance(getattr(module, "down_proj", None), nn.Parameter)
+    """Routed experts held fused: the module's own parameters ``gate_up_proj`` (3-D) and ``down_proj``."""
+    own = dict(module.named_parameters(recurse=False))
+    gate_up = own.get("gate_up_proj")
+    return gate_up is not None and gate_up.dim() == 3 and "down_proj" in own
 
 
 class RowParallelLinear(nn.Module):
@@ -78,8 +80,7 @@ class ShardedCausalLM:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         self._shard_modules(model)
         model.to_empty(device=device)
-        if getattr(config, "tie_word_embeddings", False):
-            model.tie_weights()  # to_empty gives each module its own storage: tie them again
+        model.tie_weights()  # to_empty gives each module its own storage: tie again what the config ties
         with torch.no_grad():
             for p in model.parameters():
                 p.zero_()
@@ -94,6 +95,7 @@ class ShardedCausalLM:
         self.backup: dict[str, Tensor] | None = None  # during a session: what each touched tensor held before
         self.device = device
         self.released_bytes = 0
+        self.released: list[tuple[Any, int]] = []  # the storages release_weights emptied, with their sizes
         self.stale: set[str] = set()  # released (or half-updated) weights no update has loaded since
         self.stale_why = ""
         self.rollback = True  # back up what a session overwrites (else an aborted session leaves weights stale)
@@ -157,7 +159,7 @@ class ShardedCausalLM:
             return 0
         buffers = {b.untyped_storage().data_ptr() for b in self.model.buffers()}
         freed = 0
-        self.released: list = []
+        self.released = []
         for st in self._storages():
             if st.data_ptr() in buffers:
                 continue
@@ -179,7 +181,7 @@ class ShardedCausalLM:
 
     def resume_weights(self) -> int:
         """Re-create the weights' memory, zeroed; they stay stale until an update loads them."""
-        for st, nbytes in getattr(self, "released", []):
+        for st, nbytes in self.released:
             st.resize_(nbytes)
             st.fill_(0)
         restored, self.released, self.released_bytes = self.released_bytes, [], 0
@@ -257,8 +259,11 @@ class ShardedCausalLM:
             row = ROW.search("." + module_path) and name.endswith(".weight")
             dim = 0 if COLUMN.search("." + module_path) else 1 if row else None
             table[name] = (p, dim)
-        if getattr(self.config, "tie_word_embeddings", False):
-            table.pop("lm_head.weight", None)
+        # A tied weight (lm_head's, where the config ties it to the embedding) loads under its first name only.
+        first = {name for name, _ in self.model.named_parameters()}
+        for name, _ in self.model.named_parameters(remove_duplicate=False):
+            if name not in first:
+                table.pop(name.replace(".linear.", "."), None)
         return table
 
     def expected_names(self) -> list[str]:
@@ -327,39 +332,11 @@ class ShardedCausalLM:
                 continue
             try:
                 if name in VOCAB and shard is not None:
-                    if shard.dim != 0 or shard.full != param.shape[0] or tensor.shape[1:] != param.shape[1:]:
-                        raise ValueError(f"vocabulary piece {shard} does not fit {tuple(param.shape)}")
-                    self._keep([(name, param)])
-                    param.narrow(0, shard.start, shard.length).copy_(tensor)
-                    self.pending_vocab.append((name, shard.start, tensor.detach().to(param.device, copy=True)))
-                    loaded.append(name)
-                    self._loaded_in_session.add(name)
-                    continue
-                if dim is None:
-                    if shard is not None:
-                        raise ValueError(f"got a shard {shard} of a tensor the engine holds whole")
-                    if tuple(tensor.shape) != tuple(param.shape):
-                        raise ValueError(f"shape {tuple(tensor.shape)} != engine's {tuple(param.shape)}")
+                    self._load_vocab_piece(name, tensor, shard, param)
                 else:
-                    n = param.shape[dim]
-                    if shard is None:
-                        full = list(param.shape)
-                        full[dim] *= self.size
-                        if list(tensor.shape) != full:
-                            raise ValueError(f"shape {tuple(tensor.shape)} != whole tensor {tuple(full)}")
-                        tensor = tensor.narrow(dim, self.rank * n, n)
-                    elif (shard.dim, shard.start, shard.length, shard.full) != (dim, self.rank * n, n, n * self.size):
-                        raise ValueError(
-                            f"shard {shard} is not engine rank {self.rank}'s "
-                            f"(dim {dim}, rows {self.rank * n}..{(self.rank + 1) * n})"
-                        )
-                    if tuple(tensor.shape) != tuple(param.shape):
-                        raise ValueError(f"shape {tuple(tensor.shape)} != engine's shard {tuple(param.shape)}")
-                if tensor.dtype != param.dtype or tensor.device != param.device:
-                    tensor = tensor.to(device=param.device, dtype=param.dtype)
-                names.append(name)
-                dst.append(param)
-                src.append(tensor)
+                    src.append(self._fitted(tensor, shard, param, dim))
+                    names.append(name)
+                    dst.append(param)
                 loaded.append(name)
                 self._loaded_in_session.add(name)
             except (ValueError, RuntimeError) as exc:
@@ -368,6 +345,42 @@ class ShardedCausalLM:
         if dst:
             torch._foreach_copy_(dst, src)
         return LoadReport(loaded, problems)
+
+    def _load_vocab_piece(self, name: str, tensor: Tensor, shard: Shard, param: Tensor) -> None:
+        """Rows of the embedding or lm_head, placed at once (their backup kept first) and kept for
+        :meth:`exchange_vocab_pieces`."""
+        if shard.dim != 0 or shard.full != param.shape[0] or tensor.shape[1:] != param.shape[1:]:
+            raise ValueError(f"vocabulary piece {shard} does not fit {tuple(param.shape)}")
+        self._keep([(name, param)])
+        param.narrow(0, shard.start, shard.length).copy_(tensor)
+        self.pending_vocab.append((name, shard.start, tensor.detach().to(param.device, copy=True)))
+
+    def _fitted(self, tensor: Tensor, shard: Shard | None, param: Tensor, dim: int | None) -> Tensor:
+        """``tensor`` as what is copied into ``param`` (split on ``dim``, or held whole where None): this rank's
+        part of a whole tensor, or a shard checked to be this rank's; in the parameter's dtype and device."""
+        if dim is None:
+            if shard is not None:
+                raise ValueError(f"got a shard {shard} of a tensor the engine holds whole")
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"shape {tuple(tensor.shape)} != engine's {tuple(param.shape)}")
+        else:
+            n = param.shape[dim]
+            if shard is None:
+                full = list(param.shape)
+                full[dim] *= self.size
+                if list(tensor.shape) != full:
+                    raise ValueError(f"shape {tuple(tensor.shape)} != whole tensor {tuple(full)}")
+                tensor = tensor.narrow(dim, self.rank * n, n)
+            elif (shard.dim, shard.start, shard.length, shard.full) != (dim, self.rank * n, n, n * self.size):
+                raise ValueError(
+                    f"shard {shard} is not engine rank {self.rank}'s "
+                    f"(dim {dim}, rows {self.rank * n}..{(self.rank + 1) * n})"
+                )
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"shape {tuple(tensor.shape)} != engine's shard {tuple(param.shape)}")
+        if tensor.dtype != param.dtype or tensor.device != param.device:
+            tensor = tensor.to(device=param.device, dtype=param.dtype)
+        return tensor
 
     @torch.no_grad()
     def exchange_vocab_pieces(self) -> None:
