@@ -19,8 +19,16 @@ from weightstream.engines.base import (
 from weightstream.engines.sglang import SGLangEngine
 from weightstream.models.spec import dtype_name
 from weightstream.streaming.bucket import TensorMeta
+from weightstream.wire.frames import BucketLayout, Plan
 
 ENGINE_NAME = "weightstream-reference"
+
+
+def _layout(bucket: Sequence[TensorMeta]) -> BucketLayout:
+    """A bucket's metadata: each tensor's name, dtype name, shape and byte offset, in order."""
+    return BucketLayout(names=tuple(m.name for m in bucket), dtypes=tuple(dtype_name(m.dtype) for m in bucket),
+                        shapes=tuple(tuple(int(d) for d in m.shape) for m in bucket),
+                        offsets=tuple(m.offset for m in bucket))
 
 
 def _meta_json(m) -> dict:
@@ -71,10 +79,10 @@ class ReferenceEngine(SGLangEngine):
         """The metadata of every dense bucket of this update, in order, before the first is broadcast; the
         engine receives them back to back and answers once all are loaded (or once one failed: it still
         receives the rest, so that the broadcasts match, and loads none of them)."""
+        layouts = [_layout(b) for b in buckets]
         self.post("/weightstream/update_weights_from_distributed_ahead", {
             "group_name": self.group_name, "weight_version": self._version, "load_format": "flattened_bucket",
-            "buckets": [{"names": [m.name for m in b], "dtypes": [dtype_name(m.dtype) for m in b],
-                         "shapes": [list(m.shape) for m in b]} for b in buckets],
+            "buckets": [{"names": b.names, "dtypes": b.dtypes, "shapes": b.shapes} for b in layouts],
         }, step=f"update_weights_from_distributed_ahead ({len(buckets)} buckets)", timeout_s=timeout_s)
 
     def receive_ipc_ahead(self, plan: str, num_buckets: int, channels: Sequence[str], client: str,
@@ -94,7 +102,8 @@ class ReferenceEngine(SGLangEngine):
                           timeout_s: float) -> None:
         """Before the first update, outside a session: each engine rank connects to its control channel as
         for :meth:`receive_ipc_ahead`, learns the plan if it does not know it, and maps the buffers the
-        trainer names in one frame (``{"buffers": [...]}``), keeping them for this client's updates."""
+        trainer names in one frame (:class:`~weightstream.wire.frames.KeptBuffers`), keeping them for this
+        client's updates."""
         self.post("/weightstream/prepare_ipc_ahead", {
             "client": client, "channels": list(channels), "timeout_s": timeout_s, "plan": plan,
             "num_buckets": num_buckets,
@@ -106,10 +115,9 @@ class ReferenceEngine(SGLangEngine):
                   timeout_s=timeout_s)
 
     @staticmethod
-    def ipc_plan_frame(buckets: Sequence[Sequence[TensorMeta]]) -> dict:
+    def ipc_plan_frame(buckets: Sequence[Sequence[TensorMeta]]) -> Plan:
         """The control-channel frame with the metadata of every bucket of a plan, in order."""
-        return {"buckets": [{"names": [m.name for m in b], "dtypes": [dtype_name(m.dtype) for m in b],
-                             "shapes": [list(m.shape) for m in b], "offsets": [m.offset for m in b]} for b in buckets]}
+        return Plan(tuple(_layout(b) for b in buckets))
 
     def receive_p2p(self, index: int, ranks: Sequence[RankBucket]) -> None:
         """Metadata of what each engine rank receives by send/recv in this bucket."""

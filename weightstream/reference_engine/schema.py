@@ -1,8 +1,10 @@
-"""Checks of the bucket metadata an engine is sent (over HTTP, or on the IPC control channel): every
-problem listed, none raised alone."""
+"""Checks of the bucket metadata an engine is sent (over HTTP, or on the IPC control channel, where the
+frame's types are checked as it is read: :mod:`weightstream.wire.frames`): every problem listed, none raised
+alone."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from weightstream.models.spec import dtype_from_name
@@ -23,12 +25,16 @@ def _is_dtype_name(name: Any) -> bool:
         return False
 
 
-def bucket_problems(bucket: Any, *, offsets: bool = False) -> list[str]:
-    """What is wrong with one bucket's metadata (``names``, ``dtypes``, ``shapes``, and ``offsets`` where
-    asked for)."""
+def unknown_dtypes(dtypes: Iterable[Any]) -> list[Any]:
+    """The names in ``dtypes`` that name no dtype this engine knows."""
+    return [d for d in dtypes if not _is_dtype_name(d)]
+
+
+def bucket_problems(bucket: Any) -> list[str]:
+    """What is wrong with one bucket's metadata (``names``, ``dtypes``, ``shapes``)."""
     if not isinstance(bucket, dict):
         return ["must be an object"]
-    fields = ["names", "dtypes", "shapes"] + (["offsets"] if offsets else [])
+    fields = ["names", "dtypes", "shapes"]
     missing = [f for f in fields if not isinstance(bucket.get(f), list)]
     if missing:
         return [f"field {f!r} must be a list" for f in missing]
@@ -38,20 +44,18 @@ def bucket_problems(bucket: Any, *, offsets: bool = False) -> list[str]:
         problems.append(f"{', '.join(fields)} differ in length ({', '.join(map(str, lengths))})")
     if not all(isinstance(n, str) for n in bucket["names"]):
         problems.append("names must be strings")
-    bad = [d for d in bucket["dtypes"] if not _is_dtype_name(d)]
+    bad = unknown_dtypes(bucket["dtypes"])
     if bad:
         problems.append(f"unknown dtypes {bad[:5]}")
     if not int_lists(bucket["shapes"], 2):
         problems.append("shapes must be lists of non-negative integers")
-    if offsets and not int_lists(bucket["offsets"], 1):
-        problems.append("offsets must be non-negative integers")
     return problems
 
 
-def buckets_problems(buckets: Any, *, offsets: bool = False) -> list[str]:
+def buckets_problems(buckets: Any) -> list[str]:
     if not isinstance(buckets, list):
         return ["buckets must be a list"]
-    return [f"bucket {i}: {p}" for i, b in enumerate(buckets) for p in bucket_problems(b, offsets=offsets)]
+    return [f"bucket {i}: {p}" for i, b in enumerate(buckets) for p in bucket_problems(b)]
 
 
 # -- bounds on what one HTTP request may ask for ------------------------------------------------------

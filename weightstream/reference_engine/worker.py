@@ -18,18 +18,19 @@ import uuid
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from weightstream.common.processes import die_with_parent
 from weightstream.models.spec import dtype_from_name, dtype_name
-from weightstream.reference_engine.schema import buckets_problems
+from weightstream.reference_engine.schema import unknown_dtypes
 from weightstream.streaming.bucket import (
     Bucket,
     Shard,
@@ -40,11 +41,34 @@ from weightstream.streaming.bucket import (
     view_tensor,
 )
 from weightstream.streaming.copies import batched_copy, warm_kernel
-from weightstream.wire.channel import Channel, fd_peer
+from weightstream.wire.channel import Channel, ChannelError, fd_peer
+from weightstream.wire.frames import (
+    BucketLayout,
+    BucketLoaded,
+    BucketSent,
+    BuffersHeld,
+    Error,
+    Export,
+    ExportedWeights,
+    Frame,
+    FrameError,
+    Hello,
+    KeptBuffers,
+    LentBuffer,
+    Offer,
+    OfferAnswer,
+    Plan,
+    Ready,
+    WritesApplied,
+    WritesDone,
+    expect,
+)
 from weightstream.wire.groups import destroy_group, init_custom_process_group, tcp_store
 from weightstream.wire.handles import ShmGrant, checksum, dumps_b64, loads_b64, map_fd, share_fd
 
 FAULT_ENV = "WEIGHTSTREAM_ENGINE_FAULT"
+F = TypeVar("F", bound=Frame)
+MAX_ERROR_CHARS = 4000  # of the reason an error frame gives
 
 
 class ChecksumError(RuntimeError):
@@ -57,18 +81,63 @@ def _closing(fds: list[int]) -> Iterator[None]:
     try:
         yield
     finally:
-        for fd in fds:
-            os.close(fd)
+        _close(fds)
+
+
+def _answer_error(chan: Channel, reason: str, bucket: int | None = None) -> None:
+    """Tell the trainer why this update ends here (an :class:`Error` frame), where the channel still takes it."""
+    try:
+        chan.send(Error(reason[:MAX_ERROR_CHARS], bucket))
+    except ChannelError:
+        pass  # the trainer is gone: its end of the update has ended already
 
 
 @contextmanager
-def _failures_answered(chan: Channel, **fields):
-    """A failure inside is answered on the control channel (with ``fields``: the bucket), then raised."""
+def _failures_answered(chan: Channel, bucket: int | None = None):
+    """A failure inside is answered on the control channel (an :class:`Error` frame naming ``bucket``), then
+    raised."""
     try:
         yield
     except Exception as exc:
-        chan.send({**fields, "error": f"{type(exc).__name__}: {exc}"})
+        _answer_error(chan, f"{type(exc).__name__}: {exc}", bucket)
         raise
+
+
+def _receive(chan: Channel, kind: type[F], timeout_s: float, what: str, bucket: int | None = None,
+             ) -> tuple[F, list[int]]:
+    """The trainer's next frame, which must be a ``kind``, and the descriptors that came with it. A frame
+    that is malformed, or of another kind, is answered with an :class:`Error` frame naming the problem and
+    raised (:class:`FrameError`); the trainer's own :class:`Error` frame is raised, not answered."""
+    try:
+        frame, fds = chan.recv_fds(timeout_s, what)
+    except FrameError as exc:
+        _answer_error(chan, f"{what}: {exc}", bucket)
+        raise
+    if isinstance(frame, Error):
+        _close(fds)
+        raise RuntimeError(f"the trainer gave the update up ({what}): {frame.message}")
+    try:
+        return expect(frame, kind, what), fds
+    except FrameError as exc:
+        _close(fds)
+        _answer_error(chan, str(exc), bucket)
+        raise
+
+
+def _receive_one(chan: Channel, kind: type[F], timeout_s: float, what: str) -> F:
+    """:func:`_receive` of a frame that comes with no descriptors (any that came are closed, and refused)."""
+    frame, fds = _receive(chan, kind, timeout_s, what)
+    if fds:
+        _close(fds)
+        problem = f"{what}: {len(fds)} descriptors came with a {kind.kind!r} frame, which takes none"
+        _answer_error(chan, problem)
+        raise FrameError(kind.kind, [problem])
+    return frame
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def dense_layout(names, dtypes, shapes) -> list[TensorMeta]:
@@ -82,6 +151,12 @@ def dense_layout(names, dtypes, shapes) -> list[TensorMeta]:
         metas.append(meta)
         offset += meta.nbytes
     return metas
+
+
+def _metas(layout: BucketLayout) -> list[TensorMeta]:
+    """A bucket's tensors as the trainer's :class:`Plan` lays them out (each at its offset)."""
+    return [TensorMeta(n, dtype_from_name(d), tuple(s), o)
+            for n, d, s, o in zip(layout.names, layout.dtypes, layout.shapes, layout.offsets, strict=True)]
 
 
 class _Pipeline:
@@ -255,18 +330,16 @@ class Worker:
             program = self.programs[key] = self._program(dense_layout(names, dtypes, shapes))
         return program
 
-    def _ipc_plan(self, plan: str, num_buckets: int, frame: dict) -> list | str:
-        """The programs of every bucket of ``plan`` from the trainer's metadata frame (kept for the next
-        update of the same plan), or what is wrong with the frame."""
-        buckets = frame.get("buckets")
-        problems = buckets_problems(buckets, offsets=True)  # says so where it is not a list
-        if problems or not isinstance(buckets, list):
+    def _ipc_plan(self, plan: str, num_buckets: int, frame: Plan) -> list | str:
+        """The programs of every bucket of ``plan`` from the trainer's :class:`Plan` frame (kept for the next
+        update of the same plan), or what is wrong with it (the frame's types are checked as it is read)."""
+        problems = [f"bucket {i}: unknown dtypes {bad[:5]}" for i, b in enumerate(frame.buckets)
+                    if (bad := unknown_dtypes(b.dtypes))]
+        if problems:
             return "bad bucket metadata: " + "; ".join(problems)
-        if len(buckets) != num_buckets:
-            return f"bad bucket metadata: {len(buckets)} buckets described, {num_buckets} announced"
-        programs = [self._program([TensorMeta(n, dtype_from_name(d), tuple(s), o) for n, d, s, o in
-                                   zip(b["names"], b["dtypes"], b["shapes"], b["offsets"], strict=True)])
-                    for b in buckets]
+        if len(frame.buckets) != num_buckets:
+            return f"bad bucket metadata: {len(frame.buckets)} buckets described, {num_buckets} announced"
+        programs = [self._program(_metas(b)) for b in frame.buckets]
         self.ipc_plans[plan] = programs
         while len(self.ipc_plans) > 4:
             self.ipc_plans.pop(next(iter(self.ipc_plans)))
@@ -297,90 +370,111 @@ class Worker:
         The first failure is answered on the channel and raised (nothing after it is loaded). Where every
         tensor of the plan is one whole weight of ours, the trainer may write into our weights instead
         (:meth:`_offer_writes`, :meth:`_take_writes`): no bucket frames then."""
-        cuda = self.device.type == "cuda"
         chan, programs = self._ipc_connect(plan, num_buckets, channel, client, timeout_s)
-        loaded: list[str] = []
         with self._leased(chan):
             offer = self._offer_writes(chan, plan, programs, timeout_s)
             if offer is not None:
                 return self._take_writes(chan, *offer, timeout_s * (num_buckets + 1))
-            events = None
-            for k, program in enumerate(programs):
-                frame, fds = chan.recv_fds(timeout_s, f"frame of bucket {k} from the trainer")
-                with _closing(fds), _failures_answered(chan, k=k):
-                    if frame.get("k") != k:
-                        raise RuntimeError(f"expected bucket {k}, the trainer sent {frame.get('k')!r}")
-                    if frame.get("drop"):
-                        self._close_ipc_buffers([int(d) for d in frame["drop"]])
-                    if cuda and frame.get("events"):
-                        events = self._open_events(frame["events"])
-                    buf_id = int(frame["buf"])
-                    if frame.get("payload") or "fd" in frame:
-                        whole = self._open_lent(frame, iter(fds))
-                        if frame.get("keep"):
-                            self.ipc_kept[buf_id] = whole
-                    elif buf_id in self.ipc_kept:
-                        whole = self.ipc_kept[buf_id]
-                    else:
-                        raise RuntimeError(f"the trainer named buffer {buf_id}, which this engine does not hold")
-                    if program.total > int(frame["nbytes"]):
-                        raise RuntimeError(f"bucket {k} needs {program.total} bytes, "
-                                           f"the trainer sent {frame['nbytes']}")
-                    view = whole.narrow(0, int(frame["offset"]), int(frame["nbytes"]))
-                    if cuda:
-                        if events is None:
-                            raise RuntimeError("the trainer sent no CUDA events")
-                        torch.cuda.current_stream(self.device).wait_event(events[k % 2])
-                    kept = bool(frame.get("keep"))
-                    loaded += self._load_dense(program, view, frame.get("checksum"), kept=kept)["loaded"]
-                    if cuda:
-                        events[2 + k % 2].record(torch.cuda.current_stream(self.device))
-                        if not frame.get("keep"):
-                            # A buffer used once is closed as it is dropped: the copies out of it finish first.
-                            torch.cuda.current_stream(self.device).synchronize()
-                    del view, whole
-                chan.send({"k": k})
-            if cuda:
-                torch.cuda.synchronize(self.device)
+            return self._take_buckets(chan, programs, timeout_s)
+
+    def _take_buckets(self, chan: Channel, programs: list, timeout_s: float) -> dict:
+        """One :class:`BucketSent` frame per bucket, each loaded and answered (:class:`BucketLoaded`)."""
+        loaded: list[str] = []
+        events = None
+        for k, program in enumerate(programs):
+            frame, fds = _receive(chan, BucketSent, timeout_s, f"the frame of bucket {k} from the trainer", k)
+            with _closing(fds), _failures_answered(chan, k):
+                if self.device.type == "cuda" and frame.events:
+                    events = self._open_events(frame.events)
+                loaded += self._load_sent(k, program, frame, fds, events)
+            chan.send(BucketLoaded(k))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         return {"loaded": loaded}
+
+    def _load_sent(self, k: int, program, frame: BucketSent, fds: list[int], events: list | None) -> list[str]:
+        """Bucket ``k`` out of the buffer ``frame`` names (opened if it comes with the frame); on a GPU (where
+        ``events`` are the trainer's) after the trainer's event for it, recording ours once the copies are
+        queued."""
+        cuda = self.device.type == "cuda"
+        if frame.k != k:
+            raise RuntimeError(f"expected bucket {k}, the trainer sent bucket {frame.k}")
+        if frame.drop:
+            self._close_ipc_buffers(list(frame.drop))
+        whole = self._buffer_of(frame.buffer, frame.keep, fds)
+        if program.total > frame.nbytes:
+            raise RuntimeError(f"bucket {k} needs {program.total} bytes, the trainer sent {frame.nbytes}")
+        view = whole.narrow(0, frame.offset, frame.nbytes)
+        if cuda and events is None:
+            raise RuntimeError("the trainer sent no CUDA events")
+        if events is not None:
+            torch.cuda.current_stream(self.device).wait_event(events[k % 2])
+        loaded = self._load_dense(program, view, frame.checksum, kept=frame.keep)["loaded"]
+        if events is not None:
+            events[2 + k % 2].record(torch.cuda.current_stream(self.device))
+            if not frame.keep:
+                # A buffer used once is closed as it is dropped (on return): the copies out of it finish first.
+                torch.cuda.current_stream(self.device).synchronize()
+        return loaded
+
+    def _buffer_of(self, named: LentBuffer, keep: bool, fds: list[int]) -> torch.Tensor:
+        """The whole buffer a frame names: lent with the frame (kept mapped if ``keep``), or one we hold."""
+        if named.lent:
+            whole = self._open_lent(named, iter(fds))
+            if keep:
+                self.ipc_kept[named.id] = whole
+            return whole
+        held = self.ipc_kept.get(named.id)
+        if held is None:
+            raise RuntimeError(f"the trainer named buffer {named.id}, which this engine does not hold")
+        return held
 
     def prepare_ipc_ahead(self, plan, num_buckets, channel, client, timeout_s):
         """Before a trainer's first update: learn its plan's layout, map its kept buffers and make each
         bucket's copies out of the buffer it will arrive in, so that the update itself does none of it. One
-        frame: ``{"buffers": [{"buf", "payload"?}, ...], "slots": [buf id of bucket k % len(slots)]}``."""
+        :class:`KeptBuffers` frame, answered with :class:`BuffersHeld`."""
         chan, programs = self._ipc_connect(plan, num_buckets, channel, client, timeout_s)
         with self._leased(chan):
             self._offer_writes(chan, plan, programs, timeout_s)
-            frame, fds = chan.recv_fds(timeout_s, "the trainer's kept buffers")
+            frame, fds = _receive(chan, KeptBuffers, timeout_s, "the trainer's kept buffers")
             with _closing(fds), _failures_answered(chan):
-                lent = iter(fds)
-                for named in frame.get("buffers") or ():
-                    if named.get("payload") or "fd" in named:
-                        self.ipc_kept[int(named["buf"])] = self._open_lent(named, lent)
-                slots = [self.ipc_kept.get(int(i)) for i in frame.get("slots") or ()]
-                for k, program in enumerate(programs):
-                    whole = slots[k % len(slots)] if slots else None
-                    if whole is not None and program.runs is not None and program.total <= whole.numel():
-                        self._copies_from(program, whole.narrow(0, 0, program.total), kept=True)
-                if slots:
-                    warm_kernel(self.device)  # its first launch compiles it (a second or more): not in the update
-                # What was just made lives as long as the plan: left to the cyclic collector, the first
-                # update's new objects would set off a collection of all of it (300 ms at 18,867 tensors on
-                # a 2-core CPU); frozen, collections skip it (dropped plans are still freed by refcount).
-                gc.freeze()
-            chan.send({"ok": True})
+                self._keep_buffers(frame, fds, programs)
+            chan.send(BuffersHeld(len(self.ipc_kept)))
         return {"held": len(self.ipc_kept)}
 
-    def _open_lent(self, named: dict, fds: Iterator[int]) -> torch.Tensor:
+    def _keep_buffers(self, frame: KeptBuffers, fds: list[int], programs: list) -> None:
+        """Map the buffers ``frame`` lends (its descriptors: ``fds``) and make each bucket's copies out of its
+        slot."""
+        if frame.drop:
+            self._close_ipc_buffers(list(frame.drop))
+        lent = iter(fds)
+        for named in frame.buffers:
+            if named.lent:
+                self.ipc_kept[named.id] = self._open_lent(named, lent)
+        slots = [self.ipc_kept.get(i) for i in frame.slots]
+        for k, program in enumerate(programs):
+            whole = slots[k % len(slots)] if slots else None
+            if whole is not None and program.runs is not None and program.total <= whole.numel():
+                self._copies_from(program, whole.narrow(0, 0, program.total), kept=True)
+        if slots:
+            warm_kernel(self.device)  # its first launch compiles it (a second or more): not in the update
+        # What was just made lives as long as the plan: left to the cyclic collector, the first update's new
+        # objects would set off a collection of all of it (300 ms at 18,867 tensors on a 2-core CPU); frozen,
+        # collections skip it (dropped plans are still freed by refcount).
+        gc.freeze()
+
+    def _open_lent(self, named: LentBuffer, fds: Iterator[int]) -> torch.Tensor:
         """A whole buffer the trainer lends: on the CPU the shared-memory file whose descriptor came with the
-        frame (the next of ``fds``; ``fd``: its size), on a GPU its CUDA IPC handle (``payload``)."""
-        if "fd" in named:
+        frame (the next of ``fds``; ``fd_bytes``: its size), on a GPU its CUDA IPC handle (``payload``)."""
+        if named.fd_bytes is not None:
             fd = next(fds, None)
             if fd is None:
-                raise RuntimeError(f"the trainer named buffer {named.get('buf')!r} by a descriptor it did not send")
-            whole = map_fd(fd, int(named["fd"]))
+                raise RuntimeError(f"the trainer named buffer {named.id} by a descriptor it did not send")
+            whole = map_fd(fd, named.fd_bytes)
+        elif named.payload is not None:
+            whole = loads_b64(named.payload, self._grant())
         else:
-            whole = loads_b64(named["payload"], self._grant())
+            raise RuntimeError(f"buffer {named.id} is not lent with this frame")
         self.ipc_opened += 1
         return whole
 
@@ -428,24 +522,23 @@ class Worker:
         self._close_ipc_buffers(None)
         self.ipc_client = None
 
-    def _offer_writes(self, chan, plan, programs, timeout_s) -> tuple[SimpleNamespace, dict] | None:
+    def _offer_writes(self, chan, plan, programs, timeout_s) -> tuple[SimpleNamespace, OfferAnswer] | None:
         """Offer the trainer to write the plan's tensors straight into our weights, where every tensor of it is
-        one whole weight of ours (loaded by a plain copy): ``{"direct": bool}``. Its answer says whether it
-        will, and which export of ours it holds (``have``); where it will, the export follows: its id, and
-        unless the trainer holds it, our weights' storages and each tensor's place in them. Returns the
-        export and the answer where it will, else None."""
+        one whole weight of ours (loaded by a plain copy): :class:`Offer`. Its :class:`OfferAnswer` says
+        whether it will, and which export of ours it holds (``have``); where it will, the :class:`Export`
+        follows: its id, and unless the trainer holds it, our weights' storages and each tensor's place in
+        them. Returns the export and the answer where it will, else None."""
         can = self._can_take_writes(programs)
-        chan.send({"direct": can})
-        answer = chan.recv(timeout_s, "the trainer's answer to the offer of direct writes")
-        if not answer.get("direct"):
+        chan.send(Offer(can))
+        answer = _receive_one(chan, OfferAnswer, timeout_s, "the trainer's answer to the offer of direct writes")
+        if not answer.direct:
             return None
-        if not can:
-            raise RuntimeError("the trainer asked to write into weights this engine did not offer")
-        export = self._export(plan, programs)
-        if answer.get("have") == export.id:
-            chan.send({"export": export.id})
-        else:
-            chan.send(*self._export_frame(export))
+        with _failures_answered(chan):
+            if not can:
+                raise RuntimeError("the trainer asked to write into weights this engine did not offer")
+            export = self._export(plan, programs)
+            frame, fds = (Export(export.id, None), []) if answer.have == export.id else self._export_frame(export)
+        chan.send(frame, fds)
         return export, answer
 
     def _can_take_writes(self, programs) -> bool:
@@ -454,8 +547,8 @@ class Worker:
         return not (self.fault or self.model.released_bytes or not programs or any(p.runs is None for p in programs))
 
     def _export(self, plan, programs) -> SimpleNamespace:
-        """The export of ``plan``'s weights (``id``, ``frame``, and the plan's ``names`` with the ``targets``
-        they go into), made once per plan and weight storage."""
+        """The export of ``plan``'s weights (``id``, ``weights``: what :class:`ExportedWeights` says of them,
+        and the plan's ``names`` with the ``targets`` they go into), made once per plan and weight storage."""
         made = self.exports.get(plan)
         if made is not None:
             return made
@@ -463,54 +556,55 @@ class Worker:
         targets = [t for program in programs for group in program.targets for t in group]
         storages: dict[int, int] = {}
         wholes: list[torch.Tensor] = []
-        where: list[list[Any]] = []
+        where: list[int] = []
         for t in targets:
             st = t.untyped_storage()
             idx = storages.get(st._cdata)
             if idx is None:
                 idx = storages[st._cdata] = len(wholes)
                 wholes.append(torch.empty(0, dtype=torch.uint8, device=self.device).set_(st))
-            where.append([idx, t.storage_offset() * t.element_size(), t.numel(), dtype_name(t.dtype)])
-        frame = {"names": names, "where": where}
-        if self.device.type == "cpu":
-            # Each storage moves into an unnamed shared-memory file, in place (our views follow it): what is
-            # sent is its descriptor, which no later trainer's exit or kill can take away (nothing is named).
-            frame["sizes"] = [share_fd(w.untyped_storage())[1] for w in wholes]
-        made = self.exports[plan] = SimpleNamespace(id=uuid.uuid4().hex, frame=frame, names=names, targets=targets,
-                                                    wholes=wholes)
+            where.append(idx)
+        # On the CPU each storage moves into an unnamed shared-memory file, in place (our views follow it): what
+        # is sent is its descriptor, which no later trainer's exit or kill can take away (nothing is named).
+        sizes = tuple(share_fd(w.untyped_storage())[1] for w in wholes) if self.device.type == "cpu" else None
+        weights = ExportedWeights(
+            names=tuple(names), storages=tuple(where),
+            offsets=tuple(t.storage_offset() * t.element_size() for t in targets),
+            numels=tuple(t.numel() for t in targets), dtypes=tuple(dtype_name(t.dtype) for t in targets),
+            sizes=sizes, payload=None)
+        made = self.exports[plan] = SimpleNamespace(id=uuid.uuid4().hex, weights=weights, names=names,
+                                                    targets=targets, wholes=wholes)
         return made
 
-    def _export_frame(self, export: SimpleNamespace) -> tuple[dict, list[int]]:
+    def _export_frame(self, export: SimpleNamespace) -> tuple[Export, list[int]]:
         """The export as a trainer that does not hold it gets it: on the CPU the storages' descriptors (the
         same each time); on a GPU their CUDA IPC handles, pickled for this trainer (each pickle is one
         receiver's reference)."""
         if self.device.type == "cpu":
             fds = [share_fd(w.untyped_storage())[0] for w in export.wholes]
-            return {"export": export.id, "targets": export.frame}, fds
-        return {"export": export.id, "targets": {**export.frame, "payload": dumps_b64(export.wholes)}}, []
+            return Export(export.id, export.weights), fds
+        return Export(export.id, replace(export.weights, payload=dumps_b64(export.wholes))), []
 
-    def _take_writes(self, chan, export: SimpleNamespace, answer: dict, bound_s: float) -> dict:
+    def _take_writes(self, chan: Channel, export: SimpleNamespace, answer: OfferAnswer, bound_s: float) -> dict:
         """The trainer writes every tensor of the plan into our weights (``export``): we back up what it
-        overwrites (the session rolls back whole), say ready (on a GPU: an event its stream waits on), and
-        wait for its "done" (on a GPU: our stream waits on its event, then the device finishes before we
-        answer)."""
+        overwrites (the session rolls back whole), say :class:`Ready` (on a GPU: an event its stream waits
+        on), and wait for its :class:`WritesDone` (on a GPU: our stream waits on its event, then the device
+        finishes before we answer :class:`WritesApplied`)."""
         cuda = self.device.type == "cuda"
         with _failures_answered(chan):
-            events = self._open_events(answer.get("events") or ()) if cuda else []
+            events = self._open_events(answer.events) if cuda else []
             if cuda and len(events) != 4:
                 raise RuntimeError("the trainer sent no CUDA events")
             self.model.begin_writes(export.names, export.targets)
             if cuda:
                 events[2].record(torch.cuda.current_stream(self.device))
-        chan.send({"ready": True})
-        done = chan.recv(bound_s, "the trainer's writes into our weights")
-        if "error" in done or not done.get("done"):
-            raise RuntimeError(f"the trainer did not finish its writes: {done.get('error') or done}")
+        chan.send(Ready())
+        _receive_one(chan, WritesDone, bound_s, "the trainer's writes into our weights")
         if cuda:
             torch.cuda.current_stream(self.device).wait_event(events[0])
             torch.cuda.synchronize(self.device)
         self.direct_updates += 1
-        chan.send({"ok": True})
+        chan.send(WritesApplied(len(export.names)))
         return {"loaded": export.names}
 
     def _open_events(self, handles) -> list:
@@ -518,20 +612,21 @@ class Worker:
         return [torch.cuda.Event.from_ipc_handle(self.device, base64.b64decode(h)) for h in handles]
 
     def _ipc_connect(self, plan, num_buckets, channel, client, timeout_s):
-        """Connect to the trainer rank's control channel, greet it (the buffers we hold of it, whether we know
-        ``plan``) and take the plan's layout if we did not: the channel and each bucket's program."""
+        """Connect to the trainer rank's control channel, greet it (:class:`Hello`: the buffers we hold of it,
+        whether we know ``plan``) and take the plan's layout (:class:`Plan`) if we did not: the channel and
+        each bucket's program."""
         if client != self.ipc_client:  # another trainer: the last one's lease and buffers go
             self._trainer_gone()
             self.ipc_client = client
         chan = Channel.connect(channel, timeout_s)
         try:
             programs = self.ipc_plans.get(plan)
-            chan.send({"hello": self.rank, "client": client, "have": sorted(self.ipc_kept),
-                       "plan_known": programs is not None})
+            chan.send(Hello(self.rank, client, tuple(sorted(self.ipc_kept)), programs is not None))
             if programs is None:  # the layout of every bucket, once per plan of this trainer
-                programs = self._ipc_plan(plan, num_buckets, chan.recv(timeout_s, "bucket metadata from the trainer"))
+                programs = self._ipc_plan(plan, num_buckets,
+                                          _receive_one(chan, Plan, timeout_s, "bucket metadata from the trainer"))
                 if isinstance(programs, str):
-                    chan.send({"k": 0, "error": programs})
+                    _answer_error(chan, programs)
                     raise ValueError(programs)
         except BaseException:
             chan.close()

@@ -37,7 +37,8 @@ import weakref
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, cast
+from dataclasses import dataclass, field
+from typing import Any, NoReturn, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -46,8 +47,29 @@ from weightstream.common.bounds import Deadline
 from weightstream.engines.base import IPC, IPC_AHEAD, EngineAdapter, IPCAheadEngine, IPCEngine, capable, implementing
 from weightstream.errors import UpdateError
 from weightstream.models.spec import dtype_from_name
+from weightstream.sinks.base import Delivery
 from weightstream.streaming.bucket import Bucket
-from weightstream.wire.channel import Channel, Listener
+from weightstream.wire.channel import Channel, ChannelError, Listener
+from weightstream.wire.frames import (
+    BucketLoaded,
+    BucketSent,
+    BuffersHeld,
+    Error,
+    Export,
+    ExportedWeights,
+    Frame,
+    FrameError,
+    Hello,
+    KeptBuffers,
+    LentBuffer,
+    Offer,
+    OfferAnswer,
+    Plan,
+    Ready,
+    WritesApplied,
+    WritesDone,
+    expect,
+)
 from weightstream.wire.handles import (
     checksum,
     dumps_b64,
@@ -59,6 +81,7 @@ from weightstream.wire.handles import (
 log = logging.getLogger("weightstream")
 
 KEPT_HANDLES = 4  # kept buffers whose handles the engine holds for this trainer (the stream keeps two)
+F = TypeVar("F", bound=Frame)
 
 
 class IPCSink:
@@ -112,9 +135,7 @@ class IPCSink:
         elif self._announces and not self._announced:
             self._announce(stream)
         if self.writing:  # the engine backs up what we overwrite first: its stream's event, or (CPU) its word
-            ready = self._control().recv(self.timeout_s, "the engine's word that it is ready for the writes")
-            if "error" in ready:
-                raise UpdateError("connect", str(ready["error"]), [self.engine.url])
+            self._receive(Ready, "connect", "the engine's word that it is ready for the writes")
             if self._events is not None:
                 torch.cuda.current_stream(stream.device).wait_event(self._events[2])
 
@@ -132,14 +153,11 @@ class IPCSink:
             # Written into the engine's weights: no buffers of ours to map (nor to allocate).
             kept = [] if writes else stream.kept_buffers()
             named = [self._name_buffer(b.untyped_storage(), b.device, keep=True) for b in kept]
-            names = [n for n, _, _ in named]
             # Bucket k is packed into kept buffer k % 2 from its start: the engine makes its copies out of it now.
-            channel = self._control()
-            channel.send({"buffers": names, "slots": [n["buf"] for n in names]},
-                         [fd for _, _, fds in named for fd in fds])
-            reply = channel.recv(self.timeout_s, "the engine's answer to the kept buffers")
-            if "error" in reply:
-                raise UpdateError("prepare", str(reply["error"]), [self.engine.url])
+            frame = KeptBuffers(buffers=tuple(n.buffer for n in named), slots=tuple(n.buffer.id for n in named),
+                                drop=tuple(d for n in named for d in n.drop))
+            self._control().send(frame, [fd for n in named for fd in n.fds])
+            self._receive(BuffersHeld, "prepare", "the engine's answer to the kept buffers")
         self.close("prepare")
 
     def _announce(self, stream) -> None:
@@ -148,11 +166,8 @@ class IPCSink:
         the kernel's word, which process made the shared memory the payloads name; kept as the lease."""
         self._open_ahead(stream, prepare=True, direct=False)
         if self.rank < self.engine_tp:
-            channel = self._control()
-            channel.send({"buffers": [], "slots": []})
-            reply = channel.recv(self.timeout_s, "the engine's answer to this trainer's announcement")
-            if "error" in reply:
-                raise UpdateError("connect", str(reply["error"]), [self.engine.url])
+            self._control().send(KeptBuffers(buffers=(), slots=(), drop=()))
+            self._receive(BuffersHeld, "connect", "the engine's answer to this trainer's announcement")
         self._end_ahead("connect")
         self._announced = True
 
@@ -196,12 +211,16 @@ class IPCSink:
         if listener is None:
             return
         channel = self._channel = listener.accept(self.timeout_s, abandon=self._engine_gave_up)
-        hello = channel.recv(self.timeout_s, "greeting from the engine")
-        held = set(hello.get("have") or ()) if hello.get("client") == self._client else set()
+        hello = self._receive(Hello, "connect", "greeting from the engine")
+        held = set(hello.have) if hello.client == self._client else set()
         for key in [k for k, (i, _) in self._known.items() if i not in held]:
             del self._known[key]  # the engine no longer holds it: sent again when next used
-        if not hello.get("plan_known"):  # the layout of every bucket, once per plan
-            channel.send(self._ahead_engine().ipc_plan_frame([stream.bucket_metas(i) for i in range(len(stream))]))
+        if not hello.plan_known:  # the layout of every bucket, once per plan
+            plan = self._ahead_engine().ipc_plan_frame([stream.bucket_metas(i) for i in range(len(stream))])
+            if not isinstance(plan, Plan):
+                raise TypeError(f"{type(self.engine).__name__}.ipc_plan_frame made a {type(plan).__name__}, not a "
+                                "Plan frame")
+            channel.send(plan)
         if stream.device.type == "cuda" and self._events is None:
             self._events = [torch.cuda.Event(interprocess=True) for _ in range(4)]
         self._answer_offer(stream, direct)
@@ -212,32 +231,34 @@ class IPCSink:
         transport copy is left to check), naming the export of the engine's weights it holds; the engine
         answers with its export's id, and with the export itself unless that is the one held (mapped here
         then), and the stream writes into it. On the CPU the export's storages come as descriptors."""
-        channel = self._control()
-        can = channel.recv(self.timeout_s, "the engine's offer of direct writes").get("direct")
-        use = bool(can) and direct and self.direct and not self.checksums and stream.can_write_into()
-        answer: dict[str, Any] = {"direct": use, "have": self._targets_id}
-        if use and self._events is not None:
-            answer["events"] = [base64.b64encode(e.ipc_handle()).decode() for e in self._events]
-        channel.send(answer)
+        offer = self._receive(Offer, "connect", "the engine's offer of direct writes")
+        use = offer.direct and direct and self.direct and not self.checksums and stream.can_write_into()
+        events = self._event_handles() if use and self._events is not None else ()
+        self._control().send(OfferAnswer(direct=use, have=self._targets_id, events=events))
         if not use:
             return
-        frame, fds = channel.recv_fds(self.timeout_s, "the engine's weights to write into")
+        export, fds = self._receive_fds(Export, "connect", "the engine's weights to write into")
         try:
-            if "error" in frame or not frame.get("export"):
-                raise UpdateError("connect", str(frame.get("error") or "the engine sent no export of its weights"),
-                                  [self.engine.url])
-            if frame["export"] != self._targets_id:
-                if "targets" not in frame:
-                    raise UpdateError("connect", f"the engine named export {frame['export']} and did not send it",
-                                      [self.engine.url])
+            if export.id != self._targets_id:
+                if export.weights is None:
+                    self._refuse("connect", f"the engine named export {export.id}, which this trainer does not "
+                                 "hold, and did not send it")
+                sizes = export.weights.sizes
+                if sizes is not None and len(sizes) != len(fds):
+                    self._refuse("connect", f"the engine's export sizes {len(sizes)} storages and came with "
+                                 f"{len(fds)} descriptors")
                 self.forget_targets()
-                self._targets, self._targets_id = _open_targets(frame["targets"], fds), frame["export"]
+                self._targets, self._targets_id = _open_targets(export.weights, fds), export.id
         finally:
             _close_all(fds)  # what was mapped keeps descriptors of its own
         stream.write_into(self._targets, self._targets_id)
         if all(p() is not stream.shared for p in self._into_plans):
             self._into_plans.append(weakref.ref(stream.shared))
         self.writing = True
+
+    def _event_handles(self) -> tuple[str, ...]:
+        """This sink's interprocess CUDA events as the engine opens them (handles, base64)."""
+        return tuple(base64.b64encode(e.ipc_handle()).decode() for e in self._cuda_events())
 
     def forget_targets(self) -> None:
         """Let go of the engine's weights mapped here (and of the copies into them): the engine can free them
@@ -265,66 +286,54 @@ class IPCSink:
         k = self._sent
         self._sent += 1
         buffer = bucket.buffer
-        cuda = buffer.is_cuda
         self._device = buffer.device
-        storage = buffer.untyped_storage()
-        frame: dict[str, Any] = {"k": k, "offset": buffer.storage_offset(), "nbytes": buffer.numel(),
-                                 "keep": bucket.kept}
-        named, hold, fds = self._name_buffer(storage, buffer.device, keep=bucket.kept)
-        frame.update(named)
-        if self.checksums:
-            frame["checksum"] = checksum(buffer)
-        if cuda:
-            events = self._cuda_events()
+        named = self._name_buffer(buffer.untyped_storage(), buffer.device, keep=bucket.kept)
+        digest = checksum(buffer) if self.checksums else None
+        events: tuple[str, ...] = ()
+        if buffer.is_cuda:
             if k == 0:
-                frame["events"] = [base64.b64encode(e.ipc_handle()).decode() for e in events]
-            events[k % 2].record(torch.cuda.current_stream(buffer.device))
-        self._control().send(frame, fds)
-        self._outstanding.append((k, hold))
+                events = self._event_handles()
+            self._cuda_events()[k % 2].record(torch.cuda.current_stream(buffer.device))
+        frame = BucketSent(k=k, buffer=named.buffer, offset=int(buffer.storage_offset()), nbytes=buffer.numel(),
+                           keep=bucket.kept, drop=named.drop, checksum=digest, events=events)
+        self._control().send(frame, named.fds)
+        self._outstanding.append((k, named.hold))
         while len(self._outstanding) > 1:  # bucket k - 1's buffer is packed again next
             self._settle()
 
-    def _name_buffer(self, storage, device: torch.device, keep: bool) -> tuple[dict[str, Any], Any, list[int]]:
+    def _name_buffer(self, storage, device: torch.device, keep: bool) -> _Named:
         """How a frame names the buffer of ``storage``: the id of a kept buffer the engine holds, or a new id
         and the buffer itself (kept by the engine if ``keep``, with the oldest kept one dropped past
         ``KEPT_HANDLES``): on a GPU its CUDA IPC handle (``payload``), on the CPU the descriptor of its
-        shared-memory file (``fd``: its size; the descriptor goes with the frame). Also what must stay alive
-        until the engine answered (a buffer not kept), and the descriptors to send."""
+        shared-memory file (``fd_bytes``: its size; the descriptor goes with the frame). Also what must stay
+        alive until the engine answered (a buffer not kept), and the descriptors to send."""
         known = self._known.get(storage._cdata) if keep else None
         if known is not None:
-            return {"buf": known[0]}, None, []
+            return _Named(LentBuffer(known[0]))
         whole = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-        named: dict[str, Any] = {"buf": self._next_id, "keep": keep}
-        fds: list[int] = []
+        buf_id, self._next_id = self._next_id, self._next_id + 1
         if device.type == "cuda":
-            named["payload"] = dumps_b64(whole)
+            lent, fds = LentBuffer(buf_id, payload=dumps_b64(whole)), []
         else:
             fd, size = share_fd(storage)
-            named["fd"], fds = size, [fd]
-        self._next_id += 1
+            lent, fds = LentBuffer(buf_id, fd_bytes=size), [fd]
         if not keep:
-            return named, whole, fds  # alive until the engine has loaded it
-        self._known[storage._cdata] = (named["buf"], whole)
+            return _Named(lent, hold=whole, fds=fds)  # alive until the engine has loaded it
+        self._known[storage._cdata] = (buf_id, whole)
+        drop: tuple[int, ...] = ()
         if len(self._known) > KEPT_HANDLES:
             _, (dropped, _) = self._known.popitem(last=False)
-            named["drop"] = [dropped]
-        return named, None, fds
+            drop = (dropped,)
+        return _Named(lent, drop=drop, fds=fds)
 
     def _settle(self) -> None:
         """The engine's answer to the oldest bucket in flight; on a GPU this stream then waits for the
         engine's copies out of that buffer (an event), not the host."""
         k, _ = self._outstanding[0]
-        channel = self._control()
         t = time.perf_counter()
-        try:
-            reply = channel.recv(self.timeout_s, f"answer to bucket {k} from the engine")
-        except TimeoutError as exc:
-            raise UpdateError(f"bucket {k}", f"{exc}{self._engine_said(0.0)}", [self.engine.url]) from None
-        except ConnectionError as exc:  # the engine's request ends at once too: say what it answered
-            raise UpdateError(f"bucket {k}", f"{exc}{self._engine_said(2.0)}", [self.engine.url]) from None
-        if reply.get("k") != k or "error" in reply:
-            raise UpdateError(f"bucket {k}", str(reply.get("error") or f"answer for bucket {reply.get('k')!r}"),
-                              [self.engine.url])
+        reply = self._receive(BucketLoaded, f"bucket {k}", f"answer to bucket {k} from the engine")
+        if reply.k != k:
+            self._refuse(f"bucket {k}", f"the engine answered for bucket {reply.k} where bucket {k}'s answer was due")
         self.waited += time.perf_counter() - t
         if self._events is not None:
             torch.cuda.current_stream(self._device).wait_event(self._events[2 + k % 2])
@@ -335,16 +344,55 @@ class IPCSink:
         finishes, and it answers."""
         if self._events is not None:
             self._events[0].record(torch.cuda.current_stream(self._device_of_targets()))
-        channel = self._control()
-        channel.send({"done": True})
+        self._control().send(WritesDone())
         t = time.perf_counter()
-        try:
-            reply = channel.recv(self.timeout_s, "the engine's answer to the writes")
-        except (TimeoutError, ConnectionError) as exc:
-            raise UpdateError("buckets", f"{exc}{self._engine_said(2.0)}", [self.engine.url]) from None
+        self._receive(WritesApplied, "buckets", "the engine's answer to the writes")
         self.waited += time.perf_counter() - t
-        if "error" in reply or not reply.get("ok"):
-            raise UpdateError("buckets", str(reply.get("error") or reply), [self.engine.url])
+
+    # -- the engine's frames ------------------------------------------------------------------------
+
+    def _receive(self, kind: type[F], phase: str, what: str) -> F:
+        """:meth:`_receive_fds` of a frame that comes with no descriptors."""
+        frame, fds = self._receive_fds(kind, phase, what)
+        if fds:
+            _close_all(fds)
+            self._refuse(phase, f"{what}: {len(fds)} descriptors came with a {kind.kind!r} frame, which takes none")
+        return frame
+
+    def _receive_fds(self, kind: type[F], phase: str, what: str) -> tuple[F, list[int]]:
+        """The engine's next frame on this update's channel, which must be a ``kind``, with the descriptors
+        that came with it (the caller closes them). Anything else raises :class:`UpdateError` of ``phase``:
+        the engine's :class:`Error` frame (what it said), a malformed frame or one of another kind (the
+        engine is told, with an :class:`Error` frame), no frame within ``timeout_s``, a channel that broke
+        (with what the engine's request answered)."""
+        channel = self._control()
+        try:
+            frame, fds = channel.recv_fds(self.timeout_s, what)
+        except FrameError as exc:
+            self._refuse(phase, f"{what}: {exc}")
+        except TimeoutError as exc:
+            raise UpdateError(phase, f"{exc}{self._engine_said(0.0)}", [self.engine.url]) from None
+        except ConnectionError as exc:  # the engine's request ends at once too: say what it answered
+            raise UpdateError(phase, f"{exc}{self._engine_said(2.0)}", [self.engine.url]) from None
+        if isinstance(frame, Error):
+            _close_all(fds)
+            where = f" at bucket {frame.bucket}" if frame.bucket is not None else ""
+            raise UpdateError(phase, f"the engine gave the update up{where}: {frame.message}", [self.engine.url])
+        try:
+            return expect(frame, kind, what), fds
+        except FrameError as exc:
+            _close_all(fds)
+            self._refuse(phase, f"{exc} (the engine sent {frame.kind!r})")
+
+    def _refuse(self, phase: str, problem: str) -> NoReturn:
+        """End this update over a frame of the engine's this side cannot take: the engine is told (an
+        :class:`Error` frame, where the channel still takes it) and :class:`UpdateError` is raised."""
+        if self._channel is not None:
+            try:
+                self._channel.send(Error(f"the trainer refused a frame: {problem}"[:4000]))
+            except ChannelError:
+                pass
+        raise UpdateError(phase, f"a bad frame from the engine: {problem}", [self.engine.url])
 
     def _device_of_targets(self) -> torch.device:
         if self._targets is None:
@@ -431,6 +479,12 @@ class IPCSink:
             except Exception as exc:  # noqa: BLE001
                 raise UpdateError(phase, str(exc), [self.engine.url]) from None
 
+    def connect(self) -> None:
+        """Nothing to form ahead: each update opens its control channels (:meth:`open`)."""
+
+    def delivery(self) -> Delivery:
+        return Delivery(metadata_ahead=self.ahead_used, direct=self.writing, waited_s=self.waited)
+
     def abort(self) -> None:
         """After a failure: the channel is closed (the engine stops waiting at once) and this sink is done.
         Writes into the engine's weights already queued finish first, so that none lands after the engine
@@ -487,22 +541,30 @@ class IPCSink:
             raise status[0]
 
 
-def _open_targets(frame: dict, fds: list[int]) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True, slots=True)
+class _Named:
+    """A buffer as a frame names it (:meth:`IPCSink._name_buffer`), the kept buffers the engine may close, what
+    must stay alive until the engine answered, and the descriptors that go with the frame."""
+
+    buffer: LentBuffer
+    drop: tuple[int, ...] = ()
+    hold: Any = None
+    fds: list[int] = field(default_factory=list)
+
+
+def _open_targets(weights: ExportedWeights, fds: list[int]) -> dict[str, torch.Tensor]:
     """The engine's weights by HF name, mapped into this process from its export: its weights' storages (on
     the CPU ``sizes``, one descriptor each in ``fds``; on a GPU ``payload``, their CUDA IPC handles), and
     per name its place in them (storage, byte offset, elements, dtype)."""
-    if "sizes" in frame:
-        sizes = frame["sizes"]
-        if len(sizes) != len(fds) or not all(isinstance(n, int) for n in sizes):
-            raise ValueError(f"the engine's export sizes {len(sizes)} storages and came with {len(fds)} descriptors")
-        wholes = [map_fd(fd, n) for fd, n in zip(fds, sizes, strict=True)]
+    if weights.sizes is not None:
+        wholes = [map_fd(fd, n) for fd, n in zip(fds, weights.sizes, strict=True)]
+    elif weights.payload is not None:
+        wholes = loads_b64(weights.payload)
     else:
-        wholes = loads_b64(frame["payload"])
-    names, where = frame["names"], frame["where"]
-    if len(names) != len(where):
-        raise ValueError(f"the engine's export names {len(names)} tensors and places {len(where)}")
+        raise ValueError("the engine's export names neither the sizes nor the handles of its storages")
     targets = {}
-    for name, (idx, offset, numel, dtype) in zip(names, where, strict=True):
+    for name, idx, offset, numel, dtype in zip(weights.names, weights.storages, weights.offsets, weights.numels,
+                                               weights.dtypes, strict=True):
         dt = dtype_from_name(dtype)
         targets[name] = wholes[idx].narrow(0, offset, numel * dt.itemsize).view(dt)
     return targets

@@ -1,7 +1,8 @@
 """A control channel between a trainer rank and the engine rank on its device: small JSON frames over a
 local Unix-domain socket (Linux's abstract namespace: no file to clean up), each wait bounded. The
 colocated (IPC) path uses it so that per bucket only a message of a few dozen bytes crosses, instead of an
-HTTP request through the engine's server.
+HTTP request through the engine's server. What crosses is declared in :mod:`weightstream.wire.frames`: each
+end sends and receives those frames only (a length prefix, then the frame's JSON object).
 
 A frame may carry open file descriptors (``SCM_RIGHTS``): on the CPU, shared memory crosses as the
 descriptor of its unnamed file, so nothing is named in /dev/shm and only the process handed the descriptor
@@ -24,11 +25,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from weightstream.wire.frames import Descriptors, Frame, FrameError, decode, encode
+
 _HEADER = struct.Struct("!I")
 MAX_FRAME = 64 << 20  # a frame carries at most a few pickled handles
 MAX_FDS = 1 << 16  # descriptors one frame may carry
 _FD_CHUNK = 250  # descriptors per message (the kernel's SCM_MAX_FD is 253)
-_CARRIER = "_fds"  # a frame that only carries descriptors for the frame after it
 _PREFIX = "unix:@"
 
 
@@ -72,7 +74,9 @@ def _close_all(fds: Sequence[int]) -> None:
 
 
 class Channel:
-    """One connected end: ``send(frame, fds)``, ``recv(timeout_s)`` and ``recv_fds(timeout_s)`` of JSON frames."""
+    """One connected end: ``send(frame, fds)``, ``recv(timeout_s)`` and ``recv_fds(timeout_s)`` of
+    :mod:`~weightstream.wire.frames` frames. A frame the peer sends that is not one of them raises
+    :class:`~weightstream.wire.frames.FrameError` (read whole: the channel stays usable, to answer it)."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
@@ -99,16 +103,18 @@ class Channel:
 
     # -- sending ---------------------------------------------------------------------------------
 
-    def send(self, frame: dict, fds: Sequence[int] = ()) -> None:
-        """``frame``, and the descriptors ``fds`` with it (they stay open here: the peer gets its own)."""
-        if len(fds) > MAX_FDS or (fds and not frame):
-            raise ChannelError(f"{len(fds)} descriptors with a frame of {len(frame)} fields: at most {MAX_FDS}, "
-                               "with a frame that says what they are")
+    def send(self, frame: Frame, fds: Sequence[int] = ()) -> None:
+        """``frame``, and the descriptors ``fds`` with it (they stay open here: the peer gets its own). The
+        descriptors go first, in chunks, each with a :class:`~weightstream.wire.frames.Descriptors` frame
+        that counts them."""
+        if len(fds) > MAX_FDS:
+            raise ChannelError(f"{len(fds)} descriptors with one frame: at most {MAX_FDS}")
+        data = _pack(frame)
         try:
             for i in range(0, len(fds), _FD_CHUNK):
                 chunk = array.array("i", fds[i:i + _FD_CHUNK])
-                self._sendmsg(_encode({_CARRIER: len(chunk)}), chunk)
-            self.sock.sendall(_encode({**frame, _CARRIER: len(fds)} if fds else frame))
+                self._sendmsg(_pack(Descriptors(len(chunk))), chunk)
+            self.sock.sendall(data)
         except OSError as exc:
             raise ChannelError(f"the control channel broke while sending ({exc})") from None
 
@@ -119,7 +125,7 @@ class Channel:
 
     # -- receiving -------------------------------------------------------------------------------
 
-    def recv(self, timeout_s: float, what: str = "message") -> dict:
+    def recv(self, timeout_s: float, what: str = "message") -> Frame:
         """The next frame; one that carries descriptors is refused (they are closed)."""
         frame, fds = self.recv_fds(timeout_s, what)
         if fds:
@@ -127,34 +133,37 @@ class Channel:
             raise ChannelError(f"{what}: the peer sent {len(fds)} descriptors where none belong")
         return frame
 
-    def recv_fds(self, timeout_s: float, what: str = "message") -> tuple[dict, list[int]]:
+    def recv_fds(self, timeout_s: float, what: str = "message") -> tuple[Frame, list[int]]:
         """The next frame and the descriptors that came with it (the caller closes them)."""
         deadline = time.monotonic() + timeout_s
         fds: list[int] = []
+        declared = 0
         try:
             while True:
                 frame = self._frame(deadline, what, timeout_s, fds)
-                if set(frame) != {_CARRIER}:
+                if not isinstance(frame, Descriptors):
                     break
-            declared = frame.pop(_CARRIER, 0)
+                declared += frame.count
+                if declared != len(fds):
+                    raise ChannelError(f"{what}: {declared} descriptors announced so far, {len(fds)} came")
             if declared != len(fds):
-                raise ChannelError(f"{what}: the frame declares {declared!r} descriptors, {len(fds)} came")
+                raise ChannelError(f"{what}: {len(fds)} descriptors came with a frame that announced none")
         except BaseException:
             _close_all(fds)
             raise
         return frame, fds
 
-    def _frame(self, deadline: float, what: str, bound: float, fds: list[int]) -> dict:
+    def _frame(self, deadline: float, what: str, bound: float, fds: list[int]) -> Frame:
+        """The next frame, read whole (a bad one raises :class:`FrameError` with the channel still in step)."""
         (n,) = _HEADER.unpack(self._recv_exact(_HEADER.size, deadline, what, bound, fds))
         if n > MAX_FRAME:
             raise ChannelError(f"a control frame of {n} bytes (more than {MAX_FRAME}): not a weightstream peer")
+        data = self._recv_exact(n, deadline, what, bound, fds)
         try:
-            frame = json.loads(self._recv_exact(n, deadline, what, bound, fds))
+            raw = json.loads(data)
         except ValueError as exc:
-            raise ChannelError(f"a control frame that is not JSON ({exc})") from None
-        if not isinstance(frame, dict):
-            raise ChannelError("a control frame that is not an object")
-        return frame
+            raise FrameError(None, [f"{what}: not JSON ({exc})"]) from None
+        return decode(raw)
 
     def _recv_exact(self, n: int, deadline: float, what: str, bound: float, fds: list[int]) -> bytes:
         chunks, got = [], 0
@@ -211,8 +220,10 @@ class Channel:
             pass
 
 
-def _encode(frame: dict) -> bytes:
-    data = json.dumps(frame, separators=(",", ":")).encode()
+def _pack(frame: Frame) -> bytes:
+    data = json.dumps(encode(frame), separators=(",", ":")).encode()
+    if len(data) > MAX_FRAME:
+        raise ChannelError(f"a {frame.kind!r} frame of {len(data)} bytes: at most {MAX_FRAME}")
     return _HEADER.pack(len(data)) + data
 
 
