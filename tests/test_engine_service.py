@@ -24,7 +24,6 @@ from weightstream.engines import ReferenceEngine
 from weightstream.jobs import Layout
 from weightstream.launch import launch
 from weightstream.models.presets import preset_config, save_random_checkpoint
-from weightstream.reference_engine.worker import FAULT_ENV
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,16 +51,15 @@ def _port_free(port: int) -> bool:
 
 
 class Service:
-    """``weightstream engine`` in its own process, as users run it."""
+    """``weightstream engine`` in its own process, as users run it; ``fault``: one of
+    :mod:`tests.helpers.faults`'s, injected into its workers."""
 
     def __init__(self, model_dir: str, tp: int, fault: str | None = None):
         env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-        env.pop(FAULT_ENV, None)
-        if fault:
-            env[FAULT_ENV] = fault
+        entry = ["tests.helpers.faults", fault] if fault else ["weightstream.cli"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "weightstream.cli", "engine", "--model", model_dir, "--tp", str(tp), "--port", "0"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            [sys.executable, "-m", *entry, "engine", "--model", model_dir, "--tp", str(tp), "--port", "0"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
         )
         line = self.proc.stdout.readline()
         assert "serving on" in line, (line, self.proc.stderr.read() if self.proc.poll() is not None else "")

@@ -16,13 +16,13 @@ import torch
 
 from tests.conftest import hf_logits
 from tests.helpers.checks import assert_logits_close
+from tests.helpers.faults import serve_with_fault
 from tests.helpers.workers import INPUT_IDS, Case, run_prepared_update, run_update
 from weightstream.engines import EngineError, ReferenceEngine
 from weightstream.jobs import Layout
 from weightstream.launch import launch
 from weightstream.models.presets import preset_config, save_random_checkpoint
 from weightstream.reference_engine.server import serve, stop
-from weightstream.reference_engine.worker import FAULT_ENV
 
 SMALL = 120_000  # bytes per bucket: the tiny models travel in several buckets
 
@@ -36,16 +36,12 @@ def engine_dir(tmp_path_factory) -> str:
 @contextmanager
 def engine(model_dir: str, tp: int = 1, fault: str | None = None, api_key: str | None = None,
            rollback: bool = True):
-    old = os.environ.get(FAULT_ENV)
+    """A reference engine serving ``model_dir`` at TP ``tp``; ``fault``: one of :mod:`tests.helpers.faults`'s,
+    injected into its workers."""
     if fault:
-        os.environ[FAULT_ENV] = fault
-    try:
+        server = serve_with_fault(model_dir, tp, fault, api_key=api_key, rollback=rollback)
+    else:
         server = serve(model_dir, tp, api_key=api_key, rollback=rollback)
-    finally:
-        if fault:
-            os.environ.pop(FAULT_ENV, None)
-            if old is not None:
-                os.environ[FAULT_ENV] = old
     try:
         yield server
     finally:

@@ -31,6 +31,7 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -50,7 +51,7 @@ from weightstream.reference_engine.schema import (
     text_problem,
     token_rows,
 )
-from weightstream.reference_engine.worker import FAULT_ENV
+from weightstream.reference_engine.worker import worker_main
 from weightstream.wire.channel import address_problem
 from weightstream.wire.handles import gpu_uuid
 
@@ -235,37 +236,35 @@ def gloo_interface(host: str) -> str | None:
     return None
 
 
+def _devices(device: str | None, tp: int) -> list[str]:
+    """Each rank's device: ``device`` for all (``cuda``: one GPU each, in turn), or one per rank
+    (``"cuda:2,cuda:3"``); by default a GPU where there is one."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if "," in device:
+        devices = [d.strip() for d in device.split(",")]
+        if len(devices) != tp:
+            raise ValueError(f"{len(devices)} devices given for engine TP {tp}: {device!r}")
+        return devices
+    return [f"cuda:{r % torch.cuda.device_count()}" if device == "cuda" else device for r in range(tp)]
+
+
 class Engine:
     """The worker processes of one engine and the state the HTTP routes act on."""
 
     def __init__(self, model_dir: str, tp: int = 1, *, device: str | None = None, dtype: str = "float32",
                  command_timeout_s: float = 300.0, start_timeout_s: float = 300.0, rollback: bool = True,
-                 host: str = "127.0.0.1"):
-        """``host``: the address the HTTP server is bound to; the workers' gloo listeners go on its interface."""
+                 host: str = "127.0.0.1", worker: Callable[..., None] = worker_main):
+        """``host``: the address the HTTP server is bound to; the workers' gloo listeners go on its interface.
+        ``worker``: each worker process's entry, called with :func:`~weightstream.reference_engine.worker.
+        worker_main`'s arguments (it must be importable in a fresh interpreter)."""
         self.model_dir = os.path.abspath(model_dir)
         self.tp = tp
         self.rollback = rollback  # keep what a session overwrites, to put it back if the session is aborted
-        self.fault = os.environ.get(FAULT_ENV, "")  # a test fault, injected into the workers bucket by bucket
-        with open(os.path.join(self.model_dir, "config.json")) as f:
-            config = json.load(f)
-        vocab_size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-        if vocab_size is None:
-            raise ValueError(f"{self.model_dir}/config.json names no vocab_size")
-        self.vocab_size = int(vocab_size)
-        positions = config.get("max_position_embeddings") or (config.get("text_config") or {}).get(
-            "max_position_embeddings")
-        self.max_positions: int | None = int(positions) if positions else None  # tokens of one row, new ones included
+        self._read_config()
         self.dtype = dtype
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if "," in device:  # one device per rank: "cuda:2,cuda:3"
-            self.devices = [d.strip() for d in device.split(",")]
-            if len(self.devices) != tp:
-                raise ValueError(f"{len(self.devices)} devices given for engine TP {tp}: {device!r}")
-        else:
-            self.devices = [f"cuda:{r % torch.cuda.device_count()}" if device == "cuda" else device
-                            for r in range(tp)]
-        self.backend = "nccl" if device.startswith("cuda") else "gloo"
+        self.devices = _devices(device, tp)
+        self.backend = "nccl" if self.devices[0].startswith("cuda") else "gloo"
         self.command_timeout_s = command_timeout_s
         self.weight_version = "default"
         self.paused = threading.Event()
@@ -281,8 +280,22 @@ class Engine:
         self.last_activity = time.monotonic()
         self.stopping = False
         self.weights_released = False  # until an update has loaded every weight again
-        from weightstream.reference_engine.worker import worker_main
+        self._start_workers(worker, host, start_timeout_s)
 
+    def _read_config(self) -> None:
+        """What the HTTP routes check requests against: the vocabulary size and the longest row."""
+        with open(os.path.join(self.model_dir, "config.json")) as f:
+            config = json.load(f)
+        vocab_size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+        if vocab_size is None:
+            raise ValueError(f"{self.model_dir}/config.json names no vocab_size")
+        self.vocab_size = int(vocab_size)
+        positions = config.get("max_position_embeddings") or (config.get("text_config") or {}).get(
+            "max_position_embeddings")
+        self.max_positions: int | None = int(positions) if positions else None  # tokens of one row, new ones included
+
+    def _start_workers(self, worker: Callable[..., None], host: str, start_timeout_s: float) -> None:
+        """One process per rank, each answering "ready" within ``start_timeout_s`` (else all are stopped)."""
         ctx = process_context()
         port = free_port()
         interface = gloo_interface(host)
@@ -290,11 +303,11 @@ class Engine:
             log(f"no network interface holds {host}'s address: the workers' gloo listeners go where gloo's default "
                 "puts them")
         self.conns, self.procs = [], []
-        for rank in range(tp):
+        for rank in range(self.tp):
             parent, child = ctx.Pipe()
-            proc = start_process(ctx, worker_main,
-                                 (rank, tp, self.model_dir, port, self.backend, self.devices[rank], dtype, child,
-                                  rollback, interface), daemon=True)
+            proc = start_process(ctx, worker,
+                                 (rank, self.tp, self.model_dir, port, self.backend, self.devices[rank], self.dtype,
+                                  child, self.rollback, interface), daemon=True)
             self.conns.append(parent)
             self.procs.append(proc)
         deadline = time.monotonic() + start_timeout_s
@@ -733,7 +746,7 @@ class EngineServer(ThreadingHTTPServer):
             "weight_version": e.weight_version, "device": e.devices[0].split(":")[0], "gpu_uuids": e.gpu_uuids(),
             "hostname": socket.gethostname(), "pid": os.getpid(), "dtype": e.dtype,
             "capabilities": ["broadcast", "ipc", "ipc_ahead", "p2p", "release_memory"]
-            + (["rollback"] if e.rollback else []) + ([] if e.fault else ["broadcast_ahead"]),
+            + (["rollback"] if e.rollback else []) + ["broadcast_ahead"],
             "update_session_open": e.session_open,
             "update_session_loaded": e.session_loaded,  # tensors loaded in the open session so far
             "worker_pids": [p.pid for p in e.procs],
@@ -958,12 +971,13 @@ class EngineServer(ThreadingHTTPServer):
 
 def serve(model_dir: str, tp: int = 1, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
           device: str | None = None, dtype: str = "float32", rollback: bool = True,
-          limits: ServerLimits = ServerLimits()) -> EngineServer:
+          limits: ServerLimits = ServerLimits(), worker: Callable[..., None] = worker_main) -> EngineServer:
     """Start an engine and its HTTP server (serving in a background thread); returns the server.
     ``rollback=False``: no copy of the weights is kept during an update (as SGLang keeps none); an aborted
     update then leaves the engine refusing to serve until a complete update has loaded every tensor.
-    ``limits``: what one client may hold or ask (:class:`ServerLimits`)."""
-    engine = Engine(model_dir, tp, device=device, dtype=dtype, rollback=rollback, host=host)
+    ``limits``: what one client may hold or ask (:class:`ServerLimits`). ``worker``: each worker process's
+    entry (:class:`Engine`)."""
+    engine = Engine(model_dir, tp, device=device, dtype=dtype, rollback=rollback, host=host, worker=worker)
     try:
         server = EngineServer(engine, host, port, api_key, limits)
     except BaseException:

@@ -12,11 +12,10 @@ import gc
 import os
 import signal
 import socket
-import time
 import traceback
 import uuid
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
@@ -66,7 +65,6 @@ from weightstream.wire.frames import (
 from weightstream.wire.groups import destroy_group, init_custom_process_group, tcp_store
 from weightstream.wire.handles import ShmGrant, checksum, dumps_b64, loads_b64, map_fd, share_fd
 
-FAULT_ENV = "WEIGHTSTREAM_ENGINE_FAULT"
 F = TypeVar("F", bound=Frame)
 MAX_ERROR_CHARS = 4000  # of the reason an error frame gives
 
@@ -241,7 +239,6 @@ class Worker:
         # Dense broadcast buckets seen before (by names, dtypes, shapes): the parameters they load into,
         # checked once, and how to cut the received buffer; an update repeats the same buckets.
         self.programs: dict[tuple, Any] = {}
-        self.fault = os.environ.get(FAULT_ENV, "")
         self._load_initial(model_dir)
         # A buffer lent by name (a payload pickled by torch on the CPU) is at most twice the model's size.
         self.max_lent_bytes = 2 * size * sum(st.nbytes() for st in self.model._storages())
@@ -265,8 +262,6 @@ class Worker:
     def init_group(self, master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s):
         if group_name in self.groups:
             raise RuntimeError(f"group {group_name!r} already exists")
-        if self.fault == f"skip_join@{self.rank}":
-            return f"rank {rank_offset + self.rank} skipped joining {group_name} (test fault)"
         self.groups[group_name] = init_custom_process_group(
             backend, f"tcp://{master_address}:{master_port}", world_size, rank_offset + self.rank, group_name,
             timedelta(seconds=timeout_s),
@@ -355,7 +350,7 @@ class Worker:
     def _load_dense(self, program, raw, expected_checksum, kept: bool = False):
         """``kept``: ``raw`` is a buffer this worker holds across updates (its addresses stay), so the copies
         out of it are made once, per buffer (:func:`~weightstream.streaming.copies.batched_copy`)."""
-        if program.runs is not None and expected_checksum is None and not self.fault:
+        if program.runs is not None and expected_checksum is None:
             self.bucket_count += 1
             return self._report(self.model.load_flat(program.names, program.targets,
                                                      self._copies_from(program, raw, kept)))
@@ -544,7 +539,7 @@ class Worker:
     def _can_take_writes(self, programs) -> bool:
         """Whether every tensor of the plan is one whole weight of ours (not a shard, nor a vocabulary piece, of
         the dtype it arrives in) and the weights are there."""
-        return not (self.fault or self.model.released_bytes or not programs or any(p.runs is None for p in programs))
+        return not (self.model.released_bytes or not programs or any(p.runs is None for p in programs))
 
     def _export(self, plan, programs) -> SimpleNamespace:
         """The export of ``plan``'s weights (``id``, ``weights``: what :class:`ExportedWeights` says of them,
@@ -667,7 +662,6 @@ class Worker:
     def _apply(self, bucket: Bucket, expected_checksum, foreign: bool = False):
         index = self.bucket_count
         self.bucket_count += 1
-        self._inject_fault(index, bucket.buffer)
         if expected_checksum is not None:
             got = checksum(bucket.buffer)
             if got != expected_checksum:
@@ -724,8 +718,6 @@ class Worker:
         return "ok"
 
     def commit_session(self):
-        if self.fault == "stall_commit":
-            time.sleep(3600)
         self.model.commit_session()
         self.bucket_count = 0
         return "ok"
@@ -788,19 +780,18 @@ class Worker:
     def generate(self, input_ids, max_new_tokens):
         return self.model.generate(input_ids, max_new_tokens)
 
-    def _inject_fault(self, index: int, buffer: torch.Tensor) -> None:
-        """Test-only faults, named by the ``WEIGHTSTREAM_ENGINE_FAULT`` environment variable."""
-        if not self.fault:
-            return
-        kind, _, at = self.fault.partition("@")
-        if int(at or 0) != index:
-            return
-        if kind == "corrupt" and buffer.numel():
-            buffer.view(-1)[buffer.numel() // 2] ^= 0x5A
-        elif kind == "die":
-            os._exit(17)
-        elif kind == "stall":
-            time.sleep(3600)
+    def commands(self) -> dict[str, Callable[..., Any]]:
+        """What the server may ask of this worker, by the command's name."""
+        return {
+            "init_group": self.init_group, "destroy_group": self.destroy_group,
+            "destroy_all_groups": self.destroy_all_groups, "update_distributed": self.update_distributed,
+            "update_distributed_ahead": self.update_distributed_ahead, "update_tensor": self.update_tensor,
+            "update_ipc_ahead": self.update_ipc_ahead, "prepare_ipc_ahead": self.prepare_ipc_ahead,
+            "update_p2p": self.update_p2p, "release_ipc": self.release_ipc, "begin_session": self.begin_session,
+            "commit_session": self.commit_session, "abort_session": self.abort_session,
+            "release_memory": self.release_memory, "resume_memory": self.resume_memory, "memory": self.memory,
+            "logits": self.logits, "generate": self.generate,
+        }
 
 
 def _fixed_mmap_threshold() -> None:
@@ -827,9 +818,10 @@ def _loopback_store(port: int, rank: int, size: int, timeout: timedelta) -> dist
 
 
 def worker_main(rank, size, model_dir, port, backend, device, dtype, conn, rollback=True,
-                gloo_interface: str | None = None) -> None:
+                gloo_interface: str | None = None, worker_type: type[Worker] = Worker) -> None:
     """``gloo_interface``: where gloo's listeners go (``GLOO_SOCKET_IFNAME``, unless the user set it): the
-    interface of the engine's HTTP address."""
+    interface of the engine's HTTP address. ``worker_type``: the :class:`Worker` (or a subclass of it) that
+    serves the commands."""
     die_with_parent()  # the kernel ends this worker when the engine's main process dies, however it dies
     _fixed_mmap_threshold()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server decides
@@ -843,24 +835,34 @@ def worker_main(rank, size, model_dir, port, backend, device, dtype, conn, rollb
         timeout = timedelta(seconds=120)
         store = _loopback_store(port, rank, size, timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
-        worker = Worker(rank, size, model_dir, torch.device(device), dtype_from_name(dtype))
+        worker = worker_type(rank, size, model_dir, torch.device(device), dtype_from_name(dtype))
         worker.model.rollback = rollback
         conn.send((True, "ready"))
     except BaseException:  # noqa: BLE001
         conn.send((False, traceback.format_exc()))
         return
+    _serve(worker, conn)
+    for name in list(worker.groups):
+        destroy_group(worker.groups.pop(name))
+    dist.destroy_process_group()
+
+
+def _serve(worker: Worker, conn: Connection) -> None:
+    """Run the server's commands until it says ``shutdown`` (or its end of the pipe closes)."""
+    commands = worker.commands()
     while True:
         try:
             command, kwargs = worker.next_command(conn)
         except EOFError:
-            break
+            return
         if command == "shutdown":
             conn.send((True, "bye"))
-            break
+            return
+        run = commands.get(command)
+        if run is None:
+            conn.send((False, f"unknown command {command!r} (known: {', '.join(sorted(commands))})"))
+            continue
         try:
-            conn.send((True, getattr(worker, command)(**kwargs)))
+            conn.send((True, run(**kwargs)))
         except BaseException as exc:  # noqa: BLE001 — reported to the server, the worker lives on
             conn.send((False, f"{type(exc).__name__}: {exc}"))
-    for name in list(worker.groups):
-        destroy_group(worker.groups.pop(name))
-    dist.destroy_process_group()

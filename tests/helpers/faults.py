@@ -1,0 +1,127 @@
+"""The reference engine with a fault injected into its workers, from the tests' side. Each worker process runs a
+:class:`FaultyWorker` (the engine's own :class:`~weightstream.reference_engine.worker.Worker`, some of whose
+commands misbehave as the fault says: the server takes the worker processes' entry as a parameter), and the
+engine does not declare ``broadcast_ahead`` (a trainer then sends one request per bucket, and the engine takes
+each bucket on its own). Every bucket goes through the path where the fault strikes: none is copied in a batch,
+none is written by the trainer straight into the engine's weights.
+
+Faults, as ``KIND`` or ``KIND@N``:
+
+- ``corrupt@K``: bucket K's bytes are changed before its checksum is checked;
+- ``die@K``: the worker exits (code 17) at bucket K;
+- ``stall@K``: the worker hangs at bucket K;
+- ``skip_join@R``: engine rank R says it joined the weight-update group and does not;
+- ``stall_commit``: the worker hangs when the update is committed.
+
+``python -m tests.helpers.faults FAULT ARGS...`` runs ``weightstream ARGS...`` (its ``engine`` command, as users
+run it) with the fault.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from weightstream.reference_engine import server as server_module
+from weightstream.reference_engine.server import EngineServer, serve
+from weightstream.reference_engine.worker import Worker, worker_main
+from weightstream.streaming.bucket import Bucket
+
+INFO_ROUTE = ("GET", "/get_server_info")
+
+
+class FaultyWorker(Worker):
+    """A worker that misbehaves as :attr:`fault` says (set in its process before the worker is made)."""
+
+    fault = ""
+
+    def init_group(self, master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s):
+        if self.fault == f"skip_join@{self.rank}":
+            return f"rank {rank_offset + self.rank} skipped joining {group_name} (test fault)"
+        return super().init_group(master_address, master_port, rank_offset, world_size, group_name, backend,
+                                  timeout_s)
+
+    def _load_dense(self, program, raw, expected_checksum, kept: bool = False):
+        """Every bucket through :meth:`_apply`, where the fault strikes (never the batched copies)."""
+        return self._apply(Bucket(self.bucket_count, raw.narrow(0, 0, program.total), tuple(program.metas)),
+                           expected_checksum)
+
+    def _apply(self, bucket: Bucket, expected_checksum, foreign: bool = False):
+        self._strike(self.bucket_count, bucket.buffer)
+        return super()._apply(bucket, expected_checksum, foreign)
+
+    def _can_take_writes(self, programs) -> bool:
+        return False  # the trainer sends buckets (where the fault strikes), it does not write into the weights
+
+    def commit_session(self):
+        if self.fault == "stall_commit":
+            time.sleep(3600)
+        return super().commit_session()
+
+    def _strike(self, index: int, buffer: torch.Tensor) -> None:
+        kind, _, at = self.fault.partition("@")
+        if kind not in ("corrupt", "die", "stall") or int(at or 0) != index:
+            return
+        if kind == "corrupt" and buffer.numel():
+            buffer.view(-1)[buffer.numel() // 2] ^= 0x5A
+        elif kind == "die":
+            os._exit(17)
+        elif kind == "stall":
+            time.sleep(3600)
+
+
+def faulty_worker_main(fault: str, *args) -> None:
+    """A worker process's entry: :func:`~weightstream.reference_engine.worker.worker_main` with a
+    :class:`FaultyWorker`."""
+    FaultyWorker.fault = fault
+    worker_main(*args, worker_type=FaultyWorker)
+
+
+def faulty_entry(fault: str) -> Callable[..., None]:
+    """What the engine starts its worker processes with, for ``fault`` (importable where they start)."""
+    return partial(faulty_worker_main, fault)
+
+
+def hide_broadcast_ahead(server: EngineServer) -> None:
+    """The engine's server info without ``broadcast_ahead``: a trainer sends its buckets one request each."""
+    info = server.routes[INFO_ROUTE]
+
+    def without(body):
+        status, reply = info(body)
+        return status, {**reply, "capabilities": [c for c in reply["capabilities"] if c != "broadcast_ahead"]}
+
+    server.routes[INFO_ROUTE] = without
+
+
+def serve_with_fault(model_dir: str, tp: int, fault: str, **kwargs) -> EngineServer:
+    """:func:`~weightstream.reference_engine.server.serve` with ``fault`` injected into its workers."""
+    server = serve(model_dir, tp, worker=faulty_entry(fault), **kwargs)
+    hide_broadcast_ahead(server)
+    return server
+
+
+def main(argv: list[str]) -> int:
+    """``FAULT ARGS...``: the command line ``weightstream ARGS...``, its engine's workers faulty."""
+    from weightstream.cli import main as cli_main
+
+    fault, *args = argv
+    real = server_module.serve
+
+    def faulty_serve(*a, **kw) -> EngineServer:
+        server = real(*a, worker=faulty_entry(fault), **kw)
+        hide_broadcast_ahead(server)
+        return server
+
+    server_module.serve = faulty_serve  # what the engine command starts (it imports serve when it runs)
+    return cli_main(args)
+
+
+if __name__ == "__main__":
+    from tests.helpers.faults import main as entry  # by its module's name: the worker processes import it so
+
+    sys.exit(entry(sys.argv[1:]))
