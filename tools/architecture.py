@@ -42,7 +42,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 PROBE_EXCEPTIONS: dict[str, str] = {
     "weightstream.models.spec": "optional fields of an HF config",
     "weightstream.models.presets": "optional fields of an HF config",
-    "weightstream.converters.qwen2": "optional fields of an HF config",
     "weightstream.converters.qwen3": "optional fields of an HF config",
     "weightstream.converters.qwen_moe": "optional fields of an HF config",
     "weightstream.wire.handles": "torch's dtypes and builtins by name (the unpickler's allow-list)",

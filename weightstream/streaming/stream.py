@@ -17,6 +17,15 @@ agree through one all-reduce). Packing is then batched: the converted tensors ar
 parameters, prepared once, and each bucket is filled with one batched copy per dtype (``_foreach_copy_``,
 or on a GPU one launch of :mod:`~weightstream.streaming.copies` into a kept buffer).
 
+Mixture of experts: routed experts always carry their global index (``mlp.experts.{E}``, with
+``E = ep_rank * experts_per_rank + e``). In full mode every rank yields every expert, gathered over expert-TP
+and broadcast from its EP owner within the bucket. In per_rank mode there is no EP traffic: each rank yields
+only the experts its own EP rank holds (cut by its expert-TP rank, the :class:`Shard` giving the placement),
+plus the non-expert tensors (cut by its dense TP rank). This serves an engine whose expert parallelism equals
+the trainer's: engine EP rank r loads the experts that trainer EP rank r yields, under the same global ids,
+and takes the non-expert tensors from any one EP rank (they are the same on all); an engine with another
+expert layout needs full mode.
+
 A receiver whose memory this process can write (a colocated engine's own weights, mapped through CUDA IPC)
 may take the tensors there instead of in bucket buffers (:meth:`BucketStream.write_into`): the same batched
 copies, with the receiver's tensors as their targets.
@@ -561,15 +570,7 @@ def stream_hf_weights(
     group, PP stages and EP owners broadcast). ``mode="per_rank"``: no TP gather; TP rank r yields the
     HF shards an engine's TP rank r holds, each with its :class:`Shard` placement.
 
-    Mixture of experts: routed experts always carry their global index (``mlp.experts.{E}``, with
-    ``E = ep_rank * experts_per_rank + e``). In full mode every rank yields every expert, gathered
-    over expert-TP and broadcast from its EP owner within the bucket. In per_rank mode there is no
-    EP traffic: each rank yields only the experts its own EP rank holds (cut by its expert-TP rank,
-    the :class:`Shard` giving the placement), plus the non-expert tensors (cut by its dense TP rank).
-    This serves an engine whose expert parallelism equals the trainer's: engine EP rank r loads
-    the experts that trainer EP rank r yields, under the same global ids, and takes the non-expert
-    tensors from any one EP rank (they are the same on all); an engine with another expert layout
-    needs full mode.
+    Mixture of experts: see the module's doc.
 
     ``align``: each tensor's start in the bucket buffer is a multiple of it (default 256); ``align=1``
     packs tensors back to back, largest element size first (the layout SGLang's distributed
