@@ -37,8 +37,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 # Where reading an attribute by name is the point, not a probe of what an object of ours can do: the
 # optional fields of a transformers config (a family's config declares only its own), torch's dtypes by
-# name, Megatron-Core's argument namespace and vLLM's own objects (their classes vary by version), and the
-# reference engine's worker dispatching a declared command.
+# name, Megatron-Core's argument namespace and vLLM's own objects (their classes vary by version).
 PROBE_EXCEPTIONS: dict[str, str] = {
     "weightstream.models.spec": "optional fields of an HF config",
     "weightstream.models.presets": "optional fields of an HF config",

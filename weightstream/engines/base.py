@@ -19,6 +19,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from weightstream.errors import WeightstreamError
 from weightstream.streaming.bucket import Bucket, TensorMeta
+from weightstream.wire.frames import Plan
 
 # Capabilities an engine may declare.
 BROADCAST = "broadcast"  # receives a bucket's flat buffer by a broadcast over a joined group
@@ -175,7 +176,8 @@ class IPCAheadEngine(EngineAdapter, Protocol):
 
     def release_ipc_buffers(self, client: str, timeout_s: float | None = None) -> None: ...
 
-    def ipc_plan_frame(self, buckets: Sequence[Sequence[TensorMeta]]) -> dict: ...
+    def ipc_plan_frame(self, buckets: Sequence[Sequence[TensorMeta]]) -> Plan:
+        """The layout of every bucket of the plan, as the engine reads it on the control channel."""
 
 
 @runtime_checkable

@@ -64,7 +64,6 @@ from weightstream.wire.frames import (
     LentBuffer,
     Offer,
     OfferAnswer,
-    Plan,
     Ready,
     WritesApplied,
     WritesDone,
@@ -216,11 +215,7 @@ class IPCSink:
         for key in [k for k, (i, _) in self._known.items() if i not in held]:
             del self._known[key]  # the engine no longer holds it: sent again when next used
         if not hello.plan_known:  # the layout of every bucket, once per plan
-            plan = self._ahead_engine().ipc_plan_frame([stream.bucket_metas(i) for i in range(len(stream))])
-            if not isinstance(plan, Plan):
-                raise TypeError(f"{type(self.engine).__name__}.ipc_plan_frame made a {type(plan).__name__}, not a "
-                                "Plan frame")
-            channel.send(plan)
+            channel.send(self._ahead_engine().ipc_plan_frame([stream.bucket_metas(i) for i in range(len(stream))]))
         if stream.device.type == "cuda" and self._events is None:
             self._events = [torch.cuda.Event(interprocess=True) for _ in range(4)]
         self._answer_offer(stream, direct)
