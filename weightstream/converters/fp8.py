@@ -1,0 +1,103 @@
+"""Block FP8: a 2-D weight as ``float8_e4m3fn`` values and one float32 scale per block.
+
+The layout of the published block-FP8 checkpoints (DeepSeek-V3, ``Qwen3-*-FP8``) and of the engines' block-FP8
+loaders: ``X.weight`` of the weight's shape in ``float8_e4m3fn`` and ``X.weight_scale_inv`` in float32 of shape
+``[ceil(rows / 128), ceil(cols / 128)]``, with ``w ≈ fp8 × scale_inv`` within each 128×128 block (the name is
+historical: it is the inverse of the quantization scale ``448 / amax``).
+
+The arithmetic is DeepGEMM's ``per_block_cast_to_fp8`` (vLLM's copy and its ``fp8_per_block`` online method
+compute the same; SGLang's is the same with power-of-two scales) as it runs on a GPU: the ragged edge padded
+with zeros, ``amax`` per block in float32 clamped to ``1e-4``, ``scale = amax × fp32(1/448)`` (what CUDA
+computes for ``amax / 448``; a CPU's true division differs by one ulp on about half the blocks, so the product
+is written out and the bits are the same on either device), ``fp8 = (x × (1 / scale))`` cast to e4m3.
+``ue8m0``: each scale rounded up to a power of two from its bits (DeepGEMM's ``ceil_to_ue8m0``), for engines
+whose kernels take exponent-only scales.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+_MIN_AMAX = 1e-4  # an all-zero block's amax (its scale then 1e-4 / 448)
+ScaleFormat = Literal["float", "ue8m0"]
+SCALE_SUFFIX = "_scale_inv"  # ``X.weight`` -> ``X.weight_scale_inv``
+
+
+@dataclass(frozen=True)
+class BlockFP8:
+    """How weights are quantized: the block (rows, cols) and the scales' format."""
+
+    block: tuple[int, int] = (128, 128)
+    scale_fmt: ScaleFormat = "float"
+
+    def __post_init__(self) -> None:
+        rows, cols = self.block
+        if rows <= 0 or cols <= 0:
+            raise ValueError(f"block must be two positive sizes, got {self.block}")
+        if self.scale_fmt not in ("float", "ue8m0"):
+            raise ValueError(f"scale_fmt must be 'float' or 'ue8m0', got {self.scale_fmt!r}")
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        """The shape of the scales of a weight of ``shape``."""
+        rows, cols = _two_dims(shape)
+        return math.ceil(rows / self.block[0]), math.ceil(cols / self.block[1])
+
+    def quantize(self, weight: Tensor) -> tuple[Tensor, Tensor]:
+        """``weight`` (2-D, any float dtype) as (fp8 values of its shape, float32 scales)."""
+        return quantize_block_fp8(weight, self.block, ue8m0=self.scale_fmt == "ue8m0")
+
+    def config(self, not_converted: list[str]) -> dict:
+        """The ``quantization_config`` of a checkpoint quantized so (transformers' and the engines' keys)."""
+        out: dict = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                     "weight_block_size": list(self.block), "modules_to_not_convert": not_converted}
+        if self.scale_fmt == "ue8m0":
+            out["scale_fmt"] = "ue8m0"
+        return out
+
+
+def _two_dims(shape: tuple[int, ...]) -> tuple[int, int]:
+    if len(shape) != 2:
+        raise ValueError(f"block FP8 quantizes 2-D weights, got shape {tuple(shape)}")
+    return shape[0], shape[1]
+
+
+def ceil_to_ue8m0(scale: Tensor) -> Tensor:
+    """Each positive float32 ``scale`` rounded up to a power of two, from its bits (exact)."""
+    bits = scale.abs().float().view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) + (bits & 0x7FFFFF).bool().int()
+    return (exponent.clamp(1, 254) << 23).view(torch.float32)
+
+
+def quantize_block_fp8(weight: Tensor, block: tuple[int, int] = (128, 128), *,
+                       ue8m0: bool = False) -> tuple[Tensor, Tensor]:
+    """``weight`` as (``float8_e4m3fn`` values of its shape, float32 scales ``[ceil(rows/br), ceil(cols/bc)]``);
+    see the module's doc for the arithmetic."""
+    rows, cols = _two_dims(tuple(weight.shape))
+    br, bc = block
+    grid = (math.ceil(rows / br), math.ceil(cols / bc))
+    padded = weight
+    if rows % br or cols % bc:
+        padded = weight.new_zeros(grid[0] * br, grid[1] * bc)
+        padded[:rows, :cols] = weight
+    blocks = padded.view(grid[0], br, grid[1], bc)
+    amax = blocks.abs().float().amax(dim=(1, 3), keepdim=True).clamp(_MIN_AMAX)
+    scale = amax * (1.0 / FP8_MAX)
+    if ue8m0:
+        scale = ceil_to_ue8m0(scale)
+    values = (blocks * (1.0 / scale)).to(FP8)
+    return values.view(grid[0] * br, grid[1] * bc)[:rows, :cols].contiguous(), scale.view(grid)
+
+
+def dequantize_block_fp8(values: Tensor, scale: Tensor, block: tuple[int, int] = (128, 128), *,
+                         dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """``fp8 × scale`` per block, in ``dtype`` (what a checkpoint loader that dequantizes computes)."""
+    rows, cols = _two_dims(tuple(values.shape))
+    expanded = scale.repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
+    return (values.float() * expanded).to(dtype)
