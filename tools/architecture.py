@@ -119,41 +119,45 @@ def upward_imports() -> list[str]:
 
 def circles() -> list[list[str]]:
     """Import circles between modules (strongly connected components of more than one module; a package's
-    ``__init__`` importing its own modules is not one unless they import it back)."""
-    graph = {m: {d for d, _ in deps} for m, deps in import_graph().items()}
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
+    ``__init__`` importing its own modules is not one unless they import it back). Iterative (Kosaraju): the
+    interpreter's recursion limit is left as it is."""
+    graph = {m: sorted({d for d, _ in deps}) for m, deps in import_graph().items()}
+    order: list[str] = []
+    seen: set[str] = set()
+    for root in sorted(graph):
+        if root in seen:
+            continue
+        seen.add(root)
+        stack = [(root, iter(graph.get(root, ())))]
+        while stack:
+            node, children = stack[-1]
+            child = next((c for c in children if c not in seen), None)
+            if child is None:
+                stack.pop()
+                order.append(node)
+            else:
+                seen.add(child)
+                stack.append((child, iter(graph.get(child, ()))))
+    reverse: dict[str, list[str]] = defaultdict(list)
+    for m, deps in graph.items():
+        for d in deps:
+            reverse[d].append(m)
     out: list[list[str]] = []
-    counter = [0]
-    sys.setrecursionlimit(10000)
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on.add(v)
-        for w in graph.get(v, ()):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
+    assigned: set[str] = set()
+    for root in reversed(order):
+        if root in assigned:
+            continue
+        component, todo = [], [root]
+        assigned.add(root)
+        while todo:
+            node = todo.pop()
+            component.append(node)
+            for m in reverse.get(node, ()):
+                if m not in assigned:
+                    assigned.add(m)
+                    todo.append(m)
+        if len(component) > 1:
+            out.append(sorted(component))
     return out
 
 
