@@ -8,6 +8,7 @@ that names the rank.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import queue
@@ -62,9 +63,9 @@ def _worker(launcher: int, rank: int, world: int, port: int, backend: str, timeo
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         try:
             value = fn(*args)
-            # Pickled here, tensors by value: a tensor sent through the queue as shared memory would need
+            # Serialized here, tensors by value: a tensor sent through the queue as shared memory would need
             # this process alive until the parent has read it.
-            results.put((rank, True, pickle.dumps(value)))
+            results.put((rank, True, _dumps(value)))
         finally:
             try:
                 from megatron.core import parallel_state as ps
@@ -106,7 +107,20 @@ def launch(
     failed = {r: v for r, (ok, v) in got.items() if not ok}
     if failed:
         raise LaunchError(_failures(got).lstrip("\n"), _reasons(got))
-    return [pickle.loads(got[r][1]) for r in range(world_size)]
+    return [_loads(got[r][1]) for r in range(world_size)]
+
+
+def _dumps(value: Any) -> bytes:
+    """A rank's result as bytes: torch's own format, which holds tensors of every dtype (plain pickle cannot
+    rebuild a float8 tensor)."""
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    """A result from one of this job's own ranks (any object they returned, as pickle would give it)."""
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def _collect(results: Queue[Any], procs: list[BaseProcess], timeout_s: float) -> dict[int, tuple[bool, Any]]:

@@ -9,7 +9,9 @@ import subprocess
 import pytest
 import torch
 
+from tests.helpers.fp8_truth import same_bits, truth_of
 from weightstream.common.hf_files import CheckpointReader
+from weightstream.converters.fp8 import BlockFP8
 
 # The prompts every logits check feeds (token ids below every tiny vocabulary).
 INPUT_IDS = [[3, 14, 159, 265, 358, 979, 323, 846, 26, 433], [999, 0, 1, 2, 500, 501, 77, 88, 99, 111]]
@@ -24,22 +26,24 @@ def by_label(results_per_rank: list[list[dict]]) -> dict[str, list[dict]]:
     return out
 
 
-def source_keys(src: str) -> list[str]:
-    with CheckpointReader(src) as r:
+def source_keys(src: str, fp8: BlockFP8 | None = None) -> list[str]:
+    with truth_of(src, fp8) as r:
         return sorted(r.keys())
 
 
-def assert_full_exact(results: list[dict], src: str) -> None:
-    """Every rank yielded every HF tensor exactly once, bit-identical to the source checkpoint."""
-    keys = source_keys(src)
+def assert_full_exact(results: list[dict], src: str, fp8: BlockFP8 | None = None) -> None:
+    """Every rank yielded every HF tensor exactly once, bit-identical to the source checkpoint (quantized to
+    block FP8 where ``fp8``)."""
+    keys = source_keys(src, fp8)
     for r in results:
         assert r["mismatches"] == [], f"{r['label']} rank {r['rank']}: tensors differ: {r['mismatches']}"
         assert len(r["names"]) == len(set(r["names"])), f"{r['label']}: a tensor was yielded twice"
         assert sorted(r["names"]) == keys, f"{r['label']} rank {r['rank']}: names differ from the checkpoint's"
 
 
-def assert_per_rank_assembles(results: list[dict], src: str, tp: int) -> None:
-    """Put the shards of TP ranks 0..tp-1 together as an engine would; they equal the source tensors."""
+def assert_per_rank_assembles(results: list[dict], src: str, tp: int, fp8: BlockFP8 | None = None) -> None:
+    """Put the shards of TP ranks 0..tp-1 together as an engine would; they equal the source tensors (each
+    shard quantized on its own equals the slice of the whole tensor quantized, where ``fp8``)."""
     by_tp: dict[int, dict[str, tuple]] = {}
     for r in results:
         shards = {name: (shard, t) for name, shard, t in r["shards"]}
@@ -48,11 +52,11 @@ def assert_per_rank_assembles(results: list[dict], src: str, tp: int) -> None:
             assert other.keys() == shards.keys()
             for name in shards:
                 assert other[name][0] == shards[name][0]
-                assert torch.equal(other[name][1], shards[name][1]), name
+                assert same_bits(other[name][1], shards[name][1]), name
         else:
             by_tp[r["tp_rank"]] = shards
     assert sorted(by_tp) == list(range(tp))
-    with CheckpointReader(src) as truth:
+    with truth_of(src, fp8) as truth:
         keys = set(truth.keys())
         for rank_shards in by_tp.values():
             assert set(rank_shards) == keys
@@ -64,7 +68,7 @@ def _assert_assembles(name: str, pieces: list[tuple], ref: torch.Tensor) -> None
     """``pieces`` ((shard, tensor) of every engine rank) put together give ``ref``, bit for bit."""
     if pieces[0][0] is None:
         for shard, t in pieces:
-            assert shard is None and torch.equal(t, ref), name
+            assert shard is None and same_bits(t, ref), name
         return
     dim = pieces[0][0].dim
     pos = 0
@@ -77,7 +81,7 @@ def _assert_assembles(name: str, pieces: list[tuple], ref: torch.Tensor) -> None
         pos += shard.length
     assert pos == ref.shape[dim], f"{name}: shards cover {pos} of {ref.shape[dim]}"
     whole = torch.cat([t for shard, t in sorted(pieces, key=lambda p: p[0].start) if shard.length], dim=dim)
-    assert ref.dtype == whole.dtype and torch.equal(whole, ref), name
+    assert same_bits(whole, ref), name
 
 
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")

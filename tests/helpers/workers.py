@@ -12,7 +12,9 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.helpers.checks import INPUT_IDS  # noqa: E402,F401  (the prompts every logits check uses)
+from tests.helpers.fp8_truth import same_bits, truth_of
 from weightstream.common.hf_files import CheckpointReader
+from weightstream.converters.fp8 import BlockFP8
 from weightstream.errors import WeightstreamError
 from weightstream.jobs import Layout
 from weightstream.models.spec import load_hf_config
@@ -37,6 +39,7 @@ class Case:
     label: str = ""
     grouped_experts: bool = False  # present routed experts under TE grouped-GEMM names
     router_dtype: str | None = None  # hold MoE routers' weights in this dtype (set before loading)
+    quantize: BlockFP8 | None = None  # stream block FP8
 
 
 def present_te_names(chunks: list[nn.Module]) -> None:
@@ -99,11 +102,11 @@ def run_case(case: Case) -> dict:
     cfg, chunks = _build(case)
     logits = megatron_logits(chunks, torch.tensor(INPUT_IDS), cfg.vocab_size) if case.logits else None
     _present(case, chunks)  # after the forward: presented names are for streaming only
-    stream = stream_hf_weights(chunks, cfg, bucket_bytes=case.bucket_bytes, mode=case.mode)
+    stream = stream_hf_weights(chunks, cfg, bucket_bytes=case.bucket_bytes, mode=case.mode, quantize=case.quantize)
     out: dict = {"label": case.label, "rank": dist.get_rank()}
     names, mismatches, shards, bucket_sizes, counts = [], [], [], [], []
     largest = max(_megatron_bytes(it.entry) for it in stream.items)
-    with CheckpointReader(case.src) as truth:
+    with truth_of(case.src, case.quantize) as truth:
         for bucket in stream:
             bucket_sizes.append(bucket.nbytes)
             counts.append(len(bucket))
@@ -114,10 +117,7 @@ def run_case(case: Case) -> dict:
                     continue
                 if case.random_init:
                     continue
-                ref = truth.get(name)
-                if ref.dtype != tensor.dtype or ref.shape != tensor.shape or not torch.equal(
-                    ref.view(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)
-                ):
+                if not same_bits(truth.get(name), tensor):
                     mismatches.append(name)
     out.update(
         names=names,
@@ -189,7 +189,7 @@ def run_error_case(case: Case, mutate: str, config_overrides: dict) -> dict:
         stream_cfg = load_hf_config(data)
     out["label"] = case.label
     try:
-        stream_hf_weights(chunks, stream_cfg, bucket_bytes=case.bucket_bytes)
+        stream_hf_weights(chunks, stream_cfg, bucket_bytes=case.bucket_bytes, mode=case.mode, quantize=case.quantize)
     except WeightstreamError as exc:
         return {**out, **_error(exc)}
     except Exception:  # noqa: BLE001

@@ -13,6 +13,7 @@ fused in 3-D parameters); :meth:`Converter.in_memory` is the converter from thos
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -136,6 +137,10 @@ class Converter:
     # How transformers holds the model in memory, where it differs from the checkpoint's HF names
     # (source patterns are in-memory names); every other in-memory name is the checkpoint name.
     memory: tuple[Mapping, ...] = ()
+    # Block FP8: the HF weights a quantized model holds in float8 with per-block scales (HF name patterns, as
+    # the published FP8 checkpoints of the family quantize them); every other tensor stays as it is. Empty:
+    # the family declares no FP8 layout.
+    fp8: tuple[str, ...] = ()
 
     def resolve(self, megatron_name: str, spec: ModelSpec) -> Resolved | None:
         """The first mapping that holds for ``spec`` and matches ``megatron_name``."""
@@ -146,6 +151,16 @@ class Converter:
             if captures is not None:
                 return Resolved(megatron_name, mapping, mapping.hf_names(captures, spec))
         return None
+
+    def quantizes(self, hf_name: str) -> bool:
+        """Whether a block-FP8 model of this family holds ``hf_name`` in float8."""
+        return any(p.match(hf_name) for p in _fp8_patterns(self.fp8))
+
+    def not_quantized(self, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+        """The modules whose 2-D weights among ``shapes`` (HF name -> shape) a block-FP8 model keeps as they are
+        (a checkpoint's ``modules_to_not_convert``: embeddings, the output layer, routers)."""
+        return sorted(name.removesuffix(".weight") for name, shape in shapes.items()
+                      if name.endswith(".weight") and len(shape) == 2 and not self.quantizes(name))
 
     def in_memory(self) -> Converter:
         """The converter from the names and layout transformers holds in memory (an FSDP2 / DTensor
@@ -164,16 +179,23 @@ class Converter:
         remove: Iterable[str] = (),
         features: Callable[[Any], dict[str, Any]] | None = None,
         memory: Iterable[Mapping] = (),
+        fp8: Iterable[str] = (),
     ) -> Converter:
         """A new family from this one: drop the mappings whose Megatron patterns are in ``remove``,
-        append ``add`` (and ``memory`` to the in-memory mappings), and optionally replace ``features``."""
+        append ``add`` (``memory`` to the in-memory mappings, ``fp8`` to the FP8 weights), and optionally
+        replace ``features``."""
         removed = set(remove)
         unknown = removed - {m.megatron for m in self.mappings}
         if unknown:
             raise ValueError(f"cannot remove unknown mappings from {self.model_type}: {sorted(unknown)}")
         kept = tuple(m for m in self.mappings if m.megatron not in removed)
         return replace(self, model_type=model_type, mappings=kept + tuple(add), features=features or self.features,
-                       memory=self.memory + tuple(memory))
+                       memory=self.memory + tuple(memory), fp8=self.fp8 + tuple(fp8))
 
 
 _IN_MEMORY: dict[int, tuple[Converter, Converter]] = {}
+
+
+@functools.lru_cache(maxsize=64)
+def _fp8_patterns(patterns: tuple[str, ...]) -> tuple[re.Pattern[str], ...]:
+    return tuple(compile_pattern(p) for p in patterns)

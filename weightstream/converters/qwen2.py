@@ -50,4 +50,10 @@ def qwen2_features(config: Any) -> dict[str, Any]:
     return {"qkv_bias": True, "qk_norm": False}
 
 
-QWEN2 = Converter("qwen2", EMBEDDINGS + ATTENTION + DENSE_MLP, features=qwen2_features)
+# Block FP8 (as the published Qwen FP8 checkpoints): every linear weight of the decoder layers; the embeddings,
+# the output layer, norms and biases stay as they are.
+FP8_ATTENTION = tuple(f"{H}.self_attn.{p}_proj.weight" for p in ("q", "k", "v", "o"))
+FP8_DENSE_MLP = tuple(f"{H}.mlp.{p}_proj.weight" for p in ("gate", "up", "down"))
+
+QWEN2 = Converter("qwen2", EMBEDDINGS + ATTENTION + DENSE_MLP, features=qwen2_features,
+                  fp8=FP8_ATTENTION + FP8_DENSE_MLP)

@@ -100,8 +100,13 @@ def qwen3_moe_features(config: Any) -> dict[str, Any]:
     return {**qwen3_features(config), **_moe_features(config, False)}
 
 
+# Block FP8: every expert's and the shared expert's projections; the routers (``mlp.gate``,
+# ``mlp.shared_expert_gate``) stay as they are.
+FP8_EXPERTS = tuple(f"{H}.mlp.experts.*.{p}_proj.weight" for p in ("gate", "up", "down"))
+FP8_SHARED_EXPERT = tuple(f"{H}.mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down"))
+
 # Each MoE family is its dense family (embeddings, attention, dense MLP for dense layers) plus experts.
 QWEN2_MOE = QWEN2.derive("qwen2_moe", add=ROUTER + ROUTED_EXPERTS + SHARED_EXPERT, features=qwen2_moe_features,
-                         memory=FUSED_EXPERTS)
+                         memory=FUSED_EXPERTS, fp8=FP8_EXPERTS + FP8_SHARED_EXPERT)
 QWEN3_MOE = QWEN3.derive("qwen3_moe", add=ROUTER + ROUTED_EXPERTS, features=qwen3_moe_features,
-                         memory=FUSED_EXPERTS)
+                         memory=FUSED_EXPERTS, fp8=FP8_EXPERTS)

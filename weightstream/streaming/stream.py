@@ -48,9 +48,11 @@ from torch import Tensor, nn
 from weightstream.common.cyclic_gc import no_cyclic_gc
 from weightstream.common.layout import ALIGN, layout
 from weightstream.converters.expected import expected_hf_shapes
+from weightstream.converters.fp8 import BlockFP8
 from weightstream.converters.mapping import Converter
 from weightstream.converters.ops import OpContext, convert_into, hf_views
 from weightstream.converters.registry import get_converter, model_spec
+from weightstream.errors import ConversionError
 from weightstream.models.spec import ModelSpec, load_hf_config
 from weightstream.sources import as_source
 from weightstream.sources.base import CollectiveCounts, Mode, ModuleGuard, Source, first_device
@@ -68,6 +70,7 @@ from weightstream.streaming.bucket import (
 )
 from weightstream.streaming.copies import batched_copy, warm_kernel
 from weightstream.streaming.plan import BucketPlan, plan_buckets
+from weightstream.streaming.quantize import Quantization, convert_quantized
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 
@@ -95,6 +98,7 @@ class _Item:
     outputs: tuple[HFOut, ...]  # what this rank emits for the entry
     shards: tuple[Shard | None, ...]
     mine: bool  # this rank holds (a shard of) it
+    quantized: tuple[bool, ...] = ()  # per HF tensor of the op, whether it leaves as block FP8 (empty: none)
 
 
 @dataclass(slots=True)
@@ -130,6 +134,7 @@ class StreamPlan:
     source: Source  # the source that made the table: it holds this rank's live tensors
     device: torch.device
     guard: ModuleGuard | None
+    quantization: Quantization | None = None
     programs: dict[int, _Program] = field(default_factory=dict)
     buffers: list[Tensor | None] = field(default_factory=lambda: [None, None])  # kept bucket buffers (reuse)
     digest: str | None = None  # of every bucket's metadata (metadata_digest)
@@ -155,6 +160,7 @@ class BucketStream(Iterator[Bucket]):
     device: torch.device
     align: int = ALIGN
     stats: StreamStats = field(default_factory=StreamStats)
+    quantization: Quantization | None = None  # block FP8 for the tensors the family declares
     shared: StreamPlan | None = None
     reuse_buffers: bool = False
     _gen: Iterator[Bucket] | None = None
@@ -282,7 +288,8 @@ class BucketStream(Iterator[Bucket]):
     def can_write_into(self) -> bool:
         """Whether this rank makes every tensor of every bucket itself, whole (a full stream of a source with
         no pipeline or expert parallelism to share over, kept plan): then :meth:`write_into` applies."""
-        return self.mode == "full" and self.shared is not None and all(it.mine for it in self.items)
+        return (self.mode == "full" and self.shared is not None and self.quantization is None
+                and all(it.mine for it in self.items))
 
     def write_into(self, targets: dict[str, Tensor], key: Any) -> None:
         """Have every tensor written straight into ``targets[name]`` (a contiguous tensor of the tensor's dtype
@@ -324,7 +331,8 @@ class BucketStream(Iterator[Bucket]):
         """The metadata of bucket ``index`` as TP rank ``tp_rank`` makes it (per_rank mode: the shards
         differ by rank), computed locally, without communication."""
         topo = replace(self.topology, tp_rank=tp_rank, etp_rank=tp_rank if self.topology.etp_size > 1 else 0)
-        items = [_item(self.items[i].entry, self.spec, topo, self.mode) for i in self.plan[index].items]
+        items = [_item(self.items[i].entry, self.spec, topo, self.mode, self.quantization)[0]
+                 for i in self.plan[index].items]
         _, metas, _ = self._layout(items)
         return [m for ms in metas for m in ms]
 
@@ -336,6 +344,8 @@ class BucketStream(Iterator[Bucket]):
     def _views(self, it: _Item, metas: Sequence[TensorMeta]) -> list[Tensor] | None:
         """The item's HF tensors as views of the live parameter (what a batched copy reads), or None
         where they are not views of it (gathered over TP, or an op that computes new tensors)."""
+        if any(it.quantized):
+            return None  # quantized as they are converted
         source = self.source.direct(it.entry, self.mode)
         if source is None:
             return None
@@ -466,8 +476,7 @@ class BucketStream(Iterator[Bucket]):
                 source = fetched.pop(it.entry.name)
                 full = source() if callable(source) else source
                 largest = max(largest, full.numel() * full.element_size())
-                convert_into(it.entry.resolved.mapping.op, full, self._context(it),
-                             [into[m.name].view(m.shape) for m in metas[k]])
+                self._convert(it, full, [into[m.name].view(m.shape) for m in metas[k]])
                 del full
         self._count(program, gather_bytes + largest)
         return Bucket(bp.index, torch.empty(0, dtype=torch.uint8, device=self.device), program.metas, written=True)
@@ -500,11 +509,19 @@ class BucketStream(Iterator[Bucket]):
                 full = source() if callable(source) else source
                 largest = max(largest, full.numel() * full.element_size())
                 targets = [view_tensor(buffer, meta) for meta in metas[k]]
-                convert_into(it.entry.resolved.mapping.op, full, self._context(it), targets)
+                self._convert(it, full, targets)
                 del full, targets
         self._count(program, total + gather_bytes + largest)
         self.source.share(buffer, program.spans, self.mode, self.stats)
         return Bucket(bp.index, buffer, program.metas, kept=self._keeps_buffers)
+
+    def _convert(self, it: _Item, full: Tensor, targets: list[Tensor]) -> None:
+        """What the converter reads for ``it``, converted into ``targets`` (quantized where declared)."""
+        op = it.entry.resolved.mapping.op
+        if self.quantization is not None and any(it.quantized):
+            convert_quantized(op, full, self._context(it), it.quantized, self.quantization.fp8, targets)
+        else:
+            convert_into(op, full, self._context(it), targets)
 
     def _group_rank(self, entry: TensorEntry) -> int:
         return self.topology.group_rank(entry.group)
@@ -557,6 +574,7 @@ def stream_hf_weights(
     topology: Topology | None = None,
     split_dtypes: bool = False,
     reuse_buffers: bool = False,
+    quantize: BlockFP8 | None = None,
 ) -> BucketStream:
     """Stream a model's weights as buckets of HF tensors. Call on every rank.
 
@@ -594,11 +612,12 @@ def stream_hf_weights(
     source = as_source(model, topology)
     cfg = load_hf_config(hf_config)
     spec = model_spec(cfg)
-    plan, planned = _kept_or_new_plan(source, cfg, spec, _Settings(mode, bucket_bytes, align, split_dtypes))
+    settings = _Settings(mode, bucket_bytes, align, split_dtypes, quantize)
+    plan, planned = _kept_or_new_plan(source, cfg, spec, settings)
     modules = bool(list(source.modules()))
     stream = BucketStream(spec=spec, mode=mode, topology=source.topology, source=plan.source, plan=plan.buckets,
                           items=plan.items, device=plan.device, align=align, shared=plan,
-                          reuse_buffers=reuse_buffers and modules)
+                          reuse_buffers=reuse_buffers and modules, quantization=plan.quantization)
     stream.stats.planned = planned
     stream.stats.setup_seconds = time.perf_counter() - start
     return stream
@@ -612,6 +631,7 @@ class _Settings:
     bucket_bytes: int
     align: int
     split_dtypes: bool
+    quantize: BlockFP8 | None = None
 
 
 def _kept_or_new_plan(source: Source, cfg: Any, spec: ModelSpec, settings: _Settings) -> tuple[StreamPlan, bool]:
@@ -670,7 +690,11 @@ def _make_plan(source: Source, modules: Sequence[nn.Module], cfg: Any, spec: Mod
                settings: _Settings) -> StreamPlan:
     topo, mode = source.topology, settings.mode
     table = source.table(converter, spec, expected_hf_shapes(cfg))
-    items = [_item(e, spec, topo, mode) for e in table if mode == "full" or e.ep_owner in (None, topo.ep_rank)]
+    quant = None if settings.quantize is None else Quantization.of(settings.quantize, converter)
+    if quant is not None:
+        _check_blocks(table, spec, topo, mode, quant)
+    items = [_item(e, spec, topo, mode, quant)[0] for e in table
+             if mode == "full" or e.ep_owner in (None, topo.ep_rank)]
     keys = None
     if settings.split_dtypes:
         first_seen: dict[torch.dtype, int] = {}
@@ -678,27 +702,53 @@ def _make_plan(source: Source, modules: Sequence[nn.Module], cfg: Any, spec: Mod
             first_seen.setdefault(it.entry.dtype, len(first_seen))
         items = sorted(items, key=lambda it: first_seen[it.entry.dtype])  # stable: table order within a dtype
         keys = [it.entry.dtype for it in items]
-    planning = [
-        [o.nbytes for o in (it.outputs if mode == "full" else it.entry.shard_outputs(spec, 0))] for it in items
-    ]
+    planning = [[o.nbytes for o in (it.outputs if mode == "full" else _nominal(it, spec, topo, quant).outputs)]
+                for it in items]
     device = source.live_device() or first_device(modules)
     return StreamPlan(
         buckets=plan_buckets(planning, settings.bucket_bytes, settings.align, keys=keys), items=items, source=source,
         device=device,
-        guard=ModuleGuard(modules, WEIGHT_BUFFERS) if modules else None,
+        guard=ModuleGuard(modules, WEIGHT_BUFFERS) if modules else None, quantization=quant,
     )
 
 
-def _item(entry: TensorEntry, spec: ModelSpec, topo: Topology, mode: Mode) -> _Item:
+def _item(entry: TensorEntry, spec: ModelSpec, topo: Topology, mode: Mode,
+          quant: Quantization | None) -> tuple[_Item, list[str]]:
+    """What this rank emits for ``entry`` (quantized where declared), and what keeps it from being quantized."""
     mine = entry.pp_owner == topo.pp_rank and entry.ep_owner in (None, topo.ep_rank)
-    if mode == "full" or entry.shard_dim is None:
-        return _Item(entry, entry.outputs, (None,) * len(entry.outputs), mine)
-    rank = topo.group_rank(entry.group)
-    outputs = entry.shard_outputs(spec, rank)
-    nominal = entry.shard_outputs(spec, 0)
-    dim = entry.shard_dim
-    shards = tuple(
-        Shard(dim, rank * n.shape[dim], o.shape[dim], full.shape[dim])
-        for o, n, full in zip(outputs, nominal, entry.outputs, strict=True)
-    )
-    return _Item(entry, outputs, shards, mine)
+    outputs: tuple[HFOut, ...] = entry.outputs
+    shards: tuple[Shard | None, ...] = (None,) * len(entry.outputs)
+    if mode == "per_rank" and entry.shard_dim is not None:
+        rank = topo.group_rank(entry.group)
+        outputs = entry.shard_outputs(spec, rank)
+        nominal = entry.shard_outputs(spec, 0)
+        dim = entry.shard_dim
+        shards = tuple(Shard(dim, rank * n.shape[dim], o.shape[dim], full.shape[dim])
+                       for o, n, full in zip(outputs, nominal, entry.outputs, strict=True))
+    flags = () if quant is None else quant.flags(outputs)
+    if not any(flags):
+        return _Item(entry, outputs, shards, mine), []
+    assert quant is not None
+    expanded, placed, problems = quant.expand(outputs, shards)
+    return _Item(entry, expanded, placed, mine, flags), problems
+
+
+def _nominal(it: _Item, spec: ModelSpec, topo: Topology, quant: Quantization | None) -> _Item:
+    """``it`` as TP rank 0 makes it (per-rank buckets are planned by rank 0's sizes, the same on every rank)."""
+    return _item(it.entry, spec, replace(topo, tp_rank=0, etp_rank=0), "per_rank", quant)[0]
+
+
+def _check_blocks(table: Sequence[TensorEntry], spec: ModelSpec, topo: Topology, mode: Mode,
+                  quant: Quantization) -> None:
+    """Every rank's shards quantized in the whole tensors' blocks, checked on every rank alike (one error
+    listing each that is not), so that every rank refuses the same stream."""
+    problems: list[str] = []
+    for entry in table:
+        ranks = range(topo.group_size(entry.group)) if mode == "per_rank" and entry.shard_dim is not None else (0,)
+        for rank in ranks:
+            other = replace(topo, tp_rank=rank, etp_rank=rank) if entry.group == "etp" else replace(topo, tp_rank=rank)
+            problems += [f"TP rank {rank}: {p}" if len(ranks) > 1 else p
+                         for p in _item(entry, spec, other, mode, quant)[1]]
+    if problems:
+        raise ConversionError(f"cannot quantize to block FP8 {quant.fp8.block}",
+                              {"shards off the block grid or tensors not 2-D": problems})

@@ -1,0 +1,98 @@
+"""Block FP8 streams over real Megatron-Core jobs (gloo) and a plain transformers model: every tensor the family
+declares FP8 leaves as float8 values and float32 scales bit-identical to the source quantized
+(weightstream.converters.fp8), every other tensor as it is, no name missing or extra; per-rank shards equal the
+whole tensor's blocks; a shard off the block grid, or a family with no FP8 declaration, is refused before
+anything is sent."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import FAMILIES
+from tests.helpers.checks import assert_full_exact, assert_per_rank_assembles, by_label
+from tests.helpers.fp8_truth import same_bits
+from tests.helpers.workers import Case, run_cases
+from weightstream.converters import Converter, register_converter, unregister_converter
+from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8
+from weightstream.converters.qwen3 import QWEN3
+from weightstream.errors import ConversionError
+from weightstream.jobs import Layout
+from weightstream.launch import launch
+from weightstream.models.presets import preset_config, random_hf_model, save_random_checkpoint
+from weightstream.streaming.stream import stream_hf_weights
+
+SMALL = BlockFP8(block=(16, 16))  # divides every dimension of the tiny presets (and their TP-2 shards)
+
+
+@pytest.fixture(scope="module")
+def moe_source(tmp_path_factory) -> str:
+    return save_random_checkpoint(preset_config("tiny-qwen3-moe"), tmp_path_factory.mktemp("fp8moe") / "m", seed=41)
+
+
+def test_megatron_layouts_quantized(sources, moe_source):
+    ue8m0 = BlockFP8(block=(16, 16), scale_fmt="ue8m0")
+    cases = [Case(sources[f], Layout(2, 1), label=f"tp2 {f}", quantize=SMALL) for f in FAMILIES]
+    cases += [
+        Case(sources["tiny-qwen2"], Layout(1, 2), label="pp2", quantize=SMALL),
+        Case(sources["tiny-qwen3"], Layout(2, 1), mode="per_rank", label="tp2 per_rank", quantize=SMALL),
+        Case(sources["tiny-qwen3"], Layout(2, 1), label="tp2 ue8m0", quantize=ue8m0),
+        Case(sources["tiny-qwen3"], Layout(1, 1), label="block 128", quantize=BlockFP8()),  # ragged blocks
+        Case(moe_source, Layout(1, 1, ep=2), label="ep2 moe", quantize=SMALL),
+        Case(moe_source, Layout(2, 1, ep=1, etp=2), label="etp2 moe", quantize=SMALL),
+    ]
+    results = by_label(launch(2, run_cases, cases))
+    for f in FAMILIES:
+        assert_full_exact(results[f"tp2 {f}"], sources[f], SMALL)
+    assert_full_exact(results["pp2"], sources["tiny-qwen2"], SMALL)
+    assert_per_rank_assembles(results["tp2 per_rank"], sources["tiny-qwen3"], tp=2, fp8=SMALL)
+    assert_full_exact(results["tp2 ue8m0"], sources["tiny-qwen3"], ue8m0)
+    assert_full_exact(results["block 128"], sources["tiny-qwen3"], BlockFP8())
+    assert_full_exact(results["ep2 moe"], moe_source, SMALL)
+    assert_full_exact(results["etp2 moe"], moe_source, SMALL)
+    names = results["tp2 tiny-qwen3"][0]["names"]
+    assert "model.layers.0.self_attn.q_proj.weight" + SCALE_SUFFIX in names
+    assert "model.embed_tokens.weight" + SCALE_SUFFIX not in names and "lm_head.weight" + SCALE_SUFFIX not in names
+    moe_names = results["ep2 moe"][0]["names"]
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" + SCALE_SUFFIX in moe_names
+    assert "model.layers.0.mlp.gate.weight" + SCALE_SUFFIX not in moe_names  # the router stays as it is
+
+
+def test_shards_off_the_block_grid_are_refused_on_every_rank(sources):
+    case = Case(sources["tiny-qwen3"], Layout(2, 1), mode="per_rank", label="off grid", quantize=BlockFP8())
+    got = launch(2, run_cases, [], [(case, "", {})])
+    for rank in got:
+        (err,) = rank
+        assert err["type"] == "ConversionError", err
+        assert "does not fall on 128-wide blocks" in err["message"] and "TP rank 1" in err["message"], err["message"]
+
+
+@pytest.mark.unit
+def test_plain_transformers_model_quantized_bit_for_bit():
+    cfg = preset_config("tiny-qwen3")
+    model = random_hf_model(cfg, seed=3, dtype=torch.bfloat16)
+    held = dict(model.state_dict())
+    got = {n: t.clone() for b in stream_hf_weights(model, cfg, quantize=SMALL) for n, t in b.named_tensors()}
+    quantized = [n for n in held if QWEN3.quantizes(n)]
+    assert len(quantized) == 28  # q, k, v, o and gate, up, down of 4 layers
+    expected = set(held) - {"lm_head.weight"} if cfg.tie_word_embeddings else set(held)
+    assert set(got) == expected | {n + SCALE_SUFFIX for n in quantized}
+    for name in expected:
+        if name in quantized:
+            values, scales = SMALL.quantize(held[name])
+            assert got[name].dtype == FP8 and same_bits(got[name], values), name
+            assert same_bits(got[name + SCALE_SUFFIX], scales), name
+        else:
+            assert same_bits(got[name], held[name]), name
+
+
+@pytest.mark.unit
+def test_family_without_fp8_declaration_is_refused():
+    register_converter("qwen3", Converter("qwen3", QWEN3.mappings, features=QWEN3.features), overwrite=True)
+    try:
+        cfg = preset_config("tiny-qwen3")
+        with pytest.raises(ConversionError, match="declares no FP8 weights"):
+            stream_hf_weights(random_hf_model(cfg, seed=3), cfg, quantize=SMALL)
+    finally:
+        unregister_converter("qwen3")
+        register_converter("qwen3", QWEN3)

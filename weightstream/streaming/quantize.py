@@ -1,0 +1,94 @@
+"""A stream's block-FP8 quantization: which HF tensors leave as (float8 values, float32 scales), and how.
+
+Each HF tensor the family declares FP8 (:attr:`Converter.fp8`) becomes two tensors in the bucket, side by
+side: ``X.weight`` in ``float8_e4m3fn`` and ``X.weight_scale_inv`` in float32, one scale per block
+(:mod:`weightstream.converters.fp8`). A per-rank shard is quantized on its own; its blocks are the whole
+tensor's only where it starts on a block boundary (and ends on one, or at the tensor's end): any other shard
+is refused when the stream is made, naming each, before a byte moves. The scale's placement follows the
+weight's, in blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8
+from weightstream.converters.mapping import Converter
+from weightstream.converters.ops import OpContext, TensorOp
+from weightstream.errors import ConversionError
+from weightstream.sources.table import HFOut
+from weightstream.streaming.bucket import Shard
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """Block FP8 for one family: its declaration and the block and scale format asked for."""
+
+    fp8: BlockFP8
+    converter: Converter
+
+    @classmethod
+    def of(cls, fp8: BlockFP8, converter: Converter) -> Quantization:
+        if not converter.fp8:
+            raise ConversionError(f"cannot quantize {converter.model_type} to block FP8",
+                                  {"family without an FP8 declaration": [
+                                      f"the {converter.model_type} converter declares no FP8 weights (Converter.fp8)"]})
+        return cls(fp8, converter)
+
+    def flags(self, outputs: Sequence[HFOut]) -> tuple[bool, ...]:
+        """Per HF output of an op, whether it is quantized."""
+        return tuple(self.converter.quantizes(o.name) for o in outputs)
+
+    def expand(self, outputs: Sequence[HFOut], shards: Sequence[Shard | None],
+               ) -> tuple[tuple[HFOut, ...], tuple[Shard | None, ...], list[str]]:
+        """The bucket's tensors for an op's ``outputs`` (each quantized one followed by its scales), their
+        placements, and what keeps a shard from being quantized in the whole tensor's blocks."""
+        out: list[HFOut] = []
+        placed: list[Shard | None] = []
+        problems: list[str] = []
+        for o, shard, quantized in zip(outputs, shards, self.flags(outputs), strict=True):
+            if not quantized:
+                out.append(o)
+                placed.append(shard)
+                continue
+            if len(o.shape) != 2:
+                problems.append(f"{o.name}: declared FP8 but has shape {o.shape} (block FP8 quantizes 2-D weights)")
+                continue
+            out += [HFOut(o.name, o.shape, FP8), HFOut(o.name + SCALE_SUFFIX, self.fp8.scale_shape(o.shape),
+                                                       torch.float32)]
+            scale, problem = self._scale_shard(o.name, shard)
+            placed += [shard, scale]
+            if problem:
+                problems.append(problem)
+        return tuple(out), tuple(placed), problems
+
+    def _scale_shard(self, name: str, shard: Shard | None) -> tuple[Shard | None, str | None]:
+        """Where a shard's scales sit in the whole tensor's scales; or why its blocks are not the whole's."""
+        if shard is None:
+            return None, None
+        block = self.fp8.block[shard.dim]
+        end = shard.start + shard.length
+        if shard.start % block or (shard.length % block and end != shard.full):
+            return None, (f"{name}: the shard [{shard.start}, {end}) of dim {shard.dim} (of {shard.full}) does not "
+                          f"fall on {block}-wide blocks")
+        return Shard(shard.dim, shard.start // block, math.ceil(shard.length / block),
+                     math.ceil(shard.full / block)), None
+
+
+def convert_quantized(op: TensorOp, tensor: Tensor, ctx: OpContext, flags: Sequence[bool], fp8: BlockFP8,
+                      targets: Sequence[Tensor]) -> None:
+    """``op.to_hf(tensor)`` into ``targets``: each quantized output as its values and then its scales, the
+    others as they are."""
+    it = iter(targets)
+    for out, quantized in zip(op.to_hf(tensor, ctx), flags, strict=True):
+        if quantized:
+            values, scales = fp8.quantize(out)
+            next(it).copy_(values)
+            next(it).copy_(scales)
+        else:
+            next(it).view(out.shape).copy_(out)
