@@ -25,6 +25,7 @@ from torch import nn
 
 from weightstream.common.hf_files import INDEX_NAME, shard_name
 from weightstream.common.staging import OutputDirectoryError, StagedDirectory, writing
+from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8
 from weightstream.errors import WeightstreamError
 from weightstream.models.spec import dtype_name, load_hf_config
 from weightstream.sinks.base import Delivery
@@ -163,6 +164,7 @@ class SafetensorsSink:
         if stream.mode != "full":
             raise ValueError("a checkpoint holds whole tensors: it needs a full stream")
         self.entries = [_Entry(o.name, o.dtype, o.shape, o.nbytes) for it in stream.items for o in it.outputs]
+        self.quantization = stream.quantization
         self.files = plan_buckets([[e.nbytes] for e in self.entries], self.shard_bytes, align=1)
         self.names = [shard_name(i + 1, len(self.files)) for i in range(len(self.files))]
         self.mine = {i for i in range(len(self.files))
@@ -248,7 +250,7 @@ class SafetensorsSink:
         staged = self._staging()
         staging = staged.path
         with writing(self.out, staging / "config.json"):
-            _save_config(self.cfg, staging, _main_dtype(self.entries))
+            _save_config(self.cfg, staging, _main_dtype(self.entries), self._quantization_config())
         weight_map = {e.name: self.names[self.file_of[e.name]] for e in self.entries}
         index = {"metadata": {"total_size": self.total_size}, "weight_map": weight_map}
         with writing(self.out, staging / INDEX_NAME):
@@ -265,6 +267,14 @@ class SafetensorsSink:
             self.staged.discard()
             self.staged = None
 
+    def _quantization_config(self) -> dict | None:
+        """``config.json``'s ``quantization_config`` of a block-FP8 checkpoint (None: not quantized)."""
+        q = self.quantization
+        if q is None:
+            return None
+        kept = {e.name: e.shape for e in self.entries if e.dtype != FP8 and not e.name.endswith(SCALE_SUFFIX)}
+        return q.fp8.config(q.converter.not_quantized(kept))
+
     @property
     def total_size(self) -> int:
         return sum(e.nbytes for e in self.entries)
@@ -280,6 +290,7 @@ def save_hf_checkpoint(
     writers: str = "rank0",
     progress: Callable[[int, int], None] | None = None,
     overwrite: bool = False,
+    quantize: BlockFP8 | None = None,
 ) -> CheckpointReport:
     """Write the model as an HF checkpoint (safetensors shards, index, ``config.json``). Call on every rank.
     ``model_chunks``: anything :func:`stream_hf_weights` takes (Megatron-Core chunks, an FSDP2 / DTensor
@@ -292,10 +303,12 @@ def save_hf_checkpoint(
     place at the end. A non-empty ``out_dir`` is refused (:class:`~weightstream.common.staging.OutputDirectoryError`,
     on every rank) unless ``overwrite``, which replaces it whole in one step; an empty one is fine. A failure
     (an I/O error is an ``OutputDirectoryError`` naming the directory, the file and the cause) leaves
-    ``out_dir`` as it was.
+    ``out_dir`` as it was. ``quantize``: the weights the family declares FP8 are written as block FP8 (values
+    and ``_scale_inv`` scales), with the matching ``quantization_config`` in ``config.json``.
     """
     sink = SafetensorsSink(out_dir, hf_config, shard_bytes=shard_bytes, writers=writers, overwrite=overwrite)
-    stream = stream_hf_weights(model_chunks, sink.cfg, bucket_bytes=bucket_bytes, mode="full", reuse_buffers=True)
+    stream = stream_hf_weights(model_chunks, sink.cfg, bucket_bytes=bucket_bytes, mode="full", reuse_buffers=True,
+                               quantize=quantize)
     sink.open(stream)
     try:
         if stream.source.independent:
@@ -313,7 +326,7 @@ def save_hf_checkpoint(
     return CheckpointReport(sink.out, sink.names, len(sink.entries), sink.total_size, stream.stats, list(sink.entries))
 
 
-def _save_config(cfg, out: Path, dtype: torch.dtype | None) -> None:
+def _save_config(cfg, out: Path, dtype: torch.dtype | None, quantization: dict | None) -> None:
     import copy
 
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -321,6 +334,8 @@ def _save_config(cfg, out: Path, dtype: torch.dtype | None) -> None:
     cfg = copy.deepcopy(cfg)
     if dtype is not None:
         cfg.dtype = dtype_name(dtype)
+    if quantization is not None:
+        cfg.quantization_config = quantization
 
     if not cfg.architectures and cfg.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         cfg.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[cfg.model_type]]
@@ -328,8 +343,11 @@ def _save_config(cfg, out: Path, dtype: torch.dtype | None) -> None:
 
 
 def _main_dtype(entries: Sequence[_Entry]) -> torch.dtype | None:
-    """The dtype that holds the most bytes (what ``config.json`` should say the model is in)."""
+    """The dtype that holds the most bytes, block-FP8 values and scales aside (what ``config.json`` should say
+    the model is in)."""
     totals: dict[torch.dtype, int] = {}
     for e in entries:
+        if e.dtype == FP8 or e.name.endswith(SCALE_SUFFIX):
+            continue
         totals[e.dtype] = totals.get(e.dtype, 0) + e.nbytes
     return max(totals, key=totals.__getitem__) if totals else None
