@@ -19,6 +19,7 @@ from torch import nn
 
 from weightstream.common.bounds import Deadline, cleanup_budget
 from weightstream.common.layout import ALIGN
+from weightstream.converters.fp8 import BlockFP8
 from weightstream.converters.registry import get_converter, model_spec
 from weightstream.engines import ADAPTERS, detect, make_adapter
 from weightstream.engines.base import (
@@ -205,6 +206,18 @@ def _pause_and_begin(engine: EngineAdapter, mode: str, version: str, timeout_s: 
     engine.begin_update(version, timeout_s)
 
 
+def _check_formats(engines: Sequence[EngineAdapter], quantize: BlockFP8 | None) -> None:
+    """Every engine serves the weight layout the update sends (block FP8 of the same block and scale format, or
+    unquantized): one error naming each that does not, before any bytes move."""
+    def said(fp8: BlockFP8 | None) -> str:
+        return "unquantized weights" if fp8 is None else f"block FP8 {fp8.block} ({fp8.scale_fmt} scales)"
+
+    wrong = [f"{e.url} serves {said(e.info().fp8)}" for e in engines if e.info().fp8 != quantize]
+    if wrong:
+        raise ValueError(f"the update sends {said(quantize)}, but engine " + "; engine ".join(wrong)
+                         + (" (pass quantize= to match)" if quantize is None else ""))
+
+
 def _memory(engine: EngineAdapter) -> MemoryEngine:
     return require(engine, RELEASE_MEMORY, MemoryEngine, "release_memory")
 
@@ -244,7 +257,7 @@ class WeightSync:
                  timeout_s: float = 60.0, master_address: str = "127.0.0.1", master_port: int | None = None,
                  backend: str | None = None, pause_mode: str = "abort", api_key: str | None = None,
                  group_name: str = "weightstream", reuse_buffers: bool = True, metadata_ahead: bool = True,
-                 direct: bool = True):
+                 direct: bool = True, quantize: BlockFP8 | None = None):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if not engines:
@@ -263,6 +276,8 @@ class WeightSync:
         # IPC, where the engine offers its weights (the reference engine at TP 1): the trainer writes each
         # tensor straight into them, one copy; False: into buffers the engine copies out of (two copies).
         self.direct = direct
+        # Block FP8: the weights the family declares FP8 leave quantized; every engine must serve that layout.
+        self.quantize = quantize
         self.checksums, self.timeout_s, self.pause_mode = checksums, timeout_s, pause_mode
         self.master_address, self.master_port, self.backend = master_address, master_port, backend
         self.sinks: dict[str, Sink] = {}  # one per transport used, kept across updates (groups are made once)
@@ -341,6 +356,7 @@ class WeightSync:
             try:
                 kind, reason = choose_transport(self.transport, self.engines, job.source.topology, job.spec,
                                                 self.colocated, p2p_source=job.source.per_rank_senders)
+                _check_formats(self.engines, self.quantize)
                 decided = Decision(kind, reason, any(e.info().can(SINGLE_DTYPE) for e in self.engines))
                 if version is not None:
                     self._pause(version)
@@ -374,7 +390,7 @@ class WeightSync:
     def _stream(self, job: _Job, decision: Decision) -> BucketStream:
         return stream_hf_weights(job.source, job.cfg, bucket_bytes=self.bucket_bytes, mode=decision.mode,
                                  align=decision.align, split_dtypes=decision.one_dtype,
-                                 reuse_buffers=self.reuse_buffers)
+                                 reuse_buffers=self.reuse_buffers, quantize=self.quantize)
 
     def _open(self, job: _Job, decision: Decision, seconds: dict[str, float],
               ) -> tuple[BaseException | None, tuple[Sink, BucketStream] | None]:

@@ -62,6 +62,17 @@ class BlockFP8:
         return out
 
 
+def block_fp8_of(quantization_config: dict | None) -> BlockFP8 | None:
+    """The block-FP8 layout an HF ``quantization_config`` declares (None: the model is not block FP8)."""
+    if not quantization_config or quantization_config.get("quant_method") != "fp8":
+        return None
+    block = quantization_config.get("weight_block_size")
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) for b in block)):
+        return None  # per-tensor FP8: not a block layout
+    fmt: ScaleFormat = "ue8m0" if quantization_config.get("scale_fmt") == "ue8m0" else "float"
+    return BlockFP8((int(block[0]), int(block[1])), fmt)
+
+
 def _two_dims(shape: tuple[int, ...]) -> tuple[int, int]:
     if len(shape) != 2:
         raise ValueError(f"block FP8 quantizes 2-D weights, got shape {tuple(shape)}")

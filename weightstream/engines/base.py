@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from weightstream.converters.fp8 import BlockFP8
 from weightstream.errors import WeightstreamError
 from weightstream.streaming.bucket import Bucket, TensorMeta
 from weightstream.wire.frames import Plan
@@ -58,6 +59,7 @@ class EngineInfo:
     dp_size: int = 1
     gpu_uuids: tuple[str, ...] = ()
     capabilities: frozenset[str] = field(default_factory=frozenset)
+    fp8: BlockFP8 | None = None  # the block-FP8 layout of the engine's model (None: not quantized, or not said)
 
     def can(self, capability: str) -> bool:
         return capability in self.capabilities

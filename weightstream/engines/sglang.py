@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from weightstream.converters.fp8 import BlockFP8, block_fp8_of
 from weightstream.engines.base import (
     BROADCAST,
     IPC,
@@ -41,11 +42,16 @@ class SGLangEngine(HTTPEngine):
                 engine=self.name, tp_size=int(s.get("tp_size", 1)), pp_size=int(s.get("pp_size", 1)),
                 ep_size=int(s.get("ep_size", 1)), dp_size=int(s.get("dp_size", 1)),
                 gpu_uuids=tuple(s.get("gpu_uuids") or ()), capabilities=self.capabilities(s),
+                fp8=self.weight_format(s),
             )
         return self._info
 
     def capabilities(self, server_info: dict) -> frozenset[str]:
         return frozenset({BROADCAST, IPC, RELEASE_MEMORY})
+
+    def weight_format(self, server_info: dict) -> BlockFP8 | None:
+        """The block-FP8 layout of the served model, from the ``quantization_config`` the server reports."""
+        return block_fp8_of(server_info.get("quantization_config"))
 
     def weight_version(self) -> str:
         return str(self.get("/model_info", step="model_info").get("weight_version"))
