@@ -133,3 +133,30 @@ def test_checkpoint_loads_in_transformers_with_its_fp8_config(tmp_path, preset):
     diff = float((ref - out).abs().max())
     print(f"{preset}: max |logits diff| {diff:.4f} on logits up to {float(ref.abs().max()):.3f}")
     assert diff <= 0.1 * max(1.0, float(ref.abs().max())), (diff, float(ref.abs().max()))
+
+
+def test_dump_writes_block_fp8_from_the_command_line(tmp_path):
+    """``weightstream dump --quantize fp8-block``: a TP-2 job writes the FP8 checkpoint and its config; a bad
+    block is refused by the parser."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from weightstream.common.hf_files import CheckpointReader
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "weightstream.cli", "dump", "--preset", "tiny-qwen3", "--tp", "2",
+           "--out", str(tmp_path / "q"), "--quantize", "fp8-block", "--fp8-block", "16x16", "--fp8-scales", "ue8m0"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    config = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert config["weight_block_size"] == [16, 16] and config["scale_fmt"] == "ue8m0"
+    with CheckpointReader(tmp_path / "q") as r:
+        values = r.get("model.layers.1.mlp.up_proj.weight")
+        scales = r.get("model.layers.1.mlp.up_proj.weight_scale_inv")
+        assert values.dtype == FP8 and tuple(scales.shape) == (96 // 16, 64 // 16)
+        assert not (scales.view(torch.int32) & 0x7FFFFF).any()  # powers of two
+        assert r.get("model.embed_tokens.weight").dtype == torch.float32
+    bad = subprocess.run(cmd[:-4] + ["--fp8-block", "16"], capture_output=True, text=True, timeout=120, cwd=root)
+    assert bad.returncode == 2 and "expected ROWSxCOLS" in bad.stderr

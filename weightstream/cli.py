@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 if TYPE_CHECKING:
     import torch
 
+    from weightstream.converters.fp8 import BlockFP8
     from weightstream.jobs import Layout
     from weightstream.reference_engine.server import EngineServer
 
@@ -106,8 +107,33 @@ def _add_dump(sub: _Subparsers, presets: list[str]) -> None:
     dump.add_argument("--out", required=True,
                       help="output directory: written beside it and moved into place when complete; must be empty "
                            "or absent unless --overwrite")
+    _quantize_args(dump)
     dump.add_argument("--overwrite", action="store_true",
                       help="replace a non-empty --out (whole, in one step, once the new checkpoint is complete)")
+
+
+def _quantize_args(parser: argparse.ArgumentParser) -> None:
+    """``--quantize fp8-block`` and its block and scale format."""
+    parser.add_argument("--quantize", choices=["fp8-block"], default=None,
+                        help="write the weights the model family declares FP8 as block FP8 (float8 values and "
+                             "float32 _scale_inv scales, with quantization_config in config.json)")
+    parser.add_argument("--fp8-block", type=_block, default=(128, 128), metavar="ROWSxCOLS",
+                        help="the FP8 block (default 128x128)")
+    parser.add_argument("--fp8-scales", choices=["float", "ue8m0"], default="float",
+                        help="float32 scales as they come, or rounded up to powers of two (ue8m0)")
+
+
+def _block(text: str) -> tuple[int, int]:
+    rows, sep, cols = text.partition("x")
+    if not sep or not rows.isdigit() or not cols.isdigit() or int(rows) <= 0 or int(cols) <= 0:
+        raise argparse.ArgumentTypeError(f"expected ROWSxCOLS (e.g. 128x128), got {text!r}")
+    return int(rows), int(cols)
+
+
+def _quantize(args: argparse.Namespace) -> BlockFP8 | None:
+    from weightstream.converters.fp8 import BlockFP8
+
+    return BlockFP8(args.fp8_block, args.fp8_scales) if args.quantize == "fp8-block" else None
 
 
 def _add_bench(sub: _Subparsers, presets: list[str]) -> None:
@@ -237,6 +263,7 @@ def _add_convert(sub: _Subparsers, presets: list[str]) -> None:
     convert.add_argument("--out", required=True,
                          help="output directory: written beside it and moved into place when complete; must be "
                               "empty or absent unless --overwrite")
+    _quantize_args(convert)
     convert.add_argument("--overwrite", action="store_true",
                          help="replace a non-empty --out (whole, in one step, once the new checkpoint is complete)")
     convert.add_argument("--iteration", default=None, help="which iteration (default: the latest the tracker names)")
@@ -339,7 +366,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
         print(f"dumping {args.preset or hf_dir} under {layout.describe()} to {args.out}", file=sys.stderr)
         try:
             results = launch(world, dump_job, hf_dir, layout, args.out, args.bucket_mb, args.dtype, None, args.writers,
-                             None, args.overwrite)
+                             None, args.overwrite, None, _quantize(args))
         except LaunchError as exc:
             clean_leftovers(out)  # what a rank killed mid-write left beside --out
             if not exc.reasons:
@@ -506,7 +533,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                                     dtype=_dtype(args.dtype) if args.dtype else None, bucket_bytes=args.bucket_mb,
                                     shard_bytes=args.shard_mb, progress=progress, verify=args.verify,
                                     procs=args.procs, overwrite=args.overwrite,
-                                    trust_checkpoint=args.trust_checkpoint)
+                                    trust_checkpoint=args.trust_checkpoint, quantize=_quantize(args))
     except WeightstreamError as exc:
         bar.close()
         print(f"error: {exc}", file=sys.stderr)

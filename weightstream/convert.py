@@ -18,9 +18,10 @@ from typing import Any
 import torch
 
 from weightstream.common.staging import check_target, clean_leftovers
+from weightstream.converters.fp8 import BlockFP8
 from weightstream.errors import WeightstreamError
 from weightstream.models.spec import load_hf_config
-from weightstream.sinks.safetensors import DEFAULT_SHARD_BYTES, save_hf_checkpoint
+from weightstream.sinks.safetensors import DEFAULT_SHARD_BYTES, CheckpointReport, save_hf_checkpoint
 from weightstream.sources.megatron_checkpoint import MegatronCheckpointSource
 from weightstream.testing.compare import Comparison, compare_checkpoints
 
@@ -80,6 +81,7 @@ def convert_checkpoint(
     procs: int = 1,
     overwrite: bool = False,
     trust_checkpoint: bool = False,
+    quantize: BlockFP8 | None = None,
 ) -> ConvertReport:
     """Write the Megatron-Core checkpoint at ``checkpoint`` (distributed ``torch_dist`` or legacy per-rank
     format, any TP/PP/VPP/EP layout; the save directory or one iteration's) as an HF checkpoint in ``out_dir``.
@@ -90,6 +92,8 @@ def convert_checkpoint(
     ``verify``: an HF checkpoint to compare the result with, tensor by tensor (bit for bit). ``procs``: local
     processes sharing the work (each reads only what its safetensors files hold; ``peak_rss`` is then the
     largest of theirs).
+
+    ``quantize``: write the weights the family declares FP8 as block FP8 (see :func:`save_hf_checkpoint`).
 
     ``out_dir`` appears complete or not at all (see :func:`~weightstream.save_hf_checkpoint`); a non-empty one
     is refused unless ``overwrite``, which replaces it whole.
@@ -105,11 +109,20 @@ def convert_checkpoint(
     hf_config = _read_hf_config(hf_config)
     if procs > 1:
         report, fmt, it, peak = _convert_in_processes(procs, checkpoint, hf_config, out_dir, iteration, dtype,
-                                                      bucket_bytes, shard_bytes, overwrite, trust_checkpoint)
+                                                      bucket_bytes, shard_bytes, overwrite, trust_checkpoint,
+                                                      quantize)
     else:
         report, fmt, it, peak = _convert_rank(checkpoint, hf_config, out_dir, iteration, dtype, bucket_bytes,
-                                              shard_bytes, progress, overwrite, trust_checkpoint)
-    seconds = time.perf_counter() - start
+                                              shard_bytes, progress, overwrite, trust_checkpoint, quantize)
+    out = _convert_report(report, Path(out_dir), fmt, it, time.perf_counter() - start, rss_before, peak)
+    if verify is not None:
+        out.verify = compare_checkpoints(verify, out_dir)
+    return out
+
+
+def _convert_report(report: CheckpointReport, out_dir: Path, fmt: str, it: int | str | None, seconds: float,
+                    rss_before: int, peak: int) -> ConvertReport:
+    """What a conversion wrote, with its largest tensor and its largest layer."""
     layers: dict[str, int] = {}
     largest = ("", 0)
     for name, nbytes in report.sizes().items():
@@ -120,11 +133,8 @@ def convert_checkpoint(
             key = ".".join(parts[:3])
             layers[key] = layers.get(key, 0) + nbytes
     layer = max(layers.items(), key=lambda kv: kv[1]) if layers else ("", 0)
-    out = ConvertReport(Path(out_dir), fmt, it, report.tensors, report.total_size, len(report.files), seconds,
-                        rss_before, peak, largest, layer)
-    if verify is not None:
-        out.verify = compare_checkpoints(verify, out_dir)
-    return out
+    return ConvertReport(out_dir, fmt, it, report.tensors, report.total_size, len(report.files), seconds,
+                         rss_before, peak, largest, layer)
 
 
 def _read_hf_config(hf_config: Any) -> Any:
@@ -138,7 +148,7 @@ def _read_hf_config(hf_config: Any) -> Any:
 
 
 def _convert_in_processes(procs, checkpoint, hf_config, out_dir, iteration, dtype, bucket_bytes, shard_bytes,
-                          overwrite, trust_checkpoint):
+                          overwrite, trust_checkpoint, quantize):
     """``_convert_rank`` on ``procs`` local processes: (rank 0's report, format, iteration, the largest peak RSS).
     A rank's WeightstreamError is raised here as one; what killed ranks left beside ``out_dir`` is removed."""
     from weightstream.launch import LaunchError, launch
@@ -147,7 +157,7 @@ def _convert_in_processes(procs, checkpoint, hf_config, out_dir, iteration, dtyp
     MegatronCheckpointSource(checkpoint, iteration=iteration, trust_checkpoint=trust_checkpoint).close()
     try:
         results = launch(procs, _convert_rank, checkpoint, hf_config, os.fspath(out_dir), iteration, dtype,
-                         bucket_bytes, shard_bytes, None, overwrite, trust_checkpoint, backend="gloo",
+                         bucket_bytes, shard_bytes, None, overwrite, trust_checkpoint, quantize, backend="gloo",
                          timeout_s=24 * 3600.0)
     except LaunchError as exc:
         clean_leftovers(Path(os.path.realpath(out_dir)))
@@ -158,7 +168,7 @@ def _convert_in_processes(procs, checkpoint, hf_config, out_dir, iteration, dtyp
 
 
 def _convert_rank(checkpoint, hf_config, out_dir, iteration, dtype, bucket_bytes, shard_bytes, progress=None,
-                  overwrite=False, trust_checkpoint=False):
+                  overwrite=False, trust_checkpoint=False, quantize=None):
     """One process's part (all of it when alone): (report, format, iteration, peak RSS)."""
     import torch.distributed as dist
 
@@ -166,7 +176,7 @@ def _convert_rank(checkpoint, hf_config, out_dir, iteration, dtype, bucket_bytes
     writers = "spread" if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else "rank0"
     try:
         report = save_hf_checkpoint(source, hf_config, out_dir, bucket_bytes=bucket_bytes, shard_bytes=shard_bytes,
-                                    progress=progress, writers=writers, overwrite=overwrite)
+                                    progress=progress, writers=writers, overwrite=overwrite, quantize=quantize)
     finally:
         source.close()
     return report, source.format, source.iteration, _peak_rss()

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from weightstream.common.hf_files import CheckpointReader
+from weightstream.converters.fp8 import BlockFP8
 from weightstream.models.spec import dtype_from_name, load_hf_config
 from weightstream.sinks.safetensors import save_hf_checkpoint
 from weightstream.testing.megatron import build_gpt_model, initialize_parallel, load_hf_weights, megatron_logits
@@ -71,11 +72,12 @@ def dump_job(
     engine_url: str | None = None,
     overwrite: bool = False,
     engine_key: str | None = None,
+    quantize: BlockFP8 | None = None,
 ) -> dict[str, Any]:
     """Build the Megatron model under ``layout`` from the HF checkpoint, stream it, write it out;
     with ``engine_url``, first update that engine's weights (``update_weights``, transport auto).
     ``overwrite``: replace a non-empty ``out_dir`` (refused otherwise; see ``save_hf_checkpoint``).
-    ``engine_key``: the engine's API key."""
+    ``engine_key``: the engine's API key. ``quantize``: write block FP8 (see ``save_hf_checkpoint``)."""
     initialize_parallel(layout.tp, layout.pp, layout.vpp, layout.ep, layout.etp)
     cfg = load_hf_config(hf_dir)
     start = time.perf_counter()
@@ -93,7 +95,7 @@ def dump_job(
     bar, update = _progress_bar("streaming")
     start = time.perf_counter()
     report = save_hf_checkpoint(chunks, cfg, out_dir, bucket_bytes=bucket_bytes, writers=writers, progress=update,
-                                overwrite=overwrite)
+                                overwrite=overwrite, quantize=quantize)
     seconds = time.perf_counter() - start
     if bar is not None:
         bar.close()
