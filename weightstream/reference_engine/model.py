@@ -5,10 +5,15 @@ q/k/v/gate/up, row-parallel o/down followed by an all-reduce over the engine's o
 the norms whole, and — as some engines do — the embedding and lm_head whole. ``load_weights``
 takes HF checkpoint names with whole tensors (narrowed to this rank's shard here) or with
 per-rank shards (checked to be exactly this rank's).
+
+A block-FP8 model (its checkpoint's ``quantization_config``) is held dequantized, in the engine's dtype:
+each ``X.weight`` in float8 arrives with its ``X.weight_scale_inv`` (from the checkpoint or in the same
+bucket of an update) and is loaded as ``fp8 × scale`` per block.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -18,7 +23,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8, dequantize_block_fp8
 from weightstream.streaming.bucket import Shard
+
+Weight = tuple[str, Tensor, Shard | None]  # what load_weights takes: a name, a tensor, its placement
 
 # Which projections split which way (checkpoint name suffixes, before ".weight"/".bias").
 COLUMN = re.compile(r"\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj|mlp\.shared_expert\.(gate|up)_proj)$")
@@ -102,6 +110,15 @@ class ShardedCausalLM:
         self._loaded_in_session: set[str] = set()
         # vocabulary row pieces (per-rank embedding / lm_head) received, for exchange_vocab_pieces
         self.pending_vocab: list[tuple[str, int, Tensor]] = []
+        self.fp8: BlockFP8 | None = None  # the model's block-FP8 layout (None: an unquantized model)
+        self.fp8_weights: frozenset[str] | None = None  # the weights it holds in FP8 (None: not known)
+
+    def quantized(self, fp8: BlockFP8 | None, names: Iterable[str]) -> None:
+        """The model is block FP8 (``fp8``; None: it is not): the weights among ``names`` (a checkpoint's)
+        that have a scale beside them are held in FP8, and updates must send them so."""
+        self.fp8 = fp8
+        held = {n[: -len(SCALE_SUFFIX)] for n in names if n.endswith(SCALE_SUFFIX)}
+        self.fp8_weights = frozenset(held) if held or fp8 is None else None
 
     def mark_never_loaded(self, loaded: set[str]) -> None:
         """After the weights found at start: every tensor they did not hold is stale (the engine refuses to
@@ -277,7 +294,7 @@ class ShardedCausalLM:
         out = []
         for m in metas:
             entry = self.params.get(m.name)
-            if entry is None or m.shard is not None or (m.name in VOCAB and self.size > 1):
+            if entry is None or m.shard is not None or (m.name in VOCAB and self.size > 1) or self._held_fp8(m.name):
                 return None
             param, dim = entry
             if (dim is not None and self.size > 1) or tuple(param.shape) != tuple(m.shape) or param.dtype != m.dtype:
@@ -310,11 +327,19 @@ class ShardedCausalLM:
         self._keep(list(zip(names, targets, strict=True)))
         self._loaded_in_session.update(names)
 
+    def _held_fp8(self, name: str) -> bool:
+        """Whether the model holds ``name`` in block FP8 (an update must send it as float8 with its scales)."""
+        return self.fp8 is not None and (self.fp8_weights is None or name in self.fp8_weights)
+
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, Tensor, Shard | None]]) -> LoadReport:
+    def load_weights(self, weights: Iterable[Weight]) -> LoadReport:
         """Copy tensors in. Whole tensors are narrowed to this rank's part; shards must be this rank's.
         Vocabulary row pieces (per-rank embedding/lm_head) are placed by row; the caller completes them
-        with :meth:`exchange_vocab_pieces`."""
+        with :meth:`exchange_vocab_pieces`. Block-FP8 pairs are dequantized first (:meth:`_dequantized`);
+        where any is wrong, nothing of ``weights`` is loaded."""
+        weights, fp8_problems = self._dequantized(list(weights))
+        if fp8_problems:
+            return LoadReport([], fp8_problems)
         loaded, problems = [], []
         # Checked one by one, copied together: one _foreach_copy_ for the backups of the tensors this
         # session touches first, one for the new values.
@@ -345,6 +370,69 @@ class ShardedCausalLM:
         if dst:
             torch._foreach_copy_(dst, src)
         return LoadReport(loaded, problems)
+
+    def _dequantized(self, weights: list[Weight]) -> tuple[list[Weight], list[str]]:
+        """``weights`` with each block-FP8 pair (``X.weight`` in float8, ``X.weight_scale_inv``) as ``X.weight``
+        dequantized to the model's dtype; or, where anything of FP8 is wrong, nothing and every problem."""
+        scales = {n[: -len(SCALE_SUFFIX)]: (t, s) for n, t, s in weights if n.endswith(SCALE_SUFFIX)}
+        if self.fp8 is None:
+            fp8 = sorted({n for n, t, _ in weights if t.dtype == FP8} | {n + SCALE_SUFFIX for n in scales})
+            if fp8:
+                return [], [f"block-FP8 tensors for a model this engine holds unquantized (its checkpoint has no "
+                            f"block-FP8 quantization_config): {', '.join(fp8[:4])}" + (" ..." if len(fp8) > 4 else "")]
+            return weights, []
+        out: list[Weight] = []
+        problems: list[str] = []
+        values = {n for n, t, _ in weights if t.dtype == FP8}
+        for name, tensor, shard in weights:
+            if name.endswith(SCALE_SUFFIX):
+                if name[: -len(SCALE_SUFFIX)] not in values:
+                    problems.append(f"{name}: a scale without its float8 weight {name[: -len(SCALE_SUFFIX)]} "
+                                    "in the same bucket")
+                continue
+            try:
+                out.append((name, self._fp8_pair(name, tensor, shard, scales.get(name)), shard))
+            except ValueError as exc:
+                problems.append(f"{name}: {exc}")
+        return (out, []) if not problems else ([], problems)
+
+    def _fp8_pair(self, name: str, tensor: Tensor, shard: Shard | None,
+                  scale: tuple[Tensor, Shard | None] | None) -> Tensor:
+        """What a tensor of a block-FP8 model's bucket loads as: a float8 weight (with its ``scale``)
+        dequantized, any other as it is; ValueError where it does not fit the model's layout."""
+        if tensor.dtype != FP8:
+            if scale is not None:
+                raise ValueError(f"a scale came with it, but it is {tensor.dtype}, not float8_e4m3fn")
+            if self._held_fp8(name):
+                raise ValueError(f"arrived as {tensor.dtype}, but this engine holds it in block FP8: it takes the "
+                                 f"float8 values with their {name + SCALE_SUFFIX} in the same bucket")
+            return tensor
+        assert self.fp8 is not None
+        if scale is None:
+            raise ValueError(f"float8 without its scale {name + SCALE_SUFFIX} in the same bucket")
+        if not self._held_fp8(name):
+            raise ValueError("arrived in block FP8, but this engine holds it unquantized")
+        values, (scales, scale_shard) = tensor, scale
+        want = self.fp8.scale_shape(tuple(values.shape))
+        if tuple(scales.shape) != want or scales.dtype != torch.float32:
+            raise ValueError(f"its scale is {scales.dtype} of shape {tuple(scales.shape)}; a weight of shape "
+                             f"{tuple(values.shape)} in {self.fp8.block} blocks takes float32 of shape {want}")
+        if shard is not None and shard.start % self.fp8.block[shard.dim]:
+            raise ValueError(f"its shard {shard} does not start on a {self.fp8.block[shard.dim]}-wide block")
+        if scale_shard != self._scale_shard(shard):
+            raise ValueError(f"its scale is placed at {scale_shard}, its weight at {shard}: the weight's blocks "
+                             f"take {self._scale_shard(shard)}")
+        entry = self.params.get(name)
+        dtype = entry[0].dtype if entry is not None else torch.float32
+        return dequantize_block_fp8(values, scales.to(values.device), self.fp8.block, dtype=dtype)
+
+    def _scale_shard(self, shard: Shard | None) -> Shard | None:
+        """Where the scales of a weight's ``shard`` (starting on a block) sit in its whole scales, in blocks;
+        None for a whole weight."""
+        if shard is None or self.fp8 is None:
+            return None
+        block = self.fp8.block[shard.dim]
+        return Shard(shard.dim, shard.start // block, math.ceil(shard.length / block), math.ceil(shard.full / block))
 
     def _load_vocab_piece(self, name: str, tensor: Tensor, shard: Shard, param: Tensor) -> None:
         """Rows of the embedding or lm_head, placed at once (their backup kept first) and kept for

@@ -290,6 +290,8 @@ class Engine:
         if vocab_size is None:
             raise ValueError(f"{self.model_dir}/config.json names no vocab_size")
         self.vocab_size = int(vocab_size)
+        # a quantized model's (block FP8: the engine holds it dequantized, and takes updates in FP8)
+        self.quantization_config: dict | None = config.get("quantization_config")
         positions = config.get("max_position_embeddings") or (config.get("text_config") or {}).get(
             "max_position_embeddings")
         self.max_positions: int | None = int(positions) if positions else None  # tokens of one row, new ones included
@@ -745,6 +747,7 @@ class EngineServer(ThreadingHTTPServer):
             "engine": ENGINE_NAME, "tp_size": e.tp, "pp_size": 1, "dp_size": 1, "model_path": e.model_dir,
             "weight_version": e.weight_version, "device": e.devices[0].split(":")[0], "gpu_uuids": e.gpu_uuids(),
             "hostname": socket.gethostname(), "pid": os.getpid(), "dtype": e.dtype,
+            "quantization_config": e.quantization_config,
             "capabilities": ["broadcast", "ipc", "ipc_ahead", "p2p", "release_memory"]
             + (["rollback"] if e.rollback else []) + ["broadcast_ahead"],
             "update_session_open": e.session_open,

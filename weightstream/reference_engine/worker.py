@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from weightstream.common.processes import die_with_parent
+from weightstream.converters.fp8 import block_fp8_of
 from weightstream.models.spec import dtype_from_name, dtype_name
 from weightstream.reference_engine.schema import unknown_dtypes
 from weightstream.streaming.bucket import (
@@ -244,13 +245,18 @@ class Worker:
         self.max_lent_bytes = 2 * size * sum(st.nbytes() for st in self.model._storages())
 
     def _load_initial(self, model_dir: str) -> None:
+        """The weights the checkpoint holds (a block-FP8 checkpoint's dequantized, by the same load an update
+        takes); the model's FP8 layout from its ``quantization_config``."""
         from weightstream.common.hf_files import CheckpointReader
 
+        fp8 = block_fp8_of(self.config.to_dict().get("quantization_config"))
         try:
             reader = CheckpointReader(model_dir)
         except FileNotFoundError:
+            self.model.quantized(fp8, ())
             self.model.mark_never_loaded(set())  # weights come later, through an update
             return
+        self.model.quantized(fp8, reader.keys())
         with reader:
             report = self.model.load_weights((n, reader.get(n), None) for n in reader.keys())
         if report.problems:
