@@ -124,3 +124,22 @@ def test_bad_input_gets_one_clear_error(saved, tmp_path):
     for layer in range(3):
         assert f"model.layers.{layer}.mlp.down_proj.weight: config says (64, 128)" in text
     assert not (tmp_path / "o6").exists() or not any((tmp_path / "o6").glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("model,fmt,procs", [("dense", "torch_dist", 1), ("moe", "legacy", 2)])
+def test_convert_to_block_fp8(saved, model, fmt, procs, tmp_path):
+    """A Megatron checkpoint on disk converted to block FP8: every tensor equals the source's, those the family
+    declares FP8 quantized (values and scales bit for bit), with the matching quantization_config."""
+    from tests.helpers.fp8_truth import same_bits, truth_of
+    from weightstream.converters.fp8 import BlockFP8
+
+    fp8 = BlockFP8(block=(16, 16))
+    src, root, _ = saved[model]
+    out = tmp_path / "fp8"
+    convert_checkpoint(root / fmt, src, out, bucket_bytes=40_000, quantize=fp8, procs=procs)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "fp8" and config["weight_block_size"] == [16, 16]
+    with truth_of(src, fp8) as want, CheckpointReader(out) as got:
+        assert sorted(got.keys()) == want.keys()
+        for name in want.keys():
+            assert same_bits(got.get(name), want.get(name)), name
