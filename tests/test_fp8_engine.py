@@ -14,10 +14,14 @@ import pytest
 import torch
 
 from tests.helpers.checks import INPUT_IDS
+from tests.helpers.fp8_workers import run_fp8_updates
+from tests.helpers.workers import Case
 from weightstream.common.hf_files import CheckpointReader
 from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8, dequantize_block_fp8
 from weightstream.engines import EngineError, ReferenceEngine
-from weightstream.models.presets import preset_config, random_hf_model
+from weightstream.jobs import Layout
+from weightstream.launch import launch
+from weightstream.models.presets import preset_config, random_hf_model, save_random_checkpoint
 from weightstream.reference_engine.server import serve, stop
 from weightstream.sinks.safetensors import save_hf_checkpoint
 from weightstream.streaming.bucket import Bucket
@@ -105,3 +109,52 @@ def test_what_does_not_fit_the_layout_is_refused(dense_dirs):
                  rf"{Q_PROJ}: its scale is torch.float32 of shape \({scales.shape[0] - 1}, {scales.shape[1]}\)")
         _refused(plain, [norm, (Q_PROJ, values), scale], "block-FP8 tensors for a model this engine holds "
                                                          "unquantized")
+
+
+def _updated(results: list[list[dict]]) -> list[dict]:
+    for rank in results:
+        for entry in rank:
+            assert "error" not in entry, entry["error"]
+    return results[0]
+
+
+def test_trainers_update_fp8_engines_over_every_transport(sources, dense_dirs, tmp_path):
+    """Megatron-Core at TP 2 into FP8 engines over P2P (engine TP 2), IPC (engine TP 2) and broadcast (engine
+    TP 1, metadata ahead); at TP 1 over IPC (the stream in FP8: no direct writes) and IPC with kept buffers
+    prepared ahead. Each engine's logits then equal, bit for bit, those of an engine of its TP started on the
+    FP8 checkpoint the trainer writes."""
+    src, start = sources["tiny-qwen3"], dense_dirs["fp8"]
+    with engines((start, 2), (start, 2), (start, 1)) as (p2p, ipc, bcast):
+        before = _logits(bcast)
+        tp2 = _updated(launch(2, run_fp8_updates, Case(src, Layout(2, 1), quantize=SMALL),
+                              [(p2p.url, {"transport": "p2p"}), (ipc.url, {"transport": "ipc"}),
+                               (bcast.url, {"transport": "broadcast"})], str(tmp_path / "tp2")))
+    with engines((start, 1), (start, 1)) as (ipc1, kept):
+        tp1 = _updated(launch(1, run_fp8_updates, Case(src, Layout(1, 1), quantize=SMALL),
+                              [(ipc1.url, {"transport": "ipc"}),
+                               (kept.url, {"transport": "ipc", "direct": False, "prepare": True})],
+                              str(tmp_path / "tp1")))
+    reports = [e["report"] for e in tp2 + tp1]
+    assert [r.transport for r in reports] == ["p2p", "ipc", "broadcast", "ipc", "ipc"]
+    assert reports[0].mode == "per_rank" and reports[2].metadata_ahead and not reports[3].direct
+    with engines((tmp_path / "tp2", 2), (tmp_path / "tp2", 1), (tmp_path / "tp1", 1)) as (ref2, ref21, ref1):
+        want2, want21, want1 = _logits(ref2), _logits(ref21), _logits(ref1)
+    assert torch.equal(tp2[0]["logits"], want2) and torch.equal(tp2[1]["logits"], want2)
+    assert torch.equal(tp2[2]["logits"], want21)
+    assert torch.equal(tp1[0]["logits"], want1) and torch.equal(tp1[1]["logits"], want1)
+    assert (want1 - before).abs().max() > 1e-2  # the update changed what the engines serve
+    assert all(r.tensors > 40 for r in reports), [r.tensors for r in reports]
+
+
+def test_moe_trainer_updates_an_fp8_engine(tmp_path):
+    """tiny-qwen3-moe: every expert's projections in FP8, broadcast into an FP8 engine at TP 2 (each expert
+    split over its ranks)."""
+    src = save_random_checkpoint(preset_config("tiny-qwen3-moe"), tmp_path / "src", seed=41)
+    start = _fp8_checkpoint("tiny-qwen3-moe", tmp_path / "start", seed=42)["fp8"]
+    with engines((start, 2)) as (server,):
+        before = _logits(server)
+        (entry,) = _updated(launch(1, run_fp8_updates, Case(src, Layout(1, 1), quantize=SMALL),
+                                   [(server.url, {"transport": "broadcast"})], str(tmp_path / "saved")))
+    with engines((tmp_path / "saved", 2)) as (ref,):
+        assert torch.equal(entry["logits"], _logits(ref))
+    assert (entry["logits"] - before).abs().max() > 1e-2 and entry["report"].tensors > 100
