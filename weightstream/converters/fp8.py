@@ -25,7 +25,7 @@ from torch import Tensor
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-_MIN_AMAX = 1e-4  # an all-zero block's amax (its scale then 1e-4 / 448)
+MIN_AMAX = 1e-4  # an all-zero block's amax (its scale then 1e-4 / 448)
 ScaleFormat = Literal["float", "ue8m0"]
 SCALE_SUFFIX = "_scale_inv"  # ``X.weight`` -> ``X.weight_scale_inv``
 
@@ -98,7 +98,7 @@ def quantize_block_fp8(weight: Tensor, block: tuple[int, int] = (128, 128), *,
         padded = weight.new_zeros(grid[0] * br, grid[1] * bc)
         padded[:rows, :cols] = weight
     blocks = padded.view(grid[0], br, grid[1], bc)
-    amax = blocks.abs().float().amax(dim=(1, 3), keepdim=True).clamp(_MIN_AMAX)
+    amax = blocks.abs().float().amax(dim=(1, 3), keepdim=True).clamp(MIN_AMAX)
     scale = amax * (1.0 / FP8_MAX)
     if ue8m0:
         scale = ceil_to_ue8m0(scale)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8
+from weightstream.converters.fp8 import FP8, FP8_MAX, MIN_AMAX, SCALE_SUFFIX, BlockFP8, ceil_to_ue8m0
 from weightstream.converters.mapping import Converter
 from weightstream.converters.ops import OpContext, TensorOp
 from weightstream.errors import ConversionError
@@ -81,14 +81,66 @@ class Quantization:
 
 
 def convert_quantized(op: TensorOp, tensor: Tensor, ctx: OpContext, flags: Sequence[bool], fp8: BlockFP8,
-                      targets: Sequence[Tensor]) -> None:
-    """``op.to_hf(tensor)`` into ``targets``: each quantized output as its values and then its scales, the
-    others as they are."""
+                      targets: Sequence[Tensor], batch: QuantizeBatch) -> None:
+    """``op.to_hf(tensor)`` into ``targets``: each quantized output as its values and then its scales (queued in
+    ``batch`` where its shape is a whole number of blocks, quantized now otherwise), the others as they are."""
     it = iter(targets)
     for out, quantized in zip(op.to_hf(tensor, ctx), flags, strict=True):
-        if quantized:
-            values, scales = fp8.quantize(out)
-            next(it).copy_(values)
-            next(it).copy_(scales)
-        else:
+        if not quantized:
             next(it).view(out.shape).copy_(out)
+            continue
+        values, scales = next(it), next(it)
+        if batch.takes(out):
+            batch.add(out, values, scales)
+        else:
+            q, s = fp8.quantize(out)
+            values.copy_(q)
+            scales.copy_(s)
+
+
+class QuantizeBatch:
+    """The quantized tensors of one bucket, quantized together: each copied block-major into one staging
+    buffer per dtype (one batched copy), then every block's amax, scale and values in a few whole-buffer
+    kernels, and the values and scales copied to their places in the bucket (two batched copies). The same
+    arithmetic as :func:`~weightstream.converters.fp8.quantize_block_fp8`, bit for bit."""
+
+    def __init__(self, fp8: BlockFP8):
+        self.fp8 = fp8
+        self._queued: dict[torch.dtype, list[tuple[Tensor, Tensor, Tensor]]] = {}
+
+    def takes(self, x: Tensor) -> bool:
+        br, bc = self.fp8.block
+        return x.dim() == 2 and x.shape[0] % br == 0 and x.shape[1] % bc == 0
+
+    def add(self, x: Tensor, values: Tensor, scales: Tensor) -> None:
+        self._queued.setdefault(x.dtype, []).append((x, values, scales))
+
+    def run(self) -> None:
+        for queued in self._queued.values():
+            self._quantize(queued)
+        self._queued.clear()
+
+    def _blocks(self, t: Tensor) -> Tensor:
+        """A 2-D tensor (any strides) as (row blocks, rows, column blocks, cols)."""
+        br, bc = self.fp8.block
+        s0, s1 = t.stride()
+        return t.as_strided((t.shape[0] // br, br, t.shape[1] // bc, bc), (br * s0, s0, bc * s1, s1),
+                            t.storage_offset())
+
+    def _quantize(self, queued: list[tuple[Tensor, Tensor, Tensor]]) -> None:
+        br, bc = self.fp8.block
+        grids = [(x.shape[0] // br, x.shape[1] // bc) for x, _, _ in queued]
+        counts = [r * c for r, c in grids]
+        x0 = queued[0][0]
+        staging = torch.empty(sum(counts), br, bc, dtype=x0.dtype, device=x0.device)
+        parts = list(staging.split(counts))
+        block_major = [p.view(r, c, br, bc).permute(0, 2, 1, 3) for p, (r, c) in zip(parts, grids, strict=True)]
+        torch._foreach_copy_(block_major, [self._blocks(x) for x, _, _ in queued])
+        scale = staging.abs().amax(dim=(1, 2)).float().clamp(MIN_AMAX) * (1.0 / FP8_MAX)
+        if self.fp8.scale_fmt == "ue8m0":
+            scale = ceil_to_ue8m0(scale)
+        values = (staging * (1.0 / scale)[:, None, None]).to(FP8).view(torch.uint8)
+        torch._foreach_copy_([self._blocks(v.view(torch.uint8)) for _, v, _ in queued],
+                             [p.view(r, c, br, bc).permute(0, 2, 1, 3)
+                              for p, (r, c) in zip(values.split(counts), grids, strict=True)])
+        torch._foreach_copy_([s.view(-1) for _, _, s in queued], list(scale.split(counts)))

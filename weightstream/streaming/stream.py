@@ -70,7 +70,7 @@ from weightstream.streaming.bucket import (
 )
 from weightstream.streaming.copies import batched_copy, warm_kernel
 from weightstream.streaming.plan import BucketPlan, plan_buckets
-from weightstream.streaming.quantize import Quantization, convert_quantized
+from weightstream.streaming.quantize import Quantization, QuantizeBatch, convert_quantized
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 
@@ -476,7 +476,7 @@ class BucketStream(Iterator[Bucket]):
                 source = fetched.pop(it.entry.name)
                 full = source() if callable(source) else source
                 largest = max(largest, full.numel() * full.element_size())
-                self._convert(it, full, [into[m.name].view(m.shape) for m in metas[k]])
+                self._convert(it, full, [into[m.name].view(m.shape) for m in metas[k]], None)
                 del full
         self._count(program, gather_bytes + largest)
         return Bucket(bp.index, torch.empty(0, dtype=torch.uint8, device=self.device), program.metas, written=True)
@@ -498,6 +498,7 @@ class BucketStream(Iterator[Bucket]):
         # One by one: TP-gathered tensors (one batched all-gather per group first), and the rest.
         largest = 0
         gather_bytes = 0
+        batch = None if self.quantization is None else QuantizeBatch(self.quantization.fp8)
         if program.slow:
             slow = [items[k] for k in program.slow]
             fetched, gather_bytes = self.source.fetch([it.entry for it in slow if it.mine], self.mode,
@@ -509,17 +510,20 @@ class BucketStream(Iterator[Bucket]):
                 full = source() if callable(source) else source
                 largest = max(largest, full.numel() * full.element_size())
                 targets = [view_tensor(buffer, meta) for meta in metas[k]]
-                self._convert(it, full, targets)
+                self._convert(it, full, targets, batch)
                 del full, targets
+        if batch is not None:
+            batch.run()  # every quantized tensor of the bucket at once
         self._count(program, total + gather_bytes + largest)
         self.source.share(buffer, program.spans, self.mode, self.stats)
         return Bucket(bp.index, buffer, program.metas, kept=self._keeps_buffers)
 
-    def _convert(self, it: _Item, full: Tensor, targets: list[Tensor]) -> None:
-        """What the converter reads for ``it``, converted into ``targets`` (quantized where declared)."""
+    def _convert(self, it: _Item, full: Tensor, targets: list[Tensor], batch: QuantizeBatch | None) -> None:
+        """What the converter reads for ``it``, converted into ``targets`` (quantized where declared: queued in
+        ``batch``, which the caller runs once the bucket's tensors are all in)."""
         op = it.entry.resolved.mapping.op
-        if self.quantization is not None and any(it.quantized):
-            convert_quantized(op, full, self._context(it), it.quantized, self.quantization.fp8, targets)
+        if batch is not None and self.quantization is not None and any(it.quantized):
+            convert_quantized(op, full, self._context(it), it.quantized, self.quantization.fp8, targets, batch)
         else:
             convert_into(op, full, self._context(it), targets)
 
