@@ -208,6 +208,7 @@ def _bench_run_args(bench: argparse.ArgumentParser, presets: list[str]) -> None:
     bench.add_argument("--check-every", type=int, default=100, help="compare the engine's logits every N updates")
     bench.add_argument("--sample-every", type=int, default=10, help="sample resources every N updates")
     bench.add_argument("--json", default=None, help="also write the report (with every sample) here")
+    _quantize_args(bench)
 
 
 def _add_engine(sub: _Subparsers, presets: list[str]) -> None:
@@ -655,7 +656,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                             bucket_bytes=args.bucket_mb or (512 << 20), repeats=args.repeats,
                             reuse_buffers=args.reuse_buffers, rollback=not args.no_rollback,
                             ahead=not args.per_bucket, tp=args.tp, engine_tp=args.engine_tp, ep=args.ep,
-                            prepare=args.prepare, direct=not args.no_direct)
+                            prepare=args.prepare, direct=not args.no_direct, quantize=_quantize(args))
             print(res.render(), flush=True)
             results.append(res)
         if args.json:

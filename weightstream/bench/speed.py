@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from weightstream.converters.fp8 import SCALE_SUFFIX, BlockFP8
+
 TRANSPORTS = ("stream", "broadcast", "ipc", "p2p", "checkpoint")
 IDS = [[3, 14, 15, 92, 65, 35, 89, 79]]
 TINY = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, vocab_size=1024, num_attention_heads=4,
@@ -159,14 +161,17 @@ def _trainer(cfg, dtype: str, tp: int = 1, ep: int = 1):
     return chunks, device
 
 
-def stream_job(cfg, dtype: str, bucket_bytes: int, repeats: int, reuse_buffers: bool = False) -> dict:
-    """One rank: stream with no sink, cold then ``repeats`` warm; then the copy ceiling."""
+def stream_job(cfg, dtype: str, bucket_bytes: int, repeats: int, reuse_buffers: bool = False,
+               quantize: BlockFP8 | None = None) -> dict:
+    """One rank: stream with no sink, cold then ``repeats`` warm; then the copy ceiling (of the bytes the
+    stream reads: the unquantized model's)."""
     from weightstream.streaming.stream import stream_hf_weights
 
     chunks, device = _trainer(cfg, dtype)
 
     def stream_all():
-        s = stream_hf_weights(chunks, cfg, bucket_bytes=bucket_bytes, reuse_buffers=reuse_buffers)
+        s = stream_hf_weights(chunks, cfg, bucket_bytes=bucket_bytes, reuse_buffers=reuse_buffers,
+                              quantize=quantize)
         for _b in s:
             pass
         return s.stats
@@ -174,16 +179,18 @@ def stream_job(cfg, dtype: str, bucket_bytes: int, repeats: int, reuse_buffers: 
     runs, peak = _timed(device, repeats + 1, stream_all)
     stats = runs[-1][1]
     best = min(runs[1:], key=lambda r: r[0]) if len(runs) > 1 else runs[0]
-    check, ok = _stream_check(chunks, cfg, bucket_bytes, reuse_buffers)
+    check, ok = _stream_check(chunks, cfg, bucket_bytes, reuse_buffers, quantize)
+    read = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
     return {"device": str(device), "cold_s": runs[0][0], "warm_s": [r[0] for r in runs[1:]], "bytes": stats.bytes,
             "tensors": stats.tensors, "buckets": stats.buckets, "peak_extra_bytes": peak,
             "phases": {"setup": best[1].setup_seconds, "pack": best[1].seconds},
-            "ceiling_s": copy_ceiling(stats.bytes, bucket_bytes, device, repeats), "check": check, "check_ok": ok}
+            "ceiling_s": copy_ceiling(stats.bytes if quantize is None else read, bucket_bytes, device, repeats),
+            "check": check, "check_ok": ok}
 
 
-def _expected_hf_tensors(chunks, cfg) -> dict[str, torch.Tensor]:
+def _expected_hf_tensors(chunks, cfg, quantize: BlockFP8 | None = None) -> dict[str, torch.Tensor]:
     """Each HF tensor as the converter's op makes it from its Megatron parameter directly (one rank, TP 1): no
-    plan, no batching, no kept buffers."""
+    plan, no batching, no kept buffers; those the family declares FP8 quantized one by one (``quantize``)."""
     from weightstream.converters.ops import OpContext
     from weightstream.converters.registry import get_converter, model_spec
     from weightstream.sources.megatron import local_tensors
@@ -196,19 +203,25 @@ def _expected_hf_tensors(chunks, cfg) -> dict[str, torch.Tensor]:
         resolved = converter.resolve(local.name, spec)
         if resolved is not None and resolved.emit:
             outs = resolved.mapping.op.to_hf(local.tensor.detach(), OpContext(spec))
-            expected.update(zip(resolved.hf_names, outs, strict=True))
+            for name, out in zip(resolved.hf_names, outs, strict=True):
+                if quantize is not None and converter.quantizes(name):
+                    expected[name], expected[name + SCALE_SUFFIX] = quantize.quantize(out)
+                else:
+                    expected[name] = out
     return expected
 
 
-def _stream_check(chunks, cfg, bucket_bytes: int, reuse_buffers: bool) -> tuple[str, bool]:
+def _stream_check(chunks, cfg, bucket_bytes: int, reuse_buffers: bool,
+                  quantize: BlockFP8 | None = None) -> tuple[str, bool]:
     """A stream row's check: one more stream through the plan and buffers the timed runs kept, each of its HF
     tensors compared bit for bit with :func:`_expected_hf_tensors`, and none missing or extra."""
     from weightstream.streaming.stream import stream_hf_weights
 
-    expected = _expected_hf_tensors(chunks, cfg)
+    expected = _expected_hf_tensors(chunks, cfg, quantize)
     problems: list[str] = []
     same = 0
-    for bucket in stream_hf_weights(chunks, cfg, bucket_bytes=bucket_bytes, reuse_buffers=reuse_buffers):
+    for bucket in stream_hf_weights(chunks, cfg, bucket_bytes=bucket_bytes, reuse_buffers=reuse_buffers,
+                                    quantize=quantize):
         for name, got in bucket.named_tensors():
             want = expected.pop(name, None)
             if want is None:
@@ -349,7 +362,8 @@ def raw_broadcast_job(total: int, chunk: int, repeats: int) -> dict:
 def run_bench(preset: str, transport: str, *, tiny: bool = False, dtype: str = "bfloat16",
               bucket_bytes: int = 512 << 20, repeats: int = 3, engine_device: str | None = None,
               reuse_buffers: bool = False, rollback: bool = True, ahead: bool = True, tp: int = 1,
-              engine_tp: int | None = None, ep: int = 1, prepare: bool = False, direct: bool = True) -> BenchResult:
+              engine_tp: int | None = None, ep: int = 1, prepare: bool = False, direct: bool = True,
+              quantize: BlockFP8 | None = None) -> BenchResult:
     """One row of the benchmark table (see the module docstring)."""
     from weightstream.launch import launch
 
@@ -361,15 +375,19 @@ def run_bench(preset: str, transport: str, *, tiny: bool = False, dtype: str = "
     label = preset + (" (tiny widths)" if tiny else "")
     res = BenchResult(label, transport, "", dtype, bucket_bytes)
     if transport == "stream":
-        (r,) = launch(1, stream_job, cfg, dtype, bucket_bytes, repeats, reuse_buffers, backend=backend)
+        (r,) = launch(1, stream_job, cfg, dtype, bucket_bytes, repeats, reuse_buffers, quantize, backend=backend)
         if reuse_buffers:
             res.transport = "stream (kept buffers)"
+        if quantize is not None:
+            res.transport += f" (block FP8 {quantize.block[0]}x{quantize.block[1]})"
         res.device, res.cold_s, res.warm_s = r["device"], r["cold_s"], r["warm_s"]
         res.bytes, res.tensors, res.buckets = r["bytes"], r["tensors"], r["buckets"]
         res.ceiling_s, res.ceiling = r["ceiling_s"], "device copy of the same bytes into fresh buckets"
         res.peak_extra_bytes, res.phases = r["peak_extra_bytes"], r["phases"]
         res.check, res.check_ok = r["check"], r["check_ok"]
         return res
+    if quantize is not None:
+        raise ValueError("--quantize is measured on stream rows for now (--transport stream)")
     if transport == "checkpoint":
         return _checkpoint_bench(res, cfg, dtype, bucket_bytes, repeats)
     if not rollback:
