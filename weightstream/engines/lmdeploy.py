@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch.multiprocessing import reductions
 
+from weightstream.converters.fp8 import BlockFP8, block_fp8_of
 from weightstream.engines.base import (
     BROADCAST,
     IPC,
@@ -111,9 +112,16 @@ class LMDeployEngine(HTTPEngine):
             self._info = EngineInfo(
                 engine=self.name, tp_size=int(s.get("tp_size") or 1), pp_size=int(s.get("pp_size") or 1),
                 ep_size=int(s.get("ep_size") or 1), dp_size=int(s.get("dp_size") or 1),
-                capabilities=self.capabilities(s),
+                capabilities=self.capabilities(s), fp8=self.weight_format(s),
             )
         return self._info
+
+    def weight_format(self, server_info: dict) -> BlockFP8 | None:
+        """None: LMDeploy 0.18 does not say how its model is quantized. ``/distserve/engine_info`` is its
+        ``DistServeEngineConfig`` (parallel sizes, DP rank, KV-cache blocks) and no other route reports the
+        model's ``quantization_config``; so block-FP8 updates to LMDeploy are refused. (Its blocked-FP8 layers
+        quantize unquantized weights themselves on load, so bf16 updates stay right for an FP8 model.)"""
+        return block_fp8_of(server_info.get("quantization_config"))
 
     def capabilities(self, server_info: dict) -> frozenset[str]:
         return frozenset({BROADCAST, IPC, RELEASE_MEMORY, SINGLE_DTYPE})

@@ -3,6 +3,7 @@ spells them, see ``docs/engines.md``). Endpoint names and payload fields live he
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -21,6 +22,8 @@ from weightstream.engines.base import (
 from weightstream.models.spec import dtype_name
 from weightstream.streaming.bucket import Bucket
 from weightstream.wire.handles import dumps_b64
+
+log = logging.getLogger(__name__)
 
 
 class SGLangEngine(HTTPEngine):
@@ -50,8 +53,19 @@ class SGLangEngine(HTTPEngine):
         return frozenset({BROADCAST, IPC, RELEASE_MEMORY})
 
     def weight_format(self, server_info: dict) -> BlockFP8 | None:
-        """The block-FP8 layout of the served model, from the ``quantization_config`` the server reports."""
-        return block_fp8_of(server_info.get("quantization_config"))
+        """The block-FP8 layout of the served model, from the ``quantization_config`` the server reports.
+
+        SGLang 0.5.23 reports none: ``/get_server_info`` (= ``/server_info``) is its resolved server arguments
+        plus scheduler state, with ``quantization`` (the ``--quantization`` argument, ``None`` for an FP8
+        checkpoint whose method SGLang detects itself, except on sm100) but neither ``quantization_config`` nor
+        ``weight_block_size``; ``/model_info`` has no quantization field. So for SGLang this is None (block-FP8
+        updates are refused); an engine that reports such a config (the reference engine) is read from it."""
+        layout = block_fp8_of(server_info.get("quantization_config"))
+        method = server_info.get("quantization")
+        if layout is None and method and "fp8" in str(method):
+            log.warning("SGLang at %s serves %r weights but does not report their block layout: block-FP8 updates "
+                        "are refused, and unquantized ones would be cast into its float8 parameters", self.url, method)
+        return layout
 
     def weight_version(self) -> str:
         return str(self.get("/model_info", step="model_info").get("weight_version"))

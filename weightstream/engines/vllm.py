@@ -5,10 +5,12 @@ and nowhere else (see ``docs/engines.md``)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote
 
+from weightstream.converters.fp8 import BlockFP8
 from weightstream.engines.base import (
     BROADCAST,
     EngineError,
@@ -21,6 +23,10 @@ from weightstream.streaming.bucket import Bucket
 
 # SGLang-style pause modes (what WeightSync's pause_mode speaks) -> vLLM's /pause?mode=
 PAUSE_MODES = {"abort": "abort", "retract": "wait", "in_place": "keep", "wait": "wait", "keep": "keep"}
+# vLLM's quantization methods that quantize a bf16 checkpoint themselves at load (the engine takes bf16 updates)
+ONLINE_QUANTIZATION = ("fp8_per_tensor", "fp8_per_block")
+
+log = logging.getLogger(__name__)
 
 
 class VLLMEngine(HTTPEngine):
@@ -51,6 +57,7 @@ class VLLMEngine(HTTPEngine):
                 "ep": bool(parallel.get("enable_expert_parallel")),
                 "device": str(device.get("device_type") or device.get("device") or "cpu"),
                 "weight_transfer_backend": (config.get("weight_transfer_config") or {}).get("backend"),
+                "quantization": (config.get("model_config") or {}).get("quantization"),
             }
         return self._server_info
 
@@ -59,8 +66,20 @@ class VLLMEngine(HTTPEngine):
             s = self.server_info(refresh)
             self._info = EngineInfo(engine=self.name, tp_size=s["tp_size"], pp_size=s["pp_size"],
                                     ep_size=s["tp_size"] * s["dp_size"] if s["ep"] else 1, dp_size=s["dp_size"],
-                                    capabilities=self.capabilities(s))
+                                    capabilities=self.capabilities(s), fp8=self.weight_format(s))
         return self._info
+
+    def weight_format(self, server_info: dict) -> BlockFP8 | None:
+        """None: vLLM 0.32 does not say its block layout. ``/server_info`` gives ``model_config.quantization``
+        (e.g. ``"fp8"``) but neither the checkpoint's ``quantization_config`` (``hf_config`` is not a dumped
+        field) nor the ``Fp8Config`` (``quant_config`` is dumped as its ``repr``, ``<... object at 0x...>``).
+        So block-FP8 updates to vLLM are refused; an engine that serves an FP8 checkpoint is logged, since it
+        would also cast unquantized weights silently into its float8 parameters."""
+        method = server_info.get("quantization")
+        if method and "fp8" in str(method) and method not in ONLINE_QUANTIZATION:
+            log.warning("vLLM at %s serves %r weights but does not report their block layout: block-FP8 updates "
+                        "are refused, and unquantized ones would be cast into its float8 parameters", self.url, method)
+        return None
 
     def capabilities(self, server_info: dict) -> frozenset[str]:
         """Broadcast only, and only where the sinks' group accounting (``tp_size`` ranks per engine) is the

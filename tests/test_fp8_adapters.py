@@ -1,0 +1,101 @@
+"""What each engine adapter reports as the engine's block-FP8 layout (``EngineInfo.fp8``), from replies in the
+form each engine's own code builds them, and (through the engine check scripts) FP8 buckets against the
+engines' own receivers and block-FP8 weight loaders.
+
+The canned replies hold only fields the engines' own code writes: SGLang 0.5.23 ``/get_server_info`` =
+``build_server_info`` (``ServerArgs.resolved_dict()`` + scheduler info: ``quantization`` is the server
+argument, there is no ``quantization_config``); vLLM 0.32 ``/server_info?config_format=json`` = the route's
+``TypeAdapter(VllmConfig).dump_python(mode="json", fallback=str)`` of a config built for a block-FP8 Qwen3
+checkpoint (``tests/engines/vllm_fp8_check.py`` builds and dumps it with vLLM's own code); LMDeploy 0.18
+``/distserve/engine_info`` = ``DistServeEngineConfig`` as a JSON string.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from weightstream.converters.fp8 import BlockFP8
+from weightstream.engines.lmdeploy import LMDeployEngine
+from weightstream.engines.sglang import SGLangEngine
+from weightstream.engines.vllm import VLLMEngine
+from weightstream.update import _check_formats
+
+# SGLang: a part of build_server_info's reply (ServerArgs fields + scheduler info), FP8 checkpoint on Hopper
+# (SGLang detects the method from the checkpoint and leaves the argument None) and with --quantization fp8.
+SGLANG_SERVER_INFO = {"model_path": "/models/Qwen3-8B-FP8", "tp_size": 2, "pp_size": 1, "dp_size": 1, "ep_size": 1,
+                      "quantization": None, "quantization_param_path": None, "dtype": "auto",
+                      "load_format": "auto", "version": "0.5.23", "frontend": "python", "internal_states": [{}]}
+# vLLM: the parts of the route's dump the adapter reads, as vLLM 0.32 writes them for an FP8 checkpoint.
+VLLM_SERVER_INFO = {"vllm_config": {
+    "model_config": {"model": "/models/Qwen3-8B-FP8", "quantization": "fp8", "quantization_config": None,
+                     "hf_overrides": {}, "allow_deprecated_quantization": False},
+    "quant_config": "<vllm.model_executor.layers.quantization.fp8.Fp8Config object at 0x7fc466148990>",
+    "parallel_config": {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1,
+                        "enable_expert_parallel": False},
+    "device_config": {"device_type": "cuda"}, "weight_transfer_config": {"backend": "weightstream"},
+}, "vllm_env": {}, "system_env": {}}
+# LMDeploy: DistServeEngineConfig (every field), which its route returns as a JSON string.
+LMDEPLOY_ENGINE_INFO = json.dumps(json.dumps({"tp_size": 2, "ep_size": 1, "dp_size": 1, "pp_size": None,
+                                              "dp_rank": 0, "block_size": 64, "num_cpu_blocks": 0,
+                                              "num_gpu_blocks": 1024}))
+
+
+def _answering(cls, replies: dict):
+    class Canned(cls):
+        def request(self, method, path, body=None, *, step=None, timeout_s=None):
+            reply = replies[path]
+            return json.loads(reply) if isinstance(reply, str) else reply
+    return Canned("http://engine.invalid")
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_sglang_reports_no_layout(quantization, caplog):
+    reply = dict(SGLANG_SERVER_INFO, quantization=quantization)
+    with caplog.at_level(logging.WARNING):
+        info = _answering(SGLangEngine, {"/get_server_info": reply}).info()
+    assert info.fp8 is None and info.tp_size == 2
+    assert ("does not report their block layout" in caplog.text) == (quantization == "fp8")
+
+
+def test_sglang_adapter_reads_a_reported_quantization_config():
+    """A server that does report the checkpoint's config (the reference engine) is read from it."""
+    config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    reply = dict(SGLANG_SERVER_INFO, quantization_config=config)
+    assert _answering(SGLangEngine, {"/get_server_info": reply}).info().fp8 == BlockFP8()
+    ue8m0 = dict(config, scale_fmt="ue8m0")
+    assert _answering(SGLangEngine, {"/get_server_info": dict(reply, quantization_config=ue8m0)}).info().fp8 == \
+        BlockFP8(scale_fmt="ue8m0")
+
+
+def test_vllm_reports_no_layout(caplog):
+    with caplog.at_level(logging.WARNING):
+        engine = _answering(VLLMEngine, {"/server_info?config_format=json": VLLM_SERVER_INFO})
+        info = engine.info()
+    assert info.fp8 is None and engine.server_info()["quantization"] == "fp8"
+    assert "does not report their block layout" in caplog.text
+
+
+def test_vllm_online_quantization_is_not_warned(caplog):
+    reply = json.loads(json.dumps(VLLM_SERVER_INFO))
+    reply["vllm_config"]["model_config"]["quantization"] = "fp8_per_block"  # quantizes bf16 itself
+    with caplog.at_level(logging.WARNING):
+        assert _answering(VLLMEngine, {"/server_info?config_format=json": reply}).info().fp8 is None
+    assert "block layout" not in caplog.text
+
+
+def test_lmdeploy_reports_no_layout():
+    info = _answering(LMDeployEngine, {"/distserve/engine_info": LMDEPLOY_ENGINE_INFO}).info()
+    assert info.fp8 is None and info.tp_size == 2
+
+
+def test_fp8_update_to_an_engine_that_does_not_say_is_refused():
+    engines = [_answering(SGLangEngine, {"/get_server_info": SGLANG_SERVER_INFO}),
+               _answering(VLLMEngine, {"/server_info?config_format=json": VLLM_SERVER_INFO}),
+               _answering(LMDeployEngine, {"/distserve/engine_info": LMDEPLOY_ENGINE_INFO})]
+    for engine in engines:
+        with pytest.raises(ValueError, match="serves unquantized"):
+            _check_formats([engine], BlockFP8())
+        _check_formats([engine], None)
