@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
+from tests.helpers.checks import engine_python, run_engine_check
 from weightstream.converters.fp8 import BlockFP8
 from weightstream.engines.lmdeploy import LMDeployEngine
 from weightstream.engines.sglang import SGLangEngine
 from weightstream.engines.vllm import VLLMEngine
 from weightstream.update import _check_formats
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # SGLang: a part of build_server_info's reply (ServerArgs fields + scheduler info), FP8 checkpoint on Hopper
 # (SGLang detects the method from the checkpoint and leaves the argument None) and with --quantization fp8.
@@ -99,3 +103,30 @@ def test_fp8_update_to_an_engine_that_does_not_say_is_refused():
         with pytest.raises(ValueError, match="serves unquantized"):
             _check_formats([engine], BlockFP8())
         _check_formats([engine], None)
+
+
+@pytest.fixture(scope="module")
+def vllm_check() -> dict:
+    return run_engine_check(engine_python("vllm", "vllm"), ROOT / "tests" / "engines" / "vllm_fp8_check.py", ROOT)
+
+
+def test_vllm_server_info_of_an_fp8_checkpoint_has_no_block_layout(vllm_check):
+    """vLLM's own route dump of a config built for a block-FP8 checkpoint: the method, no layout."""
+    assert vllm_check["vllm_version"] == "0.32.0"
+    s = vllm_check["server_info"]
+    assert s["model_config_quantization"] == "fp8" and s["model_config_quantization_config"] is None
+    assert s["quant_config"].startswith("<vllm.model_executor.layers.quantization.fp8.Fp8Config object at")
+    assert not s["reply_mentions_weight_block_size"] and not s["hf_config_dumped"]
+    assert s["adapter_fp8"] is None
+
+
+def test_vllm_block_fp8_loaders_store_our_tensors(vllm_check):
+    """QKVParallelLinear (q/k/v shards) and RowParallelLinear built by vLLM's Fp8LinearMethod.create_weights:
+    their weight (float8_e4m3fn) and weight_scale_inv (float32 BlockQuantScaleParameter) loaders store our
+    quantize_block_fp8 outputs bit for bit."""
+    loader = vllm_check["loader"]
+    assert loader["ok"], loader.get("error") or loader["stored_equal"]
+    assert loader["linear_method"] == "Fp8LinearMethod" and loader["weight_block_size"] == [128, 128]
+    assert loader["params"]["weight"][:2] == ["torch.float8_e4m3fn", [512, 256]]
+    assert loader["params"]["weight_scale_inv"] == ["torch.float32", [4, 2], "BlockQuantScaleParameter"]
+    assert all(loader["stored_equal"].values()) and len(loader["stored_equal"]) == 8
