@@ -75,3 +75,30 @@ def test_ipc_payloads_decode_in_another_process(result):
         assert rank["success"] and rank["payload_keys"] == ["flattened_tensor", "metadata"]
         assert rank["names_equal"] and rank["dtypes_equal"] and rank["shapes_equal"] and rank["tensors_equal"]
     assert ipc["ok"] and result["ok"]
+
+
+def test_block_fp8_bucket_through_sglang_receivers(result):
+    """A dense (align=1) bucket of a bf16 norm + X.weight (float8_e4m3fn) + X.weight_scale_inv (float32) from
+    quantize_block_fp8: SGLang's FlattenedTensorBucket.empty gives our layout, its distributed receive path and
+    its IPC path (another process) give the tensors bit for bit, under the names, dtypes and shapes sent."""
+    fp8 = result["fp8"]
+    assert fp8["dtypes_sent"] == ["bfloat16", "float8_e4m3fn", "float32"]
+    assert fp8["shapes_sent"] == [[256], [320, 200], [3, 2]]
+    assert fp8["aligned"] and fp8["offsets"][2] % 4 == 0  # the float32 scales start at a 4-byte offset
+    b = fp8["broadcast"]
+    assert b["error"] is None and b["layout_equal"] and b["nbytes_equal"], b
+    assert b["dtypes_equal"] and b["shapes_equal"] and b["tensors_equal"]
+    assert b["sglang_dtypes"] == ["torch.bfloat16", "torch.float8_e4m3fn", "torch.float32"]
+    for rank in fp8["ipc"]["child"]["ranks"]:
+        assert rank["error"] is None and rank["success"], rank.get("traceback")
+        assert rank["dtypes"] == ["torch.bfloat16", "torch.float8_e4m3fn", "torch.float32"]
+        assert rank["names_equal"] and rank["shapes_equal"] and rank["tensors_equal"]
+    assert fp8["ipc"]["ok"] and fp8["ok"]
+
+
+def test_misaligned_scales_are_refused_before_sglang(result):
+    """An odd-length bf16 tensor ahead of an FP8 pair in a dense bucket would put the scales at an offset
+    SGLang cannot view as float32: weightstream's own bucket refuses it first (no bytes reach the engine)."""
+    fp8 = result["fp8"]
+    assert "must be divisible by 4" in fp8["odd_norm_error"]
+    assert fp8["odd_norm_raised_in"].endswith("weightstream/streaming/bucket.py")

@@ -20,6 +20,9 @@ c. the IPC payloads (``SGLangEngine.encode_ipc``, one per engine TP rank) decode
    from its source: importing the TP worker module needs the whole server stack)
    (``monkey_patch_torch_reductions`` + ``MultiprocessingSerializer.deserialize``, i.e. its
    ``SafeUnpickler``) and ``WeightUpdater._update_weights_from_flattened_bucket`` into the original tensors.
+d. a block-FP8 bucket (a bf16 norm, ``X.weight`` float8_e4m3fn and ``X.weight_scale_inv`` float32 from
+   ``quantize_block_fp8``) through b and c alike; and the scales' offset when an odd-length bf16 tensor
+   precedes the pair in a dense bucket.
 """
 
 from __future__ import annotations
@@ -320,6 +323,55 @@ def check_ipc(sent_ipc: dict, expected: dict) -> dict:
     return res
 
 
+# --------------------------------------------------------------------------------------- d: block FP8
+
+def fp8_tensors(rank: int = 0, norm_numel: int = 256) -> list[tuple[str, torch.Tensor]]:
+    """A bf16 norm and one block-FP8 pair (``quantize_block_fp8``), in the order the stream lays out a dense
+    bucket: items by their source dtype's element size (both bf16 here), each FP8 weight followed by its scales."""
+    from weightstream.converters.fp8 import quantize_block_fp8
+
+    g = torch.Generator().manual_seed(99 + rank)
+    q, scale = quantize_block_fp8(torch.randn(320, 200, generator=g).to(torch.bfloat16))
+    norm = torch.randn(norm_numel, generator=g).to(torch.bfloat16)
+    return [("model.layers.0.post_attention_layernorm.weight", norm),
+            ("model.layers.0.mlp.down_proj.weight", q), ("model.layers.0.mlp.down_proj.weight_scale_inv", scale)]
+
+
+def check_fp8(named_by_rank: dict) -> dict:
+    """The FP8 bucket through the same paths as the others: SGLang's distributed receiver and its IPC path.
+    Also what an odd-length bf16 tensor ahead of the pair does to the scales' offset in a dense bucket."""
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    from weightstream.engines.sglang import SGLangEngine
+    from weightstream.streaming.bucket import Bucket
+    from weightstream.wire.handles import checksum
+
+    named = named_by_rank[0]
+    dense = Bucket.pack(named, index=0, align=1)
+    ipc_buckets = {rank: Bucket.pack(t, index=1) for rank, t in named_by_rank.items()}
+    payloads = [SGLangEngine.encode_ipc(None, ipc_buckets[r]) for r in range(TP_SIZE)]
+    sent = capture_requests(dense, payloads, [checksum(ipc_buckets[r].buffer) for r in range(TP_SIZE)])
+    body = json.loads(next(s for s in sent if s["path"] == "/update_weights_from_distributed")["json"])
+    res: dict = {"dtypes_sent": body["dtypes"], "shapes_sent": body["shapes"],
+                 "offsets": [m.offset for m in dense.metas],
+                 "aligned": all(m.offset % m.dtype.itemsize == 0 for m in dense.metas)}
+    res["broadcast"] = check_broadcast(dense, body, named)
+    res["ipc"] = check_ipc(next(s for s in sent if s["path"] == "/update_weights_from_tensor"), named_by_rank)
+    try:  # 7 bf16 elements = 14 bytes, so the scales would start at 14 + 320 * 200, not a multiple of 4
+        odd = Bucket.pack(fp8_tensors(0, norm_numel=7), align=1)
+        FlattenedTensorBucket(flattened_tensor=odd.buffer, metadata=FlattenedTensorBucket.empty(
+            [m.name for m in odd.metas], [str(m.dtype).split(".")[-1] for m in odd.metas],
+            [list(m.shape) for m in odd.metas], "cpu").get_metadata()).reconstruct_tensors()
+        res["odd_norm_error"] = None
+    except Exception as exc:  # noqa: BLE001 -- reported
+        res["odd_norm_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        res["odd_norm_raised_in"] = traceback.extract_tb(exc.__traceback__)[-1].filename.split("site-packages/")[-1]
+    res["ok"] = bool(res["aligned"] and res["broadcast"]["layout_equal"] and res["broadcast"]["tensors_equal"]
+                     and res["broadcast"]["dtypes_equal"] and res["broadcast"]["shapes_equal"] and res["ipc"]["ok"])
+    del ipc_buckets, payloads
+    return res
+
+
 # --------------------------------------------------------------------------------------- main
 
 def main() -> None:
@@ -369,6 +421,7 @@ def main() -> None:
                         and not result["unknown_beyond_extras"] and not result["mismatched_values"]
                         and result["broadcast"]["layout_equal"] and result["broadcast"]["nbytes_equal"]
                         and result["broadcast"]["tensors_equal"] and result["ipc"]["ok"])
+    result["fp8"] = check_fp8({rank: fp8_tensors(rank) for rank in range(TP_SIZE)})
     print(json.dumps(result))
     del ipc_buckets, payloads  # the shared-memory buffers live until the child has read them
 
