@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightstream.converters.fp8 import SCALE_SUFFIX, BlockFP8
+from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8
 
 TRANSPORTS = ("stream", "broadcast", "ipc", "p2p", "checkpoint")
 IDS = [[3, 14, 15, 92, 65, 35, 89, 79]]
@@ -188,9 +188,9 @@ def stream_job(cfg, dtype: str, bucket_bytes: int, repeats: int, reuse_buffers: 
             "check": check, "check_ok": ok}
 
 
-def _expected_hf_tensors(chunks, cfg, quantize: BlockFP8 | None = None) -> dict[str, torch.Tensor]:
+def _expected_hf_tensors(chunks, cfg) -> dict[str, torch.Tensor]:
     """Each HF tensor as the converter's op makes it from its Megatron parameter directly (one rank, TP 1): no
-    plan, no batching, no kept buffers; those the family declares FP8 quantized one by one (``quantize``)."""
+    plan, no batching, no kept buffers."""
     from weightstream.converters.ops import OpContext
     from weightstream.converters.registry import get_converter, model_spec
     from weightstream.sources.megatron import local_tensors
@@ -203,27 +203,37 @@ def _expected_hf_tensors(chunks, cfg, quantize: BlockFP8 | None = None) -> dict[
         resolved = converter.resolve(local.name, spec)
         if resolved is not None and resolved.emit:
             outs = resolved.mapping.op.to_hf(local.tensor.detach(), OpContext(spec))
-            for name, out in zip(resolved.hf_names, outs, strict=True):
-                if quantize is not None and converter.quantizes(name):
-                    expected[name], expected[name + SCALE_SUFFIX] = quantize.quantize(out)
-                else:
-                    expected[name] = out
+            expected.update(zip(resolved.hf_names, outs, strict=True))
     return expected
+
+
+def _want(expected: dict[str, torch.Tensor], scales: dict[str, torch.Tensor], name: str,
+          got: torch.Tensor, quantize: BlockFP8 | None) -> torch.Tensor | None:
+    """What the stream should have yielded under ``name``: the converted tensor, or (block FP8) it quantized one
+    by one, the scales kept until their own name comes (right after the values)."""
+    if quantize is not None and name in scales:
+        return scales.pop(name)
+    want = expected.pop(name, None)
+    if want is not None and quantize is not None and got.dtype == FP8:
+        want, scales[name + SCALE_SUFFIX] = quantize.quantize(want)
+    return want
 
 
 def _stream_check(chunks, cfg, bucket_bytes: int, reuse_buffers: bool,
                   quantize: BlockFP8 | None = None) -> tuple[str, bool]:
     """A stream row's check: one more stream through the plan and buffers the timed runs kept, each of its HF
-    tensors compared bit for bit with :func:`_expected_hf_tensors`, and none missing or extra."""
+    tensors compared bit for bit with :func:`_expected_hf_tensors` (quantized one by one where the stream
+    quantizes), and none missing or extra."""
     from weightstream.streaming.stream import stream_hf_weights
 
-    expected = _expected_hf_tensors(chunks, cfg, quantize)
+    expected = _expected_hf_tensors(chunks, cfg)
+    scales: dict[str, torch.Tensor] = {}
     problems: list[str] = []
     same = 0
     for bucket in stream_hf_weights(chunks, cfg, bucket_bytes=bucket_bytes, reuse_buffers=reuse_buffers,
                                     quantize=quantize):
         for name, got in bucket.named_tensors():
-            want = expected.pop(name, None)
+            want = _want(expected, scales, name, got, quantize)
             if want is None:
                 problems.append(f"{name}: streamed but not expected")
             elif want.dtype != got.dtype or want.shape != got.shape or not torch.equal(
@@ -231,8 +241,10 @@ def _stream_check(chunks, cfg, bucket_bytes: int, reuse_buffers: bool,
                 problems.append(f"{name}: differs")
             else:
                 same += 1
-    problems += [f"{name}: not streamed" for name in expected]
+    problems += [f"{name}: not streamed" for name in [*expected, *scales]]
     text = f"{same} HF tensors of one more stream bit-identical to the converter applied to each parameter directly"
+    if quantize is not None:
+        text += " (and quantized one by one)"
     if problems:
         text += f"; {len(problems)} problems: " + "; ".join(problems[:5])
     return text, not problems
