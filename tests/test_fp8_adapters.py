@@ -13,7 +13,6 @@ checkpoint (``tests/engines/vllm_fp8_check.py`` builds and dumps it with vLLM's 
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import pytest
@@ -56,12 +55,20 @@ def _answering(cls, replies: dict):
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_sglang_reports_no_layout(quantization, caplog):
+def test_sglang_reports_no_layout(quantization):
+    """SGLang names its FP8 method but not the layout: every update to it is refused, unquantized ones too
+    (they would be cast into its float8 parameters)."""
     reply = dict(SGLANG_SERVER_INFO, quantization=quantization)
-    with caplog.at_level(logging.WARNING):
-        info = _answering(SGLangEngine, {"/get_server_info": reply}).info()
-    assert info.fp8 is None and info.tp_size == 2
-    assert ("does not report their block layout" in caplog.text) == (quantization == "fp8")
+    engine = _answering(SGLangEngine, {"/get_server_info": reply})
+    info = engine.info()
+    assert info.fp8 is None and info.tp_size == 2 and info.quantization == quantization
+    if quantization is None:
+        _check_formats([engine], None)
+        return
+    with pytest.raises(ValueError, match="serves fp8 weights without saying their block layout"):
+        _check_formats([engine], None)
+    with pytest.raises(ValueError, match="serves fp8 weights without saying their block layout"):
+        _check_formats([engine], BlockFP8())
 
 
 def test_sglang_adapter_reads_a_reported_quantization_config():
@@ -74,20 +81,21 @@ def test_sglang_adapter_reads_a_reported_quantization_config():
         BlockFP8(scale_fmt="ue8m0")
 
 
-def test_vllm_reports_no_layout(caplog):
-    with caplog.at_level(logging.WARNING):
-        engine = _answering(VLLMEngine, {"/server_info?config_format=json": VLLM_SERVER_INFO})
-        info = engine.info()
-    assert info.fp8 is None and engine.server_info()["quantization"] == "fp8"
-    assert "does not report their block layout" in caplog.text
+def test_vllm_reports_no_layout():
+    engine = _answering(VLLMEngine, {"/server_info?config_format=json": VLLM_SERVER_INFO})
+    info = engine.info()
+    assert info.fp8 is None and info.quantization == "fp8" and engine.server_info()["quantization"] == "fp8"
+    with pytest.raises(ValueError, match="sends unquantized weights, but engine .* serves fp8 weights without"):
+        _check_formats([engine], None)
 
 
-def test_vllm_online_quantization_is_not_warned(caplog):
+def test_vllm_online_quantization_takes_unquantized_updates():
     reply = json.loads(json.dumps(VLLM_SERVER_INFO))
     reply["vllm_config"]["model_config"]["quantization"] = "fp8_per_block"  # quantizes bf16 itself
-    with caplog.at_level(logging.WARNING):
-        assert _answering(VLLMEngine, {"/server_info?config_format=json": reply}).info().fp8 is None
-    assert "block layout" not in caplog.text
+    engine = _answering(VLLMEngine, {"/server_info?config_format=json": reply})
+    info = engine.info()
+    assert info.fp8 is None and info.quantization is None
+    _check_formats([engine], None)
 
 
 def test_lmdeploy_reports_no_layout():
@@ -100,9 +108,10 @@ def test_fp8_update_to_an_engine_that_does_not_say_is_refused():
                _answering(VLLMEngine, {"/server_info?config_format=json": VLLM_SERVER_INFO}),
                _answering(LMDeployEngine, {"/distserve/engine_info": LMDEPLOY_ENGINE_INFO})]
     for engine in engines:
-        with pytest.raises(ValueError, match="serves unquantized"):
+        with pytest.raises(ValueError, match="serves (unquantized weights|fp8 weights without saying)"):
             _check_formats([engine], BlockFP8())
-        _check_formats([engine], None)
+        if engine.info().quantization is None:  # an engine that holds float8 weights takes no unquantized update
+            _check_formats([engine], None)
 
 
 @pytest.fixture(scope="module")

@@ -212,7 +212,13 @@ def _check_formats(engines: Sequence[EngineAdapter], quantize: BlockFP8 | None) 
     def said(fp8: BlockFP8 | None) -> str:
         return "unquantized weights" if fp8 is None else f"block FP8 {fp8.block} ({fp8.scale_fmt} scales)"
 
-    wrong = [f"{e.url} serves {said(e.info().fp8)}" for e in engines if e.info().fp8 != quantize]
+    def serves(info: EngineInfo) -> str:
+        if info.fp8 is None and info.quantization is not None:
+            return f"{info.quantization} weights without saying their block layout"
+        return said(info.fp8)
+
+    wrong = [f"{e.url} serves {serves(e.info())}" for e in engines
+             if e.info().fp8 != quantize or (quantize is None and e.info().quantization is not None)]
     if wrong:
         raise ValueError(f"the update sends {said(quantize)}, but engine " + "; engine ".join(wrong)
                          + (" (pass quantize= to match)" if quantize is None else ""))

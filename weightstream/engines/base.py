@@ -60,6 +60,9 @@ class EngineInfo:
     gpu_uuids: tuple[str, ...] = ()
     capabilities: frozenset[str] = field(default_factory=frozenset)
     fp8: BlockFP8 | None = None  # the block-FP8 layout of the engine's model (None: not quantized, or not said)
+    # The FP8 method the engine names for the weights it holds in float8 (``"fp8"``), whether or not it reports
+    # their layout; None where it holds none (an engine that quantizes unquantized updates itself names none).
+    quantization: str | None = None
 
     def can(self, capability: str) -> bool:
         return capability in self.capabilities

@@ -45,7 +45,7 @@ class SGLangEngine(HTTPEngine):
                 engine=self.name, tp_size=int(s.get("tp_size", 1)), pp_size=int(s.get("pp_size", 1)),
                 ep_size=int(s.get("ep_size", 1)), dp_size=int(s.get("dp_size", 1)),
                 gpu_uuids=tuple(s.get("gpu_uuids") or ()), capabilities=self.capabilities(s),
-                fp8=self.weight_format(s),
+                fp8=self.weight_format(s), quantization=self.fp8_method(s),
             )
         return self._info
 
@@ -60,12 +60,15 @@ class SGLangEngine(HTTPEngine):
         checkpoint whose method SGLang detects itself, except on sm100) but neither ``quantization_config`` nor
         ``weight_block_size``; ``/model_info`` has no quantization field. So for SGLang this is None (block-FP8
         updates are refused); an engine that reports such a config (the reference engine) is read from it."""
-        layout = block_fp8_of(server_info.get("quantization_config"))
+        return block_fp8_of(server_info.get("quantization_config"))
+
+    def fp8_method(self, server_info: dict) -> str | None:
+        """The FP8 method the server names (its ``--quantization``; ``"fp8"`` where a quantization config says
+        so): SGLang casts an unquantized update into float8 parameters without scales, so the update refuses."""
+        if block_fp8_of(server_info.get("quantization_config")) is not None:
+            return "fp8"
         method = server_info.get("quantization")
-        if layout is None and method and "fp8" in str(method):
-            log.warning("SGLang at %s serves %r weights but does not report their block layout: block-FP8 updates "
-                        "are refused, and unquantized ones would be cast into its float8 parameters", self.url, method)
-        return layout
+        return str(method) if method and "fp8" in str(method) else None
 
     def weight_version(self) -> str:
         return str(self.get("/model_info", step="model_info").get("weight_version"))

@@ -66,20 +66,23 @@ class VLLMEngine(HTTPEngine):
             s = self.server_info(refresh)
             self._info = EngineInfo(engine=self.name, tp_size=s["tp_size"], pp_size=s["pp_size"],
                                     ep_size=s["tp_size"] * s["dp_size"] if s["ep"] else 1, dp_size=s["dp_size"],
-                                    capabilities=self.capabilities(s), fp8=self.weight_format(s))
+                                    capabilities=self.capabilities(s), fp8=self.weight_format(s),
+                                    quantization=self.fp8_method(s))
         return self._info
 
     def weight_format(self, server_info: dict) -> BlockFP8 | None:
         """None: vLLM 0.32 does not say its block layout. ``/server_info`` gives ``model_config.quantization``
         (e.g. ``"fp8"``) but neither the checkpoint's ``quantization_config`` (``hf_config`` is not a dumped
         field) nor the ``Fp8Config`` (``quant_config`` is dumped as its ``repr``, ``<... object at 0x...>``).
-        So block-FP8 updates to vLLM are refused; an engine that serves an FP8 checkpoint is logged, since it
-        would also cast unquantized weights silently into its float8 parameters."""
-        method = server_info.get("quantization")
-        if method and "fp8" in str(method) and method not in ONLINE_QUANTIZATION:
-            log.warning("vLLM at %s serves %r weights but does not report their block layout: block-FP8 updates "
-                        "are refused, and unquantized ones would be cast into its float8 parameters", self.url, method)
+        So block-FP8 updates to vLLM are refused (see :meth:`fp8_method` for the unquantized ones)."""
         return None
+
+    def fp8_method(self, server_info: dict) -> str | None:
+        """The FP8 method of an FP8 checkpoint vLLM serves (``model_config.quantization``): it would cast an
+        unquantized update silently into its float8 parameters, so the update refuses. vLLM's online methods
+        quantize unquantized weights themselves at load: those take unquantized updates (None)."""
+        method = server_info.get("quantization")
+        return str(method) if method and "fp8" in str(method) and method not in ONLINE_QUANTIZATION else None
 
     def capabilities(self, server_info: dict) -> frozenset[str]:
         """Broadcast only, and only where the sinks' group accounting (``tp_size`` ranks per engine) is the
