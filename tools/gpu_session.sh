@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: correctness check, then the benchmark rows given as "preset:transport[:flags]" words.
 #   bash tools/gpu_session.sh check qwen3-8b:ipc qwen3-8b:ipc:--no-rollback qwen3-30b-a3b:stream:--reuse-buffers
+# Block FP8 (stream rows; flags are one word, so quote them): qwen3-8b:stream:"--reuse-buffers --quantize fp8-block"
 # JSON of every row and the raw output go to $OUT (or ./gpu-out).
 set -uo pipefail
 OUT="${OUT:-gpu-out}"; mkdir -p "$OUT"
