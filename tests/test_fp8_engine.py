@@ -158,3 +158,28 @@ def test_moe_trainer_updates_an_fp8_engine(tmp_path):
     with engines((tmp_path / "saved", 2)) as (ref,):
         assert torch.equal(entry["logits"], _logits(ref))
     assert (entry["logits"] - before).abs().max() > 1e-2 and entry["report"].tensors > 100
+
+
+def test_an_fp8_engine_started_without_weights_knows_its_fp8_weights_from_the_family(dense_dirs, tmp_path):
+    """Only config.json on disk: which weights the model holds in FP8 comes from the family's declaration
+    (Converter.fp8), so an unquantized norm is taken and an unquantized projection refused."""
+    import shutil
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(Path(dense_dirs["fp8"]) / "config.json", bare / "config.json")
+    norm = ("model.layers.0.input_layernorm.weight", torch.full((64,), 3.0))
+    with CheckpointReader(dense_dirs["fp8"]) as reader:
+        rows, cols = reader.shape(Q_PROJ)
+    weight = torch.randn(rows, cols) * 0.02
+    values, scales = SMALL.quantize(weight)
+    with engines((bare, 1)) as (server,):
+        eng = ReferenceEngine(server.url)
+        assert eng.info().fp8 == SMALL
+        eng.begin_update("bare")
+        eng.receive_ipc(0, [eng.encode_ipc(Bucket.pack([norm, (Q_PROJ, values), (Q_PROJ + SCALE_SUFFIX, scales)]))],
+                        None)
+        with pytest.raises(EngineError, match=f"{Q_PROJ}: arrived as torch.float32, but this engine holds it in "
+                                              "block FP8"):
+            eng.receive_ipc(1, [eng.encode_ipc(Bucket.pack([norm, (Q_PROJ, weight)]))], None)
+        eng.abort_update()

@@ -41,6 +41,11 @@ def _is_fused_experts(module: nn.Module) -> bool:
     return gate_up is not None and gate_up.dim() == 3 and "down_proj" in own
 
 
+def _everything(name: str) -> bool:
+    """Every name (a block-FP8 model whose FP8 weights nothing names)."""
+    return True
+
+
 class RowParallelLinear(nn.Module):
     """A row-parallel projection: this rank's input columns, partial sums all-reduced over the group."""
 
@@ -111,12 +116,15 @@ class ShardedCausalLM:
         # vocabulary row pieces (per-rank embedding / lm_head) received, for exchange_vocab_pieces
         self.pending_vocab: list[tuple[str, int, Tensor]] = []
         self.fp8: BlockFP8 | None = None  # the model's block-FP8 layout (None: an unquantized model)
-        self.fp8_weights: frozenset[str] | None = None  # the weights it holds in FP8 (None: not known)
+        self.fp8_weights: frozenset[str] | None = None  # the weights it holds in FP8 (None: by the declaration)
+        self.fp8_declared: Callable[[str], bool] = _everything  # the family's FP8 weights (Converter.quantizes)
 
-    def quantized(self, fp8: BlockFP8 | None, names: Iterable[str]) -> None:
+    def quantized(self, fp8: BlockFP8 | None, names: Iterable[str],
+                  declared: Callable[[str], bool] = _everything) -> None:
         """The model is block FP8 (``fp8``; None: it is not): the weights among ``names`` (a checkpoint's)
-        that have a scale beside them are held in FP8, and updates must send them so."""
-        self.fp8 = fp8
+        that have a scale beside them are held in FP8, and updates must send them so; with no checkpoint
+        weights, those ``declared`` (the family's FP8 declaration)."""
+        self.fp8, self.fp8_declared = fp8, declared
         held = {n[: -len(SCALE_SUFFIX)] for n in names if n.endswith(SCALE_SUFFIX)}
         self.fp8_weights = frozenset(held) if held or fp8 is None else None
 
@@ -329,7 +337,9 @@ class ShardedCausalLM:
 
     def _held_fp8(self, name: str) -> bool:
         """Whether the model holds ``name`` in block FP8 (an update must send it as float8 with its scales)."""
-        return self.fp8 is not None and (self.fp8_weights is None or name in self.fp8_weights)
+        if self.fp8 is None:
+            return False
+        return name in self.fp8_weights if self.fp8_weights is not None else self.fp8_declared(name)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[Weight]) -> LoadReport:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from weightstream.common.processes import die_with_parent
 from weightstream.converters.fp8 import block_fp8_of
+from weightstream.converters.registry import get_converter
 from weightstream.models.spec import dtype_from_name, dtype_name
 from weightstream.reference_engine.schema import unknown_dtypes
 from weightstream.streaming.bucket import (
@@ -253,7 +254,7 @@ class Worker:
         try:
             reader = CheckpointReader(model_dir)
         except FileNotFoundError:
-            self.model.quantized(fp8, ())
+            self.model.quantized(fp8, (), get_converter(self.config.model_type).quantizes)
             self.model.mark_never_loaded(set())  # weights come later, through an update
             return
         self.model.quantized(fp8, reader.keys())
