@@ -97,13 +97,19 @@ def quantize_block_fp8(weight: Tensor, block: tuple[int, int] = (128, 128), *,
     if rows % br or cols % bc:
         padded = weight.new_zeros(grid[0] * br, grid[1] * bc)
         padded[:rows, :cols] = weight
-    blocks = padded.view(grid[0], br, grid[1], bc)
-    amax = blocks.abs().float().amax(dim=(1, 3), keepdim=True).clamp(MIN_AMAX)
+    values, scale = cast_blocks(padded.view(grid[0], br, grid[1], bc), (1, 3), ue8m0=ue8m0)
+    return values.view(grid[0] * br, grid[1] * bc)[:rows, :cols].contiguous(), scale.view(grid)
+
+
+def cast_blocks(blocks: Tensor, dims: tuple[int, int], *, ue8m0: bool = False) -> tuple[Tensor, Tensor]:
+    """Values laid out in blocks (``dims``: the two dimensions within a block) as (``float8_e4m3fn`` values of
+    the same layout, float32 scales with those dimensions kept as 1): the arithmetic of the module's doc. The
+    amax is taken in the values' own dtype (absolute values and maxima are exact) and widened after."""
+    amax = blocks.abs().amax(dim=dims, keepdim=True).float().clamp(MIN_AMAX)
     scale = amax * (1.0 / FP8_MAX)
     if ue8m0:
         scale = ceil_to_ue8m0(scale)
-    values = (blocks * (1.0 / scale)).to(FP8)
-    return values.view(grid[0] * br, grid[1] * bc)[:rows, :cols].contiguous(), scale.view(grid)
+    return (blocks * (1.0 / scale)).to(FP8), scale
 
 
 def dequantize_block_fp8(values: Tensor, scale: Tensor, block: tuple[int, int] = (128, 128), *,

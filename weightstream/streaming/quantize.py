@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from weightstream.converters.fp8 import FP8, FP8_MAX, MIN_AMAX, SCALE_SUFFIX, BlockFP8, ceil_to_ue8m0
+from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8, cast_blocks
 from weightstream.converters.mapping import Converter
 from weightstream.converters.ops import OpContext, TensorOp
 from weightstream.errors import ConversionError
@@ -136,10 +136,8 @@ class QuantizeBatch:
         parts = list(staging.split(counts))
         block_major = [p.view(r, c, br, bc).permute(0, 2, 1, 3) for p, (r, c) in zip(parts, grids, strict=True)]
         torch._foreach_copy_(block_major, [self._blocks(x) for x, _, _ in queued])
-        scale = staging.abs().amax(dim=(1, 2)).float().clamp(MIN_AMAX) * (1.0 / FP8_MAX)
-        if self.fp8.scale_fmt == "ue8m0":
-            scale = ceil_to_ue8m0(scale)
-        values = (staging * (1.0 / scale)[:, None, None]).to(FP8).view(torch.uint8)
+        cast, kept = cast_blocks(staging, (1, 2), ue8m0=self.fp8.scale_fmt == "ue8m0")
+        values, scale = cast.view(torch.uint8), kept.view(-1)
         torch._foreach_copy_([self._blocks(v.view(torch.uint8)) for _, v, _ in queued],
                              [p.view(r, c, br, bc).permute(0, 2, 1, 3)
                               for p, (r, c) in zip(values.split(counts), grids, strict=True)])
