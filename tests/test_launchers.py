@@ -68,6 +68,29 @@ def test_torchrun_trainer_updates_engine(tmp_path, transport, engine_tp):
         assert [r["direct"] for r in reports] == [engine_tp == 1] * 2, reports
 
 
+def test_torchrun_trainer_updates_an_fp8_engine(tmp_path):
+    """Block FP8 from a torchrun job (TP 2, P2P) into an FP8 engine: after the second update its logits equal, bit
+    for bit, those of an engine started on the FP8 checkpoint the job wrote of the same weights."""
+    import torch
+
+    from tests.test_fp8_engine import _fp8_checkpoint
+    from weightstream.engines import ReferenceEngine
+
+    cfg = preset_config("tiny-qwen3")
+    src = save_random_checkpoint(cfg, tmp_path / "src", seed=35)
+    start = _fp8_checkpoint("tiny-qwen3", tmp_path / "start", seed=36)["fp8"]
+    out = tmp_path / "out"
+    out.mkdir()
+    with engine(start, tp=2) as server:
+        _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+              SCRIPT, "--src", src, "--engine", server.url, "--transport", "p2p", "--tp", "2", "--out", str(out),
+              "--fp8-block", "16"])
+    reports = json.loads((out / "reports.json").read_text())
+    assert [r["transport"] for r in reports] == ["p2p", "p2p"] and all(r["launcher_env"] for r in reports)
+    with engine(str(out / "step1"), tp=2) as ref:
+        assert torch.equal(torch.load(out / "logits1.pt"), ReferenceEngine(ref.url).logits(INPUT_IDS))
+
+
 def test_plain_single_process_trainer(tmp_path):
     cfg = preset_config("tiny-qwen3")
     src = save_random_checkpoint(cfg, tmp_path / "src", seed=33)

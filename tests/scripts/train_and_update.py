@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--fp8-block", type=int, default=0, help="stream block FP8 with N x N blocks (0: unquantized)")
     args = ap.parse_args()
 
     if "RANK" in os.environ:  # torchrun, srun wrappers, anything that exports the env:// variables
@@ -37,9 +38,11 @@ def main() -> None:
 
     import weightstream as ws
     from weightstream.common.hf_files import CheckpointReader
+    from weightstream.converters.fp8 import BlockFP8
     from weightstream.engines import ReferenceEngine
     from weightstream.testing.megatron import build_gpt_model, initialize_parallel, load_hf_weights
 
+    quantize = BlockFP8(block=(args.fp8_block, args.fp8_block)) if args.fp8_block else None
     initialize_parallel(args.tp, args.pp, ep=args.ep)
     chunks = build_gpt_model(args.src)
     with CheckpointReader(args.src) as reader:
@@ -53,9 +56,10 @@ def main() -> None:
                 for chunk in chunks:
                     for _name, p in sorted(chunk.named_parameters()):
                         p.add_(torch.randn(p.shape, generator=gen) * 0.02)
-            ws.save_hf_checkpoint(chunks, args.src, os.path.join(args.out, "step1"))
+            ws.save_hf_checkpoint(chunks, args.src, os.path.join(args.out, "step1"), quantize=quantize)
         report = ws.update_weights(chunks, args.src, args.engine, transport=args.transport,
-                                   weight_version=f"step-{step}", timeout_s=60, bucket_bytes=100_000)
+                                   weight_version=f"step-{step}", timeout_s=60, bucket_bytes=100_000,
+                                   quantize=quantize)
         if dist.get_rank() == 0:
             torch.save(ReferenceEngine(args.engine).logits(INPUT_IDS), os.path.join(args.out, f"logits{step}.pt"))
             reports.append({"transport": report.transport, "reason": report.reason, "tensors": report.tensors,
