@@ -79,12 +79,14 @@ def dense_layers(config: Any) -> frozenset[int]:
 
 
 def _moe_features(config: Any, shared: bool) -> dict[str, Any]:
+    shared_size = int(getattr(config, "shared_expert_intermediate_size", 0) or 0) if shared else 0
     return {
         "num_experts": int(config.num_experts),
         "moe_intermediate_size": int(config.moe_intermediate_size),
         "moe_top_k": int(config.num_experts_per_tok),
-        "shared_expert_intermediate_size": (int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
-                                            if shared else 0),
+        "shared_expert_intermediate_size": shared_size,
+        # Qwen2-MoE scales its shared expert by a sigmoid gate (shared_expert_gate).
+        "shared_expert_gate": shared_size > 0,
         "norm_topk_prob": bool(getattr(config, "norm_topk_prob", False)),
         "dense_layers": dense_layers(config),
     }

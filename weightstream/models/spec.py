@@ -33,6 +33,37 @@ def _rope_theta(cfg) -> float:
 
 
 @dataclass(frozen=True, slots=True)
+class YarnRope:
+    """YaRN rotary scaling (``rope_parameters`` with ``rope_type: yarn``; DeepSeek-V3's): the frequencies
+    interpolated by ``factor`` between the ``beta_fast``/``beta_slow`` bounds, cos/sin scaled by
+    ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)``, and MLA's softmax scale by ``mscale(factor,
+    mscale_all_dim)`` squared."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+def yarn_rope(cfg) -> YarnRope | None:
+    """The YaRN scaling an HF config declares (``rope_parameters``, or ``rope_scaling`` in older configs)."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+    if not isinstance(params, dict) or params.get("rope_type", params.get("type")) != "yarn":
+        return None
+    return YarnRope(
+        factor=float(params["factor"]),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings")
+                                             or cfg.max_position_embeddings),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=float(params.get("mscale") or 1.0),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     """A model's shape, read from its HF config; everything a converter and a model builder need."""
 
@@ -57,6 +88,31 @@ class ModelSpec:
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = False
     dense_layers: frozenset[int] = field(default_factory=frozenset)
+    # Routing: "softmax" or "sigmoid" scores; a per-expert score-correction bias added to the scores that choose
+    # the experts, not to the weights (HF ``e_score_correction_bias``, Megatron's router ``expert_bias``); grouped
+    # top-k (``moe_num_groups`` groups of experts, the best ``moe_group_top_k`` of them kept; 0: no grouping);
+    # the factor the chosen experts' weights are scaled by.
+    moe_score_function: str = "softmax"
+    moe_expert_bias: bool = False
+    moe_num_groups: int = 0
+    moe_group_top_k: int = 0
+    moe_routed_scaling_factor: float = 1.0
+    # Whether the shared expert's output is scaled by a sigmoid gate of its own (Qwen2-MoE), or added as it is.
+    shared_expert_gate: bool = False
+    # The share of each head's dimensions that rotary embeddings turn (the first ones; the rest pass as they are).
+    partial_rotary_factor: float = 1.0
+    # Multi-latent attention (DeepSeek-V3; kv_lora_rank == 0: not MLA): queries through a low-rank latent
+    # (q_lora_rank; None: one q_proj), keys and values through one latent of kv_lora_rank plus a rotary key of
+    # qk_rope_head_dim shared by all heads; per head, qk_nope_head_dim + qk_rope_head_dim query/key dimensions and
+    # v_head_dim value dimensions.
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # Multi-token prediction layers the checkpoint holds after the decoder's (HF num_nextn_predict_layers).
+    mtp_layers: int = 0
+    yarn: YarnRope | None = None
 
     @property
     def q_per_group(self) -> int:
@@ -65,6 +121,10 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.is_moe and layer not in self.dense_layers
@@ -96,6 +156,27 @@ class ModelSpec:
         spec.validate()
         return spec
 
+    def _routing_problems(self) -> list[str]:
+        problems = []
+        if self.moe_score_function not in ("softmax", "sigmoid"):
+            problems.append(f"moe_score_function must be 'softmax' or 'sigmoid', got {self.moe_score_function!r}")
+        if self.moe_expert_bias and self.moe_score_function != "sigmoid":
+            problems.append("an expert score-correction bias (moe_expert_bias) goes with sigmoid scores only")
+        if self.moe_num_groups < 0 or self.moe_group_top_k < 0:
+            problems.append(f"moe_num_groups ({self.moe_num_groups}) and moe_group_top_k ({self.moe_group_top_k}) "
+                            "cannot be negative")
+        elif self.moe_num_groups and self.num_experts % self.moe_num_groups:
+            problems.append(f"num_experts ({self.num_experts}) is not a multiple of moe_num_groups "
+                            f"({self.moe_num_groups})")
+        elif self.moe_group_top_k > self.moe_num_groups:
+            problems.append(f"moe_group_top_k ({self.moe_group_top_k}) is more than moe_num_groups "
+                            f"({self.moe_num_groups})")
+        elif self.moe_num_groups and not self.moe_group_top_k:
+            problems.append(f"moe_num_groups={self.moe_num_groups} needs moe_group_top_k >= 1")
+        if self.moe_routed_scaling_factor <= 0:
+            problems.append(f"moe_routed_scaling_factor must be positive, got {self.moe_routed_scaling_factor}")
+        return problems
+
     def validate(self) -> None:
         problems = []
         if self.num_attention_heads % self.num_key_value_heads:
@@ -115,6 +196,13 @@ class ModelSpec:
                 problems.append("every layer is dense (mlp_only_layers / decoder_sparse_step leave no MoE layer)")
             if self.dense_layers and self.intermediate_size <= 0:
                 problems.append(f"dense layers {sorted(self.dense_layers)} need intermediate_size > 0")
+            problems += self._routing_problems()
+        if self.shared_expert_gate and self.shared_expert_intermediate_size <= 0:
+            problems.append("shared_expert_gate needs a shared expert (shared_expert_intermediate_size > 0)")
+        rotary = self.head_dim * self.partial_rotary_factor
+        if not 0 < self.partial_rotary_factor <= 1 or rotary != int(rotary) or int(rotary) % 2:
+            problems.append(f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1] and turn an even "
+                            f"number of each head's {self.head_dim} dimensions")
         if problems:
             raise ValueError(f"invalid {self.model_type} config: " + "; ".join(problems))
 

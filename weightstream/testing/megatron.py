@@ -99,17 +99,49 @@ def transformer_config(spec: ModelSpec, *, dtype: torch.dtype = torch.float32, s
             num_moe_experts=spec.num_experts,
             moe_ffn_hidden_size=spec.moe_intermediate_size,
             moe_router_topk=spec.moe_top_k,
-            moe_router_pre_softmax=not spec.norm_topk_prob,
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
             moe_shared_expert_intermediate_size=spec.shared_expert_intermediate_size or None,
-            moe_shared_expert_gate=spec.shared_expert_intermediate_size > 0,
+            moe_shared_expert_gate=spec.shared_expert_gate,
             expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
             expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
             moe_layer_freq=[0 if layer in spec.dense_layers else 1 for layer in range(spec.num_layers)],
+            **_router_config(spec),
         )
     return TransformerConfig(**kwargs)
+
+
+def _router_config(spec: ModelSpec) -> dict[str, Any]:
+    """Megatron-Core's router settings for the HF routing ``spec`` declares; routing Megatron computes otherwise
+    (so the trained model would not be the HF one) raises, every problem listed."""
+    problems = ProblemList()
+    sigmoid = spec.moe_score_function == "sigmoid"
+    if sigmoid and spec.moe_top_k > 1 and not spec.norm_topk_prob:
+        problems.add("routing Megatron-Core computes otherwise",
+                     "sigmoid scores without norm_topk_prob: Megatron always renormalises the chosen experts' "
+                     "sigmoid scores (top-k > 1)")
+    grouped = 0 < spec.moe_group_top_k < spec.moe_num_groups
+    if grouped and spec.moe_top_k // spec.moe_group_top_k != 2:
+        problems.add("routing Megatron-Core computes otherwise",
+                     f"grouped top-k ranks each group by its best top_k / group_top_k = {spec.moe_top_k} // "
+                     f"{spec.moe_group_top_k} scores in Megatron, by its best 2 in Hugging Face")
+    if grouped and not sigmoid and spec.norm_topk_prob:
+        problems.add("routing Megatron-Core computes otherwise",
+                     "grouped top-k over softmax scores with norm_topk_prob: Megatron would rank the groups by "
+                     "logits, not probabilities")
+    problems.raise_if_any(f"cannot build a Megatron-Core model routing as this {spec.model_type} config does")
+    return dict(
+        moe_router_score_function=spec.moe_score_function,
+        # Softmax over every expert before the top-k (Qwen2-MoE), or over the chosen ones (norm_topk_prob);
+        # sigmoid scores do not read it.
+        moe_router_pre_softmax=not spec.norm_topk_prob,
+        moe_router_enable_expert_bias=spec.moe_expert_bias,
+        moe_router_num_groups=spec.moe_num_groups if grouped else None,
+        moe_router_group_topk=spec.moe_group_top_k if grouped else None,
+        moe_router_topk_scaling_factor=(spec.moe_routed_scaling_factor if spec.moe_routed_scaling_factor != 1.0
+                                        else None),
+    )
 
 
 @contextlib.contextmanager
@@ -174,6 +206,7 @@ def build_gpt_model(
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
                 share_embeddings_and_output_weights=spec.tie_word_embeddings,
                 position_embedding_type="rope",
+                rotary_percent=spec.partial_rotary_factor,
                 rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
                 vp_stage=vp_stage,
             )
