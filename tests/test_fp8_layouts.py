@@ -72,7 +72,11 @@ def test_plain_transformers_model_quantized_bit_for_bit():
     cfg = preset_config("tiny-qwen3")
     model = random_hf_model(cfg, seed=3, dtype=torch.bfloat16)
     held = dict(model.state_dict())
-    got = {n: t.clone() for b in stream_hf_weights(model, cfg, quantize=SMALL) for n, t in b.named_tensors()}
+    for _ in range(2):  # the second stream reuses the kept plan, its buffers and its quantization calls
+        stream = stream_hf_weights(model, cfg, quantize=SMALL, reuse_buffers=True)
+        got = {n: t.clone() for b in stream for n, t in b.named_tensors()}
+        # Quantized inside the batched packing: every tensor a view of a parameter, none converted one by one.
+        assert stream.stats.unbatched == 0 and stream.stats.batched == len(held) - cfg.tie_word_embeddings
     quantized = [n for n in held if QWEN3.quantizes(n)]
     assert len(quantized) == 28  # q, k, v, o and gate, up, down of 4 layers
     expected = set(held) - {"lm_head.weight"} if cfg.tie_word_embeddings else set(held)

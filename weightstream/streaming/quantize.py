@@ -11,8 +11,9 @@ weight's, in blocks.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -22,7 +23,9 @@ from weightstream.converters.mapping import Converter
 from weightstream.converters.ops import OpContext, TensorOp
 from weightstream.errors import ConversionError
 from weightstream.sources.table import HFOut
+from weightstream.streaming import fp8_cast
 from weightstream.streaming.bucket import Shard
+from weightstream.streaming.fp8_cast import BlockCast, CastJob
 
 
 @dataclass(frozen=True)
@@ -80,65 +83,83 @@ class Quantization:
                      math.ceil(shard.full / block)), None
 
 
-def convert_quantized(op: TensorOp, tensor: Tensor, ctx: OpContext, flags: Sequence[bool], fp8: BlockFP8,
+def convert_quantized(op: TensorOp, tensor: Tensor, ctx: OpContext, flags: Sequence[bool],
                       targets: Sequence[Tensor], batch: QuantizeBatch) -> None:
     """``op.to_hf(tensor)`` into ``targets``: each quantized output as its values and then its scales (queued in
-    ``batch`` where its shape is a whole number of blocks, quantized now otherwise), the others as they are."""
+    ``batch``), the others as they are."""
     it = iter(targets)
     for out, quantized in zip(op.to_hf(tensor, ctx), flags, strict=True):
-        if not quantized:
-            next(it).view(out.shape).copy_(out)
-            continue
-        values, scales = next(it), next(it)
-        if batch.takes(out):
-            batch.add(out, values, scales)
+        if quantized:
+            values, scales = next(it), next(it)
+            batch.add(CastJob(out, values, scales))
         else:
-            q, s = fp8.quantize(out)
-            values.copy_(q)
-            scales.copy_(s)
+            next(it).view(out.shape).copy_(out)
+
+
+def block_cast(jobs: Sequence[CastJob], fp8: BlockFP8) -> Callable[[], None]:
+    """Every job quantized, in one call: one kernel launch per source dtype on a CUDA device with Triton
+    (:class:`~weightstream.streaming.fp8_cast.BlockCast`), whole-tensor operations elsewhere. Either way the
+    arithmetic of :func:`~weightstream.converters.fp8.quantize_block_fp8`, bit for bit."""
+    if jobs and fp8_cast.available(jobs[0].source.device):
+        return BlockCast(jobs, fp8)
+    return partial(_cast_with_torch, list(jobs), fp8)
 
 
 class QuantizeBatch:
-    """The quantized tensors of one bucket, quantized together: each copied block-major into one staging
-    buffer per dtype (one batched copy), then every block's amax, scale and values in a few whole-buffer
-    kernels, and the values and scales copied to their places in the bucket (two batched copies). The same
-    arithmetic as :func:`~weightstream.converters.fp8.quantize_block_fp8`, bit for bit."""
+    """The quantized tensors of one bucket, queued as they are converted and quantized together
+    (:func:`block_cast`) once the bucket's tensors are all in."""
 
     def __init__(self, fp8: BlockFP8):
         self.fp8 = fp8
-        self._queued: dict[torch.dtype, list[tuple[Tensor, Tensor, Tensor]]] = {}
+        self._queued: list[CastJob] = []
 
-    def takes(self, x: Tensor) -> bool:
-        br, bc = self.fp8.block
-        return x.dim() == 2 and x.shape[0] % br == 0 and x.shape[1] % bc == 0
-
-    def add(self, x: Tensor, values: Tensor, scales: Tensor) -> None:
-        self._queued.setdefault(x.dtype, []).append((x, values, scales))
+    def add(self, job: CastJob) -> None:
+        self._queued.append(job)
 
     def run(self) -> None:
-        for queued in self._queued.values():
-            self._quantize(queued)
-        self._queued.clear()
+        if self._queued:
+            block_cast(self._queued, self.fp8)()
+        self._queued = []
 
-    def _blocks(self, t: Tensor) -> Tensor:
-        """A 2-D tensor (any strides) as (row blocks, rows, column blocks, cols)."""
-        br, bc = self.fp8.block
-        s0, s1 = t.stride()
-        return t.as_strided((t.shape[0] // br, br, t.shape[1] // bc, bc), (br * s0, s0, bc * s1, s1),
-                            t.storage_offset())
 
-    def _quantize(self, queued: list[tuple[Tensor, Tensor, Tensor]]) -> None:
-        br, bc = self.fp8.block
-        grids = [(x.shape[0] // br, x.shape[1] // bc) for x, _, _ in queued]
-        counts = [r * c for r, c in grids]
-        x0 = queued[0][0]
-        staging = torch.empty(sum(counts), br, bc, dtype=x0.dtype, device=x0.device)
-        parts = list(staging.split(counts))
-        block_major = [p.view(r, c, br, bc).permute(0, 2, 1, 3) for p, (r, c) in zip(parts, grids, strict=True)]
-        torch._foreach_copy_(block_major, [self._blocks(x) for x, _, _ in queued])
-        cast, kept = cast_blocks(staging, (1, 2), ue8m0=self.fp8.scale_fmt == "ue8m0")
-        values, scale = cast.view(torch.uint8), kept.view(-1)
-        torch._foreach_copy_([self._blocks(v.view(torch.uint8)) for _, v, _ in queued],
-                             [p.view(r, c, br, bc).permute(0, 2, 1, 3)
-                              for p, (r, c) in zip(values.split(counts), grids, strict=True)])
-        torch._foreach_copy_([s.view(-1) for _, _, s in queued], list(scale.split(counts)))
+def _cast_with_torch(jobs: list[CastJob], fp8: BlockFP8) -> None:
+    """The jobs whose shapes are whole blocks, per dtype at once (:func:`_cast_gridded`); the others one by one."""
+    br, bc = fp8.block
+    gridded: dict[torch.dtype, list[CastJob]] = {}
+    for job in jobs:
+        x = job.source
+        if x.shape[0] % br == 0 and x.shape[1] % bc == 0:
+            gridded.setdefault(x.dtype, []).append(job)
+        else:
+            q, s = fp8.quantize(x)
+            job.values.copy_(q)
+            job.scales.view(s.shape).copy_(s)
+    for group in gridded.values():
+        _cast_gridded(group, fp8)
+
+
+def _blocks(t: Tensor, block: tuple[int, int]) -> Tensor:
+    """A 2-D tensor (any strides) as (row blocks, rows, column blocks, cols)."""
+    br, bc = block
+    s0, s1 = t.stride()
+    return t.as_strided((t.shape[0] // br, br, t.shape[1] // bc, bc), (br * s0, s0, bc * s1, s1), t.storage_offset())
+
+
+def _cast_gridded(jobs: list[CastJob], fp8: BlockFP8) -> None:
+    """Tensors of one dtype whose shapes are whole blocks: each copied block-major into one staging buffer (one
+    batched copy), every block's amax, scale and values in a few whole-buffer kernels, and the values and
+    scales copied to their places (two batched copies)."""
+    br, bc = fp8.block
+    grids = [(j.source.shape[0] // br, j.source.shape[1] // bc) for j in jobs]
+    counts = [r * c for r, c in grids]
+    x0 = jobs[0].source
+    staging = torch.empty(sum(counts), br, bc, dtype=x0.dtype, device=x0.device)
+    parts = list(staging.split(counts))
+    block_major = [p.view(r, c, br, bc).permute(0, 2, 1, 3) for p, (r, c) in zip(parts, grids, strict=True)]
+    torch._foreach_copy_(block_major, [_blocks(j.source, fp8.block) for j in jobs])
+    cast, kept = cast_blocks(staging, (1, 2), ue8m0=fp8.scale_fmt == "ue8m0")
+    values, scale = cast.view(torch.uint8), kept.view(-1)
+    torch._foreach_copy_([_blocks(j.values.view(torch.uint8), fp8.block) for j in jobs],
+                         [p.view(r, c, br, bc).permute(0, 2, 1, 3)
+                          for p, (r, c) in zip(values.split(counts), grids, strict=True)])
+    torch._foreach_copy_([j.scales.view(-1) for j in jobs], list(scale.split(counts)))

@@ -69,8 +69,9 @@ from weightstream.streaming.bucket import (
     view_tensor,
 )
 from weightstream.streaming.copies import batched_copy, warm_kernel
+from weightstream.streaming.fp8_cast import CastJob
 from weightstream.streaming.plan import BucketPlan, plan_buckets
-from weightstream.streaming.quantize import Quantization, QuantizeBatch, convert_quantized
+from weightstream.streaming.quantize import Quantization, QuantizeBatch, block_cast, convert_quantized
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 
@@ -101,6 +102,11 @@ class _Item:
     quantized: tuple[bool, ...] = ()  # per HF tensor of the op, whether it leaves as block FP8 (empty: none)
 
 
+# A batched HF tensor: the view of a live tensor it is made from, its metadata, and its scales' where it leaves as
+# block FP8.
+_View = tuple[Tensor, TensorMeta, TensorMeta | None]
+
+
 @dataclass(slots=True)
 class _Program:
     """How one bucket is filled, prepared once: its layout and the views to copy from."""
@@ -118,6 +124,8 @@ class _Program:
     spans: list[tuple[int, int | None, int, int]]  # per item (PP owner, EP owner, first byte, end): Source.share
     # Every batched tensor: (HF name, dtype, the view of a live tensor it is copied from), for ``write_into``.
     named: list[tuple[str, torch.dtype, Tensor]]
+    # Every batched tensor that leaves as block FP8: (the view it is quantized from, its values', its scales' metadata).
+    casts: list[tuple[Tensor, TensorMeta, TensorMeta]]
     # With kept buffers: the batched copies, made once per kept buffer (key: its address); with
     # ``write_into``: the copies into a receiver's tensors (key: ("into", the receiver's key)).
     copies: dict[Any, list[Callable[[], Any]]] = field(default_factory=dict)
@@ -341,11 +349,10 @@ class BucketStream(Iterator[Bucket]):
             return OpContext(self.spec, parts=it.entry.parts)
         return OpContext(self.spec, parts=1, shard_rank=self._group_rank(it.entry))
 
-    def _views(self, it: _Item, metas: Sequence[TensorMeta]) -> list[Tensor] | None:
-        """The item's HF tensors as views of the live parameter (what a batched copy reads), or None
-        where they are not views of it (gathered over TP, or an op that computes new tensors)."""
-        if any(it.quantized):
-            return None  # quantized as they are converted
+    def _views(self, it: _Item, metas: Sequence[TensorMeta]) -> list[_View] | None:
+        """Per HF tensor of the item: the view of the live parameter it is copied (or quantized) from, its
+        metadata, and its scales' where it leaves as block FP8; None where the tensors are not views of the
+        parameter (gathered over TP, or an op that computes new tensors)."""
         source = self.source.direct(it.entry, self.mode)
         if source is None:
             return None
@@ -354,20 +361,27 @@ class BucketStream(Iterator[Bucket]):
             views = hf_views(op, source, self._context(it))
         except Exception:  # noqa: BLE001 -- converted one by one, where the error is raised as it always was
             return None
-        if len(views) != len(metas):
+        flags = it.quantized or (False,) * len(views)
+        if len(flags) != len(views) or len(metas) != len(views) + sum(flags):
             return None
-        base = source.untyped_storage().data_ptr()
-        for view, meta in zip(views, metas, strict=True):
-            if (view.dtype != meta.dtype or view.numel() != meta.numel or view.device != source.device
-                    or view.untyped_storage().data_ptr() != base):
+        out: list[_View] = []
+        base, k = source.untyped_storage().data_ptr(), 0
+        for view, quantized in zip(views, flags, strict=True):
+            meta, scale = metas[k], (metas[k + 1] if quantized else None)
+            k += 2 if quantized else 1
+            if (view.numel() != meta.numel or view.device != source.device
+                    or view.untyped_storage().data_ptr() != base or (view.dim() != 2 if quantized else
+                                                                     view.dtype != meta.dtype)):
                 return None
-        return list(views)
+            out.append((view, meta, scale))
+        return out
 
     def _program(self, bp: BucketPlan) -> _Program:
         items, metas, total = self._layout([self.items[i] for i in bp.items])
         flat: list[tuple[torch.dtype, int, int, Tensor]] = []
         named: list[tuple[str, torch.dtype, Tensor]] = []
         strided: list = []
+        casts: list[tuple[Tensor, TensorMeta, TensorMeta]] = []
         slow: list[int] = []
         batched = 0
         for k, (it, item_metas) in enumerate(zip(items, metas, strict=True)):
@@ -377,7 +391,11 @@ class BucketStream(Iterator[Bucket]):
             if views is None:
                 slow.append(k)
                 continue
-            for meta, view in zip(item_metas, views, strict=True):
+            for view, meta, scale in views:
+                batched += 1
+                if scale is not None:
+                    casts.append((view, meta, scale))
+                    continue
                 named.append((meta.name, meta.dtype, view))
                 size = meta.dtype.itemsize
                 if meta.offset % size:
@@ -390,12 +408,11 @@ class BucketStream(Iterator[Bucket]):
                         strides.append(acc)
                         acc *= d
                     strided.append((meta.dtype, tuple(view.shape), tuple(reversed(strides)), meta.offset // size, view))
-                batched += 1
         flat_metas = tuple(m for ms in metas for m in ms)
         spans = [(it.entry.pp_owner, it.entry.ep_owner, ms[0].offset, ms[-1].offset + ms[-1].nbytes)
                  for it, ms in zip(items, metas, strict=True) if ms]
         return _Program(total, flat_metas, sum(m.nbytes for m in flat_metas), items, metas,
-                        typed_runs(_coalesced(flat)), strided, slow, batched, spans, named)
+                        typed_runs(_coalesced(flat)), strided, slow, batched, spans, named, casts)
 
     def _buffer(self, bp: BucketPlan, total: int) -> Tensor:
         """The bucket's flat buffer: a new one, or (``reuse_buffers``) one of two kept with the plan, bucket
@@ -428,6 +445,9 @@ class BucketStream(Iterator[Bucket]):
             calls.append(partial(torch._foreach_copy_, [raw.view(dtype).as_strided(shape, strides, offset)
                                                         for dtype, shape, strides, offset, _ in program.strided],
                                  [source for *_, source in program.strided]))
+        if program.casts and self.quantization is not None:
+            calls.append(block_cast([CastJob(view, view_tensor(raw, meta), view_tensor(raw, scale))
+                                     for view, meta, scale in program.casts], self.quantization.fp8))
         if kept:
             stale = [k for k in program.copies if isinstance(k, int)]
             if len(stale) >= 2:  # the kept buffers were re-made
@@ -523,7 +543,7 @@ class BucketStream(Iterator[Bucket]):
         ``batch``, which the caller runs once the bucket's tensors are all in)."""
         op = it.entry.resolved.mapping.op
         if batch is not None and self.quantization is not None and any(it.quantized):
-            convert_quantized(op, full, self._context(it), it.quantized, self.quantization.fp8, targets, batch)
+            convert_quantized(op, full, self._context(it), it.quantized, targets, batch)
         else:
             convert_into(op, full, self._context(it), targets)
 

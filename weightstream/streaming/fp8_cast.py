@@ -1,0 +1,158 @@
+"""Block FP8 for many tensors in one kernel launch: each block read once, straight from where it lives.
+
+:class:`BlockCast` quantizes a list of 2-D tensors (any strides: the views of live parameters a converter
+reads) into their float8 values and float32 scales (contiguous: places in a bucket, or an engine's own
+tensors) with one launch of a Triton kernel per source dtype, one program per block. A program loads its
+block (the ragged edge masked to zeros), takes the amax, the scale and the values, and stores both: one read
+of the source and one write of the values, where the same arithmetic in whole-tensor operations makes about
+seven passes over memory.
+
+The arithmetic is :mod:`weightstream.converters.fp8`'s, bit for bit: the amax in float32 clamped to ``1e-4``,
+``scale = amax × fp32(1/448)`` (UE8M0: rounded up to a power of two from its bits), the values
+``x × (1 / scale)`` with the reciprocal correctly rounded (``div_rn``, as the torch reciprocal computes it; a
+plain ``/`` in Triton is an approximate division) and the cast to e4m3 rounding to nearest even. The tables of
+addresses are made once per call list, so a :class:`BlockCast` is kept only where the addresses stay (a kept
+plan's views into kept buffers or targets). Used on CUDA devices where Triton is present; everything else
+quantizes with whole-tensor operations (:class:`weightstream.streaming.quantize.QuantizeBatch`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from weightstream.converters.fp8 import FP8, FP8_MAX, MIN_AMAX, BlockFP8
+
+_kernel: Any = None
+_tried = False
+_FIELDS = 8  # per job: source address, its two strides, rows, cols, values address, scales address, grid cols
+
+
+@dataclass(frozen=True)
+class CastJob:
+    """One tensor to quantize: ``source`` (2-D, any strides and float dtype) into ``values`` (contiguous, its
+    shape, float8_e4m3fn) and ``scales`` (contiguous float32, one per block)."""
+
+    source: Tensor
+    values: Tensor
+    scales: Tensor
+
+
+def _compile():
+    """The Triton kernel, compiled on its first launch; None without Triton."""
+    global _kernel, _tried
+    if _tried:
+        return _kernel
+    _tried = True
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def cast_blocks(jobs, owners, firsts, SRC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                    PR: tl.constexpr, PC: tl.constexpr, UE8M0: tl.constexpr, MAX: tl.constexpr,
+                    FLOOR: tl.constexpr):
+        pid = tl.program_id(0)
+        job = tl.load(owners + pid).to(tl.int64)
+        row = jobs + job * 8
+        src = tl.load(row).to(tl.pointer_type(SRC))
+        s0 = tl.load(row + 1)
+        s1 = tl.load(row + 2)
+        rows = tl.load(row + 3)
+        cols = tl.load(row + 4)
+        dst = tl.load(row + 5).to(tl.pointer_type(tl.float8e4nv))
+        scales = tl.load(row + 6).to(tl.pointer_type(tl.float32))
+        grid_cols = tl.load(row + 7)
+        local = pid - tl.load(firsts + job)
+        bi = local // grid_cols
+        bj = local % grid_cols
+        ri = tl.arange(0, PR)[:, None]
+        ci = tl.arange(0, PC)[None, :]
+        r = bi * BR + ri
+        c = bj * BC + ci
+        mask = (ri < BR) & (ci < BC) & (r < rows) & (c < cols)
+        x = tl.load(src + r * s0 + c * s1, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), FLOOR)
+        scale = amax * (1.0 / MAX)
+        if UE8M0:
+            bits = scale.to(tl.int32, bitcast=True)
+            exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+            exponent = tl.minimum(tl.maximum(exponent, 1), 254)
+            scale = (exponent << 23).to(tl.float32, bitcast=True)
+        inverse = tl.math.div_rn(1.0, scale)
+        tl.store(dst + r * cols + c, (x * inverse).to(tl.float8e4nv), mask=mask)
+        tl.store(scales + local, scale)
+
+    _kernel = cast_blocks
+    return _kernel
+
+
+def available(device: torch.device) -> bool:
+    """On ``device``, with Triton present, unless ``WEIGHTSTREAM_FP8_KERNEL=0`` keeps whole-tensor operations."""
+    if device.type != "cuda" or os.environ.get("WEIGHTSTREAM_FP8_KERNEL", "1") == "0":
+        return False
+    return _compile() is not None
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+class BlockCast:
+    """Every job quantized, one launch per source dtype on the current stream. The tensors are held, so the
+    addresses in the tables stay theirs."""
+
+    def __init__(self, jobs: Sequence[CastJob], fp8: BlockFP8):
+        import triton.language as tl
+
+        self.held = list(jobs)
+        self.fp8 = fp8
+        self.kernel = _compile()
+        by_dtype: dict[torch.dtype, list[CastJob]] = {}
+        for job in jobs:
+            by_dtype.setdefault(job.source.dtype, []).append(job)
+        names = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+        self.launches = [(names[dtype], *self._tables(group)) for dtype, group in by_dtype.items()]
+
+    def _tables(self, jobs: list[CastJob]) -> tuple[Tensor, Tensor, Tensor, int]:
+        """The jobs' table, each block's job, each job's first block, and the number of blocks."""
+        rows = []
+        counts = []
+        for job in jobs:
+            grid = self.fp8.scale_shape(tuple(job.source.shape))
+            _check(job, grid)
+            rows.append([job.source.data_ptr(), *job.source.stride(), *job.source.shape, job.values.data_ptr(),
+                         job.scales.data_ptr(), grid[1]])
+            counts.append(grid[0] * grid[1])
+        device = jobs[0].source.device
+        table = torch.tensor(rows, dtype=torch.int64).to(device)
+        count = torch.tensor(counts, dtype=torch.int64)
+        firsts = (count.cumsum(0) - count).to(device)
+        owners = torch.repeat_interleave(torch.arange(len(jobs), dtype=torch.int32), count).to(device)
+        return table, owners, firsts, int(count.sum())
+
+    def __call__(self) -> None:
+        br, bc = self.fp8.block
+        for src, table, owners, firsts, blocks in self.launches:
+            if blocks:
+                self.kernel[(blocks,)](table, owners, firsts, SRC=src, BR=br, BC=bc, PR=_pow2(br), PC=_pow2(bc),
+                                       UE8M0=self.fp8.scale_fmt == "ue8m0", MAX=FP8_MAX, FLOOR=MIN_AMAX,
+                                       num_warps=8)
+
+
+def _check(job: CastJob, grid: tuple[int, int]) -> None:
+    if not (job.values.is_contiguous() and job.scales.is_contiguous()):
+        raise ValueError("block FP8 casts write contiguous values and scales")
+    if job.values.dtype != FP8 or tuple(job.values.shape) != tuple(job.source.shape):
+        raise ValueError(f"values must be float8_e4m3fn of shape {tuple(job.source.shape)}, "
+                         f"got {job.values.dtype} {tuple(job.values.shape)}")
+    if job.scales.dtype != torch.float32 or job.scales.numel() != grid[0] * grid[1]:
+        raise ValueError(f"scales must be float32 with {grid[0] * grid[1]} elements, got {job.scales.dtype} "
+                         f"x {job.scales.numel()}")
