@@ -1,0 +1,102 @@
+"""On a GPU: the block-FP8 kernel (weightstream.streaming.fp8_cast.BlockCast) against the whole-tensor arithmetic
+(weightstream.converters.fp8.quantize_block_fp8, which the CPU tests prove against vLLM's and SGLang's own
+functions), bit for bit, over shapes on and off the block grid, strided sources, three source dtypes, both scale
+formats and edge values; then the time of each on the weights of one Qwen3-8B layer stack.
+
+    python3 tools/gpu_fp8_kernel.py [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from weightstream.converters.fp8 import FP8, BlockFP8, quantize_block_fp8
+from weightstream.streaming import fp8_cast
+from weightstream.streaming.fp8_cast import BlockCast, CastJob
+
+
+def _sources(dtype: torch.dtype, device: str) -> list[torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(7)
+    out = [torch.randn(shape, generator=g, device=device, dtype=torch.float32).to(dtype)
+           for shape in ((256, 384), (300, 130), (5, 7), (128, 128), (1024, 4096))]
+    out.append(torch.randn(640, 512, generator=g, device=device).to(dtype).t())  # strided (a transposed view)
+    out.append(torch.randn(768, 256, generator=g, device=device).to(dtype)[128:512])  # a row slice
+    edge = torch.zeros(256, 256, device=device, dtype=dtype)
+    edge[:128, :128] = 1e-30 if dtype == torch.float32 else 1e-7  # tiny: subnormal fp8 values, floor on the amax
+    edge[128:, :128] = torch.finfo(dtype).max / 4
+    edge[:128, 128:] = torch.randn(128, 128, generator=g, device=device).to(dtype) * 1e-3
+    out.append(edge)  # the last block stays zero
+    return out
+
+
+def check_bits(device: str) -> list[str]:
+    problems = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        sources = _sources(dtype, device)
+        for fp8 in (BlockFP8((128, 128), "float"), BlockFP8((128, 128), "ue8m0"), BlockFP8((64, 96), "float")):
+            jobs = [CastJob(s, torch.empty(s.shape, dtype=FP8, device=device),
+                            torch.empty(fp8.scale_shape(tuple(s.shape)), dtype=torch.float32, device=device))
+                    for s in sources]
+            BlockCast(jobs, fp8)()
+            for s, job in zip(sources, jobs, strict=True):
+                values, scales = quantize_block_fp8(s, fp8.block, ue8m0=fp8.scale_fmt == "ue8m0")
+                differ = int((values.view(torch.uint8) != job.values.view(torch.uint8)).sum())
+                scale_differ = int((scales.view(torch.int32) != job.scales.view(torch.int32)).sum())
+                if differ or scale_differ:
+                    problems.append(f"{dtype} {fp8} {tuple(s.shape)} stride {s.stride()}: {differ} values and "
+                                    f"{scale_differ} scales differ")
+    return problems
+
+
+def _timed(fn, repeats: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def speed(device: str) -> dict:
+    """One Qwen3-8B layer stack's linear weights (36 layers), bf16, quantized by the kernel and by whole-tensor
+    operations, against a device copy of the same bf16 bytes."""
+    shapes = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (12288, 4096), (12288, 4096), (4096, 12288)]
+    sources = [torch.randn(s, device=device, dtype=torch.bfloat16) for s in shapes for _ in range(36)]
+    fp8 = BlockFP8()
+    jobs = [CastJob(s, torch.empty(s.shape, dtype=FP8, device=device),
+                    torch.empty(fp8.scale_shape(tuple(s.shape)), dtype=torch.float32, device=device)) for s in sources]
+    kernel = BlockCast(jobs, fp8)
+    copies = [torch.empty_like(s) for s in sources]
+    nbytes = sum(s.numel() * 2 for s in sources)
+    out = {"bytes": nbytes, "kernel_s": _timed(kernel),
+           "copy_s": _timed(lambda: torch._foreach_copy_(copies, sources))}
+    fp8_cast._tried, fp8_cast._kernel = True, None  # whole-tensor operations from here on
+    from weightstream.streaming.quantize import block_cast
+    out["whole_tensor_s"] = _timed(block_cast(jobs, fp8), repeats=2)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    device = "cuda"
+    problems = check_bits(device)
+    report = {"device": torch.cuda.get_device_name(), "bits": "passed" if not problems else "failed",
+              "problems": problems, **speed(device)}
+    print(json.dumps(report, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    raise SystemExit(1 if problems else 0)
+
+
+if __name__ == "__main__":
+    main()
