@@ -19,10 +19,11 @@ import pytest
 
 from tests.helpers.checks import engine_python, run_engine_check
 from weightstream.converters.fp8 import BlockFP8
+from weightstream.engines.base import StatedFormat
 from weightstream.engines.lmdeploy import LMDeployEngine
 from weightstream.engines.sglang import SGLangEngine
 from weightstream.engines.vllm import VLLMEngine
-from weightstream.update import _check_formats
+from weightstream.update import WeightSync, _check_formats
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,12 +47,37 @@ LMDEPLOY_ENGINE_INFO = json.dumps(json.dumps({"tp_size": 2, "ep_size": 1, "dp_si
                                               "num_gpu_blocks": 1024}))
 
 
-def _answering(cls, replies: dict):
+def _answering(cls, replies: dict, **options):
     class Canned(cls):
         def request(self, method, path, body=None, *, step=None, timeout_s=None):
             reply = replies[path]
             return json.loads(reply) if isinstance(reply, str) else reply
-    return Canned("http://engine.invalid")
+    return Canned("http://engine.invalid", **options)
+
+
+def _vllm_reply(quantization: str | None) -> dict:
+    reply = json.loads(json.dumps(VLLM_SERVER_INFO))
+    reply["vllm_config"]["model_config"]["quantization"] = quantization
+    return reply
+
+
+def _engines(quantization: dict | None = None, **options) -> list:
+    """The three adapters answering as their engines do for an FP8 checkpoint (``quantization``: the method each
+    names instead, by engine name)."""
+    q = quantization or {}
+    return [_answering(SGLangEngine, {"/get_server_info": dict(SGLANG_SERVER_INFO, quantization=q.get("sglang"))},
+                       **options),
+            _answering(VLLMEngine, {"/server_info?config_format=json": _vllm_reply(q.get("vllm", "fp8"))}, **options),
+            _answering(LMDeployEngine, {"/distserve/engine_info": LMDEPLOY_ENGINE_INFO}, **options)]
+
+
+def _model_dir(tmp_path: Path, quantization_config: dict | None) -> Path:
+    config = {"model_type": "qwen3", "hidden_size": 256}
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
@@ -139,3 +165,104 @@ def test_vllm_block_fp8_loaders_store_our_tensors(vllm_check):
     assert loader["params"]["weight"][:2] == ["torch.float8_e4m3fn", [512, 256]]
     assert loader["params"]["weight_scale_inv"] == ["torch.float32", [4, 2], "BlockQuantScaleParameter"]
     assert all(loader["stored_equal"].values()) and len(loader["stored_equal"]) == 8
+
+
+@pytest.mark.unit
+def test_a_stated_layout_lets_block_fp8_through_to_each_engine():
+    """``fp8=`` on the adapter: what SGLang, vLLM and LMDeploy serve; FP8 updates of that layout pass, unquantized
+    ones and other layouts are refused."""
+    for engine in _engines(fp8=BlockFP8()):
+        info = engine.info()
+        assert info.fp8 == BlockFP8() and info.fp8_conflicts == ()
+        _check_formats([engine], BlockFP8())
+        with pytest.raises(ValueError, match=r"sends unquantized weights, but engine .* serves block FP8 \(128, 128\)"):
+            _check_formats([engine], None)
+        with pytest.raises(ValueError, match=r"sends block FP8 \(128, 128\) \(ue8m0 scales\), but engine .* serves "
+                                             r"block FP8 \(128, 128\) \(float scales\)"):
+            _check_formats([engine], BlockFP8(scale_fmt="ue8m0"))
+        with pytest.raises(ValueError, match=r"serves block FP8 \(128, 128\)"):
+            _check_formats([engine], BlockFP8((64, 64)))
+
+
+@pytest.mark.unit
+def test_the_served_models_config_states_the_layout(tmp_path):
+    """``model_path=``: the ``quantization_config`` of the served model's config.json (directory or file)."""
+    fp8_dir = _model_dir(tmp_path / "fp8", BlockFP8(scale_fmt="ue8m0").config(["lm_head"]))
+    for engine in _engines(model_path=str(fp8_dir)) + _engines(model_path=fp8_dir / "config.json"):
+        assert engine.info().fp8 == BlockFP8(scale_fmt="ue8m0") and engine.info().fp8_conflicts == ()
+        assert engine.stated == StatedFormat(BlockFP8(scale_fmt="ue8m0"),
+                                             f"the quantization_config of {fp8_dir / 'config.json'}")
+        _check_formats([engine], BlockFP8(scale_fmt="ue8m0"))
+    plain = _model_dir(tmp_path / "bf16", None)  # stated unquantized
+    sglang, vllm, lmdeploy = _engines({"vllm": None}, model_path=plain)
+    for engine in (sglang, vllm, lmdeploy):
+        assert engine.info().fp8 is None and engine.info().fp8_conflicts == ()
+        _check_formats([engine], None)
+
+
+@pytest.mark.unit
+def test_statements_that_cannot_hold_are_refused_when_made(tmp_path):
+    fp8_dir = _model_dir(tmp_path / "fp8", BlockFP8().config([]))
+    with pytest.raises(ValueError, match=r"declares block FP8 \(128, 128\) \(float scales\), but "
+                                         r"fp8=BlockFP8\(block=\(64, 64\).* was stated"):
+        SGLangEngine("http://engine.invalid", fp8=BlockFP8((64, 64)), model_path=fp8_dir)
+    per_tensor = _model_dir(tmp_path / "per_tensor", {"quant_method": "fp8", "activation_scheme": "static"})
+    with pytest.raises(ValueError, match="names 'fp8' without a weight_block_size: weightstream sends block FP8 or "
+                                         "unquantized weights only"):
+        VLLMEngine("http://engine.invalid", model_path=per_tensor)
+    with pytest.raises(ValueError, match="cannot read the served model's config.json"):
+        LMDeployEngine("http://engine.invalid", model_path=tmp_path / "absent")
+
+
+@pytest.mark.unit
+def test_a_statement_that_contradicts_the_engine_is_refused_naming_every_engine(tmp_path):
+    """What the engines do report is checked against the statement: vLLM names ``fp8`` for a block-FP8
+    checkpoint (naming none, or its online methods, contradicts a stated layout); SGLang names no method for an
+    FP8 checkpoint it detects, but another method it names contradicts; a reported quantization_config (the
+    reference engine's) must equal the statement. One error lists every engine."""
+    stated = BlockFP8()
+    cases = [
+        (_answering(VLLMEngine, {"/server_info?config_format=json": _vllm_reply(None)}, fp8=stated),
+         "the engine names no FP8 method"),
+        (_answering(VLLMEngine, {"/server_info?config_format=json": _vllm_reply("fp8_per_block")}, fp8=stated),
+         "the engine names quantization 'fp8_per_block'"),
+        (_answering(SGLangEngine, {"/get_server_info": dict(SGLANG_SERVER_INFO, quantization="w8a8_fp8")},
+                    fp8=stated), "the engine names quantization 'w8a8_fp8'"),
+        (_answering(SGLangEngine, {"/get_server_info": dict(SGLANG_SERVER_INFO, quantization="fp8")},
+                    model_path=_model_dir(tmp_path, None)),
+         "unquantized weights, but the engine names quantization 'fp8'"),
+        (_answering(SGLangEngine, {"/get_server_info": dict(SGLANG_SERVER_INFO,
+                                                            quantization_config=BlockFP8().config([]))},
+                    fp8=BlockFP8(scale_fmt="ue8m0")), "but the engine reports block FP8 (128, 128) (float scales)"),
+    ]
+    for engine, why in cases:
+        assert why in engine.info().fp8_conflicts[0], engine.info().fp8_conflicts
+    with pytest.raises(ValueError) as err:
+        _check_formats([engine for engine, _ in cases], stated)
+    message = str(err.value)
+    assert message.startswith("the update sends block FP8 (128, 128) (float scales), but engine ")
+    for _, why in cases:
+        assert why in message
+    assert message.count("stated (") == len(cases)
+
+
+@pytest.mark.unit
+def test_an_fp8_update_to_an_engine_nobody_stated_says_how_to_state_it():
+    with pytest.raises(ValueError, match=r"serves unquantized weights \(where an engine does not report its layout, "
+                                         r"state it: fp8= or model_path= on its adapter, engine_fp8= or "
+                                         r"engine_model_path= on WeightSync\)"):
+        _check_formats([_engines()[2]], BlockFP8())
+
+
+@pytest.mark.unit
+def test_weight_sync_states_the_layout_of_engines_given_by_url(tmp_path):
+    sync = WeightSync(["http://a.invalid", "http://b.invalid"], engine="vllm", engine_fp8=BlockFP8())
+    sync._resolve_engines()
+    assert [e.stated for e in sync.engines] == [StatedFormat(BlockFP8(), f"fp8={BlockFP8()}")] * 2
+    fp8_dir = _model_dir(tmp_path, BlockFP8().config([]))
+    sync = WeightSync(["http://a.invalid"], engine="sglang", engine_model_path=str(fp8_dir))
+    sync._resolve_engines()
+    assert sync.engines[0].stated.fp8 == BlockFP8()
+    sync = WeightSync(["http://a.invalid"], engine="lmdeploy")
+    sync._resolve_engines()
+    assert sync.engines[0].stated is None

@@ -37,6 +37,7 @@ from weightstream.engines.base import (
     MemoryEngine,
     PausesAndBegins,
     capable,
+    describe_format,
     require,
 )
 from weightstream.errors import UpdateError, WeightstreamError
@@ -208,20 +209,27 @@ def _pause_and_begin(engine: EngineAdapter, mode: str, version: str, timeout_s: 
 
 def _check_formats(engines: Sequence[EngineAdapter], quantize: BlockFP8 | None) -> None:
     """Every engine serves the weight layout the update sends (block FP8 of the same block and scale format, or
-    unquantized): one error naming each that does not, before any bytes move."""
-    def said(fp8: BlockFP8 | None) -> str:
-        return "unquantized weights" if fp8 is None else f"block FP8 {fp8.block} ({fp8.scale_fmt} scales)"
-
+    unquantized), and no layout stated for an engine contradicts what it reports: one error naming each engine
+    that does not, before any bytes move."""
     def serves(info: EngineInfo) -> str:
         if info.fp8 is None and info.quantization is not None:
             return f"{info.quantization} weights without saying their block layout"
-        return said(info.fp8)
+        return describe_format(info.fp8)
 
-    wrong = [f"{e.url} serves {serves(e.info())}" for e in engines
-             if e.info().fp8 != quantize or (quantize is None and e.info().quantization is not None)]
+    wrong, unstated = [], False
+    for e in engines:
+        info = e.info()
+        if info.fp8_conflicts:
+            wrong.append(f"{e.url}: " + "; ".join(info.fp8_conflicts))
+        elif info.fp8 != quantize or (quantize is None and info.quantization is not None):
+            wrong.append(f"{e.url} serves {serves(info)}")
+            unstated |= quantize is not None and info.fp8 is None
     if wrong:
-        raise ValueError(f"the update sends {said(quantize)}, but engine " + "; engine ".join(wrong)
-                         + (" (pass quantize= to match)" if quantize is None else ""))
+        hint = " (pass quantize= to match)" if quantize is None else ""
+        if unstated:
+            hint = (" (where an engine does not report its layout, state it: fp8= or model_path= on its adapter, "
+                    "engine_fp8= or engine_model_path= on WeightSync)")
+        raise ValueError(f"the update sends {describe_format(quantize)}, but engine " + "; engine ".join(wrong) + hint)
 
 
 def _memory(engine: EngineAdapter) -> MemoryEngine:
@@ -242,12 +250,14 @@ class _Job:
         return cls(cfg, model_spec(cfg), as_source(model_chunks))
 
 
-class _AdapterOptions(TypedDict):
-    """What every adapter made from a URL is given."""
+class _AdapterOptions(TypedDict, total=False):
+    """What every adapter made from a URL is given (``fp8`` and ``model_path`` only where stated)."""
 
     api_key: str | None
     timeout_s: float
     group_name: str
+    fp8: BlockFP8
+    model_path: str
 
 
 class WeightSync:
@@ -255,7 +265,10 @@ class WeightSync:
 
     Create and call it on every trainer rank. ``engines``: engine adapters (:class:`SGLangEngine`,
     :class:`ReferenceEngine`, ...) or URLs, whose engine is then ``engine`` (``"auto"``: detected by
-    asking it, on the first update).
+    asking it, on the first update). ``quantize``: the layout the update sends (block FP8, or None:
+    unquantized). ``engine_fp8`` / ``engine_model_path``: the layout the engines given by URL serve, stated
+    where they do not report it (SGLang, vLLM, LMDeploy), as the adapters' ``fp8=`` / ``model_path=`` (the
+    served model's directory, whose config.json's ``quantization_config`` says it).
     """
 
     def __init__(self, engines: Sequence[EngineAdapter | str], *, transport: str = "auto", engine: str = "auto",
@@ -263,7 +276,8 @@ class WeightSync:
                  timeout_s: float = 60.0, master_address: str = "127.0.0.1", master_port: int | None = None,
                  backend: str | None = None, pause_mode: str = "abort", api_key: str | None = None,
                  group_name: str = "weightstream", reuse_buffers: bool = True, metadata_ahead: bool = True,
-                 direct: bool = True, quantize: BlockFP8 | None = None):
+                 direct: bool = True, quantize: BlockFP8 | None = None, engine_fp8: BlockFP8 | None = None,
+                 engine_model_path: str | None = None):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if not engines:
@@ -273,6 +287,10 @@ class WeightSync:
         self._given = list(engines)
         self._engine_kind = engine
         self._adapter_options = _AdapterOptions(api_key=api_key, timeout_s=timeout_s, group_name=group_name)
+        if engine_fp8 is not None:
+            self._adapter_options["fp8"] = engine_fp8
+        if engine_model_path is not None:
+            self._adapter_options["model_path"] = engine_model_path
         self.engines: list[EngineAdapter] = []  # made by _resolve_engines on the first update
         self.transport, self.colocated, self.bucket_bytes = transport, colocated, bucket_bytes
         self.reuse_buffers = reuse_buffers  # pack into two buffers kept with the plan (stream_hf_weights)
@@ -531,7 +549,7 @@ class WeightSync:
         if urls and _rank() == 0:
             try:
                 kinds = [self._engine_kind if self._engine_kind != "auto" else
-                         detect(u, api_key=self._adapter_options["api_key"], timeout_s=self.timeout_s)
+                         detect(u, api_key=self._adapter_options.get("api_key"), timeout_s=self.timeout_s)
                          for u in urls]
             except Exception as exc:  # noqa: BLE001 — shared with every rank below
                 kinds = _as_update_error("connect", exc, urls)

@@ -15,9 +15,10 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from weightstream.converters.fp8 import BlockFP8
+from weightstream.converters.fp8 import BlockFP8, block_fp8_of
 from weightstream.errors import WeightstreamError
 from weightstream.streaming.bucket import Bucket, TensorMeta
 from weightstream.wire.frames import Plan
@@ -63,9 +64,79 @@ class EngineInfo:
     # The FP8 method the engine names for the weights it holds in float8 (``"fp8"``), whether or not it reports
     # their layout; None where it holds none (an engine that quantizes unquantized updates itself names none).
     quantization: str | None = None
+    # Where ``fp8`` was stated by the user (:class:`StatedFormat`): what that statement contradicts in what the
+    # engine reports, one line each (an update refuses such an engine, naming them).
+    fp8_conflicts: tuple[str, ...] = ()
 
     def can(self, capability: str) -> bool:
         return capability in self.capabilities
+
+
+@dataclass(frozen=True)
+class StatedFormat:
+    """The weight layout of an engine's model as its user states it, for engines that do not report it
+    (SGLang, vLLM, LMDeploy): block FP8 in ``fp8``'s layout, or unquantized (``fp8`` None, from a model whose
+    ``config.json`` has no ``quantization_config``). ``source`` says where the statement came from."""
+
+    fp8: BlockFP8 | None
+    source: str
+
+
+def stated_format(fp8: BlockFP8 | None, model_path: str | Path | None) -> StatedFormat | None:
+    """What an adapter's ``fp8=`` and ``model_path=`` state (None: neither given). ``model_path``: the served
+    model's directory (or its ``config.json``), whose ``quantization_config`` says the layout. Raises one
+    ``ValueError`` where the model's config cannot be read, names a quantization other than block FP8, or
+    disagrees with ``fp8``."""
+    if model_path is None:
+        return None if fp8 is None else StatedFormat(fp8, f"fp8={fp8}")
+    path = Path(model_path)
+    config_file = path / "config.json" if path.is_dir() else path
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"model_path {str(model_path)!r}: cannot read the served model's config.json "
+                         f"({exc})") from None
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
+    from_config = block_fp8_of(qc if isinstance(qc, dict) else None)
+    problems = []
+    if qc and from_config is None:
+        method = qc.get("quant_method") if isinstance(qc, dict) else qc
+        problems.append(f"its quantization_config names {method!r} without a weight_block_size: weightstream "
+                        "sends block FP8 or unquantized weights only")
+    if fp8 is not None and fp8 != from_config:
+        problems.append(f"it declares {describe_format(from_config)}, but fp8={fp8} was stated")
+    if problems:
+        raise ValueError(f"the model at {str(config_file)!r}: " + "; ".join(problems))
+    return StatedFormat(from_config, f"the quantization_config of {config_file}")
+
+
+def describe_format(fp8: BlockFP8 | None) -> str:
+    return "unquantized weights" if fp8 is None else f"block FP8 {fp8.block} ({fp8.scale_fmt} scales)"
+
+
+def settle_format(stated: StatedFormat | None, reported: BlockFP8 | None, method: str | None, *,
+                  reports_layout: bool, names_fp8_method: bool) -> tuple[BlockFP8 | None, tuple[str, ...]]:
+    """An engine's block-FP8 layout (``EngineInfo.fp8``) and what a statement contradicts in its report.
+
+    ``reported``: the layout the engine reports where it reports one (``reports_layout``: a
+    ``quantization_config`` in its reply, null for an unquantized model). ``method``: the FP8 method it names
+    (``EngineInfo.quantization``) or any other quantization method it names. ``names_fp8_method``: the engine
+    always names ``fp8`` for a block-FP8 checkpoint (vLLM), so naming nothing contradicts a stated layout.
+    Without a statement the engine's report stands (None where it says nothing)."""
+    if stated is None:
+        return reported, ()
+    said = f"stated ({stated.source}): {describe_format(stated.fp8)}"
+    if reports_layout:
+        if reported != stated.fp8:
+            return reported, (f"{said}, but the engine reports {describe_format(reported)}",)
+        return reported, ()
+    if stated.fp8 is not None and method not in ("fp8", None):
+        return stated.fp8, (f"{said}, but the engine names quantization {method!r}",)
+    if stated.fp8 is not None and method is None and names_fp8_method:
+        return stated.fp8, (f"{said}, but the engine names no FP8 method (its model is not quantized)",)
+    if stated.fp8 is None and method is not None:
+        return stated.fp8, (f"{said}, but the engine names quantization {method!r}",)
+    return stated.fp8, ()
 
 
 @dataclass(frozen=True)
@@ -242,11 +313,15 @@ class HTTPEngine:
     """Bounded JSON-over-HTTP calls to one engine; the plumbing every HTTP adapter shares."""
 
     def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 60.0,
-                 group_name: str = "weight_update_group"):
+                 group_name: str = "weight_update_group", fp8: BlockFP8 | None = None,
+                 model_path: str | Path | None = None):
         self.url = url.rstrip("/")
         self.api_key = api_key
         self.timeout_s = timeout_s
         self.group_name = group_name
+        # The layout of the served model as the user states it (``fp8=``, or the ``quantization_config`` of
+        # ``model_path``'s config.json): what an engine that does not report its layout serves.
+        self.stated = stated_format(fp8, model_path)
         self._info: EngineInfo | None = None
         self._server_info: dict | None = None  # what the engine said it is (each adapter asks in its own way)
         self._session = False  # a session this client opened and has not ended

@@ -38,6 +38,7 @@ from weightstream.engines.base import (
     EngineInfo,
     GroupSpec,
     HTTPEngine,
+    settle_format,
 )
 from weightstream.models.spec import dtype_name
 from weightstream.streaming.bucket import Bucket
@@ -109,18 +110,22 @@ class LMDeployEngine(HTTPEngine):
     def info(self, refresh: bool = False) -> EngineInfo:
         if self._info is None or refresh:
             s = self.server_info(refresh)
+            fp8, conflicts = settle_format(self.stated, self.weight_format(s), None,
+                                           reports_layout="quantization_config" in s, names_fp8_method=False)
             self._info = EngineInfo(
                 engine=self.name, tp_size=int(s.get("tp_size") or 1), pp_size=int(s.get("pp_size") or 1),
                 ep_size=int(s.get("ep_size") or 1), dp_size=int(s.get("dp_size") or 1),
-                capabilities=self.capabilities(s), fp8=self.weight_format(s),
+                capabilities=self.capabilities(s), fp8=fp8, fp8_conflicts=conflicts,
             )
         return self._info
 
     def weight_format(self, server_info: dict) -> BlockFP8 | None:
         """None: LMDeploy 0.18 does not say how its model is quantized. ``/distserve/engine_info`` is its
         ``DistServeEngineConfig`` (parallel sizes, DP rank, KV-cache blocks) and no other route reports the
-        model's ``quantization_config``; so block-FP8 updates to LMDeploy are refused. (Its blocked-FP8 layers
-        quantize unquantized weights themselves on load, so bf16 updates stay right for an FP8 model.)"""
+        model's ``quantization_config``, nor any quantization method: the layout is the one its user states
+        (``fp8=`` or ``model_path=``), taken as stated (nothing to check it against). Its blocked-FP8 layers
+        store float8 weights and their scales as they come and quantize other weights themselves on load
+        (``quant_blocked_fp8``), so bf16 updates to an FP8 model load too; block-FP8 ones go where stated."""
         return block_fp8_of(server_info.get("quantization_config"))
 
     def capabilities(self, server_info: dict) -> frozenset[str]:

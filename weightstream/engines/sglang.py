@@ -18,6 +18,7 @@ from weightstream.engines.base import (
     EngineInfo,
     GroupSpec,
     HTTPEngine,
+    settle_format,
 )
 from weightstream.models.spec import dtype_name
 from weightstream.streaming.bucket import Bucket
@@ -41,11 +42,13 @@ class SGLangEngine(HTTPEngine):
     def info(self, refresh: bool = False) -> EngineInfo:
         if self._info is None or refresh:
             s = self.server_info(refresh)
+            fp8, conflicts = settle_format(self.stated, self.weight_format(s), s.get("quantization"),
+                                           reports_layout="quantization_config" in s, names_fp8_method=False)
             self._info = EngineInfo(
                 engine=self.name, tp_size=int(s.get("tp_size", 1)), pp_size=int(s.get("pp_size", 1)),
                 ep_size=int(s.get("ep_size", 1)), dp_size=int(s.get("dp_size", 1)),
                 gpu_uuids=tuple(s.get("gpu_uuids") or ()), capabilities=self.capabilities(s),
-                fp8=self.weight_format(s), quantization=self.fp8_method(s),
+                fp8=fp8, quantization=self.fp8_method(s), fp8_conflicts=conflicts,
             )
         return self._info
 
@@ -58,8 +61,10 @@ class SGLangEngine(HTTPEngine):
         SGLang 0.5.23 reports none: ``/get_server_info`` (= ``/server_info``) is its resolved server arguments
         plus scheduler state, with ``quantization`` (the ``--quantization`` argument, ``None`` for an FP8
         checkpoint whose method SGLang detects itself, except on sm100) but neither ``quantization_config`` nor
-        ``weight_block_size``; ``/model_info`` has no quantization field. So for SGLang this is None (block-FP8
-        updates are refused); an engine that reports such a config (the reference engine) is read from it."""
+        ``weight_block_size``; ``/model_info`` has no quantization field. So for SGLang this is None, and the
+        layout is the one its user states (``fp8=`` or ``model_path=``; see :func:`settle_format`: SGLang names
+        no method for an FP8 checkpoint it detects itself, so only another method it names contradicts a stated
+        block layout). An engine that reports such a config (the reference engine) is read from it."""
         return block_fp8_of(server_info.get("quantization_config"))
 
     def fp8_method(self, server_info: dict) -> str | None:

@@ -17,6 +17,7 @@ from weightstream.engines.base import (
     EngineInfo,
     GroupSpec,
     HTTPEngine,
+    settle_format,
 )
 from weightstream.models.spec import dtype_name
 from weightstream.streaming.bucket import Bucket
@@ -64,17 +65,21 @@ class VLLMEngine(HTTPEngine):
     def info(self, refresh: bool = False) -> EngineInfo:
         if self._info is None or refresh:
             s = self.server_info(refresh)
+            fp8, conflicts = settle_format(self.stated, self.weight_format(s), s["quantization"],
+                                           reports_layout=False, names_fp8_method=True)
             self._info = EngineInfo(engine=self.name, tp_size=s["tp_size"], pp_size=s["pp_size"],
                                     ep_size=s["tp_size"] * s["dp_size"] if s["ep"] else 1, dp_size=s["dp_size"],
-                                    capabilities=self.capabilities(s), fp8=self.weight_format(s),
-                                    quantization=self.fp8_method(s))
+                                    capabilities=self.capabilities(s), fp8=fp8,
+                                    quantization=self.fp8_method(s), fp8_conflicts=conflicts)
         return self._info
 
     def weight_format(self, server_info: dict) -> BlockFP8 | None:
         """None: vLLM 0.32 does not say its block layout. ``/server_info`` gives ``model_config.quantization``
         (e.g. ``"fp8"``) but neither the checkpoint's ``quantization_config`` (``hf_config`` is not a dumped
         field) nor the ``Fp8Config`` (``quant_config`` is dumped as its ``repr``, ``<... object at 0x...>``).
-        So block-FP8 updates to vLLM are refused (see :meth:`fp8_method` for the unquantized ones)."""
+        The layout is the one its user states (``fp8=`` or ``model_path=``), checked against the method vLLM
+        names: ``fp8`` for a block-FP8 checkpoint, so a stated layout with any other (or none) is refused
+        (:func:`settle_format`; see :meth:`fp8_method` for the unquantized updates)."""
         return None
 
     def fp8_method(self, server_info: dict) -> str | None:

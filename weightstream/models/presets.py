@@ -40,6 +40,27 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_theta=1000000.0, tie_word_embeddings=False, rms_norm_eps=1e-6, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1,
     ),
+    # GLM-4.5 MoE: q/k/v bias, q/k norm, half of each head rotary; layer 0 dense (first_k_dense_replace), then 8
+    # experts routed by sigmoid scores with a score-correction bias, grouped top-2 (the best of 2 groups of 4),
+    # weights renormalised and scaled by 2.5, one shared expert.
+    "tiny-glm4-moe": dict(
+        model_type="glm4_moe", vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=16, max_position_embeddings=256,
+        rope_theta=1000000.0, partial_rotary_factor=0.5, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        attention_bias=True, use_qk_norm=True, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        moe_intermediate_size=32, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, num_nextn_predict_layers=0,
+    ),
+    # The shape of zai-org/GLM-4.5-Air: 46 layers (the first dense), 128 experts (top-8) and a shared expert, no
+    # q/k norm, no grouping; its MTP layer (num_nextn_predict_layers) is not part of the transformers model.
+    "glm-4.5-air": dict(
+        model_type="glm4_moe", vocab_size=151552, hidden_size=4096, intermediate_size=10944, num_hidden_layers=46,
+        num_attention_heads=96, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+        rope_theta=1000000.0, partial_rotary_factor=0.5, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        attention_bias=True, use_qk_norm=False, n_routed_experts=128, n_shared_experts=1, num_experts_per_tok=8,
+        moe_intermediate_size=1408, first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+        norm_topk_prob=True, num_nextn_predict_layers=1,
+    ),
     # The shape of Qwen/Qwen3-30B-A3B: 48 layers of 128 experts (top-8), 18,867 HF tensors.
     "qwen3-30b-a3b": dict(
         model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
@@ -88,6 +109,11 @@ def random_hf_model(config: Any, *, seed: int = 0, dtype: torch.dtype = torch.fl
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.05
             base = 1.0 if name.endswith("norm.weight") or "layernorm" in name else 0.0
             p.copy_((noise + base).to(p.dtype))
+        # Weights held in buffers (GLM-4.5's and DeepSeek-V3's e_score_correction_bias), after every parameter.
+        params = {name for name, _ in model.named_parameters()}
+        for name, b in model.state_dict().items():
+            if name not in params and b.is_floating_point():
+                b.copy_((torch.randn(b.shape, generator=gen, dtype=torch.float32) * 0.05).to(b.dtype))
     model.eval()
     return model
 
