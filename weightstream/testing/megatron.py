@@ -146,16 +146,20 @@ def _router_config(spec: ModelSpec) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _cpu_build_shims() -> Iterator[None]:
-    """Tied embeddings with PP > 1 call ``.cuda()`` on the shared weight while building."""
+    """Tied embeddings with PP > 1 call ``.cuda()`` on the shared weight while building; the router's expert bias
+    (``moe_router_enable_expert_bias``) and multi-latent attention's rotary embedding are built on
+    ``torch.cuda.current_device()``."""
     if torch.cuda.is_available():
         yield
         return
-    original = torch.Tensor.cuda
+    original, device = torch.Tensor.cuda, torch.cuda.current_device
     torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
     try:
         yield
     finally:
         torch.Tensor.cuda = original  # type: ignore[method-assign]
+        torch.cuda.current_device = device
 
 
 def build_gpt_model(
