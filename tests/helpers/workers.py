@@ -47,11 +47,34 @@ def present_te_names(chunks: list[nn.Module]) -> None:
     layer keeps its separate ``pre_mlp_layernorm``)."""
     for chunk in chunks:
         for layer in unwrap(chunk).decoder.layers:
-            layer.self_attention.linear_qkv.layer_norm_weight = layer.input_layernorm.weight
-            layer.input_layernorm = nn.Identity()
+            if hasattr(layer.self_attention, "linear_kv_up_proj"):
+                present_te_mla(layer.self_attention)
+            else:
+                layer.self_attention.linear_qkv.layer_norm_weight = layer.input_layernorm.weight
+                layer.input_layernorm = nn.Identity()
             if hasattr(layer.mlp, "linear_fc1"):
                 layer.mlp.linear_fc1.layer_norm_weight = layer.pre_mlp_layernorm.weight
                 layer.pre_mlp_layernorm = nn.Identity()
+
+
+def present_te_mla(attn: nn.Module) -> None:
+    """Multi-latent attention as Transformer Engine's spec holds it: the latent norms fused into the up
+    projections (the input norm stays apart), the down projections whole on every TP rank (a duplicated
+    ``TELinear``, not the local spec's column-parallel split): all-gathered here, the same values."""
+    from megatron.core import parallel_state as ps
+
+    for norm, up in (("q_layernorm", "linear_q_up_proj"), ("kv_layernorm", "linear_kv_up_proj")):
+        if hasattr(attn, norm):
+            getattr(attn, up).layer_norm_weight = getattr(attn, norm).weight
+            setattr(attn, norm, nn.Identity())
+    group = ps.get_tensor_model_parallel_group()
+    for down in ("linear_q_down_proj", "linear_kv_down_proj"):
+        linear = getattr(attn, down, None)
+        if linear is None or dist.get_world_size(group) == 1:
+            continue
+        parts = [torch.empty_like(linear.weight) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, linear.weight.detach().contiguous(), group=group)
+        linear.weight = nn.Parameter(torch.cat(parts, dim=0))
 
 
 def present_grouped_experts(chunks: list[nn.Module]) -> None:

@@ -67,7 +67,10 @@ class Mapping:
     does not always report it right. ``tp_group`` says which group splits it: ``"tp"`` (dense) or
     ``"etp"`` (expert tensor parallel). ``emit=False`` marks a parameter that is read from the HF
     names when loading but not emitted (the last stage's copy of a tied embedding).
-    ``when`` limits the mapping to the specs it holds for.
+    ``when`` limits the mapping to the specs it holds for. ``whole_or_split``: split on ``tp_dim`` under one
+    Megatron spec and held whole on every rank under another (multi-latent attention's down projections: a
+    column-parallel linear in the local spec, a duplicated one under Transformer Engine); a tensor whose every
+    rank holds the whole HF shape is taken as replicated.
     """
 
     megatron: str  # the source pattern (a Megatron name; an in-memory HF name in ``Converter.memory``)
@@ -77,6 +80,7 @@ class Mapping:
     tp_group: str = "tp"
     emit: bool = True
     when: Condition = _always
+    whole_or_split: bool = False
     _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -61,6 +61,29 @@ PRESETS: dict[str, dict[str, Any]] = {
         moe_intermediate_size=1408, first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=1.0,
         norm_topk_prob=True, num_nextn_predict_layers=1,
     ),
+    # DeepSeek-V3: multi-latent attention (q through a rank-24 latent, keys and values through a rank-16 one plus a
+    # 4-dim rotary key, interleaved), YaRN rotary scaling with its mscales; layers 0-1 dense (first_k_dense_replace),
+    # then 8 experts routed by sigmoid scores with a score-correction bias, grouped top-4 (the best 2 of 4 groups),
+    # weights renormalised and scaled by 2.5, one shared expert; no MTP layer.
+    "tiny-deepseek-v3": dict(
+        model_type="deepseek_v3", vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=8, max_position_embeddings=256, rope_theta=10000.0,
+        rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, beta_fast=32.0,
+                             beta_slow=1.0, mscale=0.8, mscale_all_dim=1.0),
+        tie_word_embeddings=False, rms_norm_eps=1e-6, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=4,
+        moe_intermediate_size=32, first_k_dense_replace=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        norm_topk_prob=True, num_nextn_predict_layers=0,
+    ),
+    # The same with one q_proj (q_lora_rank null, as DeepSeek-V2-Lite) and plain rotary embeddings.
+    "tiny-deepseek-v3-q-proj": dict(
+        model_type="deepseek_v3", vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=8, max_position_embeddings=256, rope_theta=10000.0,
+        tie_word_embeddings=False, rms_norm_eps=1e-6, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=4,
+        moe_intermediate_size=32, first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        norm_topk_prob=True, num_nextn_predict_layers=0,
+    ),
     # The shape of Qwen/Qwen3-30B-A3B: 48 layers of 128 experts (top-8), 18,867 HF tensors.
     "qwen3-30b-a3b": dict(
         model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,

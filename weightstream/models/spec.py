@@ -52,14 +52,16 @@ def yarn_rope(cfg) -> YarnRope | None:
     params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
     if not isinstance(params, dict) or params.get("rope_type", params.get("type")) != "yarn":
         return None
+    mscale_all_dim = float(params.get("mscale_all_dim") or 0.0)
     return YarnRope(
         factor=float(params["factor"]),
         original_max_position_embeddings=int(params.get("original_max_position_embeddings")
                                              or cfg.max_position_embeddings),
         beta_fast=float(params.get("beta_fast") or 32.0),
         beta_slow=float(params.get("beta_slow") or 1.0),
-        mscale=float(params.get("mscale") or 1.0),
-        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        # transformers reads mscale only together with mscale_all_dim (else cos/sin take mscale(factor, 1)).
+        mscale=float(params.get("mscale") or 1.0) if mscale_all_dim else 1.0,
+        mscale_all_dim=mscale_all_dim,
     )
 
 

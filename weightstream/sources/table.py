@@ -9,7 +9,7 @@ collected and raised as one :class:`~weightstream.errors.ConversionError`, on ev
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -104,6 +104,8 @@ def build_table(
         entry = _entry(name, seen[name], converter, spec, problems, tp_size=tp_size, etp_size=etp_size)
         if entry is None:
             continue
+        if entry.resolved.mapping.whole_or_split and _held_whole(entry, spec, expected):
+            entry = replace(entry, shard_dim=None, parts=1)
         outputs = _hf_outputs(entry, spec, problems)
         if outputs is not None and _outputs_fit(name, outputs, expected, produced, problems):
             entries.append(_with_outputs(entry, outputs))
@@ -112,6 +114,19 @@ def build_table(
             problems.add("HF tensors the model does not provide", name)
     problems.raise_if_any(f"cannot convert this {spec.model_type} model to Hugging Face tensors")
     return entries
+
+
+def _held_whole(entry: TensorEntry, spec: ModelSpec, expected: dict[str, tuple[int, ...]]) -> bool:
+    """Whether each rank holds all of a tensor that may be split or whole (``Mapping.whole_or_split``): what its
+    own shape converts to is the whole of every HF tensor it makes."""
+    if entry.shard_dim is None:
+        return False
+    meta = torch.empty(entry.local_shape, dtype=entry.dtype, device="meta")
+    try:
+        outs = entry.resolved.mapping.op.to_hf(meta, OpContext(spec))
+    except (ValueError, RuntimeError):
+        return False
+    return all(expected.get(n) == tuple(o.shape) for n, o in zip(entry.resolved.hf_names, outs, strict=True))
 
 
 def _reported(ranks: Sequence[RankMeta]) -> tuple[dict[str, _Owners], dict[str, int]]:
@@ -226,6 +241,4 @@ def _outputs_fit(name: str, outputs: tuple[HFOut, ...], expected: dict[str, tupl
 
 
 def _with_outputs(entry: TensorEntry, outputs: tuple[HFOut, ...]) -> TensorEntry:
-    from dataclasses import replace
-
     return replace(entry, outputs=outputs)

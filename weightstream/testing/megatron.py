@@ -109,7 +109,35 @@ def transformer_config(spec: ModelSpec, *, dtype: torch.dtype = torch.float32, s
             moe_layer_freq=[0 if layer in spec.dense_layers else 1 for layer in range(spec.num_layers)],
             **_router_config(spec),
         )
+    if spec.is_mla:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        return MLATransformerConfig(**{**kwargs, **_mla_config(spec)})
     return TransformerConfig(**kwargs)
+
+
+def _mla_config(spec: ModelSpec) -> dict[str, Any]:
+    """Megatron-Core's multi-latent attention settings for ``spec`` (``MLATransformerConfig``). Megatron takes
+    the rotary dimensions of q and k in DeepSeek's interleaved pairs itself (``multi_latent_attention``), as HF's
+    ``rope_interleave`` does; YaRN's factor, bounds and mscales carry over as they are."""
+    out: dict[str, Any] = dict(
+        q_lora_rank=spec.q_lora_rank,
+        kv_lora_rank=spec.kv_lora_rank,
+        qk_head_dim=spec.qk_nope_head_dim,
+        qk_pos_emb_head_dim=spec.qk_rope_head_dim,
+        v_head_dim=spec.v_head_dim,
+        kv_channels=spec.qk_nope_head_dim + spec.qk_rope_head_dim,
+        qk_layernorm=True,  # q_a_layernorm, kv_a_layernorm
+        rotary_base=spec.rope_theta,
+        rope_type="rope",
+        mtp_num_layers=spec.mtp_layers or None,
+    )
+    if spec.yarn is not None:
+        out.update(rope_type="yarn", rotary_scaling_factor=spec.yarn.factor,
+                   original_max_position_embeddings=spec.yarn.original_max_position_embeddings,
+                   beta_fast=spec.yarn.beta_fast, beta_slow=spec.yarn.beta_slow, mscale=spec.yarn.mscale,
+                   mscale_all_dim=spec.yarn.mscale_all_dim)
+    return out
 
 
 def _router_config(spec: ModelSpec) -> dict[str, Any]:
@@ -162,6 +190,74 @@ def _cpu_build_shims() -> Iterator[None]:
         torch.cuda.current_device = device
 
 
+@contextlib.contextmanager
+def _mla_without_te() -> Iterator[None]:
+    """Without Transformer Engine, Megatron-Core 0.16's multi-latent attention still believes it has it (its
+    ``TELinear`` is a placeholder that ``isinstance`` refuses): told otherwise while it is built."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if mla.HAVE_TE and isinstance(mla.TELinear, type):
+        yield
+        return
+    mla.HAVE_TE = False
+    try:
+        yield
+    finally:
+        mla.HAVE_TE = True
+
+
+def _stage_specs(config, spec: ModelSpec, layer_spec, vp_stage: int | None):
+    """The layer specs of one (virtual) pipeline stage, and its multi-token prediction block's (or None).
+
+    One layer spec serves every layer of a dense model; an MoE model with dense layers (moe_layer_freq) needs the
+    block spec, which picks a dense or MoE spec layer by layer."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    stage_spec = (get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                             vp_stage=vp_stage) if spec.is_moe else layer_spec)
+    if not spec.is_mla:
+        return stage_spec, None
+    return _mla_specs(config, stage_spec, vp_stage)
+
+
+def _mla_specs(config, stage_spec, vp_stage: int | None):
+    """The stage's layer specs with a core attention that takes what multi-latent attention passes (Megatron-Core
+    0.16's local ``DotProductAttention`` refuses its ``k_channels``/``v_channels``), and the spec of the
+    multi-token prediction block where this stage holds it (None elsewhere, or without MTP layers)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    layer_specs = stage_spec.layer_specs if isinstance(stage_spec, TransformerBlockSubmodules) else [stage_spec]
+    for layer in layer_specs:
+        layer.submodules.self_attention.submodules.core_attention = MLACoreAttention
+    mtp = None
+    if config.mtp_num_layers:
+        mtp = get_gpt_mtp_block_spec(config, stage_spec, use_transformer_engine=False, vp_stage=vp_stage)
+    return stage_spec, mtp
+
+
+class MLACoreAttention(nn.Module):
+    """Softmax attention over Megatron's ``[seq, batch, heads, dim]`` query/key/value, with the softmax scale and
+    head dimensions multi-latent attention gives (keys of ``k_channels``, values of ``v_channels``); a mask
+    of True where a query may not look. Holds no weights: test support for building MLA on the CPU."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 softmax_scale: float | None = None, k_channels: int | None = None, v_channels: int | None = None,
+                 cp_comm_type: str | None = None, pg_collection: Any = None, attention_dropout: float | None = None):
+        super().__init__()
+        self.softmax_scale = softmax_scale if softmax_scale is not None else (k_channels or 1) ** -0.5
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> Tensor:
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [batch, heads, seq, dim]
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.softmax_scale
+        if attention_mask is not None:
+            scores = scores.masked_fill(attention_mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, v)  # [batch, heads, seq, v_dim]
+        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+
 def build_gpt_model(
     hf_config: Any,
     *,
@@ -177,30 +273,24 @@ def build_gpt_model(
     :func:`megatron_logits` does) runs without it."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = model_spec(hf_config)
     config = transformer_config(spec, dtype=dtype, sequence_parallel=sequence_parallel)
     layer_spec = get_gpt_layer_local_spec(
         num_experts=spec.num_experts or None,
         moe_grouped_gemm=False,
-        qk_layernorm=spec.qk_norm,
+        qk_layernorm=spec.qk_norm or spec.is_mla,
+        multi_latent_attention=spec.is_mla,
         normalization="RMSNorm",
     )
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     vocab = padded_vocab_size(spec.vocab_size, ps.get_tensor_model_parallel_world_size(), vocab_divisible_by)
     chunks = []
-    with _cpu_build_shims():
+    with _cpu_build_shims(), _mla_without_te():
         for stage in range(vpp):
             vp_stage = stage if vpp > 1 else None
-            # One layer spec serves every layer of a dense model; an MoE model with dense layers
-            # (moe_layer_freq) needs the block spec, which picks a dense or MoE spec layer by layer.
-            stage_spec = (
-                get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
-                                           vp_stage=vp_stage)
-                if spec.is_moe
-                else layer_spec
-            )
+            stage_spec, mtp_spec = _stage_specs(config, spec, layer_spec, vp_stage)
             model = GPTModel(
                 config=config,
                 transformer_layer_spec=stage_spec,
@@ -213,6 +303,7 @@ def build_gpt_model(
                 rotary_percent=spec.partial_rotary_factor,
                 rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
                 vp_stage=vp_stage,
+                mtp_block_spec=mtp_spec,
             )
             if dtype != torch.float32:
                 # What Megatron's Float16Module does: every parameter in the training dtype (the
@@ -268,13 +359,15 @@ def _load_tensor(local: LocalTensor, converter: Converter, spec: ModelSpec, weig
             problems.add("HF tensors missing from the checkpoint", f"{n} (for {local.name})")
         return ()
     mapping = resolved.mapping
+    hf = [weights[n] if isinstance(weights, MappingABC) else weights.get(n) for n in resolved.hf_names]
     tp_dim = mapping.tp_dim
+    if mapping.whole_or_split and all(tuple(t.shape) == tuple(local.tensor.shape) for t in hf):
+        tp_dim = None  # held whole on every rank (Transformer Engine's spec)
     parts_n = topo.group_size(mapping.tp_group) if tp_dim is not None else 1
     rank = topo.group_rank(mapping.tp_group) if tp_dim is not None else 0
     full_shape = list(local.tensor.shape)
     if tp_dim is not None and parts_n > 1:
         full_shape[tp_dim] *= parts_n
-    hf = [weights[n] if isinstance(weights, MappingABC) else weights.get(n) for n in resolved.hf_names]
     full = _megatron_tensor(local.name, resolved, hf, OpContext(spec, parts=parts_n), full_shape, problems)
     if full is None:
         return ()

@@ -1,0 +1,144 @@
+"""DeepSeek-V3 (``deepseek_v3``, Kimi-K2's architecture) over real Megatron-Core MLA models in real gloo jobs.
+
+Each layout is proven three ways: every HF tensor bit-identical to what transformers saves, exactly the
+checkpoint's names, and the Megatron model's logits equal to the HF model's loaded from that checkpoint.
+Multi-latent attention with TP 2 (heads split, down projections split in the local spec and whole under
+Transformer Engine), q_lora_rank set and null, YaRN with its mscales, PP 2 with a dense stage then an MoE stage,
+EP 2 with shared experts, expert-TP, VPP, grouped-GEMM names, per-rank mode; the in-memory transformers model
+(fused experts). Two launches (2 and 4 processes).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import hf_logits
+from tests.helpers.checks import (
+    assert_full_exact,
+    assert_logits_close,
+    assert_per_rank_assembles,
+    assert_per_rank_experts,
+    by_label,
+)
+from tests.helpers.mla import run_family_cases
+from tests.helpers.workers import INPUT_IDS, Case
+from weightstream.common.hf_files import CheckpointReader
+from weightstream.converters.registry import get_converter, model_spec
+from weightstream.jobs import Layout
+from weightstream.launch import launch
+from weightstream.models.presets import preset_config, random_hf_model, save_random_checkpoint
+from weightstream.streaming.stream import stream_hf_weights
+
+LORA, QPROJ = "tiny-deepseek-v3", "tiny-deepseek-v3-q-proj"
+FAMILY = (LORA, QPROJ)
+EXPERTS = 8
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("deepseek_v3")
+    return {name: save_random_checkpoint(preset_config(name), root / name, seed=80 + i)
+            for i, name in enumerate(FAMILY)}
+
+
+@pytest.fixture(scope="module")
+def references(sources) -> dict[str, torch.Tensor]:
+    """Logits of DeepseekV3ForCausalLM loaded from the source checkpoints."""
+    return {f: hf_logits(sources[f], INPUT_IDS) for f in FAMILY}
+
+
+def _assert_logits(results: list[dict], ref: torch.Tensor) -> None:
+    assert ref.abs().max().item() > 0.1
+    for r in results:
+        assert_logits_close(r["logits"], ref, atol=1e-5)
+
+
+@pytest.mark.unit
+def test_spec_and_declarations():
+    spec = model_spec(preset_config(LORA))
+    assert (spec.q_lora_rank, spec.kv_lora_rank, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim) == (
+        24, 16, 8, 4, 8)
+    assert spec.dense_layers == frozenset({0, 1}) and spec.num_experts == EXPERTS
+    assert (spec.moe_score_function, spec.moe_expert_bias, spec.moe_num_groups, spec.moe_group_top_k) == (
+        "sigmoid", True, 4, 2)
+    assert spec.moe_routed_scaling_factor == 2.5 and spec.shared_expert_intermediate_size == 32
+    assert spec.yarn is not None and (spec.yarn.factor, spec.yarn.mscale, spec.yarn.mscale_all_dim) == (4.0, 0.8, 1.0)
+    q_proj = model_spec(preset_config(QPROJ))
+    assert q_proj.q_lora_rank is None and q_proj.yarn is None and q_proj.shared_expert_intermediate_size == 64
+    # Block FP8 as the published DeepSeek-V3 FP8 checkpoint: every projection of attention and the MLPs; the
+    # embeddings, output layer, routers (and their bias), norms stay.
+    conv = get_converter("deepseek_v3")
+    names = {"model.layers.0.self_attn.q_a_proj.weight": True, "model.layers.0.self_attn.kv_a_proj_with_mqa.weight":
+             True, "model.layers.1.self_attn.q_proj.weight": True, "model.layers.0.self_attn.kv_b_proj.weight": True,
+             "model.layers.2.mlp.shared_experts.down_proj.weight": True, "model.layers.2.mlp.experts.7.up_proj.weight":
+             True, "model.layers.0.mlp.gate_proj.weight": True, "model.layers.2.mlp.gate.weight": False,
+             "model.layers.2.mlp.gate.e_score_correction_bias": False,
+             "model.layers.0.self_attn.kv_a_layernorm.weight": False, "model.embed_tokens.weight": False,
+             "lm_head.weight": False}
+    assert {n: conv.quantizes(n) for n in names} == names
+
+
+@pytest.mark.unit
+def test_transformers_model_in_memory_streams_as_saved(tmp_path):
+    """No process group: DeepseekV3ForCausalLM's parameters (routed experts fused in memory, the router's bias a
+    buffer) stream exactly as ``save_pretrained`` writes them."""
+    for i, name in enumerate(FAMILY):
+        model = random_hf_model(preset_config(name), seed=90 + i, dtype=torch.bfloat16)
+        model.save_pretrained(tmp_path / name)
+        with CheckpointReader(str(tmp_path / name)) as reader:
+            want = dict(reader.items())
+        got = {}
+        for bucket in stream_hf_weights(model, tmp_path / name, bucket_bytes=60_000):
+            got.update({n: t.clone() for n, t in bucket.named_tensors()})
+        assert set(got) == set(want)
+        assert [n for n in want if got[n].dtype != want[n].dtype or not torch.equal(got[n], want[n])] == []
+
+
+def test_world2_tp2_pp2_ep2_etp2_te_names_per_rank(sources, references):
+    src = sources
+    cases = [
+        Case(src[LORA], Layout(2, 1), label="tp2", logits=True),
+        Case(src[QPROJ], Layout(2, 1), label="tp2 q_proj", logits=True),
+        Case(src[LORA], Layout(1, 2), label="pp2", logits=True),  # stage 0: layers 0-1 dense; stage 1: MoE
+        Case(src[LORA], Layout(1, 1, ep=2), label="ep2", logits=True),
+        Case(src[QPROJ], Layout(1, 1, ep=2), label="ep2 q_proj", logits=True),
+        Case(src[LORA], Layout(1, 1, ep=1, etp=2), label="etp2", logits=True),
+        Case(src[LORA], Layout(1, 1, ep=2), te_names=True, grouped_experts=True, label="ep2 te grouped"),
+        Case(src[LORA], Layout(2, 1), mode="per_rank", label="tp2 per_rank"),
+        Case(src[QPROJ], Layout(1, 1, ep=2), mode="per_rank", label="ep2 per_rank"),
+    ]
+    te = [Case(src[f], Layout(2, 1), label=f"tp2 te reload {f}") for f in FAMILY]
+    results = by_label(launch(2, run_family_cases, cases, te))
+
+    for label, f in (("tp2", LORA), ("tp2 q_proj", QPROJ), ("pp2", LORA), ("ep2", LORA), ("ep2 q_proj", QPROJ),
+                     ("etp2", LORA), ("ep2 te grouped", LORA)):
+        assert_full_exact(results[label], src[f])
+    for label, f in (("tp2", LORA), ("tp2 q_proj", QPROJ), ("pp2", LORA), ("ep2", LORA), ("ep2 q_proj", QPROJ),
+                     ("etp2", LORA)):
+        _assert_logits(results[label], references[f])
+    assert_per_rank_assembles(results["tp2 per_rank"], src[LORA], tp=2)
+    assert_per_rank_experts(results["ep2 per_rank"], src[QPROJ], EXPERTS, ep=2, tp=1, etp=1)
+
+    # Transformer Engine's spec: latent norms fused into the up projections, down projections whole on both TP
+    # ranks; loaded into those names and streamed, bit for bit.
+    for f in FAMILY:
+        rs = results[f"tp2 te reload {f}"]
+        assert_full_exact(rs, src[f])
+        for r in rs:
+            assert r["kv_down_shape"] == (16 + 4, 64)
+            assert "linear_kv_up_proj.layer_norm_weight" in r["te_names"]
+            assert ("linear_q_up_proj.layer_norm_weight" in r["te_names"]) == (f == LORA)
+
+
+def test_world4_tp2_ep2_pp2_vpp2(sources, references):
+    src = sources
+    cases = [
+        Case(src[LORA], Layout(2, 1, ep=2), label="tp2 ep2", logits=True),
+        Case(src[QPROJ], Layout(2, 2), label="tp2 pp2", logits=True),
+        Case(src[LORA], Layout(1, 2, vpp=2, ep=2), label="pp2 vpp2 ep2", logits=True),
+    ]
+    results = by_label(launch(4, run_family_cases, cases))
+    for label, f in (("tp2 ep2", LORA), ("tp2 pp2", QPROJ), ("pp2 vpp2 ep2", LORA)):
+        assert_full_exact(results[label], src[f])
+        _assert_logits(results[label], references[f])
