@@ -72,11 +72,11 @@ def speed(device: str) -> dict:
     fp8 = BlockFP8()
     jobs = [CastJob(s, torch.empty(s.shape, dtype=FP8, device=device),
                     torch.empty(fp8.scale_shape(tuple(s.shape)), dtype=torch.float32, device=device)) for s in sources]
-    kernel = BlockCast(jobs, fp8)
     copies = [torch.empty_like(s) for s in sources]
     nbytes = sum(s.numel() * 2 for s in sources)
-    out = {"bytes": nbytes, "kernel_s": _timed(kernel),
-           "copy_s": _timed(lambda: torch._foreach_copy_(copies, sources))}
+    out: dict = {"bytes": nbytes, "copy_s": _timed(lambda: torch._foreach_copy_(copies, sources))}
+    for warps in (4, 8, 16):
+        out[f"kernel_s_{warps}_warps"] = _timed(BlockCast(jobs, fp8, num_warps=warps))
     fp8_cast._tried, fp8_cast._kernel = True, None  # whole-tensor operations from here on
     from weightstream.streaming.quantize import block_cast
     out["whole_tensor_s"] = _timed(block_cast(jobs, fp8), repeats=2)

@@ -29,8 +29,9 @@ from weightstream.streaming.bucket import Shard
 Weight = tuple[str, Tensor, Shard | None]  # what load_weights takes: a name, a tensor, its placement
 
 # Which projections split which way (checkpoint name suffixes, before ".weight"/".bias").
-COLUMN = re.compile(r"\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj|mlp\.shared_expert\.(gate|up)_proj)$")
-ROW = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj|mlp\.shared_expert\.down_proj)$")
+# Shared experts: Qwen2-MoE's ``mlp.shared_expert``, GLM-4.5's and DeepSeek-V3's ``mlp.shared_experts``.
+COLUMN = re.compile(r"\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj|mlp\.shared_experts?\.(gate|up)_proj)$")
+ROW = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj|mlp\.shared_experts?\.down_proj)$")
 VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -39,6 +40,14 @@ def _is_fused_experts(module: nn.Module) -> bool:
     own = dict(module.named_parameters(recurse=False))
     gate_up = own.get("gate_up_proj")
     return gate_up is not None and gate_up.dim() == 3 and "down_proj" in own
+
+
+def _weight_buffers(model: nn.Module) -> dict[str, Tensor]:
+    """The buffers a checkpoint holds (persistent: in the state dict; GLM-4.5's ``e_score_correction_bias``), by
+    name; replicated on every rank."""
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    saved = set(model.state_dict().keys())
+    return {name: b for name, b in model.named_buffers() if name in saved and name not in params}
 
 
 def _everything(name: str) -> bool:
@@ -97,6 +106,8 @@ class ShardedCausalLM:
         with torch.no_grad():
             for p in model.parameters():
                 p.zero_()
+            for b in _weight_buffers(model).values():  # GLM-4.5's score-correction bias: a weight held in a buffer
+                b.zero_()
         # Rotary embeddings compute their buffers at construction: build them again, for real.
         for name, module in list(model.named_modules()):
             if type(module).__name__.endswith("RotaryEmbedding"):
@@ -284,6 +295,8 @@ class ShardedCausalLM:
             row = ROW.search("." + module_path) and name.endswith(".weight")
             dim = 0 if COLUMN.search("." + module_path) else 1 if row else None
             table[name] = (p, dim)
+        for name, b in _weight_buffers(self.model).items():
+            table[name] = (b, None)
         # A tied weight (lm_head's, where the config ties it to the embedding) loads under its first name only.
         first = {name for name, _ in self.model.named_parameters()}
         for name, _ in self.model.named_parameters(remove_duplicate=False):

@@ -30,7 +30,6 @@ from weightstream.converters.fp8 import FP8, FP8_MAX, MIN_AMAX, BlockFP8
 
 _kernel: Any = None
 _tried = False
-_FIELDS = 8  # per job: source address, its two strides, rows, cols, values address, scales address, grid cols
 
 
 @dataclass(frozen=True)
@@ -58,27 +57,29 @@ def _compile():
     @triton.jit
     def cast_blocks(jobs, owners, firsts, SRC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                     PR: tl.constexpr, PC: tl.constexpr, UE8M0: tl.constexpr, MAX: tl.constexpr,
-                    FLOOR: tl.constexpr):
+                    FLOOR: tl.constexpr, ALIGNED: tl.constexpr):
         pid = tl.program_id(0)
         job = tl.load(owners + pid).to(tl.int64)
         row = jobs + job * 8
-        src = tl.load(row).to(tl.pointer_type(SRC))
-        s0 = tl.load(row + 1)
-        s1 = tl.load(row + 2)
-        rows = tl.load(row + 3)
-        cols = tl.load(row + 4)
-        dst = tl.load(row + 5).to(tl.pointer_type(tl.float8e4nv))
-        scales = tl.load(row + 6).to(tl.pointer_type(tl.float32))
-        grid_cols = tl.load(row + 7)
         local = pid - tl.load(firsts + job)
+        grid_cols = tl.load(row + 7)
         bi = local // grid_cols
         bj = local % grid_cols
         ri = tl.arange(0, PR)[:, None]
         ci = tl.arange(0, PC)[None, :]
         r = bi * BR + ri
         c = bj * BC + ci
-        mask = (ri < BR) & (ci < BC) & (r < rows) & (c < cols)
-        x = tl.load(src + r * s0 + c * s1, mask=mask, other=0.0).to(tl.float32)
+        if ALIGNED:  # whole blocks, rows contiguous, addresses and strides in 16s (stored divided by 16)
+            src = (tl.load(row) * 16).to(tl.pointer_type(SRC))
+            cols = tl.load(row + 4) * 16
+            dst = (tl.load(row + 5) * 16).to(tl.pointer_type(tl.float8e4nv))
+            x = tl.load(src + r * (tl.load(row + 1) * 16) + c).to(tl.float32)
+        else:
+            src = tl.load(row).to(tl.pointer_type(SRC))
+            cols = tl.load(row + 4)
+            dst = tl.load(row + 5).to(tl.pointer_type(tl.float8e4nv))
+            mask = (ri < BR) & (ci < BC) & (r < tl.load(row + 3)) & (c < cols)
+            x = tl.load(src + r * tl.load(row + 1) + c * tl.load(row + 2), mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), FLOOR)
         scale = amax * (1.0 / MAX)
         if UE8M0:
@@ -86,9 +87,12 @@ def _compile():
             exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
             exponent = tl.minimum(tl.maximum(exponent, 1), 254)
             scale = (exponent << 23).to(tl.float32, bitcast=True)
-        inverse = tl.math.div_rn(1.0, scale)
-        tl.store(dst + r * cols + c, (x * inverse).to(tl.float8e4nv), mask=mask)
-        tl.store(scales + local, scale)
+        values = (x * tl.math.div_rn(1.0, scale)).to(tl.float8e4nv)
+        if ALIGNED:
+            tl.store(dst + r * cols + c, values)
+        else:
+            tl.store(dst + r * cols + c, values, mask=mask)
+        tl.store((tl.load(row + 6)).to(tl.pointer_type(tl.float32)) + local, scale)
 
     _kernel = cast_blocks
     return _kernel
@@ -109,26 +113,39 @@ class BlockCast:
     """Every job quantized, one launch per source dtype on the current stream. The tensors are held, so the
     addresses in the tables stay theirs."""
 
-    def __init__(self, jobs: Sequence[CastJob], fp8: BlockFP8):
+    def __init__(self, jobs: Sequence[CastJob], fp8: BlockFP8, num_warps: int = 4):
         import triton.language as tl
 
         self.held = list(jobs)
         self.fp8 = fp8
         self.kernel = _compile()
-        by_dtype: dict[torch.dtype, list[CastJob]] = {}
+        self.num_warps = num_warps
+        groups: dict[tuple[torch.dtype, bool], list[CastJob]] = {}
         for job in jobs:
-            by_dtype.setdefault(job.source.dtype, []).append(job)
+            groups.setdefault((job.source.dtype, self._aligned(job)), []).append(job)
         names = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-        self.launches = [(names[dtype], *self._tables(group)) for dtype, group in by_dtype.items()]
+        self.launches = [(names[dtype], aligned, *self._tables(group, aligned))
+                         for (dtype, aligned), group in groups.items()]
 
-    def _tables(self, jobs: list[CastJob]) -> tuple[Tensor, Tensor, Tensor, int]:
-        """The jobs' table, each block's job, each job's first block, and the number of blocks."""
+    def _aligned(self, job: CastJob) -> bool:
+        """Whether ``job`` takes the kernel's fast form: whole blocks (of powers of two), rows contiguous, and the
+        addresses of source and values and the row strides multiples of 16 (vector loads and stores)."""
+        (rows, cols), (s0, s1) = job.source.shape, job.source.stride()
+        br, bc = self.fp8.block
+        return (br == _pow2(br) and bc == _pow2(bc) and rows % br == 0 and cols % bc == 0 and cols % 16 == 0
+                and s1 == 1 and s0 % 16 == 0 and job.source.data_ptr() % 16 == 0 and job.values.data_ptr() % 16 == 0)
+
+    def _tables(self, jobs: list[CastJob], aligned: bool) -> tuple[Tensor, Tensor, Tensor, int]:
+        """The jobs' table (addresses, strides and columns divided by 16 when ``aligned``), each block's job,
+        each job's first block, and the number of blocks."""
         rows = []
         counts = []
+        unit = 16 if aligned else 1
         for job in jobs:
             grid = self.fp8.scale_shape(tuple(job.source.shape))
             _check(job, grid)
-            rows.append([job.source.data_ptr(), *job.source.stride(), *job.source.shape, job.values.data_ptr(),
+            (s0, s1), (n, m) = job.source.stride(), job.source.shape
+            rows.append([job.source.data_ptr() // unit, s0 // unit, s1, n, m // unit, job.values.data_ptr() // unit,
                          job.scales.data_ptr(), grid[1]])
             counts.append(grid[0] * grid[1])
         device = jobs[0].source.device
@@ -140,11 +157,11 @@ class BlockCast:
 
     def __call__(self) -> None:
         br, bc = self.fp8.block
-        for src, table, owners, firsts, blocks in self.launches:
+        for src, aligned, table, owners, firsts, blocks in self.launches:
             if blocks:
                 self.kernel[(blocks,)](table, owners, firsts, SRC=src, BR=br, BC=bc, PR=_pow2(br), PC=_pow2(bc),
                                        UE8M0=self.fp8.scale_fmt == "ue8m0", MAX=FP8_MAX, FLOOR=MIN_AMAX,
-                                       num_warps=8)
+                                       ALIGNED=aligned, num_warps=self.num_warps)
 
 
 def _check(job: CastJob, grid: tuple[int, int]) -> None:

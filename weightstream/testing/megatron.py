@@ -62,6 +62,7 @@ def transformer_config(spec: ModelSpec, *, dtype: torch.dtype = torch.float32, s
     from megatron.core.transformer import TransformerConfig
 
     on_gpu = torch.cuda.is_available()
+    router = _router_config(spec) if spec.is_moe else {}  # refuses routing Megatron computes otherwise, first
     kwargs: dict[str, Any] = dict(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -107,7 +108,7 @@ def transformer_config(spec: ModelSpec, *, dtype: torch.dtype = torch.float32, s
             expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
             expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
             moe_layer_freq=[0 if layer in spec.dense_layers else 1 for layer in range(spec.num_layers)],
-            **_router_config(spec),
+            **router,
         )
     if spec.is_mla:
         from megatron.core.transformer.transformer_config import MLATransformerConfig
@@ -309,10 +310,19 @@ def build_gpt_model(
                 # What Megatron's Float16Module does: every parameter in the training dtype (the
                 # local spec builds its norms in float32).
                 model = model.to(dtype)
+                _float32_expert_bias(model)
             if torch.cuda.is_available():
                 model = model.cuda()
             chunks.append(model)
     return chunks
+
+
+def _float32_expert_bias(model: nn.Module) -> None:
+    """The routers' expert bias back in float32, where Megatron keeps it whatever the training dtype (as HF keeps
+    ``e_score_correction_bias``)."""
+    for name, buffer in list(model.named_buffers()):
+        if name.endswith("router.expert_bias"):
+            model.get_submodule(name.rpartition(".")[0]).expert_bias = buffer.float()
 
 
 def load_hf_weights(
