@@ -113,3 +113,20 @@ def test_engine_on_a_corrupt_model_directory_says_what_is_wrong_in_one_line(sour
     (bad / "config.json").write_text('{"model_type": ')
     out = run("engine", "--model", str(bad), "--port", "0", timeout=120)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "config.json" in out.stderr
+
+
+@pytest.mark.unit
+def test_families_lists_every_registered_family_and_what_it_declares():
+    from weightstream.converters import known_model_types
+
+    out = run("families")
+    assert out.returncode == 0, out.stderr
+    lines = {line.split()[0]: line for line in out.stdout.splitlines()[1:-1]}
+    assert sorted(lines) == known_model_types()
+    assert lines["llama"].split()[:4] == ["llama", "dense", "declared", "(7"]
+    assert "llama-3.1-8b" in lines["llama"] and "tiny-llama-tied" in lines["llama"]
+    assert lines["mistral"].split()[1] == "dense" and "as saved" in lines["mistral"]
+    assert lines["mixtral"].split()[:4] == ["mixtral", "MoE", "declared", "(7"]
+    assert "3 declarations (fused experts)" in lines["mixtral"]
+    assert out.stdout.splitlines()[-1].startswith(f"{len(known_model_types())} families")
+    assert "weightstream families" in " ".join(run("--help").stdout.split())

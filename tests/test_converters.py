@@ -164,4 +164,4 @@ def test_spec_reads_configs():
     s2 = model_spec(preset_config("tiny-qwen2"))
     assert (s2.head_dim, s2.qkv_bias, s2.qk_norm) == (8, True, False)
     with pytest.raises(UnknownModelError):
-        model_spec({"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2})
+        model_spec({"model_type": "phi3", "hidden_size": 8, "num_attention_heads": 2})

@@ -43,6 +43,7 @@ PROBE_EXCEPTIONS: dict[str, str] = {
     "weightstream.models.presets": "optional fields of an HF config",
     "weightstream.converters.qwen3": "optional fields of an HF config",
     "weightstream.converters.qwen_moe": "optional fields of an HF config",
+    "weightstream.converters.llama": "optional fields of an HF config",
     "weightstream.converters.deepseek_v3": "optional fields of an HF config",
     "weightstream.wire.handles": "torch's dtypes and builtins by name (the unpickler's allow-list)",
     "weightstream.sources.megatron_checkpoint": "Megatron-Core's saved argument namespace",

@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="weightstream",
-        description="Stream Megatron-Core weights in the Hugging Face layout: to disk, or into inference engines.",
+        description="Stream Megatron-Core weights in the Hugging Face layout: to disk, or into inference engines. "
+                    "`weightstream families` lists the model types it converts.",
     )
     from weightstream._version import __version__
 
@@ -297,9 +298,21 @@ def _add_verify(sub: _Subparsers, presets: list[str]) -> None:
     verify.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bit for bit)")
 
 
+def _add_families(sub: _Subparsers, presets: list[str]) -> None:
+    """``weightstream families``: the registered model families and what each declares."""
+    sub.add_parser(
+        "families",
+        help="list the model families weightstream converts (HF model_type) and what each declares",
+        description="One line per registered converter: its HF model_type; dense or MoE (routed experts declared "
+                    "over the expert-TP group); whether it declares a block-FP8 layout (Converter.fp8); how "
+                    "transformers holds it in memory where that differs from the checkpoint's names; and the "
+                    "presets of that model_type.",
+    )
+
+
 # The sub-commands, in the order ``weightstream --help`` lists them.
 _COMMANDS: tuple[Callable[[_Subparsers, list[str]], None], ...] = (
-    _add_demo, _add_dump, _add_bench, _add_engine, _add_convert, _add_verify,
+    _add_demo, _add_dump, _add_bench, _add_engine, _add_convert, _add_verify, _add_families,
 )
 
 
@@ -686,13 +699,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_families(args: argparse.Namespace) -> int:
+    from weightstream.converters.registry import get_converter, known_model_types
+    from weightstream.models.presets import PRESETS
+
+    rows = [("model_type", "kind", "block FP8", "in memory", "presets")]
+    for model_type in known_model_types():
+        conv = get_converter(model_type)
+        moe = any(m.tp_group == "etp" for m in conv.mappings)
+        fp8 = f"declared ({len(conv.fp8)} weight patterns)" if conv.fp8 else "not declared"
+        memory = f"{len(conv.memory)} declarations (fused experts)" if conv.memory else "as saved"
+        presets = ", ".join(sorted(n for n, p in PRESETS.items() if p["model_type"] == model_type)) or "-"
+        rows.append((model_type, "MoE" if moe else "dense", fp8, memory, presets))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[4])
+    print(f"{len(rows) - 1} families; add one with weightstream.register_converter (README: Registering a new model)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from weightstream.common.quiet import quiet_command
 
     args = build_parser().parse_args(argv)
     quiet_command(args.verbose)
     handler = {"demo": cmd_demo, "dump": cmd_dump, "verify": cmd_verify, "engine": cmd_engine,
-               "bench": cmd_bench, "convert": cmd_convert}[args.command]
+               "bench": cmd_bench, "convert": cmd_convert, "families": cmd_families}[args.command]
     return handler(args)
 
 

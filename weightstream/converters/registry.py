@@ -95,9 +95,11 @@ def _load_builtins() -> None:
         _builtins_loaded = True
         from weightstream.converters.deepseek_v3 import DEEPSEEK_V3
         from weightstream.converters.glm4_moe import GLM4_MOE
+        from weightstream.converters.llama import LLAMA, MISTRAL
+        from weightstream.converters.mixtral import MIXTRAL
         from weightstream.converters.qwen2 import QWEN2
         from weightstream.converters.qwen3 import QWEN3
         from weightstream.converters.qwen_moe import QWEN2_MOE, QWEN3_MOE
 
-        for converter in (QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE, GLM4_MOE, DEEPSEEK_V3):
+        for converter in (QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE, GLM4_MOE, DEEPSEEK_V3, LLAMA, MISTRAL, MIXTRAL):
             register_converter(converter.model_type, converter)

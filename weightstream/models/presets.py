@@ -98,6 +98,43 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
         rope_theta=1000000.0, tie_word_embeddings=False, rms_norm_eps=1e-6,
     ),
+    # Llama 3.1: no biases, Llama 3 rotary scaling (factor 8 beyond 8,192 positions). Llama 3.2's small models: the
+    # same with the output layer tied to the embedding and factor 32.
+    "tiny-llama": dict(
+        model_type="llama", vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=16384, tie_word_embeddings=False,
+        rms_norm_eps=1e-5, rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                                                low_freq_factor=1.0, high_freq_factor=4.0,
+                                                original_max_position_embeddings=8192),
+    ),
+    "tiny-llama-tied": dict(
+        model_type="llama", vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=16384, tie_word_embeddings=True,
+        rms_norm_eps=1e-5, rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0,
+                                                low_freq_factor=1.0, high_freq_factor=4.0,
+                                                original_max_position_embeddings=8192),
+    ),
+    # Mistral: a head_dim that is not hidden / heads (as Mistral-Nemo's), no sliding window.
+    "tiny-mistral": dict(
+        model_type="mistral", vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=16, max_position_embeddings=256,
+        rope_theta=1000000.0, tie_word_embeddings=False, rms_norm_eps=1e-5, sliding_window=None,
+    ),
+    # Mixtral: Llama's attention, 8 experts (top-2, renormalised) in every layer.
+    "tiny-mixtral": dict(
+        model_type="mixtral", vocab_size=1000, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256, rope_theta=1000000.0,
+        tie_word_embeddings=False, rms_norm_eps=1e-5, num_local_experts=8, num_experts_per_tok=2,
+        sliding_window=None,
+    ),
+    # The shape of meta-llama/Llama-3.1-8B (weights are random: nothing is downloaded).
+    "llama-3.1-8b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+        tie_word_embeddings=False, rms_norm_eps=1e-5, rope_parameters=dict(
+            rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=8192),
+    ),
 }
 
 

@@ -66,6 +66,44 @@ def yarn_rope(cfg) -> YarnRope | None:
 
 
 @dataclass(frozen=True, slots=True)
+class Llama3Rope:
+    """Llama 3.1 / 3.2 rotary scaling (``rope_type: llama3``): frequencies whose wavelength exceeds
+    ``original_max_position_embeddings / low_freq_factor`` divided by ``factor``, those below ``... /
+    high_freq_factor`` kept, those between interpolated smoothly."""
+
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+def _rope_params(cfg) -> dict[str, Any]:
+    """The rotary parameters of an HF config (``rope_parameters``, or ``rope_scaling`` in older configs)."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+    return params if isinstance(params, dict) else {}
+
+
+def rope_type(cfg) -> str:
+    """The rotary embedding an HF config declares: ``default``, ``llama3``, ``yarn``, ``linear``, ..."""
+    params = _rope_params(cfg)
+    return str(params.get("rope_type", params.get("type")) or "default")
+
+
+def llama3_rope(cfg) -> Llama3Rope | None:
+    """The Llama 3 scaling an HF config declares (None where its rotary embedding is another)."""
+    if rope_type(cfg) != "llama3":
+        return None
+    params = _rope_params(cfg)
+    return Llama3Rope(
+        factor=float(params["factor"]),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings")
+                                             or cfg.max_position_embeddings),
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     """A model's shape, read from its HF config; everything a converter and a model builder need."""
 
@@ -115,6 +153,9 @@ class ModelSpec:
     # Multi-token prediction layers the checkpoint holds after the decoder's (HF num_nextn_predict_layers).
     mtp_layers: int = 0
     yarn: YarnRope | None = None
+    # The rotary embedding the config declares (``rope_type``: default, llama3, yarn, ...), and Llama 3's scaling.
+    rope_type: str = "default"
+    llama3_rope: Llama3Rope | None = None
 
     @property
     def q_per_group(self) -> int:
@@ -152,6 +193,8 @@ class ModelSpec:
             rope_theta=_rope_theta(cfg),
             max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            rope_type=rope_type(cfg),
+            llama3_rope=llama3_rope(cfg),
         )
         values.update(features(cfg))
         spec = cls(**values)

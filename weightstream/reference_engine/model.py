@@ -24,6 +24,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8, dequantize_block_fp8
+from weightstream.converters.mapping import Converter
+from weightstream.converters.registry import get_converter, known_model_types, model_spec
+from weightstream.models.spec import ModelSpec
 from weightstream.streaming.bucket import Shard
 
 Weight = tuple[str, Tensor, Shard | None]  # what load_weights takes: a name, a tensor, its placement
@@ -98,6 +101,12 @@ class ShardedCausalLM:
                 f"and KV heads ({config.num_key_value_heads})"
             )
         self.config, self.rank, self.size, self.group = config, rank, size, group
+        # The family's declaration of how transformers holds the model, where it holds it otherwise than the
+        # checkpoint names it (None: the names are the checkpoint's).
+        self.memory: Converter | None = None
+        self.spec: ModelSpec | None = None
+        if config.model_type in known_model_types() and get_converter(config.model_type).memory:
+            self.memory, self.spec = get_converter(config.model_type).in_memory(), model_spec(config)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         self._shard_modules(model)
@@ -283,10 +292,11 @@ class ShardedCausalLM:
         for name, module in self.model.named_modules():
             if _is_fused_experts(module):
                 inter = module.down_proj.shape[2]
+                gate_up, down = self._expert_names(name, module.gate_up_proj.shape[0])
                 for x in range(module.gate_up_proj.shape[0]):
-                    table[f"{name}.{x}.gate_proj.weight"] = (module.gate_up_proj.data[x, :inter], 0)
-                    table[f"{name}.{x}.up_proj.weight"] = (module.gate_up_proj.data[x, inter:], 0)
-                    table[f"{name}.{x}.down_proj.weight"] = (module.down_proj.data[x], 1)
+                    table[gate_up[2 * x]] = (module.gate_up_proj.data[x, :inter], 0)
+                    table[gate_up[2 * x + 1]] = (module.gate_up_proj.data[x, inter:], 0)
+                    table[down[x]] = (module.down_proj.data[x], 1)
         for name, p in self.model.named_parameters(remove_duplicate=False):
             if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
                 continue
@@ -294,15 +304,32 @@ class ShardedCausalLM:
             module_path = name.rsplit(".", 1)[0]
             row = ROW.search("." + module_path) and name.endswith(".weight")
             dim = 0 if COLUMN.search("." + module_path) else 1 if row else None
-            table[name] = (p, dim)
+            table[self._checkpoint_names(name)[0]] = (p, dim)
         for name, b in _weight_buffers(self.model).items():
             table[name] = (b, None)
         # A tied weight (lm_head's, where the config ties it to the embedding) loads under its first name only.
         first = {name for name, _ in self.model.named_parameters()}
         for name, _ in self.model.named_parameters(remove_duplicate=False):
             if name not in first:
-                table.pop(name.replace(".linear.", "."), None)
+                table.pop(self._checkpoint_names(name.replace(".linear.", "."))[0], None)
         return table
+
+    def _checkpoint_names(self, name: str) -> tuple[str, ...]:
+        """The checkpoint names of the tensor transformers holds as ``name``, as the family declares them
+        (``Converter.memory``: Mixtral's ``mlp.gate`` is ``block_sparse_moe.gate``; fused experts are one name per
+        expert and part); the name itself where the family declares nothing for it."""
+        if self.memory is None or self.spec is None:
+            return (name,)
+        resolved = self.memory.resolve(name, self.spec)
+        return resolved.hf_names if resolved is not None else (name,)
+
+    def _expert_names(self, name: str, experts: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The checkpoint names of fused experts ``name``: (gate, up) per expert, down per expert."""
+        gate_up, down = self._checkpoint_names(f"{name}.gate_up_proj"), self._checkpoint_names(f"{name}.down_proj")
+        if len(gate_up) != 2 * experts or len(down) != experts:  # a model no family declares: transformers' names
+            gate_up = tuple(f"{name}.{x}.{part}_proj.weight" for x in range(experts) for part in ("gate", "up"))
+            down = tuple(f"{name}.{x}.down_proj.weight" for x in range(experts))
+        return gate_up, down
 
     def expected_names(self) -> list[str]:
         return sorted(self.params)

@@ -259,6 +259,26 @@ class MLACoreAttention(nn.Module):
         return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
 
 
+def _rope_scaling(spec: ModelSpec) -> dict[str, Any]:
+    """``GPTModel``'s rotary scaling for ``spec``: Llama 3's (``rope_scaling``, ``rope_scaling_factor``; Megatron-Core
+    0.16 fixes its other parameters at Llama 3.1's: low/high frequency factors 1 and 4, 8,192 original positions);
+    a rotary embedding Megatron computes otherwise than HF raises, every problem listed (YaRN is multi-latent
+    attention's, built from its config)."""
+    problems = ProblemList()
+    rope = spec.llama3_rope
+    if rope is not None and (rope.low_freq_factor, rope.high_freq_factor,
+                             rope.original_max_position_embeddings) != (1.0, 4.0, 8192):
+        problems.add("rotary embeddings Megatron-Core computes otherwise",
+                     f"llama3 scaling with low_freq_factor={rope.low_freq_factor}, high_freq_factor="
+                     f"{rope.high_freq_factor}, original_max_position_embeddings="
+                     f"{rope.original_max_position_embeddings}: Megatron-Core 0.16 fixes them at 1, 4 and 8192")
+    if spec.rope_type not in ("default", "llama3") and not (spec.rope_type == "yarn" and spec.is_mla):
+        problems.add("rotary embeddings Megatron-Core computes otherwise",
+                     f"rope_type {spec.rope_type!r} (built here: default, llama3, yarn with multi-latent attention)")
+    problems.raise_if_any(f"cannot build a Megatron-Core model for this {spec.model_type} config")
+    return {"rope_scaling": True, "rope_scaling_factor": rope.factor} if rope is not None else {}
+
+
 def build_gpt_model(
     hf_config: Any,
     *,
@@ -305,6 +325,7 @@ def build_gpt_model(
                 rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
                 vp_stage=vp_stage,
                 mtp_block_spec=mtp_spec,
+                **_rope_scaling(spec),
             )
             if dtype != torch.float32:
                 # What Megatron's Float16Module does: every parameter in the training dtype (the
