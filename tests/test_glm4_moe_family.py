@@ -6,6 +6,7 @@ models; an update into the reference engine. One two-process launch runs the Meg
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -23,6 +24,7 @@ from tests.helpers.checks import (
 from tests.helpers.megatron_saves import run_saves
 from tests.helpers.workers import Case, run_cases, run_update
 from weightstream.common.hf_files import CheckpointReader
+from weightstream.common.layout import ALIGN
 from weightstream.convert import convert_checkpoint
 from weightstream.converters import NotRepresentable, OpContext, get_converter
 from weightstream.converters.expected import expected_hf_shapes
@@ -32,6 +34,7 @@ from weightstream.jobs import Layout
 from weightstream.launch import launch
 from weightstream.models.presets import preset_config, random_hf_model
 from weightstream.reference_engine.server import serve, stop
+from weightstream.streaming.plan import plan_buckets
 from weightstream.streaming.stream import stream_hf_weights
 from weightstream.testing.megatron import transformer_config
 
@@ -180,6 +183,23 @@ def test_plain_transformers_model_streams_as_saved(tmp_path):
     assert set(got) == set(want)
     assert [n for n in want if got[n].dtype != want[n].dtype or not torch.equal(got[n], want[n])] == []
     assert {want[n].dtype for n in want if n.endswith("e_score_correction_bias")} == {torch.float32}
+
+
+def test_glm45_air_shapes_and_plan():
+    """GLM-4.5-Air's real shapes (random weights for ``weightstream bench``): 17,925 HF tensors, 106.85 B
+    parameters, 213.7 GB in bf16 (the score-correction biases in float32); 512 MiB buckets hold every tensor
+    but the embedding and lm_head (1.24 GB each, alone), 408 buckets in all."""
+    shapes = expected_hf_shapes(preset_config("glm-4.5-air"))
+    assert len(shapes) == 45 * (7 + 2 + 2 + 3 + 3 * 128) + (7 + 2 + 3) + 3 == 17925  # MoE layers, layer 0, ends
+    assert sum(math.prod(s) for s in shapes.values()) == 106_852_251_264
+    assert shapes["model.layers.1.mlp.experts.127.gate_proj.weight"] == (1408, 4096)
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (96 * 128, 4096)
+    assert "model.layers.46.eh_proj.weight" not in shapes  # the MTP layer: not in transformers' model
+    outputs = [[math.prod(s) * (4 if n.endswith("e_score_correction_bias") else 2)] for n, s in shapes.items()]
+    plan = plan_buckets(outputs, 512 << 20, ALIGN)
+    oversize = [bp for bp in plan if bp.nbytes > 512 << 20]
+    assert [(len(bp.items), bp.nbytes) for bp in oversize] == [(1, 151552 * 4096 * 2)] * 2
+    assert len(plan) == 408
 
 
 # -- real Megatron-Core jobs -------------------------------------------------------------------------------------
