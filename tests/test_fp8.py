@@ -97,3 +97,16 @@ def _run(python: str, which: str) -> dict:
     proc = subprocess.run([python, str(CHECK), which], capture_output=True, text=True, timeout=420, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.unit
+def test_rows_of_fused_projection_views_take_two_strides():
+    from weightstream.streaming.fp8_cast import row_layout
+
+    fused = torch.zeros(4, 6, 16, 64)  # [groups, q + k + v heads, head dim, hidden]
+    assert row_layout(fused[:, :4]) == (6 * 16 * 64, 4 * 16, 64, 1)  # 4 groups of 64 rows, 64 apart
+    assert row_layout(fused[:, 4:5]) == (6 * 16 * 64, 16, 64, 1)
+    assert row_layout(torch.zeros(40, 64)) == (0, 40, 64, 1)
+    assert row_layout(torch.zeros(64, 40).t()) == (0, 40, 1, 40)
+    assert row_layout(torch.zeros(1, 64)) == (0, 1, 0, 1)
+    assert row_layout(torch.zeros(4, 3, 5, 8)[:, :2, :4]) is None  # three strides

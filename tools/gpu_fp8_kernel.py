@@ -25,6 +25,8 @@ def _sources(dtype: torch.dtype, device: str) -> list[torch.Tensor]:
            for shape in ((256, 384), (300, 130), (5, 7), (128, 128), (1024, 4096))]
     out.append(torch.randn(640, 512, generator=g, device=device).to(dtype).t())  # strided (a transposed view)
     out.append(torch.randn(768, 256, generator=g, device=device).to(dtype)[128:512])  # a row slice
+    fused = torch.randn(4, 6, 128, 512, generator=g, device=device).to(dtype)  # [groups, q + k + v heads, d, hidden]
+    out += [fused[:, :4], fused[:, 4:5]]  # the q and k of a fused projection: rows of two strides
     edge = torch.zeros(256, 256, device=device, dtype=dtype)
     edge[:128, :128] = 1e-30 if dtype == torch.float32 else 1e-7  # tiny: subnormal fp8 values, floor on the amax
     edge[128:, :128] = torch.finfo(dtype).max / 4
@@ -38,12 +40,14 @@ def check_bits(device: str) -> list[str]:
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         sources = _sources(dtype, device)
         for fp8 in (BlockFP8((128, 128), "float"), BlockFP8((128, 128), "ue8m0"), BlockFP8((64, 96), "float")):
-            jobs = [CastJob(s, torch.empty(s.shape, dtype=FP8, device=device),
-                            torch.empty(fp8.scale_shape(tuple(s.shape)), dtype=torch.float32, device=device))
-                    for s in sources]
+            shapes = [(s.numel() // s.shape[-1], s.shape[-1]) for s in sources]
+            jobs = [CastJob(s, torch.empty(shape, dtype=FP8, device=device),
+                            torch.empty(fp8.scale_shape(shape), dtype=torch.float32, device=device))
+                    for s, shape in zip(sources, shapes, strict=True)]
             BlockCast(jobs, fp8)()
             for s, job in zip(sources, jobs, strict=True):
-                values, scales = quantize_block_fp8(s, fp8.block, ue8m0=fp8.scale_fmt == "ue8m0")
+                values, scales = quantize_block_fp8(s.reshape(job.values.shape), fp8.block,
+                                                    ue8m0=fp8.scale_fmt == "ue8m0")
                 differ = int((values.view(torch.uint8) != job.values.view(torch.uint8)).sum())
                 scale_differ = int((scales.view(torch.int32) != job.scales.view(torch.int32)).sum())
                 if differ or scale_differ:

@@ -34,8 +34,9 @@ _tried = False
 
 @dataclass(frozen=True)
 class CastJob:
-    """One tensor to quantize: ``source`` (2-D, any strides and float dtype) into ``values`` (contiguous, its
-    shape, float8_e4m3fn) and ``scales`` (contiguous float32, one per block)."""
+    """One tensor to quantize: ``source`` (any float dtype; its last dimension the columns, the others the rows,
+    in any strides :func:`row_layout` reads) into ``values`` (2-D, contiguous, float8_e4m3fn) and ``scales``
+    (contiguous float32, one per block)."""
 
     source: Tensor
     values: Tensor
@@ -60,26 +61,29 @@ def _compile():
                     FLOOR: tl.constexpr, ALIGNED: tl.constexpr):
         pid = tl.program_id(0)
         job = tl.load(owners + pid).to(tl.int64)
-        row = jobs + job * 8
+        row = jobs + job * 10
         local = pid - tl.load(firsts + job)
-        grid_cols = tl.load(row + 7)
+        grid_cols = tl.load(row + 9)
         bi = local // grid_cols
         bj = local % grid_cols
         ri = tl.arange(0, PR)[:, None]
         ci = tl.arange(0, PC)[None, :]
         r = bi * BR + ri
         c = bj * BC + ci
+        inner = tl.load(row + 4)  # rows of the source's inner row dimension (see row_layout)
         if ALIGNED:  # whole blocks, rows contiguous, addresses and strides in 16s (stored divided by 16)
             src = (tl.load(row) * 16).to(tl.pointer_type(SRC))
-            cols = tl.load(row + 4) * 16
-            dst = (tl.load(row + 5) * 16).to(tl.pointer_type(tl.float8e4nv))
-            x = tl.load(src + r * (tl.load(row + 1) * 16) + c).to(tl.float32)
+            at = (r // inner) * (tl.load(row + 1) * 16) + (r % inner) * (tl.load(row + 2) * 16)
+            cols = tl.load(row + 6) * 16
+            dst = (tl.load(row + 7) * 16).to(tl.pointer_type(tl.float8e4nv))
+            x = tl.load(src + at + c).to(tl.float32)
         else:
             src = tl.load(row).to(tl.pointer_type(SRC))
-            cols = tl.load(row + 4)
-            dst = tl.load(row + 5).to(tl.pointer_type(tl.float8e4nv))
-            mask = (ri < BR) & (ci < BC) & (r < tl.load(row + 3)) & (c < cols)
-            x = tl.load(src + r * tl.load(row + 1) + c * tl.load(row + 2), mask=mask, other=0.0).to(tl.float32)
+            at = (r // inner) * tl.load(row + 1) + (r % inner) * tl.load(row + 2)
+            cols = tl.load(row + 6)
+            dst = tl.load(row + 7).to(tl.pointer_type(tl.float8e4nv))
+            mask = (ri < BR) & (ci < BC) & (r < tl.load(row + 5)) & (c < cols)
+            x = tl.load(src + at + c * tl.load(row + 3), mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), FLOOR)
         scale = amax * (1.0 / MAX)
         if UE8M0:
@@ -92,7 +96,7 @@ def _compile():
             tl.store(dst + r * cols + c, values)
         else:
             tl.store(dst + r * cols + c, values, mask=mask)
-        tl.store((tl.load(row + 6)).to(tl.pointer_type(tl.float32)) + local, scale)
+        tl.store(tl.load(row + 8).to(tl.pointer_type(tl.float32)) + local, scale)
 
     _kernel = cast_blocks
     return _kernel
@@ -130,23 +134,25 @@ class BlockCast:
     def _aligned(self, job: CastJob) -> bool:
         """Whether ``job`` takes the kernel's fast form: whole blocks (of powers of two), rows contiguous, and the
         addresses of source and values and the row strides multiples of 16 (vector loads and stores)."""
-        (rows, cols), (s0, s1) = job.source.shape, job.source.stride()
+        (rows, cols), (outer, _, inner, step) = job.values.shape, _layout(job)
         br, bc = self.fp8.block
         return (br == _pow2(br) and bc == _pow2(bc) and rows % br == 0 and cols % bc == 0 and cols % 16 == 0
-                and s1 == 1 and s0 % 16 == 0 and job.source.data_ptr() % 16 == 0 and job.values.data_ptr() % 16 == 0)
+                and step == 1 and outer % 16 == 0 and inner % 16 == 0 and job.source.data_ptr() % 16 == 0
+                and job.values.data_ptr() % 16 == 0)
 
     def _tables(self, jobs: list[CastJob], aligned: bool) -> tuple[Tensor, Tensor, Tensor, int]:
-        """The jobs' table (addresses, strides and columns divided by 16 when ``aligned``), each block's job,
+        """The jobs' table (addresses, row strides and columns divided by 16 when ``aligned``), each block's job,
         each job's first block, and the number of blocks."""
         rows = []
         counts = []
         unit = 16 if aligned else 1
         for job in jobs:
-            grid = self.fp8.scale_shape(tuple(job.source.shape))
+            grid = self.fp8.scale_shape(tuple(job.values.shape))
             _check(job, grid)
-            (s0, s1), (n, m) = job.source.stride(), job.source.shape
-            rows.append([job.source.data_ptr() // unit, s0 // unit, s1, n, m // unit, job.values.data_ptr() // unit,
-                         job.scales.data_ptr(), grid[1]])
+            outer, inner_rows, inner, step = _layout(job)
+            n, m = job.values.shape
+            rows.append([job.source.data_ptr() // unit, outer // unit, inner // unit, step, inner_rows, n, m // unit,
+                         job.values.data_ptr() // unit, job.scales.data_ptr(), grid[1]])
             counts.append(grid[0] * grid[1])
         device = jobs[0].source.device
         table = torch.tensor(rows, dtype=torch.int64).to(device)
@@ -164,12 +170,45 @@ class BlockCast:
                                        ALIGNED=aligned, num_warps=self.num_warps)
 
 
+def row_layout(t: Tensor) -> tuple[int, int, int, int] | None:
+    """The rows of ``t`` (its dimensions but the last, flattened) as ``(outer stride, inner rows, inner stride,
+    column stride)``: row ``r`` starts at ``(r // inner rows) * outer stride + (r % inner rows) * inner stride``.
+    A 2-D tensor has one inner dimension; a view that cuts heads out of a fused projection (``[groups, heads, head
+    dim, hidden]``) merges into two. None where the rows need more than two strides."""
+    merged: list[tuple[int, int]] = []
+    for size, stride in zip(t.shape[:-1], t.stride()[:-1], strict=True):
+        if size == 1:
+            continue
+        if merged and merged[-1][1] == stride * size:
+            merged[-1] = (merged[-1][0] * size, stride)
+        else:
+            merged.append((size, stride))
+    step = t.stride(-1) if t.dim() else 1
+    if len(merged) > 2:
+        return None
+    if len(merged) < 2:
+        size, stride = merged[0] if merged else (1, 0)
+        return 0, size, stride, step
+    (_, outer), (inner_rows, inner) = merged
+    return outer, inner_rows, inner, step
+
+
+def _layout(job: CastJob) -> tuple[int, int, int, int]:
+    layout = row_layout(job.source)
+    if layout is None:
+        raise ValueError(f"a source of shape {tuple(job.source.shape)} and strides {job.source.stride()} has rows "
+                         "that take more than two strides")
+    return layout
+
+
 def _check(job: CastJob, grid: tuple[int, int]) -> None:
-    if not (job.values.is_contiguous() and job.scales.is_contiguous()):
+    values, source = job.values, job.source
+    if not (values.is_contiguous() and job.scales.is_contiguous()):
         raise ValueError("block FP8 casts write contiguous values and scales")
-    if job.values.dtype != FP8 or tuple(job.values.shape) != tuple(job.source.shape):
-        raise ValueError(f"values must be float8_e4m3fn of shape {tuple(job.source.shape)}, "
-                         f"got {job.values.dtype} {tuple(job.values.shape)}")
+    if values.dtype != FP8 or values.dim() != 2 or values.numel() != source.numel() or (
+            source.dim() and values.shape[1] != source.shape[-1]):
+        raise ValueError(f"values must be 2-D float8_e4m3fn with the columns of a source of shape "
+                         f"{tuple(source.shape)}, got {values.dtype} {tuple(values.shape)}")
     if job.scales.dtype != torch.float32 or job.scales.numel() != grid[0] * grid[1]:
         raise ValueError(f"scales must be float32 with {grid[0] * grid[1]} elements, got {job.scales.dtype} "
                          f"x {job.scales.numel()}")

@@ -123,13 +123,14 @@ class QuantizeBatch:
 
 
 def _cast_with_torch(jobs: list[CastJob], fp8: BlockFP8) -> None:
-    """The jobs whose shapes are whole blocks, per dtype at once (:func:`_cast_gridded`); the others one by one."""
+    """The jobs whose shapes are whole blocks, per dtype at once (:func:`_cast_gridded`); the others one by one.
+    A source whose rows are not one stride apart is reshaped (copied) to its values' shape first."""
     br, bc = fp8.block
-    gridded: dict[torch.dtype, list[CastJob]] = {}
+    gridded: dict[torch.dtype, list[tuple[Tensor, CastJob]]] = {}
     for job in jobs:
-        x = job.source
+        x = job.source.reshape(job.values.shape)
         if x.shape[0] % br == 0 and x.shape[1] % bc == 0:
-            gridded.setdefault(x.dtype, []).append(job)
+            gridded.setdefault(x.dtype, []).append((x, job))
         else:
             q, s = fp8.quantize(x)
             job.values.copy_(q)
@@ -145,21 +146,21 @@ def _blocks(t: Tensor, block: tuple[int, int]) -> Tensor:
     return t.as_strided((t.shape[0] // br, br, t.shape[1] // bc, bc), (br * s0, s0, bc * s1, s1), t.storage_offset())
 
 
-def _cast_gridded(jobs: list[CastJob], fp8: BlockFP8) -> None:
-    """Tensors of one dtype whose shapes are whole blocks: each copied block-major into one staging buffer (one
-    batched copy), every block's amax, scale and values in a few whole-buffer kernels, and the values and
+def _cast_gridded(jobs: list[tuple[Tensor, CastJob]], fp8: BlockFP8) -> None:
+    """2-D tensors of one dtype whose shapes are whole blocks: each copied block-major into one staging buffer
+    (one batched copy), every block's amax, scale and values in a few whole-buffer kernels, and the values and
     scales copied to their places (two batched copies)."""
     br, bc = fp8.block
-    grids = [(j.source.shape[0] // br, j.source.shape[1] // bc) for j in jobs]
+    grids = [(x.shape[0] // br, x.shape[1] // bc) for x, _ in jobs]
     counts = [r * c for r, c in grids]
-    x0 = jobs[0].source
+    x0 = jobs[0][0]
     staging = torch.empty(sum(counts), br, bc, dtype=x0.dtype, device=x0.device)
     parts = list(staging.split(counts))
     block_major = [p.view(r, c, br, bc).permute(0, 2, 1, 3) for p, (r, c) in zip(parts, grids, strict=True)]
-    torch._foreach_copy_(block_major, [_blocks(j.source, fp8.block) for j in jobs])
+    torch._foreach_copy_(block_major, [_blocks(x, fp8.block) for x, _ in jobs])
     cast, kept = cast_blocks(staging, (1, 2), ue8m0=fp8.scale_fmt == "ue8m0")
     values, scale = cast.view(torch.uint8), kept.view(-1)
-    torch._foreach_copy_([_blocks(j.values.view(torch.uint8), fp8.block) for j in jobs],
+    torch._foreach_copy_([_blocks(j.values.view(torch.uint8), fp8.block) for _, j in jobs],
                          [p.view(r, c, br, bc).permute(0, 2, 1, 3)
                           for p, (r, c) in zip(values.split(counts), grids, strict=True)])
-    torch._foreach_copy_([j.scales.view(-1) for j in jobs], list(scale.split(counts)))
+    torch._foreach_copy_([j.scales.view(-1) for _, j in jobs], list(scale.split(counts)))

@@ -69,7 +69,7 @@ from weightstream.streaming.bucket import (
     view_tensor,
 )
 from weightstream.streaming.copies import batched_copy, warm_kernel
-from weightstream.streaming.fp8_cast import CastJob
+from weightstream.streaming.fp8_cast import CastJob, row_layout
 from weightstream.streaming.plan import BucketPlan, plan_buckets
 from weightstream.streaming.quantize import Quantization, QuantizeBatch, block_cast, convert_quantized
 
@@ -370,7 +370,7 @@ class BucketStream(Iterator[Bucket]):
             meta, scale = metas[k], (metas[k + 1] if quantized else None)
             k += 2 if quantized else 1
             if (view.numel() != meta.numel or view.device != source.device
-                    or view.untyped_storage().data_ptr() != base or (view.dim() != 2 if quantized else
+                    or view.untyped_storage().data_ptr() != base or (row_layout(view) is None if quantized else
                                                                      view.dtype != meta.dtype)):
                 return None
             out.append((view, meta, scale))
