@@ -22,6 +22,7 @@ from tests.helpers.checks import (
     by_label,
 )
 from tests.helpers.mla import run_family_cases
+from tests.helpers.mtp_checkpoint import save_mtp_checkpoint
 from tests.helpers.workers import INPUT_IDS, Case
 from weightstream.common.hf_files import CheckpointReader
 from weightstream.converters.registry import get_converter, model_spec
@@ -43,9 +44,18 @@ def sources(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def references(sources) -> dict[str, torch.Tensor]:
-    """Logits of DeepseekV3ForCausalLM loaded from the source checkpoints."""
-    return {f: hf_logits(sources[f], INPUT_IDS) for f in FAMILY}
+def mtp_source(tmp_path_factory) -> str:
+    """A checkpoint with one multi-token prediction layer (``model.layers.4.*``), as DeepSeek-V3's hold them."""
+    cfg = preset_config(LORA)
+    cfg.num_nextn_predict_layers = 1
+    return save_mtp_checkpoint(cfg, str(tmp_path_factory.mktemp("deepseek_v3_mtp")), seed=85)
+
+
+@pytest.fixture(scope="module")
+def references(sources, mtp_source) -> dict[str, torch.Tensor]:
+    """Logits of DeepseekV3ForCausalLM loaded from the source checkpoints (it has no MTP layer: those of the MTP
+    checkpoint are left out)."""
+    return {**{f: hf_logits(sources[f], INPUT_IDS) for f in FAMILY}, "mtp": hf_logits(mtp_source, INPUT_IDS)}
 
 
 def _assert_logits(results: list[dict], ref: torch.Tensor) -> None:
@@ -79,7 +89,6 @@ def test_spec_and_declarations():
     assert {n: conv.quantizes(n) for n in names} == names
 
 
-@pytest.mark.unit
 def test_transformers_model_in_memory_streams_as_saved(tmp_path):
     """No process group: DeepseekV3ForCausalLM's parameters (routed experts fused in memory, the router's bias a
     buffer) stream exactly as ``save_pretrained`` writes them."""
@@ -95,7 +104,7 @@ def test_transformers_model_in_memory_streams_as_saved(tmp_path):
         assert [n for n in want if got[n].dtype != want[n].dtype or not torch.equal(got[n], want[n])] == []
 
 
-def test_world2_tp2_pp2_ep2_etp2_te_names_per_rank(sources, references):
+def test_world2_tp2_pp2_ep2_etp2_te_names_per_rank_mtp(sources, mtp_source, references):
     src = sources
     cases = [
         Case(src[LORA], Layout(2, 1), label="tp2", logits=True),
@@ -108,8 +117,14 @@ def test_world2_tp2_pp2_ep2_etp2_te_names_per_rank(sources, references):
         Case(src[LORA], Layout(2, 1), mode="per_rank", label="tp2 per_rank"),
         Case(src[QPROJ], Layout(1, 1, ep=2), mode="per_rank", label="ep2 per_rank"),
     ]
+    # Multi-token prediction layers streamed (TP 2, EP 2) and loaded; refused where only one side has them.
+    cases += [Case(mtp_source, Layout(2, 1), label="mtp tp2", logits=True),
+              Case(mtp_source, Layout(1, 1, ep=2), label="mtp ep2")]
+    errors = [(Case(mtp_source, Layout(1, 1), label="mtp not in config"), "", {"num_nextn_predict_layers": 0}),
+              (Case(src[LORA], Layout(1, 1), label="mtp not in model"), "", {"num_nextn_predict_layers": 1}),
+              (Case(mtp_source, Layout(1, 2), label="mtp pp2"), "", {})]
     te = [Case(src[f], Layout(2, 1), label=f"tp2 te reload {f}") for f in FAMILY]
-    results = by_label(launch(2, run_family_cases, cases, te))
+    results = by_label(launch(2, run_family_cases, cases, te, errors))
 
     for label, f in (("tp2", LORA), ("tp2 q_proj", QPROJ), ("pp2", LORA), ("ep2", LORA), ("ep2 q_proj", QPROJ),
                      ("etp2", LORA), ("ep2 te grouped", LORA)):
@@ -119,6 +134,23 @@ def test_world2_tp2_pp2_ep2_etp2_te_names_per_rank(sources, references):
         _assert_logits(results[label], references[f])
     assert_per_rank_assembles(results["tp2 per_rank"], src[LORA], tp=2)
     assert_per_rank_experts(results["ep2 per_rank"], src[QPROJ], EXPERTS, ep=2, tp=1, etp=1)
+
+    for label in ("mtp tp2", "mtp ep2"):
+        assert_full_exact(results[label], mtp_source)
+        assert len(results[label][0]["names"]) == 103 + 44  # the decoder's, then layer 4: its own, copies, MoE layer
+    _assert_logits(results["mtp tp2"], references["mtp"])
+    for r in results["mtp not in config"]:
+        refused = r["problems"]["Megatron tensors the HF model has no place for"]
+        # Its own 4, the attention's 8 and pre-MLP norm, the router's 2, 8 experts' and the shared experts' fc1/fc2.
+        assert len(refused) == 4 + 9 + 2 + 16 + 2 and all(x.startswith("mtp.layers.0.") for x in refused)
+        assert "num_nextn_predict_layers = 0" in refused[0]
+    for r in results["mtp not in model"]:
+        missing = r["problems"]["HF tensors the model does not provide"]
+        # Every tensor of layer 4 but the embedding and output-layer copies (made from the model's own).
+        assert len(missing) == 44 - 2 and all(x.startswith("model.layers.4.") for x in missing)
+    for r in results["mtp pp2"]:
+        assert r["problems"]["tensors held by several pipeline stages"] == [
+            "embedding.word_embeddings.weight: stages [0, 1]"]
 
     # Transformer Engine's spec: latent norms fused into the up projections, down projections whole on both TP
     # ranks; loaded into those names and streamed, bit for bit.

@@ -127,3 +127,24 @@ def test_writing_into_bucket_views_equals_to_hf(parts):
         assert all(torch.equal(a, b) for a, b in zip(outs, want, strict=True))
     with pytest.raises(ValueError):
         convert_into(VOCAB, torch.randn(16, 6), OpContext(s), [torch.empty(11, 6)])
+
+
+def test_per_mtp_layer_copies_and_checks_them_back():
+    """DeepSeek-V3's MTP layers keep their own copy of the embedding: the trimmed rows once, then once per MTP
+    layer; back to Megatron the padded rows from the first, and copies that differ are refused."""
+    from dataclasses import replace
+
+    from weightstream.converters.ops import PerMTPLayer
+
+    op = PerMTPLayer(VOCAB)
+    ctx = OpContext(replace(spec(vocab=10), mtp_layers=2))
+    padded = torch.randn(16, 6)
+    outs = op.to_hf(padded, ctx)
+    assert len(outs) == 3 and all(torch.equal(o, padded[:10]) for o in outs)
+    assert len(op.to_hf(padded, OpContext(spec(vocab=10)))) == 1  # no MTP layer: the tensor alone
+    back = op.to_megatron([padded[:10].clone() for _ in range(3)], ctx, padded.shape)
+    assert torch.equal(back[:10], padded[:10]) and not back[10:].any()
+    spoiled = padded[:10].clone()
+    spoiled[3, 1] += 1
+    with pytest.raises(ValueError, match=r"MTP layers \[1\] differ"):
+        op.to_megatron([padded[:10], padded[:10], spoiled], ctx, padded.shape)

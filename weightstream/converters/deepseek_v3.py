@@ -21,20 +21,33 @@ router (``mlp.gate``, its ``e_score_correction_bias`` Megatron's ``router.expert
 Qwen MoE declarations: SequentialMLP and grouped-GEMM names, EP and expert-TP) and ``n_shared_experts`` shared
 experts as one dense MLP (``mlp.shared_experts``, no gate).
 
-Multi-token prediction layers (Megatron-Core's ``mtp.layers.*``) have no declaration yet: a model that holds them
-is refused, each of their tensors named ("Megatron tensors no mapping covers"); a config that declares
-``num_nextn_predict_layers`` streams the decoder's layers, as transformers' own model holds no MTP layer.
+Multi-token prediction: Megatron-Core's ``mtp.layers.{k}`` (``enorm``, ``hnorm``, ``eh_proj``, a transformer layer,
+``final_layernorm``) are the HF checkpoint's ``model.layers.{num_hidden_layers + k}`` (``enorm``, ``hnorm``,
+``eh_proj``, the layer's attention and MLP under the decoder's names, ``shared_head.norm``), which also holds a copy
+of the embedding (``embed_tokens``) and of the output layer (``shared_head.head``), made from Megatron's
+``embedding`` and ``output_layer``. transformers' model has no MTP layer; the tensors a checkpoint holds for them
+are added to its expected tensors (:func:`mtp_tensors`). The config decides (``num_nextn_predict_layers``):
+
+- Megatron holds MTP layers and the config declares as many: they are streamed (and loaded), named as above.
+- Megatron holds MTP layers, the config declares none: refused, every MTP tensor named, rather than streamed
+  without them.
+- The config declares MTP layers that Megatron does not hold: refused, every missing MTP tensor named ("HF
+  tensors the model does not provide"); stream with ``num_nextn_predict_layers=0`` (the engines keep the MTP
+  weights they hold) or build the model with ``mtp_num_layers``.
+- With PP > 1 Megatron's last stage holds a second copy of the embedding for its MTP layers: refused for now
+  ("tensors held by several pipeline stages").
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from weightstream.converters.mapping import Converter, Mapping
-from weightstream.converters.ops import GATED
+from weightstream.converters.mapping import Converter, Mapping, untied
+from weightstream.converters.ops import GATED, VOCAB, PerMTPLayer, Unrepresentable
 from weightstream.converters.qwen2 import DENSE_MLP, EMBEDDINGS, H, L
 from weightstream.converters.qwen_moe import FP8_EXPERTS, FUSED_EXPERTS, ROUTED_EXPERTS
-from weightstream.models.spec import yarn_rope
+from weightstream.models.spec import ModelSpec, yarn_rope
 
 A = f"{L}.self_attention"
 HA = f"{H}.self_attn"
@@ -65,6 +78,58 @@ SHARED_EXPERTS = (
             (f"{H}.mlp.shared_experts.gate_proj.weight", f"{H}.mlp.shared_experts.up_proj.weight"), GATED, tp_dim=0),
     Mapping(f"{L}.mlp.shared_experts.linear_fc2.weight", f"{H}.mlp.shared_experts.down_proj.weight", tp_dim=1),
 )
+
+
+
+
+def _with_mtp(spec: ModelSpec) -> bool:
+    return spec.mtp_layers > 0
+
+
+def _without_mtp(spec: ModelSpec) -> bool:
+    return spec.mtp_layers == 0
+
+
+MTP_LAYER = "mtp.layers.*"
+# Refused where the config declares none; else the MTP layers' own tensors, and their transformer layer under the
+# decoder layers' declarations (an MoE layer).
+MTP = (
+    Mapping("mtp.**", (), Unrepresentable(
+        "the config declares no multi-token prediction layer (num_nextn_predict_layers = 0) and the Megatron model "
+        "holds some; stream with a config that declares them, or build the model without mtp_num_layers"),
+        when=_without_mtp),
+    Mapping(f"{MTP_LAYER}.enorm.weight", f"{H}.enorm.weight", mtp_depth=True),
+    Mapping(f"{MTP_LAYER}.hnorm.weight", f"{H}.hnorm.weight", mtp_depth=True),
+    # Its input is [enorm(embedding); hnorm(hidden)] in both (Megatron: cat((decoder_input, hidden_states))).
+    Mapping(f"{MTP_LAYER}.eh_proj.weight", f"{H}.eh_proj.weight", tp_dim=0, mtp_depth=True),
+    Mapping(f"{MTP_LAYER}.final_layernorm.weight", f"{H}.shared_head.norm.weight", mtp_depth=True),
+) + tuple(
+    replace(m, megatron=m.megatron.replace(L, f"{MTP_LAYER}.transformer_layer", 1), mtp_depth=True)
+    for m in MLA + DENSE_MLP + ROUTER + ROUTED_EXPERTS + SHARED_EXPERTS
+) + (
+    # Megatron's embedding and output layer, with their copies in each MTP layer.
+    Mapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight", "model.layers.{mtp}.embed_tokens.weight"),
+            PerMTPLayer(VOCAB), tp_dim=0, when=_with_mtp),
+    Mapping("output_layer.weight", ("lm_head.weight", "model.layers.{mtp}.shared_head.head.weight"), PerMTPLayer(VOCAB),
+            tp_dim=0, when=lambda spec: _with_mtp(spec) and untied(spec)),
+)
+
+
+def mtp_tensors(spec: ModelSpec, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The tensors of the config's MTP layers in an HF checkpoint (``model.layers.{N + k}``), from the shapes of
+    transformers' model: those of its last decoder layer, the MTP layer's own, and the copies."""
+    last = f"model.layers.{spec.num_layers - 1}."
+    hidden = spec.hidden_size
+    out: dict[str, tuple[int, ...]] = {}
+    for k in range(spec.mtp_layers):
+        layer = f"model.layers.{spec.num_layers + k}."
+        out.update({layer + n[len(last):]: shape for n, shape in shapes.items() if n.startswith(last)})
+        out.update({layer + "enorm.weight": (hidden,), layer + "hnorm.weight": (hidden,),
+                    layer + "eh_proj.weight": (hidden, 2 * hidden), layer + "shared_head.norm.weight": (hidden,),
+                    layer + "embed_tokens.weight": shapes["model.embed_tokens.weight"],
+                    layer + "shared_head.head.weight": shapes.get("lm_head.weight",
+                                                                  shapes["model.embed_tokens.weight"])})
+    return out
 
 
 def deepseek_v3_features(config: Any) -> dict[str, Any]:
@@ -101,5 +166,6 @@ FP8_MLA = tuple(f"{HA}.{p}.weight" for p in ("q_proj", "q_a_proj", "q_b_proj", "
                                               "o_proj"))
 FP8_MLP = tuple(f"{H}.mlp.{e}{p}_proj.weight" for e in ("", "shared_experts.") for p in ("gate", "up", "down"))
 
-DEEPSEEK_V3 = Converter("deepseek_v3", EMBEDDINGS + MLA + DENSE_MLP + ROUTER + ROUTED_EXPERTS + SHARED_EXPERTS,
-                        features=deepseek_v3_features, memory=FUSED_EXPERTS, fp8=FP8_MLA + FP8_MLP + FP8_EXPERTS)
+DEEPSEEK_V3 = Converter("deepseek_v3", MTP + EMBEDDINGS + MLA + DENSE_MLP + ROUTER + ROUTED_EXPERTS + SHARED_EXPERTS,
+                        features=deepseek_v3_features, memory=FUSED_EXPERTS, fp8=FP8_MLA + FP8_MLP + FP8_EXPERTS,
+                        checkpoint_only=mtp_tensors)

@@ -3,7 +3,9 @@
 transformers builds the model (on the meta device: no memory); each tensor it holds in memory is turned into
 the checkpoint's tensors by the family's in-memory declarations (:meth:`Converter.in_memory`: transformers 5
 holds MoE experts fused, checkpoints and engines one tensor per expert), their shapes computed by the
-declared op itself. Tied copies (the output embedding of a model that ties it to the input one) are left out.
+declared op itself. Tied copies (the output embedding of a model that ties it to the input one) are left out;
+tensors a family's checkpoints hold that transformers' model does not (``Converter.checkpoint_only``: DeepSeek-V3's
+multi-token prediction layers) are added.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def _expected_from_json(config_json: str) -> dict[str, tuple[int, ...]]:
 
     cfg = load_hf_config(json.loads(config_json))
     spec = model_spec(cfg)
-    in_memory = get_converter(cfg.model_type).in_memory()
+    converter = get_converter(cfg.model_type)
+    in_memory = converter.in_memory()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     tied = _tied_names(model, bool(cfg.tie_word_embeddings))
@@ -50,6 +53,8 @@ def _expected_from_json(config_json: str) -> dict[str, tuple[int, ...]]:
             continue
         made = resolved.mapping.op.to_hf(tensor, ctx)
         out.update({n: tuple(t.shape) for n, t in zip(resolved.hf_names, made, strict=True)})
+    if converter.checkpoint_only is not None:
+        out.update(converter.checkpoint_only(spec, out))
     return out
 
 

@@ -71,6 +71,10 @@ class Mapping:
     Megatron spec and held whole on every rank under another (multi-latent attention's down projections: a
     column-parallel linear in the local spec, a duplicated one under Transformer Engine); a tensor whose every
     rank holds the whole HF shape is taken as replicated.
+
+    Multi-token prediction (DeepSeek-V3): ``mtp_depth`` says the first ``*`` captures an MTP depth ``k``, which HF
+    checkpoints number after the decoder's layers (``model.layers.{num_hidden_layers + k}``); an HF name holding
+    ``{mtp}`` is made once per MTP depth, as that layer (the op makes them after the other names, in depth order).
     """
 
     megatron: str  # the source pattern (a Megatron name; an in-memory HF name in ``Converter.memory``)
@@ -81,6 +85,7 @@ class Mapping:
     emit: bool = True
     when: Condition = _always
     whole_or_split: bool = False
+    mtp_depth: bool = False
     _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -104,7 +109,13 @@ class Mapping:
         return None if m is None else m.groups()
 
     def hf_names(self, captures: Sequence[str], spec: ModelSpec) -> tuple[str, ...]:
+        if self.mtp_depth:
+            captures = (str(spec.num_layers + int(captures[0])), *captures[1:])
         names = [fill_pattern(p, captures) for p in self.hf]
+        if any("{mtp}" in n for n in names):
+            return tuple([n for n in names if "{mtp}" not in n] + [
+                n.replace("{mtp}", str(spec.num_layers + k)) for k in range(spec.mtp_layers) for n in names
+                if "{mtp}" in n])
         if not self.per_expert:
             return tuple(names)
         return tuple(n.replace("{e}", str(e)) for e in range(spec.num_experts) for n in names)
@@ -145,6 +156,9 @@ class Converter:
     # the published FP8 checkpoints of the family quantize them); every other tensor stays as it is. Empty:
     # the family declares no FP8 layout.
     fp8: tuple[str, ...] = ()
+    # The HF tensors (name -> shape) the family's checkpoints hold besides those of transformers' model, given the
+    # spec and the shapes of transformers' model (DeepSeek-V3's multi-token prediction layers).
+    checkpoint_only: Callable[[ModelSpec, dict[str, tuple[int, ...]]], dict[str, tuple[int, ...]]] | None = None
 
     def resolve(self, megatron_name: str, spec: ModelSpec) -> Resolved | None:
         """The first mapping that holds for ``spec`` and matches ``megatron_name``."""

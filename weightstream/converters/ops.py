@@ -229,6 +229,27 @@ class FusedExperts:
         return torch.stack(per, dim=0)
 
 
+@dataclass(frozen=True, slots=True)
+class PerMTPLayer:
+    """``inner``'s HF tensor, then the same tensor again for each multi-token prediction layer of the spec
+    (``mtp_layers``): DeepSeek-V3's checkpoints keep, in every MTP layer, a copy of the embedding and of the output
+    layer (the mapping's second name holds ``{mtp}``). Back to Megatron: every copy must equal the tensor."""
+
+    inner: TensorOp
+    arity: int = 2  # the tensor's name and its copies' pattern
+
+    def to_hf(self, tensor: Tensor, ctx: OpContext) -> list[Tensor]:
+        (out,) = self.inner.to_hf(tensor, ctx)
+        return [out] * (1 + ctx.spec.mtp_layers)
+
+    def to_megatron(self, parts: Sequence[Tensor], ctx: OpContext, megatron_shape: torch.Size) -> Tensor:
+        first, *copies = parts
+        differ = [k for k, c in enumerate(copies) if c.shape != first.shape or not torch.equal(c, first)]
+        if differ:
+            raise ValueError(f"the copies held by MTP layers {differ} differ from the tensor they copy")
+        return self.inner.to_megatron([first], ctx, megatron_shape)
+
+
 IDENTITY = Identity()
 QKV = SplitQKV()
 GATED = SplitGated()

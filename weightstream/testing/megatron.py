@@ -471,6 +471,20 @@ def forward_shims() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _without_mtp(chunks: Sequence[GPTModel]) -> Iterator[None]:
+    """The main model's forward only: Megatron-Core 0.16 runs its multi-token prediction layers in every forward
+    and then needs labels (it returns their loss); left out while the chunks compute logits."""
+    saved = [(c, c.config.mtp_num_layers, c.mtp_process) for c in chunks if c.config.mtp_num_layers]
+    for chunk, _, _ in saved:
+        chunk.config.mtp_num_layers, chunk.mtp_process = None, False
+    try:
+        yield
+    finally:
+        for chunk, layers, process in saved:
+            chunk.config.mtp_num_layers, chunk.mtp_process = layers, process
+
+
+@contextlib.contextmanager
 def _moe_router_without_te() -> Iterator[None]:
     from megatron.core.transformer.moe import moe_utils
 
@@ -504,7 +518,7 @@ def megatron_logits(model_chunks: nn.Module | Sequence[nn.Module], input_ids: Te
     hidden_size = chunks[0].config.hidden_size
     dtype = chunks[0].config.params_dtype
     output = None
-    with torch.no_grad(), forward_shims():
+    with torch.no_grad(), forward_shims(), _without_mtp(chunks):
         for v, chunk in enumerate(chunks):
             was_training = chunk.training
             chunk.eval()
