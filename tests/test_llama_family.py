@@ -157,3 +157,14 @@ def test_llama_megatron_checkpoint_converts_and_updates_the_reference_engine(lla
     assert result["report"].transport == "p2p" and result["report"].weight_version == "llama-1"
     assert (before - ref).abs().max() > 1e-2
     assert_logits_close(result["engine_logits"], ref)
+
+
+@pytest.mark.unit
+def test_llama_3_1_8b_preset_has_the_real_shapes():
+    """``llama-3.1-8b`` (for ``weightstream bench``): Meta's 8,030,261,248 parameters in 291 HF tensors."""
+    import math
+
+    shapes = expected_hf_shapes(preset_config("llama-3.1-8b"))
+    assert len(shapes) == 291 and sum(math.prod(s) for s in shapes.values()) == 8_030_261_248
+    assert shapes["model.layers.31.self_attn.k_proj.weight"] == (1024, 4096)
+    assert model_spec(preset_config("llama-3.1-8b")).llama3_rope == Llama3Rope(8.0, 1.0, 4.0, 8192)

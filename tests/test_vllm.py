@@ -134,7 +134,7 @@ def vllm_update(src: str, layout: Layout, url: str, version: str) -> dict:
             "transport": report.transport, "summary": report.summary()}
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3-moe"])
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3-moe", "tiny-llama"])
 def test_vllm_update_from_megatron(preset, tmp_path):
     from weightstream.engines.vllm import VLLMEngine
     from weightstream.models.presets import save_random_checkpoint

@@ -84,7 +84,7 @@ def _assert_assembles(name: str, pieces: list[tuple], ref: torch.Tensor) -> None
     assert same_bits(whole, ref), name
 
 
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")  # block_sparse_moe: Mixtral
 
 
 def assert_per_rank_experts(results: list[dict], src: str, num_experts: int, ep: int, tp: int, etp: int) -> None:
