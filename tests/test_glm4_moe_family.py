@@ -130,7 +130,6 @@ def test_declarations_resolve_to_the_checkpoint_names():
         mtp.mapping.op.to_hf(torch.zeros(4, 4), OpContext(spec))
 
 
-@pytest.mark.unit
 def test_expected_names_are_what_save_pretrained_writes(tmp_path):
     """The HF side of key coverage: the names the family declares from transformers' in-memory model (fused
     experts one name per expert, the score-correction bias buffer) are exactly what ``save_pretrained`` writes;
@@ -149,7 +148,6 @@ def test_expected_names_are_what_save_pretrained_writes(tmp_path):
         "model.layers.1.mlp.gate"]
 
 
-@pytest.mark.unit
 def test_routing_megatron_cannot_compute_is_refused_listing_every_problem():
     """Megatron-Core renormalises the chosen sigmoid scores always, and ranks groups by their best top_k /
     group_top_k scores (HF by their best 2): configs it would route otherwise are refused, each problem named.
