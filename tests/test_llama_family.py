@@ -1,9 +1,9 @@
 """Llama (3.1 untied, 3.2 tied, both with Llama 3 rotary scaling) and Mistral over real Megatron-Core models in real
 gloo jobs: the HF tensors bit-identical to what ``save_pretrained`` writes, exactly its keys, and the Megatron model's
 logits equal to the HF model's, in TP 2 (grouped-query attention: one and two KV heads per rank), PP 2 (tied: the
-last stage's copy of the embedding), PP 2 x VPP 2; per-rank mode; Transformer Engine names; the rotary scaling
-carried into the Megatron model and into the config written; a Megatron checkpoint converted; an update into the
-reference engine."""
+last stage's copy of the embedding), PP 2 x VPP 2; per-rank mode; Transformer Engine names; block FP8; the rotary
+scaling carried into the Megatron model and into the config written; a Megatron checkpoint converted; an update
+into the reference engine; transformers' own models."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from tests.helpers.checks import (
 from tests.helpers.workers import Case, run_cases
 from weightstream.converters import get_converter, model_spec
 from weightstream.converters.expected import expected_hf_shapes
+from weightstream.converters.fp8 import BlockFP8
 from weightstream.converters.qwen2 import QWEN2
 from weightstream.errors import ConversionError
 from weightstream.jobs import Layout
@@ -100,6 +101,7 @@ def test_llama_world2_tp_gqa_pp_vpp_tied_per_rank_te(llama_sources, llama_refere
         Case(src["tiny-mistral"], Layout(2, 1), mode="per_rank", label="tp2 per_rank mistral"),
         Case(src["tiny-llama-tied"], Layout(2, 1), te_names=True, label="tp2 te tied"),
         Case(src["tiny-llama"], Layout(1, 2), te_names=True, label="pp2 te llama"),
+        Case(src["tiny-llama-tied"], Layout(2, 1), label="tp2 fp8 tied", quantize=BlockFP8(block=(16, 16))),
     ]
     results = by_label(launch(2, run_cases, cases))
 
@@ -110,6 +112,8 @@ def test_llama_world2_tp_gqa_pp_vpp_tied_per_rank_te(llama_sources, llama_refere
         _assert_logits(results[label], llama_references[family])
     assert_full_exact(results["tp2 te tied"], src["tiny-llama-tied"])
     assert_full_exact(results["pp2 te llama"], src["tiny-llama"])
+    assert_full_exact(results["tp2 fp8 tied"], src["tiny-llama-tied"], BlockFP8(block=(16, 16)))
+    assert "model.layers.3.mlp.down_proj.weight_scale_inv" in results["tp2 fp8 tied"][0]["names"]
     assert_per_rank_assembles(results["tp2 per_rank tied"], src["tiny-llama-tied"], tp=2)
     assert_per_rank_assembles(results["tp2 per_rank mistral"], src["tiny-mistral"], tp=2)
     for r in results["tp2 per_rank tied"] + results["tp2 per_rank mistral"]:
@@ -168,3 +172,20 @@ def test_llama_3_1_8b_preset_has_the_real_shapes():
     assert len(shapes) == 291 and sum(math.prod(s) for s in shapes.values()) == 8_030_261_248
     assert shapes["model.layers.31.self_attn.k_proj.weight"] == (1024, 4096)
     assert model_spec(preset_config("llama-3.1-8b")).llama3_rope == Llama3Rope(8.0, 1.0, 4.0, 8192)
+
+
+def test_llama_and_mistral_transformers_models_stream_as_saved(tmp_path):
+    """No process group: transformers' own Llama (tied: the embedding once) and Mistral models, in bf16, stream
+    exactly as ``save_pretrained`` writes them."""
+    from weightstream.common.hf_files import CheckpointReader
+    from weightstream.models.presets import random_hf_model
+    from weightstream.streaming.stream import stream_hf_weights
+
+    for i, name in enumerate(("tiny-llama-tied", "tiny-mistral")):
+        model = random_hf_model(preset_config(name), seed=97 + i, dtype=torch.bfloat16)
+        model.save_pretrained(tmp_path / name)
+        with CheckpointReader(str(tmp_path / name)) as reader:
+            want = dict(reader.items())
+        got = {n: t.clone() for b in stream_hf_weights(model, tmp_path / name, bucket_bytes=60_000)
+               for n, t in b.named_tensors()}
+        assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want), name

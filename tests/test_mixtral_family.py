@@ -1,9 +1,9 @@
 """Mixtral (``mixtral``) over real Megatron-Core MoE models in real gloo jobs: the HF tensors (experts named
 ``block_sparse_moe.experts.{E}.w1/w2/w3``, the router ``block_sparse_moe.gate``) bit-identical to what
 ``save_pretrained`` writes, exactly its keys, and the Megatron model's logits equal to the HF model's, in EP 2,
-expert-TP 2, TP 2 (experts split over the same two ranks), PP 2; per-rank mode; Transformer Engine and grouped-GEMM
-names; Megatron's expert bias refused; transformers' own models (fused experts in memory), plain and under FSDP2; a
-Megatron checkpoint converted; an update into the reference engine."""
+expert-TP 2, TP 2 (experts split over the same two ranks), PP 2, TP 2 x EP 2; per-rank mode; Transformer Engine and
+grouped-GEMM names; block FP8; Megatron's expert bias refused; transformers' own models (fused experts in memory),
+plain and under FSDP2; a Megatron checkpoint converted; an update into the reference engine."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from tests.helpers.workers import Case, run_cases
 from weightstream.common.hf_files import CheckpointReader
 from weightstream.converters import get_converter, model_spec
 from weightstream.converters.expected import expected_hf_shapes
+from weightstream.converters.fp8 import BlockFP8
 from weightstream.jobs import Layout
 from weightstream.launch import launch
 from weightstream.models.presets import preset_config, random_hf_model, save_random_checkpoint
@@ -82,6 +83,8 @@ def test_mixtral_world2_ep_etp_tp_pp_per_rank_names_expert_bias(mixtral, referen
         Case(mixtral, Layout(1, 1, ep=1, etp=2), label="etp2", logits=True),
         Case(mixtral, Layout(2, 1, ep=1), label="tp2", logits=True),  # experts over expert-TP = TP = 2
         Case(mixtral, Layout(1, 2, ep=1), label="pp2", logits=True),
+        Case(mixtral, Layout(2, 1, ep=2, etp=1), label="tp2 ep2", logits=True),  # attention over TP, experts over EP
+        Case(mixtral, Layout(1, 1, ep=2), label="ep2 fp8", quantize=BlockFP8(block=(16, 16))),
         Case(mixtral, Layout(1, 1, ep=2), te_names=True, grouped_experts=True, label="ep2 te grouped"),
         Case(mixtral, Layout(1, 1, ep=2), mode="per_rank", label="ep2 per_rank"),
         Case(mixtral, Layout(1, 1, ep=1, etp=2), mode="per_rank", label="etp2 per_rank"),
@@ -89,13 +92,17 @@ def test_mixtral_world2_ep_etp_tp_pp_per_rank_names_expert_bias(mixtral, referen
     errors = [(Case(mixtral, Layout(1, 1, ep=2), label="expert bias"), "expert_bias", {})]
     results = by_label(launch(2, run_cases, cases, errors))
 
-    for label in ("ep2", "etp2", "tp2", "pp2", "ep2 te grouped"):
+    for label in ("ep2", "etp2", "tp2", "pp2", "tp2 ep2", "ep2 te grouped"):
         assert_full_exact(results[label], mixtral)
-    for label in ("ep2", "etp2", "tp2", "pp2"):
+    for label in ("ep2", "etp2", "tp2", "pp2", "tp2 ep2"):
         for r in results[label]:
             assert_logits_close(r["logits"], reference, atol=1e-5)
     for r in results["ep2"]:
         assert r["stats"].broadcasts > 0 and r["stats"].gathers == 0
+    # Block FP8 as the family declares it: attention and experts quantized, values and scales bit for bit.
+    assert_full_exact(results["ep2 fp8"], mixtral, BlockFP8(block=(16, 16)))
+    names = results["ep2 fp8"][0]["names"]
+    assert f"{M}.experts.7.w2.weight_scale_inv" in names and f"{M}.gate.weight_scale_inv" not in names
     assert_per_rank_experts(results["ep2 per_rank"], mixtral, EXPERTS, ep=2, tp=1, etp=1)
     assert_per_rank_experts(results["etp2 per_rank"], mixtral, EXPERTS, ep=1, tp=1, etp=2)
     for r in results["ep2 per_rank"] + results["etp2 per_rank"]:
