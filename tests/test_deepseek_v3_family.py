@@ -10,6 +10,8 @@ EP 2 with shared experts, expert-TP, VPP, grouped-GEMM names, per-rank mode; the
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -21,14 +23,17 @@ from tests.helpers.checks import (
     assert_per_rank_experts,
     by_label,
 )
-from tests.helpers.mla import run_family_cases
+from tests.helpers.mla import run_family_cases, run_family_job
 from tests.helpers.mtp_checkpoint import save_mtp_checkpoint
 from tests.helpers.workers import INPUT_IDS, Case
 from weightstream.common.hf_files import CheckpointReader
+from weightstream.convert import convert_checkpoint
 from weightstream.converters.registry import get_converter, model_spec
+from weightstream.engines import ReferenceEngine
 from weightstream.jobs import Layout
 from weightstream.launch import launch
 from weightstream.models.presets import preset_config, random_hf_model, save_random_checkpoint
+from weightstream.reference_engine.server import serve, stop
 from weightstream.streaming.stream import stream_hf_weights
 
 LORA, QPROJ = "tiny-deepseek-v3", "tiny-deepseek-v3-q-proj"
@@ -104,7 +109,10 @@ def test_transformers_model_in_memory_streams_as_saved(tmp_path):
         assert [n for n in want if got[n].dtype != want[n].dtype or not torch.equal(got[n], want[n])] == []
 
 
-def test_world2_tp2_pp2_ep2_etp2_te_names_per_rank_mtp(sources, mtp_source, references):
+@pytest.fixture(scope="module")
+def world2(sources, mtp_source, tmp_path_factory) -> dict:
+    """One two-process job: every two-rank layout, the refusals, a TP 2 job's Megatron checkpoints (both formats),
+    and an EP 2 trainer's update into a reference engine of TP 2."""
     src = sources
     cases = [
         Case(src[LORA], Layout(2, 1), label="tp2", logits=True),
@@ -116,16 +124,31 @@ def test_world2_tp2_pp2_ep2_etp2_te_names_per_rank_mtp(sources, mtp_source, refe
         Case(src[LORA], Layout(1, 1, ep=2), te_names=True, grouped_experts=True, label="ep2 te grouped"),
         Case(src[LORA], Layout(2, 1), mode="per_rank", label="tp2 per_rank"),
         Case(src[QPROJ], Layout(1, 1, ep=2), mode="per_rank", label="ep2 per_rank"),
+        # Multi-token prediction layers streamed (TP 2, EP 2) and loaded.
+        Case(mtp_source, Layout(2, 1), label="mtp tp2", logits=True),
+        Case(mtp_source, Layout(1, 1, ep=2), label="mtp ep2"),
     ]
-    # Multi-token prediction layers streamed (TP 2, EP 2) and loaded; refused where only one side has them.
-    cases += [Case(mtp_source, Layout(2, 1), label="mtp tp2", logits=True),
-              Case(mtp_source, Layout(1, 1, ep=2), label="mtp ep2")]
+    te = [Case(src[f], Layout(2, 1), label=f"tp2 te reload {f}") for f in FAMILY]
+    # MTP layers where only one side has them, and with PP 2: refused.
     errors = [(Case(mtp_source, Layout(1, 1), label="mtp not in config"), "", {"num_nextn_predict_layers": 0}),
               (Case(src[LORA], Layout(1, 1), label="mtp not in model"), "", {"num_nextn_predict_layers": 1}),
               (Case(mtp_source, Layout(1, 2), label="mtp pp2"), "", {})]
-    te = [Case(src[f], Layout(2, 1), label=f"tp2 te reload {f}") for f in FAMILY]
-    results = by_label(launch(2, run_family_cases, cases, te, errors))
+    root = tmp_path_factory.mktemp("deepseek_v3_megatron")
+    saves = [(Case(src[LORA], Layout(2, 1)), str(root))]
+    engine_start = save_random_checkpoint(preset_config(LORA), root / "engine", seed=86)
+    server = serve(engine_start, 2)
+    try:
+        before = ReferenceEngine(server.url).logits(INPUT_IDS)
+        update = (Case(src[LORA], Layout(1, 1, ep=2)), [server.url], [{"transport": "auto", "bucket_bytes": 120_000}])
+        results = launch(2, run_family_job, cases, te, errors, saves, update)
+    finally:
+        stop(server)
+    return {"cases": by_label([r["cases"] for r in results]), "saves": [r["saves"] for r in results],
+            "update": results[0]["update"], "engine_before": before, "megatron": str(root)}
 
+
+def test_world2_tp2_pp2_ep2_etp2_te_names_per_rank_mtp(sources, mtp_source, references, world2):
+    src, results = sources, world2["cases"]
     for label, f in (("tp2", LORA), ("tp2 q_proj", QPROJ), ("pp2", LORA), ("ep2", LORA), ("ep2 q_proj", QPROJ),
                      ("etp2", LORA), ("ep2 te grouped", LORA)):
         assert_full_exact(results[label], src[f])
@@ -174,3 +197,27 @@ def test_world4_tp2_ep2_pp2_vpp2(sources, references):
     for label, f in (("tp2 ep2", LORA), ("tp2 pp2", QPROJ), ("pp2 vpp2 ep2", LORA)):
         assert_full_exact(results[label], src[f])
         _assert_logits(results[label], references[f])
+
+
+def test_update_from_megatron_into_reference_engine_tp2(sources, references, world2):
+    """An EP 2 trainer into a reference engine of TP 2 (transformers' DeepseekV3ForCausalLM: q_b_proj and kv_b_proj
+    split by heads, o_proj by its input, the latent projections and norms whole, every fused expert split)."""
+    (entry,) = world2["update"]
+    assert "error" not in entry, entry.get("error")
+    ref = references[LORA]
+    assert (world2["engine_before"] - ref).abs().max() > 1e-2
+    assert entry["report"].tensors == len(CheckpointReader(sources[LORA]).keys())
+    assert_logits_close(entry["engine_logits"], ref)
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "legacy"])
+def test_convert_megatron_checkpoint(sources, references, world2, fmt, tmp_path):
+    """A TP 2 job's checkpoint (MLA heads and down projections split in its files) converted by
+    ``convert_checkpoint``: bit for bit the HF checkpoint it was built from, whose logits equal the job's."""
+    src = sources[LORA]
+    report = convert_checkpoint(os.path.join(world2["megatron"], fmt), src, tmp_path / "hf", bucket_bytes=40_000,
+                                verify=src)
+    assert report.verify.ok, report.verify.render(src, str(tmp_path / "hf"))
+    assert report.verify.compared == len(CheckpointReader(src).keys())
+    assert_logits_close(world2["saves"][0][0]["logits"], references[LORA])
+    assert_logits_close(hf_logits(str(tmp_path / "hf"), INPUT_IDS), references[LORA])

@@ -1,5 +1,5 @@
 """Rank functions for the DeepSeek-V3 family: a model reloaded under Transformer Engine's names (whole down
-projections), and multi-token prediction layers."""
+projections), and the family's whole two-process job."""
 
 from __future__ import annotations
 
@@ -43,3 +43,13 @@ def run_family_cases(cases: list[Case], te_reloads: list[Case] = (), errors: lis
     """``cases`` through :func:`run_case`, ``te_reloads`` through :func:`run_te_reload`, then the error cases."""
     return ([run_case(c) for c in cases] + [run_te_reload(c) for c in te_reloads]
             + [run_error_case(*e) for e in errors])
+
+
+def run_family_job(cases: list[Case], te_reloads: list[Case], errors: list[tuple], saves: list[tuple[Case, str]],
+                   update: tuple) -> dict:
+    """One job: the family's cases, Megatron checkpoints saved (both formats), and an update into an engine."""
+    from tests.helpers.megatron_saves import run_saves
+    from tests.helpers.workers import run_update
+
+    return {"cases": run_family_cases(cases, te_reloads, errors), "saves": run_saves(saves),
+            "update": run_update(*update)}

@@ -33,7 +33,9 @@ Weight = tuple[str, Tensor, Shard | None]  # what load_weights takes: a name, a 
 
 # Which projections split which way (checkpoint name suffixes, before ".weight"/".bias").
 # Shared experts: Qwen2-MoE's ``mlp.shared_expert``, GLM-4.5's and DeepSeek-V3's ``mlp.shared_experts``.
-COLUMN = re.compile(r"\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj|mlp\.shared_experts?\.(gate|up)_proj)$")
+# Multi-latent attention (DeepSeek-V3): q_b_proj (or q_proj) and kv_b_proj split by heads, q_a_proj and
+# kv_a_proj_with_mqa (and their norms) whole.
+COLUMN = re.compile(r"\.(self_attn\.([qkv]|q_b|kv_b)_proj|mlp\.(gate|up)_proj|mlp\.shared_experts?\.(gate|up)_proj)$")
 ROW = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj|mlp\.shared_experts?\.down_proj)$")
 VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
