@@ -10,6 +10,7 @@ EP 2 with shared experts, expert-TP, VPP, grouped-GEMM names, per-rank mode; the
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -28,12 +29,14 @@ from tests.helpers.mtp_checkpoint import save_mtp_checkpoint
 from tests.helpers.workers import INPUT_IDS, Case
 from weightstream.common.hf_files import CheckpointReader
 from weightstream.convert import convert_checkpoint
+from weightstream.converters.expected import expected_hf_shapes
 from weightstream.converters.registry import get_converter, model_spec
 from weightstream.engines import ReferenceEngine
 from weightstream.jobs import Layout
 from weightstream.launch import launch
 from weightstream.models.presets import preset_config, random_hf_model, save_random_checkpoint
 from weightstream.reference_engine.server import serve, stop
+from weightstream.streaming.plan import ALIGN, plan_buckets
 from weightstream.streaming.stream import stream_hf_weights
 
 LORA, QPROJ = "tiny-deepseek-v3", "tiny-deepseek-v3-q-proj"
@@ -221,3 +224,29 @@ def test_convert_megatron_checkpoint(sources, references, world2, fmt, tmp_path)
     assert report.verify.compared == len(CheckpointReader(src).keys())
     assert_logits_close(world2["saves"][0][0]["logits"], references[LORA])
     assert_logits_close(hf_logits(str(tmp_path / "hf"), INPUT_IDS), references[LORA])
+
+
+def test_deepseek_v3_671b_shapes_and_plan():
+    """DeepSeek-V3's real shapes (random weights for ``weightstream bench``): 46,183 HF tensors with its MTP layer
+    (model.layers.61), 684.5 B parameters (671.0 B without it), 1.37 TB in bf16 (the score-correction biases in
+    float32); 512 MiB buckets hold every tensor but the embedding, lm_head and their MTP copies (1.85 GB each,
+    alone): 2,589 buckets. Block FP8 quantizes 45,808 of them (680.6 B parameters)."""
+    cfg = preset_config("deepseek-v3")
+    shapes = expected_hf_shapes(cfg)
+    moe_layer, dense_layer = 7 + 2 + 2 + 3 + 3 * 256, 7 + 2 + 3  # attention, norms, router, shared, experts
+    assert len(shapes) == 58 * moe_layer + 3 * dense_layer + (moe_layer + 6) + 3 == 46183
+    assert sum(math.prod(s) for s in shapes.values()) == 684_489_845_504
+    assert sum(math.prod(s) for n, s in shapes.items() if not n.startswith("model.layers.61.")) == 671_026_419_200
+    assert shapes["model.layers.3.self_attn.kv_a_proj_with_mqa.weight"] == (512 + 64, 7168)
+    assert shapes["model.layers.3.self_attn.q_b_proj.weight"] == (128 * (128 + 64), 1536)
+    assert shapes["model.layers.3.self_attn.kv_b_proj.weight"] == (128 * (128 + 128), 512)
+    assert shapes["model.layers.61.eh_proj.weight"] == (7168, 2 * 7168)
+    assert shapes["model.layers.61.mlp.experts.255.down_proj.weight"] == (7168, 2048)
+    outputs = [[math.prod(s) * (4 if n.endswith("e_score_correction_bias") else 2)] for n, s in shapes.items()]
+    assert sum(o[0] for o in outputs) == 1_368_979_721_216
+    plan = plan_buckets(outputs, 512 << 20, ALIGN)
+    assert [(len(bp.items), bp.nbytes) for bp in plan if bp.nbytes > 512 << 20] == [(1, 129280 * 7168 * 2)] * 4
+    assert len(plan) == 2589
+    conv = get_converter("deepseek_v3")
+    fp8 = [n for n in shapes if conv.quantizes(n)]
+    assert len(fp8) == 45808 and sum(math.prod(shapes[n]) for n in fp8) == 680_571_043_840

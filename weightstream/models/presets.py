@@ -84,6 +84,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         moe_intermediate_size=32, first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
         norm_topk_prob=True, num_nextn_predict_layers=0,
     ),
+    # The shape of deepseek-ai/DeepSeek-V3 (and Kimi-K2's architecture at other sizes): 671 B parameters, 61 layers
+    # (the first 3 dense) of 256 routed experts (top-8 of the best 4 of 8 groups) and a shared one, MLA, YaRN (factor
+    # 40), one multi-token prediction layer (model.layers.61, which transformers' model does not hold).
+    "deepseek-v3": dict(
+        model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
+        num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=163840, rope_theta=10000.0,
+        rope_parameters=dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                             beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        tie_word_embeddings=False, rms_norm_eps=1e-6, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
+        moe_intermediate_size=2048, first_k_dense_replace=3, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+        norm_topk_prob=True, num_nextn_predict_layers=1,
+    ),
     # The shape of Qwen/Qwen3-30B-A3B: 48 layers of 128 experts (top-8), 18,867 HF tensors.
     "qwen3-30b-a3b": dict(
         model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
