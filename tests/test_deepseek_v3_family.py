@@ -30,6 +30,7 @@ from tests.helpers.workers import INPUT_IDS, Case
 from weightstream.common.hf_files import CheckpointReader
 from weightstream.convert import convert_checkpoint
 from weightstream.converters.expected import expected_hf_shapes
+from weightstream.converters.fp8 import BlockFP8
 from weightstream.converters.registry import get_converter, model_spec
 from weightstream.engines import ReferenceEngine
 from weightstream.jobs import Layout
@@ -130,6 +131,8 @@ def world2(sources, mtp_source, tmp_path_factory) -> dict:
         # Multi-token prediction layers streamed (TP 2, EP 2) and loaded.
         Case(mtp_source, Layout(2, 1), label="mtp tp2", logits=True),
         Case(mtp_source, Layout(1, 1, ep=2), label="mtp ep2"),
+        # Block FP8 as the family declares it (its shapes are not multiples of 128: 16 x 16 blocks here).
+        Case(src[LORA], Layout(2, 1), quantize=BlockFP8((16, 16)), label="tp2 fp8"),
     ]
     te = [Case(src[f], Layout(2, 1), label=f"tp2 te reload {f}") for f in FAMILY]
     # MTP layers where only one side has them, and with PP 2: refused.
@@ -143,11 +146,13 @@ def world2(sources, mtp_source, tmp_path_factory) -> dict:
     try:
         before = ReferenceEngine(server.url).logits(INPUT_IDS)
         update = (Case(src[LORA], Layout(1, 1, ep=2)), [server.url], [{"transport": "auto", "bucket_bytes": 120_000}])
-        results = launch(2, run_family_job, cases, te, errors, saves, update)
+        fsdp = [("run_fsdp_stream", src[LORA], (2,), ["full"])]
+        results = launch(2, run_family_job, cases, te, errors, saves, update, fsdp)
     finally:
         stop(server)
     return {"cases": by_label([r["cases"] for r in results]), "saves": [r["saves"] for r in results],
-            "update": results[0]["update"], "engine_before": before, "megatron": str(root)}
+            "update": results[0]["update"], "engine_before": before, "megatron": str(root),
+            "fsdp": [r["fsdp"][0] for r in results]}
 
 
 def test_world2_tp2_pp2_ep2_etp2_te_names_per_rank_mtp(sources, mtp_source, references, world2):
@@ -158,6 +163,7 @@ def test_world2_tp2_pp2_ep2_etp2_te_names_per_rank_mtp(sources, mtp_source, refe
     for label, f in (("tp2", LORA), ("tp2 q_proj", QPROJ), ("pp2", LORA), ("ep2", LORA), ("ep2 q_proj", QPROJ),
                      ("etp2", LORA)):
         _assert_logits(results[label], references[f])
+    assert_full_exact(results["tp2 fp8"], src[LORA], BlockFP8((16, 16)))
     assert_per_rank_assembles(results["tp2 per_rank"], src[LORA], tp=2)
     assert_per_rank_experts(results["ep2 per_rank"], src[QPROJ], EXPERTS, ep=2, tp=1, etp=1)
 
@@ -250,3 +256,15 @@ def test_deepseek_v3_671b_shapes_and_plan():
     conv = get_converter("deepseek_v3")
     fp8 = [n for n in shapes if conv.quantizes(n)]
     assert len(fp8) == 45808 and sum(math.prod(shapes[n]) for n in fp8) == 680_571_043_840
+
+
+def test_fsdp2_model_streams_as_saved(sources, world2):
+    """transformers' DeepseekV3ForCausalLM under FSDP2 (2 ranks, fused experts and the router's bias buffer
+    included), streamed in full mode: bit for bit what ``save_pretrained`` wrote."""
+    with CheckpointReader(sources[LORA]) as reader:
+        want = {n: reader.get(n).clone() for n in reader.keys()}
+    for out in world2["fsdp"]:
+        assert any("Shard" in p for p in out["placements"].values())
+        got = out["full"]["tensors"]
+        assert set(got) == set(want)
+        assert [n for n, t in got.items() if t.dtype != want[n].dtype or not torch.equal(t, want[n])] == []

@@ -46,10 +46,12 @@ def run_family_cases(cases: list[Case], te_reloads: list[Case] = (), errors: lis
 
 
 def run_family_job(cases: list[Case], te_reloads: list[Case], errors: list[tuple], saves: list[tuple[Case, str]],
-                   update: tuple) -> dict:
-    """One job: the family's cases, Megatron checkpoints saved (both formats), and an update into an engine."""
+                   update: tuple, fsdp: list[tuple]) -> dict:
+    """One job: the family's cases, Megatron checkpoints saved (both formats), an update into an engine, and
+    transformers' model under FSDP2 streamed."""
+    from tests.helpers.fsdp_workers import run_fsdp_cases
     from tests.helpers.megatron_saves import run_saves
     from tests.helpers.workers import run_update
 
     return {"cases": run_family_cases(cases, te_reloads, errors), "saves": run_saves(saves),
-            "update": run_update(*update)}
+            "update": run_update(*update), "fsdp": run_fsdp_cases(fsdp)}
