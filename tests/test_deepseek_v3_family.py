@@ -48,8 +48,16 @@ EXPERTS = 8
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("deepseek_v3")
-    return {name: save_random_checkpoint(preset_config(name), root / name, seed=80 + i)
-            for i, name in enumerate(FAMILY)}
+    out = {name: save_random_checkpoint(preset_config(name), root / name, seed=80 + i)
+           for i, name in enumerate(FAMILY)}
+    # bf16 weights with the score-correction bias in float32, as the published checkpoints hold it and Megatron
+    # keeps its expert bias (transformers' from_config makes it bf16 in a bf16 DeepseekV3 model).
+    model = random_hf_model(preset_config(LORA), seed=84, dtype=torch.bfloat16)
+    for layer in model.model.layers[2:]:
+        layer.mlp.gate.e_score_correction_bias.data = layer.mlp.gate.e_score_correction_bias.data.float()
+    model.save_pretrained(root / "bf16")
+    out["bf16"] = str(root / "bf16")
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +141,7 @@ def world2(sources, mtp_source, tmp_path_factory) -> dict:
         Case(mtp_source, Layout(1, 1, ep=2), label="mtp ep2"),
         # Block FP8 as the family declares it (its shapes are not multiples of 128: 16 x 16 blocks here).
         Case(src[LORA], Layout(2, 1), quantize=BlockFP8((16, 16)), label="tp2 fp8"),
+        Case(src["bf16"], Layout(1, 1, ep=2), dtype="bfloat16", label="ep2 bf16"),
     ]
     te = [Case(src[f], Layout(2, 1), label=f"tp2 te reload {f}") for f in FAMILY]
     # MTP layers where only one side has them, and with PP 2: refused.
@@ -164,6 +173,7 @@ def test_world2_tp2_pp2_ep2_etp2_te_names_per_rank_mtp(sources, mtp_source, refe
                      ("etp2", LORA)):
         _assert_logits(results[label], references[f])
     assert_full_exact(results["tp2 fp8"], src[LORA], BlockFP8((16, 16)))
+    assert_full_exact(results["ep2 bf16"], src["bf16"])
     assert_per_rank_assembles(results["tp2 per_rank"], src[LORA], tp=2)
     assert_per_rank_experts(results["ep2 per_rank"], src[QPROJ], EXPERTS, ep=2, tp=1, etp=1)
 
