@@ -71,9 +71,11 @@ def _compile():
         r = bi * BR + ri
         c = bj * BC + ci
         inner = tl.load(row + 4)  # rows of the source's inner row dimension (see row_layout)
-        if ALIGNED:  # whole blocks, rows contiguous, addresses and strides in 16s (stored divided by 16)
-            src = (tl.load(row) * 16).to(tl.pointer_type(SRC))
-            at = (r // inner) * (tl.load(row + 1) * 16) + (r % inner) * (tl.load(row + 2) * 16)
+        if ALIGNED:  # whole blocks within one inner run of rows, rows contiguous, addresses and strides in 16s
+            src = (tl.load(row) * 16).to(tl.pointer_type(SRC))  # (stored divided by 16)
+            first = bi * BR
+            step = tl.load(row + 2) * 16
+            at = (first // inner) * (tl.load(row + 1) * 16) + (first % inner + ri) * step
             cols = tl.load(row + 6) * 16
             dst = (tl.load(row + 7) * 16).to(tl.pointer_type(tl.float8e4nv))
             x = tl.load(src + at + c).to(tl.float32)
@@ -132,11 +134,13 @@ class BlockCast:
                          for (dtype, aligned), group in groups.items()]
 
     def _aligned(self, job: CastJob) -> bool:
-        """Whether ``job`` takes the kernel's fast form: whole blocks (of powers of two), rows contiguous, and the
-        addresses of source and values and the row strides multiples of 16 (vector loads and stores)."""
-        (rows, cols), (outer, _, inner, step) = job.values.shape, _layout(job)
+        """Whether ``job`` takes the kernel's fast form: whole blocks (of powers of two) that each lie in one run
+        of rows one stride apart, rows contiguous, and the addresses of source and values and the row strides
+        multiples of 16 (vector loads and stores, no division per row)."""
+        (rows, cols), (outer, inner_rows, inner, step) = job.values.shape, _layout(job)
         br, bc = self.fp8.block
         return (br == _pow2(br) and bc == _pow2(bc) and rows % br == 0 and cols % bc == 0 and cols % 16 == 0
+                and inner_rows % br == 0
                 and step == 1 and outer % 16 == 0 and inner % 16 == 0 and job.source.data_ptr() % 16 == 0
                 and job.values.data_ptr() % 16 == 0)
 
