@@ -2,6 +2,7 @@
 # One device call: correctness check, then the benchmark rows given as "preset:transport[:flags]" words.
 #   bash tools/gpu_session.sh check qwen3-8b:ipc qwen3-8b:ipc:--no-rollback qwen3-30b-a3b:stream:--reuse-buffers
 # Block FP8 (stream rows; flags are one word, so quote them): qwen3-8b:stream:"--reuse-buffers --quantize fp8-block"
+# The block-FP8 kernel alone (bits against the whole-tensor arithmetic, speed against a device copy): the word fp8-kernel.
 # JSON of every row and the raw output go to $OUT (or ./gpu-out).
 set -uo pipefail
 OUT="${OUT:-gpu-out}"; mkdir -p "$OUT"
@@ -9,6 +10,10 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.
 for row in "$@"; do
   if [ "$row" = check ]; then
     OUT="$OUT" timeout 300 bash tools/gpu_run.sh check 2>&1 | grep -v Warning | tail -5
+    continue
+  fi
+  if [ "$row" = fp8-kernel ]; then
+    PYTHONPATH="/tmp/site:$PWD" timeout 300 python3 tools/gpu_fp8_kernel.py --json "$OUT/fp8_kernel.json" | tail -12
     continue
   fi
   IFS=: read -r preset transport flags <<<"$row"
