@@ -36,8 +36,8 @@ are added to its expected tensors (:func:`mtp_tensors`). The config decides (``n
 - The config declares MTP layers that Megatron does not hold: refused, every missing MTP tensor named ("HF
   tensors the model does not provide"); stream with ``num_nextn_predict_layers=0`` (the engines keep the MTP
   weights they hold) or build the model with ``mtp_num_layers``.
-- With PP > 1 Megatron's last stage holds a second copy of the embedding for its MTP layers: refused for now
-  ("tensors held by several pipeline stages").
+- With PP > 1 Megatron's last stage holds a copy of the embedding for its MTP layers (the source names it
+  ``mtp.embedding.*``): loaded, never emitted (the first stage's is).
 """
 
 from __future__ import annotations
@@ -109,6 +109,9 @@ MTP = (
     replace(m, megatron=m.megatron.replace(L, f"{MTP_LAYER}.transformer_layer", 1), mtp_depth=True)
     for m in MLA + DENSE_MLP + ROUTER + ROUTED_EXPERTS + SHARED_EXPERTS
 ) + (
+    # With PP > 1 the last stage's copy of the embedding for its MTP layers (the source's name): loaded, not emitted.
+    Mapping("mtp.embedding.word_embeddings.weight", "model.embed_tokens.weight", VOCAB, tp_dim=0, emit=False,
+            when=_with_mtp),
     # Megatron's embedding and output layer, with their copies in each MTP layer.
     Mapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight", "model.layers.{mtp}.embed_tokens.weight"),
             PerMTPLayer(VOCAB), tp_dim=0, when=_with_mtp),

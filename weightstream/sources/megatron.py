@@ -2,9 +2,10 @@
 
 This is the only module that knows Megatron-Core's module tree: it unwraps DDP/Float16Module,
 renames each VPP chunk's local layer indices to global ones (``layer_number - 1``) and each EP
-rank's local expert indices to global ones (``ep_rank * experts_per_rank + e``), and picks up the
-buffers that are weights (``router.expert_bias``). Every rank reports its tensors once (one
-``all_gather_object``) to make the global table; per bucket, TP and expert-TP shards are gathered with one
+rank's local expert indices to global ones (``ep_rank * experts_per_rank + e``), names a later stage's copy of
+the embedding for its multi-token prediction layers ``mtp.embedding.*``, and picks up the buffers that are
+weights (``router.expert_bias``). Every rank reports its tensors once (one ``all_gather_object``) to make the
+global table; per bucket, TP and expert-TP shards are gathered with one
 all-gather per group, and each pipeline stage's (and each expert owner's) part of the packed bucket is
 broadcast over the PP (and EP) group.
 """
@@ -61,6 +62,16 @@ def _layer_offsets(model: nn.Module) -> dict[int, int]:
     return {i: cast(int, layer.layer_number) - 1 for i, layer in enumerate(layers)}
 
 
+# A pipeline stage that holds multi-token prediction layers but not the model's input holds a copy of the embedding
+# for them (Megatron-Core keeps it equal to the first stage's): named ``mtp.embedding.*``, apart from the original.
+MTP_EMBEDDING_OF = "embedding."
+
+
+def _mtp_embedding_copy(model: nn.Module) -> bool:
+    """Whether this chunk's embedding is its multi-token prediction layers' copy (a later stage's)."""
+    return isinstance(model._modules.get("mtp"), nn.Module) and not cast(bool, model.pre_process)
+
+
 def _experts_per_rank(model: nn.Module, num_experts: int, ep_size: int) -> int:
     if num_experts and num_experts % ep_size:
         raise ValueError(f"{num_experts} experts cannot be split over {ep_size} expert-parallel ranks")
@@ -79,8 +90,11 @@ def local_tensors(
         per_rank = _experts_per_rank(model, num_experts, topo.ep_size)
         named: list[tuple[str, Tensor]] = list(model.named_parameters())
         named += [(n, b) for n, b in model.named_buffers() if n.endswith(WEIGHT_BUFFERS)]
+        mtp_embedding = _mtp_embedding_copy(model)
         for name, tensor in named:
             gname, expert = global_name(name, layer_map, topo.ep_rank, per_rank)
+            if mtp_embedding and gname.startswith(MTP_EMBEDDING_OF):
+                gname = "mtp." + gname
             if gname in seen:
                 raise ValueError(f"two local tensors map to the same global name {gname!r} (chunks overlap?)")
             seen[gname] = len(out)
