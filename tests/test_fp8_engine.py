@@ -1,5 +1,6 @@
-"""The reference engine serving a block-FP8 model: started on a block-FP8 checkpoint it holds ``fp8 × scale``
-(the same logits, bit for bit, as an engine started on those dequantized weights) and reports its
+"""The reference engine serving a block-FP8 model: started on a block-FP8 checkpoint it holds the float8 values
+and their scales, as engines do, and computes with ``fp8 × scale`` (the same logits, bit for bit, as an engine
+started on those dequantized weights) and reports its
 quantization_config; real Megatron-Core trainers (gloo jobs) update it in block FP8 over broadcast, P2P and
 IPC, to exactly the weights of the FP8 checkpoint they write; what does not fit its layout is refused, whole,
 and it serves its old weights."""
@@ -120,9 +121,9 @@ def _updated(results: list[list[dict]]) -> list[dict]:
 
 def test_trainers_update_fp8_engines_over_every_transport(sources, dense_dirs, tmp_path):
     """Megatron-Core at TP 2 into FP8 engines over P2P (engine TP 2), IPC (engine TP 2) and broadcast (engine
-    TP 1, metadata ahead); at TP 1 over IPC (the stream in FP8: no direct writes) and IPC with kept buffers
-    prepared ahead. Each engine's logits then equal, bit for bit, those of an engine of its TP started on the
-    FP8 checkpoint the trainer writes."""
+    TP 1, metadata ahead); at TP 1 over IPC (one copy: the stream quantizes straight into the engine's own float8
+    values and scales) and IPC with kept buffers prepared ahead. Each engine's logits then equal, bit for bit,
+    those of an engine of its TP started on the FP8 checkpoint the trainer writes."""
     src, start = sources["tiny-qwen3"], dense_dirs["fp8"]
     with engines((start, 2), (start, 2), (start, 1)) as (p2p, ipc, bcast):
         before = _logits(bcast)
@@ -136,7 +137,7 @@ def test_trainers_update_fp8_engines_over_every_transport(sources, dense_dirs, t
                               str(tmp_path / "tp1")))
     reports = [e["report"] for e in tp2 + tp1]
     assert [r.transport for r in reports] == ["p2p", "ipc", "broadcast", "ipc", "ipc"]
-    assert reports[0].mode == "per_rank" and reports[2].metadata_ahead and not reports[3].direct
+    assert reports[0].mode == "per_rank" and reports[2].metadata_ahead and reports[3].direct and not reports[4].direct
     with engines((tmp_path / "tp2", 2), (tmp_path / "tp2", 1), (tmp_path / "tp1", 1)) as (ref2, ref21, ref1):
         want2, want21, want1 = _logits(ref2), _logits(ref21), _logits(ref1)
     assert torch.equal(tp2[0]["logits"], want2) and torch.equal(tp2[1]["logits"], want2)
@@ -183,3 +184,35 @@ def test_an_fp8_engine_started_without_weights_knows_its_fp8_weights_from_the_fa
                                               "block FP8"):
             eng.receive_ipc(1, [eng.encode_ipc(Bucket.pack([norm, (Q_PROJ, weight)]))], None)
         eng.abort_update()
+
+
+def test_the_engine_holds_float8_values_and_scales_as_loaded(dense_dirs):
+    """In the engine's model (engine TP 1 and each rank of TP 2): every FP8 projection is a Float8Linear whose float8
+    values and scales are the checkpoint's own bytes (this rank's blocks), loaded as they are."""
+    from transformers import AutoConfig
+
+    from weightstream.reference_engine.model import Float8Linear, ShardedCausalLM
+
+    config = AutoConfig.from_pretrained(dense_dirs["fp8"])
+    with CheckpointReader(dense_dirs["fp8"]) as reader:
+        held = {n: reader.get(n) for n in reader.keys()}
+    for size in (1, 2):
+        for rank in range(size):
+            model = ShardedCausalLM(config, rank, size, None, torch.device("cpu"))
+            model.quantized(SMALL, held)
+            report = model.load_weights((n, t, None) for n, t in held.items())
+            assert not report.problems and set(report.loaded) == set(held)
+            stored = [n for n in held if n.endswith(SCALE_SUFFIX)]
+            assert len(stored) == 28 and len(model.stored_fp8) == 28
+            for scale in stored:
+                name = scale[: -len(SCALE_SUFFIX)]
+                values, scales = model.params[name], model.params[scale]
+                dim = values[1]
+                want_values, want_scales = held[name], held[scale]
+                if dim is not None and size > 1:
+                    want_values = want_values.chunk(size, dim)[rank]
+                    want_scales = want_scales.chunk(size, dim)[rank]
+                assert values[0].dtype == FP8
+                assert torch.equal(values[0].view(torch.uint8), want_values.view(torch.uint8)), name
+                assert torch.equal(scales[0], want_scales), scale
+            assert sum(isinstance(m, Float8Linear) for m in model.model.modules()) == 28

@@ -6,9 +6,11 @@ the norms whole, and — as some engines do — the embedding and lm_head whole.
 takes HF checkpoint names with whole tensors (narrowed to this rank's shard here) or with
 per-rank shards (checked to be exactly this rank's).
 
-A block-FP8 model (its checkpoint's ``quantization_config``) is held dequantized, in the engine's dtype:
-each ``X.weight`` in float8 arrives with its ``X.weight_scale_inv`` (from the checkpoint or in the same
-bucket of an update) and is loaded as ``fp8 × scale`` per block.
+A block-FP8 model (its checkpoint's ``quantization_config``) holds its FP8 projections as engines do: the
+float8 values ``X.weight`` and their float32 ``X.weight_scale_inv``, loaded as they arrive (from the checkpoint, or
+in the same bucket of an update, a colocated trainer writing straight into them), dequantized to the engine's dtype
+in each forward (:class:`Float8Linear`). An FP8 weight that is not a plain projection (fused routed experts) or
+whose shard does not fall on the block grid is held dequantized instead, loaded as ``fp8 × scale`` per block.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8, dequantize_block_fp8
@@ -77,6 +80,24 @@ class RowParallelLinear(nn.Module):
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(out, group=self.group)
         return out
+
+
+class Float8Linear(nn.Module):
+    """A projection held in block FP8: float8 ``weight`` and float32 ``weight_scale_inv`` (one per block, this
+    rank's), dequantized to the input's dtype in each forward."""
+
+    def __init__(self, linear: nn.Linear, fp8: BlockFP8):
+        super().__init__()
+        self.block = fp8.block
+        device = linear.weight.device
+        self.weight = nn.Parameter(torch.zeros(linear.weight.shape, dtype=FP8, device=device), requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(torch.ones(fp8.scale_shape(tuple(linear.weight.shape)),
+                                                        dtype=torch.float32, device=device), requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight = dequantize_block_fp8(self.weight, self.weight_scale_inv, self.block, dtype=x.dtype)
+        return F.linear(x, weight, self.bias)
 
 
 def _split(n: int, size: int, what: str) -> int:
@@ -140,6 +161,7 @@ class ShardedCausalLM:
         self.fp8: BlockFP8 | None = None  # the model's block-FP8 layout (None: an unquantized model)
         self.fp8_weights: frozenset[str] | None = None  # the weights it holds in FP8 (None: by the declaration)
         self.fp8_declared: Callable[[str], bool] = _everything  # the family's FP8 weights (Converter.quantizes)
+        self.stored_fp8: set[str] = set()  # FP8 weights held as float8 values and scales (Float8Linear)
 
     def quantized(self, fp8: BlockFP8 | None, names: Iterable[str],
                   declared: Callable[[str], bool] = _everything) -> None:
@@ -149,6 +171,27 @@ class ShardedCausalLM:
         self.fp8, self.fp8_declared = fp8, declared
         held = {n[: -len(SCALE_SUFFIX)] for n in names if n.endswith(SCALE_SUFFIX)}
         self.fp8_weights = frozenset(held) if held or fp8 is None else None
+        if fp8 is not None:
+            self._hold_float8(fp8)
+
+    def _hold_float8(self, fp8: BlockFP8) -> None:
+        """Each projection held in FP8 whose rank's part falls on the block grid becomes a :class:`Float8Linear`
+        (its float8 values and scales are then loaded, and written into, as they are)."""
+        for name, module in list(self.model.named_modules()):
+            if not isinstance(module, nn.Linear):
+                continue
+            weight = self._checkpoint_names(f"{name}.weight".replace(".linear.", "."))[0]
+            entry = self.params.get(weight)
+            if entry is None or not self._held_fp8(weight) or not self._on_blocks(entry[0], entry[1], fp8):
+                continue
+            parent_name, _, attr = name.rpartition(".")
+            setattr(self.model.get_submodule(parent_name), attr, Float8Linear(module, fp8))
+            self.stored_fp8.add(weight)
+        self.params = self._param_table()
+
+    def _on_blocks(self, param: Tensor, dim: int | None, fp8: BlockFP8) -> bool:
+        """Whether this rank's part of a weight (``param``, split on ``dim``) is whole blocks of the whole weight."""
+        return dim is None or self.size == 1 or param.shape[dim] % fp8.block[dim] == 0
 
     def mark_never_loaded(self, loaded: set[str]) -> None:
         """After the weights found at start: every tensor they did not hold is stale (the engine refuses to
@@ -304,7 +347,7 @@ class ShardedCausalLM:
                 continue
             name = name.replace(".linear.", ".")
             module_path = name.rsplit(".", 1)[0]
-            row = ROW.search("." + module_path) and name.endswith(".weight")
+            row = ROW.search("." + module_path) and name.endswith((".weight", ".weight" + SCALE_SUFFIX))
             dim = 0 if COLUMN.search("." + module_path) else 1 if row else None
             table[self._checkpoint_names(name)[0]] = (p, dim)
         for name, b in _weight_buffers(self.model).items():
@@ -344,7 +387,8 @@ class ShardedCausalLM:
         out = []
         for m in metas:
             entry = self.params.get(m.name)
-            if entry is None or m.shard is not None or (m.name in VOCAB and self.size > 1) or self._held_fp8(m.name):
+            if (entry is None or m.shard is not None or (m.name in VOCAB and self.size > 1)
+                    or (self._held_fp8(m.name) and m.name not in self.stored_fp8)):
                 return None
             param, dim = entry
             if (dim is not None and self.size > 1) or tuple(param.shape) != tuple(m.shape) or param.dtype != m.dtype:
@@ -441,6 +485,8 @@ class ShardedCausalLM:
                 if name[: -len(SCALE_SUFFIX)] not in values:
                     problems.append(f"{name}: a scale without its float8 weight {name[: -len(SCALE_SUFFIX)]} "
                                     "in the same bucket")
+                elif name[: -len(SCALE_SUFFIX)] in self.stored_fp8:
+                    out.append((name, tensor, shard))  # checked with its weight (_fp8_pair)
                 continue
             try:
                 out.append((name, self._fp8_pair(name, tensor, shard, scales.get(name)), shard))
@@ -474,6 +520,8 @@ class ShardedCausalLM:
         if scale_shard != self._scale_shard(shard):
             raise ValueError(f"its scale is placed at {scale_shard}, its weight at {shard}: the weight's blocks "
                              f"take {self._scale_shard(shard)}")
+        if name in self.stored_fp8:
+            return values  # held as float8 values and scales: loaded as they are
         entry = self.params.get(name)
         dtype = entry[0].dtype if entry is not None else torch.float32
         return dequantize_block_fp8(values, scales.to(values.device), self.fp8.block, dtype=dtype)

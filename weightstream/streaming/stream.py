@@ -296,8 +296,7 @@ class BucketStream(Iterator[Bucket]):
     def can_write_into(self) -> bool:
         """Whether this rank makes every tensor of every bucket itself, whole (a full stream of a source with
         no pipeline or expert parallelism to share over, kept plan): then :meth:`write_into` applies."""
-        return (self.mode == "full" and self.shared is not None and self.quantization is None
-                and all(it.mine for it in self.items))
+        return self.mode == "full" and self.shared is not None and all(it.mine for it in self.items)
 
     def write_into(self, targets: dict[str, Tensor], key: Any) -> None:
         """Have every tensor written straight into ``targets[name]`` (a contiguous tensor of the tensor's dtype
@@ -478,6 +477,9 @@ class BucketStream(Iterator[Bucket]):
             calls.append(batched_copy(list(dst), list(src), stable=True))
         if strided:
             calls.append(partial(torch._foreach_copy_, [d for d, _ in strided], [s for _, s in strided]))
+        if program.casts and self.quantization is not None:  # block FP8: values and scales into the receiver's own
+            calls.append(block_cast([CastJob(view, into[meta.name].view(meta.shape), into[scale.name])
+                                     for view, meta, scale in program.casts], self.quantization.fp8))
         program.copies[self._into_key] = calls
         return calls
 
@@ -487,6 +489,7 @@ class BucketStream(Iterator[Bucket]):
             for copy in self._copies_into(program, into):
                 copy()
         gather_bytes = largest = 0
+        batch = None if self.quantization is None else QuantizeBatch(self.quantization.fp8)
         if program.slow:
             items, metas = program.items, program.item_metas
             fetched, gather_bytes = self.source.fetch([items[k].entry for k in program.slow], self.mode,
@@ -496,8 +499,10 @@ class BucketStream(Iterator[Bucket]):
                 source = fetched.pop(it.entry.name)
                 full = source() if callable(source) else source
                 largest = max(largest, full.numel() * full.element_size())
-                self._convert(it, full, [into[m.name].view(m.shape) for m in metas[k]], None)
+                self._convert(it, full, [into[m.name].view(m.shape) for m in metas[k]], batch)
                 del full
+        if batch is not None:
+            batch.run()
         self._count(program, gather_bytes + largest)
         return Bucket(bp.index, torch.empty(0, dtype=torch.uint8, device=self.device), program.metas, written=True)
 
