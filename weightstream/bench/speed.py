@@ -252,10 +252,12 @@ def _stream_check(chunks, cfg, bucket_bytes: int, reuse_buffers: bool,
 
 def update_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype: str, repeats: int,
                load: bool = False, ahead: bool = True, tp: int = 1, ep: int = 1, prepare: bool = False,
-               direct: bool = True) -> dict:
+               direct: bool = True, quantize: BlockFP8 | None = None) -> dict:
     """Trainer rank (one device each, TP ``tp`` × EP ``ep``): update the engine cold then ``repeats`` warm;
     report each.
-    ``load``: the trainer's weights are the checkpoint in ``cfg_dir`` (else Megatron's random initialisation)."""
+    ``load``: the trainer's weights are the checkpoint in ``cfg_dir`` (else Megatron's random initialisation).
+    ``quantize``: in block FP8, into an engine whose model is (the IPC ceiling then the copy of the bf16 bytes
+    read, as on stream rows)."""
     from weightstream.models.spec import load_hf_config
     from weightstream.update import WeightSync
 
@@ -270,15 +272,17 @@ def update_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype:
     # WEIGHTSTREAM_BENCH_FRESH_BUFFERS=1: a new buffer per bucket instead of the two kept ones (to compare).
     reuse = os.environ.get("WEIGHTSTREAM_BENCH_FRESH_BUFFERS", "0") != "1"
     with WeightSync([url], transport=transport, bucket_bytes=bucket_bytes, timeout_s=300,
-                    reuse_buffers=reuse, metadata_ahead=ahead, direct=direct) as sync:
+                    reuse_buffers=reuse, metadata_ahead=ahead, direct=direct, quantize=quantize) as sync:
         prepared = None
         if prepare:
             ((prepared, _),), _ = _timed(device, 1, lambda: sync.prepare(chunks, cfg))
         runs, peak = _timed(device, repeats + 1, lambda: sync.update(chunks, cfg))
-    verified = _checksummed_update(chunks, cfg, url, transport, bucket_bytes, ahead)
+    verified = _checksummed_update(chunks, cfg, url, transport, bucket_bytes, ahead, quantize)
     reports = [{"wall": t, "transport": rep.transport, "bytes": rep.bytes, "buckets": rep.buckets,
                 "tensors": rep.tensors, "seconds": rep.seconds, "direct": rep.direct} for t, rep in runs]
-    ceiling = copy_ceiling(reports[-1]["bytes"], bucket_bytes, device, repeats) if transport == "ipc" else None
+    read = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
+    ceiling = (copy_ceiling(reports[-1]["bytes"] if quantize is None else read, bucket_bytes, device, repeats)
+               if transport == "ipc" else None)
     from weightstream.testing.megatron import megatron_logits
 
     logits: torch.Tensor | str
@@ -290,29 +294,31 @@ def update_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype:
             "prepare_s": prepared, "logits": logits, "verified": verified}
 
 
-def _checksummed_update(chunks, cfg, url: str, transport: str, bucket_bytes: int, ahead: bool) -> str | None:
+def _checksummed_update(chunks, cfg, url: str, transport: str, bucket_bytes: int, ahead: bool,
+                        quantize: BlockFP8 | None = None) -> str | None:
     """One more update of the same weights, untimed, with checksums: the engine checks every bucket it
     receives against the trainer's checksum of it. None when it passed, else why not."""
     from weightstream.update import WeightSync
 
     try:
         with WeightSync([url], transport=transport, bucket_bytes=bucket_bytes, timeout_s=300, checksums=True,
-                        metadata_ahead=ahead) as sync:
+                        metadata_ahead=ahead, quantize=quantize) as sync:
             sync.update(chunks, cfg)
     except Exception as exc:  # noqa: BLE001 -- the row reports it and fails
         return f"{type(exc).__name__}: {exc}"
     return None
 
 
-def _logits_tolerance(dtype: str, scale: float) -> float:
+def _logits_tolerance(dtype: str, scale: float, quantized: bool = False) -> float:
     """How far the engine's logits (transformers' arithmetic) may be from the Megatron model's own forward
     with the same weights: float32 agrees to rounding; in bf16 the two implementations round differently
     layer after layer (0.29 on logits up to 6.9 seen for Qwen3-8B), while one wrong tensor moves logits by
-    about their own scale."""
-    return 1e-4 * max(1.0, scale) if dtype == "float32" else 0.1 * max(1.0, scale)
+    about their own scale. A block-FP8 engine's weights are the trainer's within FP8's error: the bound the
+    checkpoint tests state for it (a tenth of the largest logit)."""
+    return 1e-4 * max(1.0, scale) if dtype == "float32" and not quantized else 0.1 * max(1.0, scale)
 
 
-def _engine_check(url: str, rank0: dict, dtype: str) -> tuple[str, bool]:
+def _engine_check(url: str, rank0: dict, dtype: str, quantized: bool = False) -> tuple[str, bool]:
     """The row's check after its runs: every bucket of a checksummed update verified by the engine, and the
     engine's logits within :func:`_logits_tolerance` of the Megatron model's."""
     from weightstream.engines import ReferenceEngine
@@ -328,11 +334,12 @@ def _engine_check(url: str, rank0: dict, dtype: str) -> tuple[str, bool]:
     except Exception as exc:  # noqa: BLE001 -- the row reports it and fails
         return "; ".join(problems + [f"the engine's logits could not be read: {exc}"]), False
     diff, scale = (theirs - ours).abs().max().item(), ours.abs().max().item()
-    tol = _logits_tolerance(dtype, scale)
+    tol = _logits_tolerance(dtype, scale, quantized)
     if diff > tol:
         problems.append(f"logits differ by more than {tol:.3g}")
     text = (f"every bucket's checksum verified by the engine on one more update; engine logits vs the Megatron "
-            f"model's: max |diff| {diff:.3g} (logits up to {scale:.3g}, {dtype}, tolerance {tol:.3g})")
+            f"model's: max |diff| {diff:.3g} (logits up to {scale:.3g}, {dtype}{', block FP8' if quantized else ''}, "
+            f"tolerance {tol:.3g})")
     return "; ".join([text] + problems), not problems
 
 
@@ -398,8 +405,11 @@ def run_bench(preset: str, transport: str, *, tiny: bool = False, dtype: str = "
         res.peak_extra_bytes, res.phases = r["peak_extra_bytes"], r["phases"]
         res.check, res.check_ok = r["check"], r["check_ok"]
         return res
+    if quantize is not None and transport == "checkpoint":
+        raise ValueError("--quantize is measured on stream and update rows (not --transport checkpoint)")
     if quantize is not None:
-        raise ValueError("--quantize is measured on stream rows for now (--transport stream)")
+        res.transport += f" (block FP8 {quantize.block[0]}x{quantize.block[1]})"
+        cfg.quantization_config = fp8_config(cfg, quantize)
     if transport == "checkpoint":
         return _checkpoint_bench(res, cfg, dtype, bucket_bytes, repeats)
     if not rollback:
@@ -409,13 +419,22 @@ def run_bench(preset: str, transport: str, *, tiny: bool = False, dtype: str = "
     if tp > 1 or ep > 1 or engine_tp not in (None, 1):
         res.transport += f" (trainer TP {tp}{f' EP {ep}' if ep > 1 else ''}, engine TP {engine_tp or tp})"
     return _update_bench(res, cfg, transport, dtype, bucket_bytes, repeats, engine_device, backend, rollback, ahead,
-                         tp, engine_tp or tp, ep, prepare, direct)
+                         tp, engine_tp or tp, ep, prepare, direct, quantize)
+
+
+def fp8_config(cfg, quantize: BlockFP8) -> dict:
+    """The ``quantization_config`` of ``cfg``'s model in block FP8 as its family declares it: what an engine
+    started on the config serves (float8 values and scales), and takes updates in."""
+    from weightstream.converters.expected import expected_hf_shapes
+    from weightstream.converters.registry import get_converter
+
+    return quantize.config(get_converter(cfg.model_type).not_quantized(expected_hf_shapes(cfg)))
 
 
 def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_bytes: int, repeats: int,
                   engine_device: str | None, backend: str, rollback: bool = True, ahead: bool = True,
                   tp: int = 1, engine_tp: int = 1, ep: int = 1, prepare: bool = False,
-                  direct: bool = True) -> BenchResult:
+                  direct: bool = True, quantize: BlockFP8 | None = None) -> BenchResult:
     from weightstream.launch import launch
     from weightstream.reference_engine.server import serve, stop
 
@@ -432,9 +451,9 @@ def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_byte
         server = serve(tmp, engine_tp, device=engine_device, dtype=dtype, rollback=rollback)
         try:
             ranks = launch(tp * ep, update_job, tmp, server.url, transport, bucket_bytes, dtype, repeats, False, ahead,
-                           tp, ep, prepare, direct, backend=backend, timeout_s=600)
+                           tp, ep, prepare, direct, quantize, backend=backend, timeout_s=600)
             r = ranks[0]
-            res.check, res.check_ok = _engine_check(server.url, r, dtype)
+            res.check, res.check_ok = _engine_check(server.url, r, dtype, quantize is not None)
         finally:
             stop(server)
         reports = r["reports"]
@@ -450,7 +469,8 @@ def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_byte
         res.cold_phases = {k: v for k, v in reports[0]["seconds"].items() if k != "total"}
         res.peak_extra_bytes = r["peak_extra_bytes"]
         if transport == "ipc":
-            res.ceiling_s, res.ceiling = r["copy_ceiling_s"], "device copy of the same bytes"
+            res.ceiling_s = r["copy_ceiling_s"]
+            res.ceiling = "device copy of the " + ("bf16 bytes read" if quantize is not None else "same bytes")
         elif best["transport"] == "p2p":
             per_rank = [x["reports"][-1]["bytes"] for x in ranks]
             res.bytes = sum(per_rank)
