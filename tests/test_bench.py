@@ -45,7 +45,8 @@ def test_a_moe_row_checks_the_engine_with_the_megatron_models_own_forward():
 def test_an_fp8_ipc_row_writes_into_the_float8_engine_and_checks_it():
     """``--quantize fp8-block`` on an update row: the engine starts on the model's block-FP8 config (holding float8
     values and scales), the colocated trainer quantizes straight into them (one copy), and the row's check verifies
-    every bucket's checksum and the engine's logits within FP8's error of the Megatron model's."""
+    every bucket's checksum and the engine's logits against the Megatron model's own forward with the weights the
+    engine serves (each FP8 tensor fp8 × scale), to float32 rounding."""
     from weightstream.converters.fp8 import BlockFP8
 
     res = run_bench("tiny-qwen3", "ipc", dtype="float32", bucket_bytes=64 << 10, repeats=1,
@@ -54,4 +55,4 @@ def test_an_fp8_ipc_row_writes_into_the_float8_engine_and_checks_it():
     assert res.check_ok is True and "every bucket's checksum verified by the engine" in res.check, res.check
     assert res.ceiling == "device copy of the bf16 bytes read"
     diff = float(re.search(r"max \|diff\| (\S+)", res.check).group(1))
-    assert 0 < diff <= 0.1, res.check  # quantized: not the float32 model's logits, within FP8's error of them
+    assert diff <= 1e-4, res.check

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8
+from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8, dequantize_block_fp8
 
 TRANSPORTS = ("stream", "broadcast", "ipc", "p2p", "checkpoint")
 IDS = [[3, 14, 15, 92, 65, 35, 89, 79]]
@@ -287,11 +287,32 @@ def update_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype:
 
     logits: torch.Tensor | str
     try:
+        if quantize is not None:
+            _as_served(chunks, cfg, quantize)
         logits = megatron_logits(chunks, torch.tensor(IDS), cfg.vocab_size).float().cpu()
     except Exception as exc:  # noqa: BLE001 -- e.g. Megatron's MoE router needs Transformer Engine on GPUs
         logits = f"the Megatron model's own forward failed: {type(exc).__name__}: {exc}"
     return {"device": str(device), "reports": reports, "peak_extra_bytes": peak, "copy_ceiling_s": ceiling,
             "prepare_s": prepared, "logits": logits, "verified": verified}
+
+
+def _as_served(chunks, cfg, quantize: BlockFP8) -> None:
+    """The trainer's weights replaced by those a block-FP8 engine serves (each FP8 tensor ``fp8 × scale`` in the
+    model's dtype, as the stream quantizes it), so that the Megatron model's own forward is the reference for the
+    engine's logits."""
+    from weightstream.streaming.stream import stream_hf_weights
+    from weightstream.testing.megatron import load_hf_weights
+
+    dtype = next(chunks[0].parameters()).dtype
+    served: dict[str, torch.Tensor] = {}
+    for bucket in stream_hf_weights(chunks, cfg, quantize=quantize):
+        named = dict(bucket.named_tensors())
+        for name, t in named.items():
+            if t.dtype == FP8:
+                served[name] = dequantize_block_fp8(t, named[name + SCALE_SUFFIX], quantize.block, dtype=dtype)
+            elif not name.endswith(SCALE_SUFFIX):
+                served[name] = t.clone()
+    load_hf_weights(chunks, cfg, served)
 
 
 def _checksummed_update(chunks, cfg, url: str, transport: str, bucket_bytes: int, ahead: bool,
@@ -309,13 +330,12 @@ def _checksummed_update(chunks, cfg, url: str, transport: str, bucket_bytes: int
     return None
 
 
-def _logits_tolerance(dtype: str, scale: float, quantized: bool = False) -> float:
+def _logits_tolerance(dtype: str, scale: float) -> float:
     """How far the engine's logits (transformers' arithmetic) may be from the Megatron model's own forward
     with the same weights: float32 agrees to rounding; in bf16 the two implementations round differently
     layer after layer (0.29 on logits up to 6.9 seen for Qwen3-8B), while one wrong tensor moves logits by
-    about their own scale. A block-FP8 engine's weights are the trainer's within FP8's error: the bound the
-    checkpoint tests state for it (a tenth of the largest logit)."""
-    return 1e-4 * max(1.0, scale) if dtype == "float32" and not quantized else 0.1 * max(1.0, scale)
+    about their own scale."""
+    return 1e-4 * max(1.0, scale) if dtype == "float32" else 0.1 * max(1.0, scale)
 
 
 def _engine_check(url: str, rank0: dict, dtype: str, quantized: bool = False) -> tuple[str, bool]:
@@ -334,12 +354,12 @@ def _engine_check(url: str, rank0: dict, dtype: str, quantized: bool = False) ->
     except Exception as exc:  # noqa: BLE001 -- the row reports it and fails
         return "; ".join(problems + [f"the engine's logits could not be read: {exc}"]), False
     diff, scale = (theirs - ours).abs().max().item(), ours.abs().max().item()
-    tol = _logits_tolerance(dtype, scale, quantized)
+    tol = _logits_tolerance(dtype, scale)
     if diff > tol:
         problems.append(f"logits differ by more than {tol:.3g}")
     text = (f"every bucket's checksum verified by the engine on one more update; engine logits vs the Megatron "
-            f"model's: max |diff| {diff:.3g} (logits up to {scale:.3g}, {dtype}{', block FP8' if quantized else ''}, "
-            f"tolerance {tol:.3g})")
+            f"model's{' with the weights the engine serves (each FP8 tensor fp8 x scale)' if quantized else ''}: "
+            f"max |diff| {diff:.3g} (logits up to {scale:.3g}, {dtype}, tolerance {tol:.3g})")
     return "; ".join([text] + problems), not problems
 
 
