@@ -44,9 +44,11 @@ from weightstream.errors import UpdateError, WeightstreamError
 from weightstream.models.spec import ModelSpec, load_hf_config
 from weightstream.sinks import BroadcastSink, IPCSink, P2PSink
 from weightstream.sinks.base import Delivery, PipelinedSink, Sink
+from weightstream.sinks.delta import DeltaReport, DeltaTracker
 from weightstream.sources import as_source
 from weightstream.sources.base import Source
 from weightstream.sources.topology import Topology
+from weightstream.streaming.delta import Snapshot
 from weightstream.streaming.stream import DEFAULT_BUCKET_BYTES, BucketStream, Mode, stream_hf_weights
 from weightstream.wire.handles import gpu_uuid
 
@@ -72,12 +74,14 @@ class UpdateReport:
     planned: bool = False  # this update made the stream's plan (False: it used the one kept, e.g. by prepare)
     copies_made: int = 0  # buckets whose batched copies this update made (0: all were kept)
     formed_group: bool = False  # broadcast / P2P: this update formed the group to the engines (not kept)
+    delta: DeltaReport | None = None  # WeightSync(delta=True): full or deltas, and why; the check's result
 
     def summary(self) -> str:
         total = self.seconds.get("total", 0.0)
         how = ", written into the engine's weights" if self.direct else ""
+        delta = f"; {self.delta.summary()}" if self.delta is not None else ""
         return (f"{self.transport} ({self.reason}{how}): {self.tensors} tensors, {self.bytes / 1e6:.2f} MB in "
-                f"{self.buckets} buckets, {total:.3f} s, version {self.weight_version}")
+                f"{self.buckets} buckets, {total:.3f} s, version {self.weight_version}{delta}")
 
 
 def _rank() -> int:
@@ -269,6 +273,13 @@ class WeightSync:
     unquantized). ``engine_fp8`` / ``engine_model_path``: the layout the engines given by URL serve, stated
     where they do not report it (SGLang, vLLM, LMDeploy), as the adapters' ``fp8=`` / ``model_path=`` (the
     served model's directory, whose config.json's ``quantization_config`` says it).
+
+    ``delta``: after a first full update, each bucket goes as the words that changed since the engines' last
+    committed update (:mod:`weightstream.sinks.delta` says when an update is full instead), and every update is
+    checked (each engine rank's checksum of each bucket's bytes against the trainer's; a mismatch aborts the
+    update and sends it again, full). ``snapshot``: where the sender keeps its copy of the bytes the engines hold
+    (``"device"`` or pinned ``"host"`` memory; 2 GB per billion bf16 parameters). ``full_every``: every N-th
+    update is full.
     """
 
     def __init__(self, engines: Sequence[EngineAdapter | str], *, transport: str = "auto", engine: str = "auto",
@@ -277,7 +288,8 @@ class WeightSync:
                  backend: str | None = None, pause_mode: str = "abort", api_key: str | None = None,
                  group_name: str = "weightstream", reuse_buffers: bool = True, metadata_ahead: bool = True,
                  direct: bool = True, quantize: BlockFP8 | None = None, engine_fp8: BlockFP8 | None = None,
-                 engine_model_path: str | None = None):
+                 engine_model_path: str | None = None, delta: bool = False, full_every: int | None = None,
+                 snapshot: str = "device"):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if not engines:
@@ -307,6 +319,9 @@ class WeightSync:
         self.sinks: dict[str, Sink] = {}  # one per transport used, kept across updates (groups are made once)
         self.updates = 0
         self.released: list[str] = []  # memory the engines gave up (release_memory), re-created by the next update
+        if full_every is not None and not delta:
+            raise ValueError("full_every applies to delta updates (delta=True)")
+        self.delta = DeltaTracker(Snapshot(snapshot), full_every) if delta else None
 
     def _make_sink(self, kind: str, topology: Topology) -> Sink:
         sink = self.sinks.get(kind)
@@ -333,7 +348,7 @@ class WeightSync:
                            checksums=self.checksums)
         return BroadcastSink(self.engines, master_address=self.master_address, master_port=self.master_port,
                              backend=self.backend, timeout_s=self.timeout_s, checksums=self.checksums,
-                             ahead=self.metadata_ahead)
+                             ahead=self.metadata_ahead, delta=self.delta.snapshot if self.delta else None)
 
     def update(self, model_chunks: nn.Module | Sequence[nn.Module], hf_config: Any, *,
                weight_version: str | None = None) -> UpdateReport:
@@ -341,31 +356,83 @@ class WeightSync:
         :class:`UpdateError` naming the phase and the engines, or the :class:`ConversionError` that
         stopped the stream), the engines' sessions are aborted, the group is torn down on both sides,
         generation resumes, and it all ends within ``1.2 * timeout_s + 5`` seconds of the wait that
-        failed. The phases: decide (and pause), open, transfer, commit, resume."""
+        failed. The phases: decide (and pause), open, transfer, (delta mode: check,) commit, resume. With
+        ``delta``, an update whose check finds a mismatch is aborted (the engines put their weights back) and
+        done again in full; its report says what was found."""
         start = time.perf_counter()
         job = _Job.of(model_chunks, hf_config)
         self.updates += 1
         version = weight_version if weight_version is not None else str(self.updates)
+        report, mismatch = self._update_once(job, version)
+        if mismatch is not None:  # the same on every rank: the tracker forced the next update full
+            log.warning("delta update %s failed its check (%s): updating again, in full", version, mismatch)
+            report, _ = self._update_once(job, version)
+            if report.delta is not None:
+                report.delta.mismatch = mismatch
+        report.seconds["total"] = time.perf_counter() - start
+        return report
+
+    def _update_once(self, job: _Job, version: str) -> tuple[UpdateReport, str | None]:
+        """One attempt: its report, and what the delta check found (None: the update is committed)."""
         seconds: dict[str, float] = {}
         decision = self._decide(job, version, seconds)
         report = UpdateReport(decision.transport, decision.reason, decision.mode, engines=self._urls())
         err, opened = self._open(job, decision, seconds)
         if opened is not None:
+            err = err or self._begin_delta(decision, opened[1], report)
             err = self._transfer(*opened, err, report, seconds)
-        failure = _first_error(err)
+        failure, mismatch = _first_error(err), None
         if failure is None and _rank() == 0:
-            failure, resumed = self._commit(version, seconds)
-            if failure is None and not resumed:
-                self._resume(seconds)
-        failure = _share(failure)
+            failure, mismatch = self._check_delta(report, seconds)
+            if failure is None and mismatch is None:
+                failure, resumed = self._commit(version, seconds)
+                if failure is None and not resumed:
+                    self._resume(seconds)
+                if failure is None and self.delta is not None and report.delta is not None:
+                    self.delta.committed(self.engines, version, report.delta.full)
+        failure, mismatch = _share((failure, mismatch))
         if failure is not None:
+            if self.delta is not None:
+                self.delta.force_full(f"the last update failed ({type(failure).__name__})")
             self._fail()
             raise failure
-        self.released = []
+        if mismatch is None:
+            self.released = []
         report.weight_version = version
-        seconds["total"] = time.perf_counter() - start
         report.seconds = seconds
-        return report
+        return report, mismatch
+
+    def _begin_delta(self, decision: Decision, stream: BucketStream, report: UpdateReport) -> BaseException | None:
+        """Rank 0, with ``delta``: full or deltas for this update (the sender's snapshot readied for it)."""
+        if self.delta is None or _rank() != 0:
+            return None
+        try:
+            report.delta = self.delta.begin(self.engines, decision.transport, stream.metadata_digest(),
+                                            weights_released="weights" in self.released)
+        except Exception as exc:  # noqa: BLE001 — the stream still runs on every rank, then this is raised
+            return _as_update_error("delta", exc, self._urls())
+        return None
+
+    def _check_delta(self, report: UpdateReport, seconds: dict[str, float]) -> tuple[BaseException | None, str | None]:
+        """Rank 0, before the commit of a delta-mode update: the engines' checksums of what they applied against
+        the trainer's. A mismatch aborts the sessions (the engines put their weights back) and forces the next
+        update full; returned, said in one line."""
+        if self.delta is None or report.delta is None or not report.delta.encoded:
+            return None, None
+        t = time.perf_counter()
+        self.delta.sent(report.delta)
+        try:
+            problems = self.delta.check(self.engines)
+        except Exception as exc:  # noqa: BLE001 — shared with every rank
+            return _as_update_error("delta check", exc, self._urls()), None
+        seconds["check"] = time.perf_counter() - t
+        if not problems:
+            report.delta.checked = True
+            return None, None
+        mismatch = "; ".join(problems)
+        self.delta.force_full(f"the check of the last attempt found: {mismatch}")
+        self._abort_sessions()
+        return None, mismatch
 
     def _urls(self) -> list[str]:
         return [e.url for e in self.engines]

@@ -11,7 +11,11 @@ Faults, as ``KIND`` or ``KIND@N``:
 - ``die@K``: the worker exits (code 17) at bucket K;
 - ``stall@K``: the worker hangs at bucket K;
 - ``skip_join@R``: engine rank R says it joined the weight-update group and does not;
-- ``stall_commit``: the worker hangs when the update is committed.
+- ``stall_commit``: the worker hangs when the update is committed;
+- ``corrupt_delta@K``: the first delta payload of bucket K (changed words, not a dense bucket) has its last
+  value changed as it arrives (with ``checksums=True`` the transfer's own checksum catches it first).
+
+Every faulty worker also answers ``held_weights``: the tensors its model holds, by name, on the CPU.
 
 ``python -m tests.helpers.faults FAULT ARGS...`` runs ``weightstream ARGS...`` (its ``engine`` command, as users
 run it) with the fault.
@@ -62,6 +66,24 @@ class FaultyWorker(Worker):
         if self.fault == "stall_commit":
             time.sleep(3600)
         return super().commit_session()
+
+    struck_delta = False
+
+    def _receive_delta(self, group, header, index: int) -> torch.Tensor:
+        raw = super()._receive_delta(group, header, index)
+        if (self.fault == f"corrupt_delta@{index}" and not self.struck_delta and header.encoding != "dense"
+                and header.nbytes):
+            raw[header.nbytes - 1] ^= 0x5A
+            self.struck_delta = True
+        return raw
+
+    def held_weights(self) -> dict[str, torch.Tensor]:
+        """By the checkpoint's names (a row-parallel projection wraps its ``linear``)."""
+        return {n.replace(".linear.", "."): t.detach().cpu().clone()
+                for n, t in self.model.model.state_dict().items()}
+
+    def commands(self):
+        return {**super().commands(), "held_weights": self.held_weights}
 
     def _strike(self, index: int, buffer: torch.Tensor) -> None:
         kind, _, at = self.fault.partition("@")

@@ -38,6 +38,9 @@ BROADCAST_AHEAD = "broadcast_ahead"
 IPC_AHEAD = "ipc_ahead"
 COMMIT_AND_RESUME = "commit_and_resume"  # commits an update and resumes generation in one request
 PAUSE_AND_BEGIN = "pause_and_begin"  # pauses generation and opens an update session in one request
+# applies delta buckets (:mod:`weightstream.streaming.delta`) to the bytes of each bucket it holds from the last
+# committed update, and reports what it holds and the checksum of what it applied
+DELTA = "delta"
 
 
 class EngineError(WeightstreamError):
@@ -270,11 +273,35 @@ class PausesAndBegins(EngineAdapter, Protocol):
     def pause_and_begin(self, mode: str, version: str | None, timeout_s: float | None = None) -> None: ...
 
 
+@dataclass(frozen=True)
+class DeltaChecks:
+    """What a :data:`DELTA` engine applied in the open session: ``instance`` names the running engine (a
+    restarted one names another), ``base`` what it held before (``instance/version`` of the last committed
+    update whose buckets it keeps; None: none), ``buckets`` each bucket index's checksum of the bytes applied,
+    per engine rank."""
+
+    instance: str
+    base: str | None
+    buckets: dict[int, tuple[str, ...]]
+
+
+@runtime_checkable
+class DeltaEngine(EngineAdapter, Protocol):
+    """:data:`DELTA`: takes buckets whose buffer is a delta against the bytes it holds of them (a broadcast
+    bucket's :attr:`~weightstream.streaming.bucket.Bucket.delta`), keeps the bytes it applied, and reports them."""
+
+    def delta_base(self) -> str | None:
+        """``instance/version`` of the committed update whose bytes the engine holds (None: it holds none)."""
+
+    def delta_checks(self) -> DeltaChecks:
+        """What the open session applied (:class:`DeltaChecks`)."""
+
+
 # What an adapter implements for each capability its engine may declare.
 CAPABILITY_PROTOCOLS: dict[str, type] = {
     BROADCAST: BroadcastEngine, P2P: P2PEngine, IPC: IPCEngine, RELEASE_MEMORY: MemoryEngine,
     BROADCAST_AHEAD: BroadcastAheadEngine, IPC_AHEAD: IPCAheadEngine,
-    COMMIT_AND_RESUME: CommitsAndResumes, PAUSE_AND_BEGIN: PausesAndBegins,
+    COMMIT_AND_RESUME: CommitsAndResumes, PAUSE_AND_BEGIN: PausesAndBegins, DELTA: DeltaEngine,
 }
 
 _P = TypeVar("_P")

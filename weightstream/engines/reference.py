@@ -14,11 +14,12 @@ from weightstream.engines.base import (
     PAUSE_AND_BEGIN,
     RELEASE_MEMORY,
     ROLLBACK,
+    DeltaChecks,
     RankBucket,
 )
 from weightstream.engines.sglang import SGLangEngine
 from weightstream.models.spec import dtype_name
-from weightstream.streaming.bucket import TensorMeta
+from weightstream.streaming.bucket import Bucket, TensorMeta
 from weightstream.wire.frames import BucketLayout, Plan
 
 ENGINE_NAME = "weightstream-reference"
@@ -118,6 +119,25 @@ class ReferenceEngine(SGLangEngine):
     def ipc_plan_frame(buckets: Sequence[Sequence[TensorMeta]]) -> Plan:
         """The control-channel frame with the metadata of every bucket of a plan, in order."""
         return Plan(tuple(_layout(b) for b in buckets))
+
+    def _broadcast_body(self, bucket: Bucket, checksum: str | None) -> dict:
+        """A delta bucket (:data:`DELTA`) says how its payload is encoded, and which bucket of the plan it is."""
+        body = super()._broadcast_body(bucket, checksum)
+        if bucket.delta is not None:
+            body["weightstream_delta"] = {**bucket.delta.as_json(), "index": bucket.index}
+        return body
+
+    def delta_base(self) -> str | None:
+        """What the engine holds to apply deltas to: ``instance/version`` of its last committed delta-mode
+        update (asked afresh: a restart or another trainer's update changes it)."""
+        base = self.get("/get_server_info", step="get_server_info").get("delta_base")
+        return None if base is None else str(base)
+
+    def delta_checks(self) -> DeltaChecks:
+        reply = self.get("/weightstream/delta_checksums", step="delta_checksums")
+        base = reply.get("delta_base")
+        return DeltaChecks(str(reply["instance"]), None if base is None else str(base),
+                           {int(k): tuple(str(d) for d in v) for k, v in reply["buckets"].items()})
 
     def receive_p2p(self, index: int, ranks: Sequence[RankBucket]) -> None:
         """Metadata of what each engine rank receives by send/recv in this bucket."""

@@ -125,12 +125,16 @@ class SGLangEngine(HTTPEngine):
 
     def receive_broadcast(self, bucket: Bucket, checksum: str | None) -> None:
         """The metadata of one dense (back-to-back) bucket whose buffer is being broadcast."""
-        self.post("/update_weights_from_distributed", {
+        self.post("/update_weights_from_distributed", self._broadcast_body(bucket, checksum),
+                  step=f"update_weights_from_distributed (bucket {bucket.index})")
+
+    def _broadcast_body(self, bucket: Bucket, checksum: str | None) -> dict:
+        return {
             "names": [m.name for m in bucket.metas], "dtypes": [dtype_name(m.dtype) for m in bucket.metas],
             "shapes": [list(m.shape) for m in bucket.metas], "group_name": self.group_name,
             "flush_cache": False, "load_format": "flattened_bucket", "weight_version": self._version,
             "weightstream_checksum": checksum,
-        }, step=f"update_weights_from_distributed (bucket {bucket.index})")
+        }
 
     def encode_ipc(self, bucket: Bucket) -> str:
         """SGLang's flattened-bucket payload for ``/update_weights_from_tensor``: offsets and ``numel`` in

@@ -52,6 +52,33 @@ def bucket_problems(bucket: Any) -> list[str]:
     return problems
 
 
+DELTA_ENCODINGS = ("dense", "indices", "bitmap")
+MAX_DELTA_BYTES = 1 << 40  # a delta bucket's size, decoded or encoded
+
+
+def delta_problems(delta: Any) -> list[str]:
+    """What is wrong with a delta bucket's header (``weightstream_delta``: encoding, word, total, count, nbytes,
+    index), every problem listed."""
+    if delta is None:
+        return []
+    if not isinstance(delta, dict):
+        return ["field 'weightstream_delta' must be an object"]
+    problems = [f"weightstream_delta.{f} must be a non-negative integer"
+                for f in ("word", "total", "count", "nbytes", "index") if not int_lists(delta.get(f), 0)]
+    if delta.get("encoding") not in DELTA_ENCODINGS:
+        problems.append(f"weightstream_delta.encoding must be one of {list(DELTA_ENCODINGS)}, "
+                        f"got {str(delta.get('encoding'))[:40]!r}")
+    if problems:
+        return problems
+    if delta["word"] not in (1, 2, 4) or delta["total"] % delta["word"]:
+        problems.append(f"weightstream_delta.word must be 1, 2 or 4 and divide total {delta['total']}")
+    if max(delta["total"], delta["nbytes"]) > MAX_DELTA_BYTES:
+        problems.append(f"weightstream_delta sizes must be at most {MAX_DELTA_BYTES} bytes")
+    if delta["word"] and delta["count"] > delta["total"] // max(delta["word"], 1):
+        problems.append(f"weightstream_delta.count {delta['count']} exceeds the bucket's words")
+    return problems
+
+
 def buckets_problems(buckets: Any) -> list[str]:
     if not isinstance(buckets, list):
         return ["buckets must be a list"]

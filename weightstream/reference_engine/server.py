@@ -31,6 +31,7 @@ import struct
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -45,6 +46,7 @@ from weightstream.reference_engine.schema import (
     MAX_JSON_DEPTH,
     bucket_problems,
     buckets_problems,
+    delta_problems,
     duration_problem,
     nesting_exceeds,
     range_problem,
@@ -115,7 +117,7 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "/update_weights_from_distributed": {
         "names": ((list,), True), "dtypes": ((list,), True), "shapes": ((list,), True), "group_name": ((str,), False),
         "load_format": (_OPT_STR, False), "weight_version": (_OPT_STR, False), "flush_cache": ((bool,), False),
-        "weightstream_checksum": (_OPT_STR, False),
+        "weightstream_checksum": (_OPT_STR, False), "weightstream_delta": ((dict, type(None)), False),
     },
     "/weightstream/update_weights_from_distributed_ahead": {
         "buckets": ((list,), True), "group_name": ((str,), False), "load_format": (_OPT_STR, False),
@@ -187,7 +189,7 @@ def check_body(path: str, body: dict) -> None:
         elif (problem := _field_problem(name, value)) is not None:
             problems.append(problem)
     if not problems and path == "/update_weights_from_distributed":
-        problems += bucket_problems(body)
+        problems += bucket_problems(body) + delta_problems(body.get("weightstream_delta"))
     if not problems and path == "/weightstream/update_weights_from_distributed_ahead":
         problems += buckets_problems(body["buckets"])
     if not problems and path in ("/weightstream/update_weights_from_ipc_ahead", "/weightstream/prepare_ipc_ahead") \
@@ -280,6 +282,12 @@ class Engine:
         self.last_activity = time.monotonic()
         self.stopping = False
         self.weights_released = False  # until an update has loaded every weight again
+        # Delta updates: this running engine's name (a restarted one has another), the version whose buckets
+        # the workers hold to apply deltas to (None: none), and what the open session loaded: delta buckets,
+        # other buckets (those leave the held bytes behind the weights: they are dropped at the commit).
+        self.instance = uuid.uuid4().hex[:16]
+        self.delta_version: str | None = None
+        self.session_delta = self.session_plain = False
         self._start_workers(worker, host, start_timeout_s)
 
     def _read_config(self) -> None:
@@ -391,6 +399,7 @@ class Engine:
             self.call("begin_session")
             self.session_open, self.session_failed, self.session_loaded, self.pending_version = True, None, 0, None
             self.session_touched = False
+            self.session_delta = self.session_plain = False
             self.session_timeout_s = float(timeout_s) if timeout_s else self.command_timeout_s
             self.last_activity = time.monotonic()
 
@@ -407,7 +416,22 @@ class Engine:
             self.weights_released = False
             if self.pending_version is not None:
                 self.weight_version = self.pending_version
+            self._settle_delta()
             return f"committed {self.session_loaded} tensors; weight_version {self.weight_version}"
+
+    def _settle_delta(self) -> None:
+        """At a commit: a session of delta buckets only leaves the workers holding its version's bytes; one that
+        loaded other buckets leaves them behind the weights (dropped)."""
+        if self.session_plain:
+            if self.delta_version is not None or self.session_delta:
+                self.call("forget_delta")
+            self.delta_version = None
+        elif self.session_delta:
+            self.delta_version = self.weight_version
+
+    @property
+    def delta_base(self) -> str | None:
+        return None if self.delta_version is None else f"{self.instance}/{self.delta_version}"
 
     def abort_session(self, why: str) -> str:
         with self.session_lock:
@@ -425,6 +449,8 @@ class Engine:
 
     def _abort_locked(self) -> None:
         self.session_open = False
+        if self.session_delta:  # the workers drop the bytes the session changed
+            self.delta_version = None
         self.call("abort_session")
 
     def watch_sessions(self) -> None:
@@ -689,6 +715,7 @@ class EngineServer(ThreadingHTTPServer):
             ("POST", "/release_memory_occupation"): self.release_memory,
             ("POST", "/resume_memory_occupation"): self.resume_memory,
             ("GET", "/weightstream/memory"): lambda b: (200, {"ranks": self.engine.call("memory")}),
+            ("GET", "/weightstream/delta_checksums"): self.delta_checksums,
         }
 
     def handle_error(self, request, client_address) -> None:
@@ -749,7 +776,8 @@ class EngineServer(ThreadingHTTPServer):
             "hostname": socket.gethostname(), "pid": os.getpid(), "dtype": e.dtype,
             "quantization_config": e.quantization_config,
             "capabilities": ["broadcast", "ipc", "ipc_ahead", "p2p", "release_memory"]
-            + (["rollback"] if e.rollback else []) + ["broadcast_ahead"],
+            + (["rollback"] if e.rollback else []) + ["broadcast_ahead", "delta"],
+            "instance": e.instance, "delta_base": e.delta_base,
             "update_session_open": e.session_open,
             "update_session_loaded": e.session_loaded,  # tensors loaded in the open session so far
             "worker_pids": [p.pid for p in e.procs],
@@ -785,6 +813,10 @@ class EngineServer(ThreadingHTTPServer):
         """Run an update step; a failure marks the session failed (the update is then not complete). From
         the first step on, the weights are not served until the session ends (:meth:`Engine.check_settled`)."""
         self.engine.session_touched = True
+        if b.get("weightstream_delta") is None:
+            self.engine.session_plain = True
+        else:
+            self.engine.session_delta = True
         try:
             return self._record(fn(), b)
         except EngineFailure as exc:
@@ -798,7 +830,17 @@ class EngineServer(ThreadingHTTPServer):
             "update_distributed", names=list(b["names"]), dtypes=list(b["dtypes"]),
             shapes=[list(s) for s in b["shapes"]], group_name=b.get("group_name", "weight_update_group"),
             load_format=b.get("load_format"), expected_checksum=b.get("weightstream_checksum"),
+            delta=b.get("weightstream_delta"),
         ), b)
+
+    def delta_checksums(self, b):
+        """What the open (or last) session's delta buckets left in each worker: the checksum of each bucket's
+        bytes, per engine rank, by bucket index; and what this engine holds (``delta_base``)."""
+        e = self.engine
+        ranks = e.call("delta_checksums")
+        indices = sorted({i for r in ranks for i in r})
+        return 200, {"instance": e.instance, "delta_base": e.delta_base,
+                     "buckets": {str(i): [r.get(i) for r in ranks] for i in indices}}
 
     def update_distributed_ahead(self, b):
         self._in_session("update_weights_from_distributed_ahead")

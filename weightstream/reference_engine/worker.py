@@ -42,6 +42,7 @@ from weightstream.streaming.bucket import (
     view_tensor,
 )
 from weightstream.streaming.copies import batched_copy, warm_kernel
+from weightstream.streaming.delta import DeltaHeader, apply
 from weightstream.wire.channel import Channel, ChannelError, fd_peer
 from weightstream.wire.frames import (
     BucketLayout,
@@ -241,6 +242,12 @@ class Worker:
         # Dense broadcast buckets seen before (by names, dtypes, shapes): the parameters they load into,
         # checked once, and how to cut the received buffer; an update repeats the same buckets.
         self.programs: dict[tuple, Any] = {}
+        # Delta updates: per bucket index, the layout and the bytes of the bucket this worker last applied (a
+        # delta is applied to them), and the checksums of what the open session applied; ``delta_changed``:
+        # the open session changed them (an abort leaves them unknown: they are dropped).
+        self.delta_held: dict[int, tuple[tuple[TensorMeta, ...], torch.Tensor]] = {}
+        self.delta_digests: dict[int, str] = {}
+        self.delta_changed = False
         self._load_initial(model_dir)
         # A buffer lent by name (a payload pickled by torch on the CPU) is at most twice the model's size.
         self.max_lent_bytes = 2 * size * sum(st.nbytes() for st in self.model._storages())
@@ -289,8 +296,10 @@ class Worker:
             raise RuntimeError(f"no weight-update group {name!r} (call init_weights_update_group first)")
         return self.groups[name]
 
-    def update_distributed(self, names, dtypes, shapes, group_name, load_format, expected_checksum):
+    def update_distributed(self, names, dtypes, shapes, group_name, load_format, expected_checksum, delta=None):
         group = self._group(group_name)
+        if delta is not None:
+            return self._update_delta(self._dense_program(names, dtypes, shapes), group, delta, expected_checksum)
         if load_format == "flattened_bucket":
             program = self._dense_program(names, dtypes, shapes)
             raw = self._receive_dense(program, group)
@@ -301,6 +310,49 @@ class Worker:
             dist.broadcast(t, group=group, group_src=0)
             tensors.append((name, t, None))
         return self._load(tensors)
+
+    def _update_delta(self, program, group, delta: dict, expected_checksum):
+        """A bucket of a delta update: its payload (the changed words, or the whole bucket) received, checked
+        against the sender's checksum where given, applied to the bytes held of the bucket, loaded; those
+        bytes are kept for the next update and their checksum for the trainer to compare."""
+        header = DeltaHeader(delta["encoding"], delta["word"], delta["total"], delta["count"], delta["nbytes"])
+        index, layout = int(delta["index"]), tuple(program.metas)
+        if header.total != program.total:
+            raise ValueError(f"delta bucket {index}: {header.total} bytes, its tensors take {program.total}")
+        received = self._receive_delta(group, header, index)
+        payload = received.narrow(0, 0, header.nbytes)
+        if expected_checksum is not None and checksum(payload) != expected_checksum:
+            raise ChecksumError(f"delta bucket {index} arrived corrupted (checksum {checksum(payload)} != "
+                                f"sender's {expected_checksum}); nothing of it was loaded")
+        held = self.delta_held.get(index)
+        if header.encoding != "dense" and (held is None or held[0] != layout):
+            raise ValueError(f"delta bucket {index}: this engine holds no bytes of that bucket to apply it to "
+                             "(a full update must come first)")
+        self.delta_changed = True
+        if header.encoding == "dense":
+            raw = received
+        else:
+            raw = held[1]  # type: ignore[index]  # held is checked above
+            apply(raw.narrow(0, 0, header.total), header, payload)
+        self.delta_held[index] = (layout, raw)
+        self.delta_digests[index] = checksum(raw.narrow(0, 0, header.total))
+        return self._load_dense(program, raw, None)
+
+    def _receive_delta(self, group, header: DeltaHeader, index: int) -> torch.Tensor:
+        """Delta bucket ``index``'s payload, broadcast into a buffer of ours (that views as any dtype)."""
+        raw = typed_buffer(header.nbytes, self.device)
+        dist.broadcast(raw.narrow(0, 0, header.nbytes), group=group, group_src=0)
+        return raw
+
+    def delta_checksums(self) -> dict[int, str]:
+        """The checksum of each bucket's bytes the open (or last) session applied, by bucket index."""
+        return dict(self.delta_digests)
+
+    def forget_delta(self) -> str:
+        """Drop the bytes kept for deltas (the weights were loaded otherwise: they no longer match them)."""
+        dropped = len(self.delta_held)
+        self.delta_held, self.delta_digests = {}, {}
+        return f"dropped {dropped} buckets"
 
     def update_distributed_ahead(self, buckets, group_name, load_format):
         """Every bucket of an update, received back to back. After a failure the rest are still received
@@ -722,6 +774,7 @@ class Worker:
     def begin_session(self):
         self.model.begin_session()
         self.bucket_count = 0
+        self.delta_digests, self.delta_changed = {}, False
         return "ok"
 
     def commit_session(self):
@@ -732,6 +785,8 @@ class Worker:
     def abort_session(self):
         restored = self.model.rollback_session()
         self.bucket_count = 0
+        if self.delta_changed:  # the bytes held for deltas were changed in place: no longer the committed ones
+            self.forget_delta()
         return f"restored {restored} tensors"
 
     def release_memory(self, tags):
@@ -797,7 +852,8 @@ class Worker:
             "update_p2p": self.update_p2p, "release_ipc": self.release_ipc, "begin_session": self.begin_session,
             "commit_session": self.commit_session, "abort_session": self.abort_session,
             "release_memory": self.release_memory, "resume_memory": self.resume_memory, "memory": self.memory,
-            "logits": self.logits, "generate": self.generate,
+            "logits": self.logits, "generate": self.generate, "delta_checksums": self.delta_checksums,
+            "forget_delta": self.forget_delta,
         }
 
 

@@ -26,6 +26,7 @@ from weightstream.engines.base import (
 from weightstream.errors import UpdateError
 from weightstream.sinks.base import Delivery, InFlight, PipelinedSink, future_errors
 from weightstream.streaming.bucket import Bucket
+from weightstream.streaming.delta import Snapshot
 from weightstream.wire.groups import GroupLayout, init_custom_process_group
 from weightstream.wire.handles import checksum
 
@@ -43,7 +44,9 @@ class BroadcastSink(PipelinedSink):
 
     def __init__(self, engines: Sequence[EngineAdapter], *, master_address: str = "127.0.0.1",
                  master_port: int | None = None, backend: str | None = None, timeout_s: float = 60.0,
-                 checksums: bool = False, ahead: bool = True):
+                 checksums: bool = False, ahead: bool = True, delta: Snapshot | None = None):
+        """``delta``: the sender's snapshot of the bytes the engines hold; each bucket then goes out as it
+        encodes it (:meth:`Snapshot.encode`; every engine must declare ``delta``), with its metadata per bucket."""
         self.engines = [implementing(e, BROADCAST, BroadcastEngine) for e in engines]
         self.master_address = master_address
         self.master_port = master_port
@@ -57,6 +60,7 @@ class BroadcastSink(PipelinedSink):
         self._inflight = InFlight(timeout_s, [e.url for e in self.engines])
         self.ahead_used = False  # the last update sent every bucket's metadata ahead
         self._ahead: list = []  # the engines' replies to the metadata of every bucket, sent ahead
+        self.delta = delta
 
     # -- group lifetime (separate steps: connect once, update many times) ------------------------
 
@@ -103,7 +107,7 @@ class BroadcastSink(PipelinedSink):
         self.connect()
         self._ahead = []
         self.ahead_used = False
-        if not self.sender or self.checksums or not self.ahead or not len(stream):
+        if not self.sender or self.checksums or not self.ahead or self.delta is not None or not len(stream):
             return
         ahead = [a for e in self.engines if (a := capable(e, BROADCAST_AHEAD, BroadcastAheadEngine)) is not None]
         if len(ahead) == len(self.engines):
@@ -133,6 +137,9 @@ class BroadcastSink(PipelinedSink):
         if not self.sender:
             return
         self._finish()
+        if self.delta is not None:
+            header, payload = self.delta.encode(bucket.index, bucket.buffer, bucket.word)
+            bucket = Bucket(bucket.index, payload, bucket.metas, delta=header)
         digest = checksum(bucket.buffer) if self.checksums else None
         posts = [] if self._ahead else [self._engine_pool().submit(e.receive_broadcast, bucket, digest)
                                         for e in self.engines]

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from weightstream.common.layout import ALIGN, layout, round_up
 from weightstream.models.spec import dtype_name
+from weightstream.streaming.delta import DeltaHeader, word_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,10 +88,18 @@ class Bucket:
     metas: tuple[TensorMeta, ...]
     kept: bool = False  # the buffer is one the stream keeps and packs again (a receiver may keep it mapped)
     written: bool = False  # the tensors went straight into the receiver's memory (write_into): no bytes here
+    # A delta update's bucket: ``buffer`` is the payload, encoded as the header says against the bytes the
+    # engine holds of this bucket (:mod:`weightstream.streaming.delta`); ``metas`` lay out the decoded bytes.
+    delta: DeltaHeader | None = None
 
     @property
     def nbytes(self) -> int:
         return self.buffer.numel()
+
+    @property
+    def word(self) -> int:
+        """The word a delta compares this bucket in (:func:`~weightstream.streaming.delta.word_size`)."""
+        return word_size(self.nbytes, (m.dtype.itemsize for m in self.metas))
 
     def __len__(self) -> int:
         return len(self.metas)

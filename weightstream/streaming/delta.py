@@ -157,8 +157,7 @@ class Snapshot:
     to compare with what the engine reports. :meth:`forget` after anything that leaves the engine's bytes
     unknown (a failed update): the next must be full."""
 
-    def __init__(self, where: Literal["device", "host"] = "device",
-                 allowed: Iterable[Encoding] = ENCODINGS):
+    def __init__(self, where: str = "device", allowed: Iterable[Encoding] = ENCODINGS):
         if where not in ("device", "host"):
             raise ValueError(f"snapshot must be kept on 'device' or 'host', got {where!r}")
         self.where = where

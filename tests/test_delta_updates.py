@@ -1,0 +1,145 @@
+"""Delta updates end to end on the CPU: a transformers Qwen3 trainer (Adam on fp32 master weights, copied to bf16
+after each step) updates a real reference engine (its own worker process, HTTP, a gloo broadcast group) with
+``WeightSync(delta=True)``. After every update the engine holds the trainer's bf16 tensors bit for bit; an
+engine restart forces a full update, saying why; a corrupted delta is caught by the check, and the update is
+sent again in full."""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from tests.helpers.faults import serve_with_fault
+from weightstream import WeightSync
+from weightstream.models.presets import preset_config, random_hf_model, save_random_checkpoint
+from weightstream.reference_engine.server import stop
+
+SMALL = 120_000  # bytes per bucket: the tiny model travels in several buckets
+LR = 1e-5
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory) -> str:
+    """What the engine starts from: other random weights of the same config."""
+    return save_random_checkpoint(preset_config("tiny-qwen3"), tmp_path_factory.mktemp("delta") / "m", seed=123)
+
+
+@contextmanager
+def engine(model_dir: str, fault: str = "none", port: int = 0):
+    """A reference engine holding bf16 weights (so that they compare bit for bit with the trainer's)."""
+    server = serve_with_fault(model_dir, 1, fault, dtype="bfloat16", port=port)
+    try:
+        yield server
+    finally:
+        stop(server)
+
+
+class Trainer:
+    """Adam on fp32 master weights; ``model`` holds them in bf16, as a trainer streams them."""
+
+    def __init__(self, seed: int = 0):
+        self.config = preset_config("tiny-qwen3")
+        self.master = random_hf_model(self.config, seed=seed)
+        self.model = copy.deepcopy(self.master).to(torch.bfloat16)
+        self.opt = torch.optim.Adam(self.master.parameters(), lr=LR)
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def step(self) -> None:
+        ids = torch.randint(0, self.config.vocab_size, (2, 16), generator=self.gen)
+        self.master(ids, labels=ids).loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        with torch.no_grad():
+            for kept, master in zip(self.model.parameters(), self.master.parameters(), strict=True):
+                kept.copy_(master)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+
+def assert_engine_holds(server, trainer: Trainer) -> None:
+    held = server.engine.call("held_weights")[0]
+    ours = trainer.tensors()
+    assert sorted(held) == sorted(ours)
+    different = [n for n, t in ours.items() if not torch.equal(held[n].view(torch.int16), t.view(torch.int16))]
+    assert not different, f"the engine's tensors differ from the trainer's: {different}"
+
+
+def _update(sync: WeightSync, trainer: Trainer, version: str):
+    report = sync.update(trainer.model, trainer.config, weight_version=version)
+    assert report.transport == "broadcast" and report.weight_version == version
+    return report
+
+
+def test_twenty_delta_updates_bit_exact(engine_dir):
+    trainer = Trainer()
+    with engine(engine_dir) as server, WeightSync([server.url], bucket_bytes=SMALL, delta=True) as sync:
+        first = _update(sync, trainer, "v0")
+        assert (first.delta.full, first.delta.reason, first.delta.checked) == (True, "the first update", True)
+        assert first.delta.wire_bytes == first.bytes and first.delta.snapshot_bytes == first.bytes
+        assert first.delta.encodings == {"dense": first.buckets}
+        assert_engine_holds(server, trainer)
+        sent = dense = 0
+        for step in range(1, 20):
+            trainer.step()
+            report = _update(sync, trainer, f"v{step}")
+            d = report.delta
+            assert not d.full and d.checked and d.mismatch is None, report.summary()
+            assert d.reason == f"deltas against version v{step - 1}"
+            assert sum(d.encodings.values()) == report.buckets and d.words * 2 == report.bytes
+            assert 0 < d.changed < d.words
+            sent, dense = sent + d.wire_bytes, dense + report.bytes
+            assert_engine_holds(server, trainer)
+        assert server.engine.delta_base == f"{server.engine.instance}/v19"
+    assert sent < dense / 3  # Adam at 1e-5 on bf16: a small fraction of the words change each step
+
+
+def test_full_every_and_restart_force_full_updates(engine_dir):
+    trainer = Trainer(seed=1)
+    with engine(engine_dir) as server:
+        port = server.server_address[1]
+        sync = WeightSync([server.url], bucket_bytes=SMALL, delta=True, full_every=3)
+        reasons = []
+        for step in range(4):
+            trainer.step()
+            reasons.append(_update(sync, trainer, f"v{step}").delta.reason)
+        assert reasons == ["the first update", "deltas against version v0", "deltas against version v1",
+                           "every 3-th update is full (full_every=3)"]
+        assert_engine_holds(server, trainer)
+        instance = server.engine.instance
+        sync.close()
+    with engine(engine_dir, port=port) as server:  # the engine restarts at the same address
+        trainer.step()
+        report = _update(sync, trainer, "v4")
+        assert server.engine.instance != instance
+        assert report.delta.full and report.delta.checked
+        assert report.delta.reason == (f"engine {server.url} holds nothing to apply deltas to, not what this trainer "
+                                       f"committed ({instance}/v3): restarted, rolled back or updated elsewhere")
+        assert_engine_holds(server, trainer)
+        trainer.step()
+        assert not _update(sync, trainer, "v5").delta.full
+        assert_engine_holds(server, trainer)
+        sync.close()
+
+
+def test_corrupted_delta_caught_then_full_update(engine_dir):
+    trainer = Trainer(seed=2)
+    with engine(engine_dir, fault="corrupt_delta@1") as server, \
+            WeightSync([server.url], bucket_bytes=SMALL, delta=True) as sync:
+        _update(sync, trainer, "v0")
+        trainer.step()
+        report = _update(sync, trainer, "v1")
+        d = report.delta
+        assert d.mismatch == (f"engine {server.url}: the bytes it applied of buckets [1] differ from the trainer's "
+                              "(checksums)")
+        assert d.full and d.checked, report.summary()
+        assert d.reason == f"the check of the last attempt found: {d.mismatch}"
+        assert server.engine.weight_version == "v1"
+        assert_engine_holds(server, trainer)
+        trainer.step()
+        after = _update(sync, trainer, "v2").delta
+        assert not after.full and after.checked and after.mismatch is None
+        assert_engine_holds(server, trainer)

@@ -1,0 +1,139 @@
+"""The trainer's side of delta updates: when an update may send deltas and when it must be full, and the check
+after it. Runs on the rank that sends the buckets (the broadcast's sender), which holds the
+:class:`~weightstream.streaming.delta.Snapshot` the broadcast sink encodes against.
+
+An update is full (every bucket dense, the snapshot made anew) where it is the first, where it was forced (the
+last update failed, or its check found a mismatch), where the transport is not a broadcast (deltas travel by
+broadcast only so far), where an engine does not declare ``delta``, where the engines released their weights,
+where the bucket plan changed, where an engine holds other bytes than this trainer last committed (restarted,
+rolled back, or updated by someone else: its ``delta_base`` differs), and every ``full_every``-th update. Every
+delta-mode update, full or not, is checked: each engine rank reports the checksum of each bucket's bytes it
+applied, which must equal the trainer's checksum of the bucket's new bytes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from weightstream.engines.base import DELTA, DeltaChecks, DeltaEngine, EngineAdapter, implementing
+from weightstream.streaming.delta import Snapshot
+
+
+@dataclass
+class DeltaReport:
+    """What a delta-mode update sent and what its check found."""
+
+    full: bool  # every bucket went dense
+    reason: str  # why it was full (or why it could send deltas)
+    encoded: bool = False  # the buckets went through the sender's snapshot, and the engines kept their bytes
+    encodings: dict[str, int] = field(default_factory=dict)  # buckets per encoding
+    changed: int = 0  # words that changed, over the buckets sent as deltas
+    words: int = 0  # words of the buckets sent as deltas
+    wire_bytes: int = 0  # payload bytes of every bucket
+    snapshot_bytes: int = 0  # what the sender keeps to compute deltas
+    checked: bool = False  # every engine rank's checksum of every bucket equalled the trainer's
+    mismatch: str | None = None  # what the check of a first attempt found (this update then went full)
+
+    @property
+    def changed_fraction(self) -> float:
+        return self.changed / self.words if self.words else 0.0
+
+    def summary(self) -> str:
+        what = "full" if self.full else f"delta ({self.changed_fraction:.2%} of words changed)"
+        checked = "checked" if self.checked else "not checked"
+        again = f"; after a mismatch: {self.mismatch}" if self.mismatch else ""
+        return f"{what}, {self.wire_bytes / 1e6:.2f} MB on the wire, {checked} ({self.reason}){again}"
+
+
+class DeltaTracker:
+    """Which bytes each engine holds, when the next update must be full, and the check of each update."""
+
+    def __init__(self, snapshot: Snapshot, full_every: int | None = None):
+        if full_every is not None and full_every < 1:
+            raise ValueError(f"full_every must be at least 1, got {full_every}")
+        self.snapshot = snapshot
+        self.full_every = full_every
+        self.expected: dict[str, str] = {}  # per engine: the delta base it holds after our last commit
+        self.instances: dict[str, str] = {}  # per engine: the running engine its last check named
+        self.plan: str | None = None  # the bucket plan of the bytes in the snapshot
+        self.deltas_since_full = 0
+        self.forced: str | None = None  # why the next update must be full
+
+    def force_full(self, why: str) -> None:
+        """The next update is full; what the engines hold is unknown until then."""
+        self.forced = why
+        self.snapshot.forget()
+        self.expected = {}
+
+    def _full_because(self, engines: Sequence[EngineAdapter], transport: str, plan: str,
+                      weights_released: bool) -> str | None:
+        if self.forced is not None:
+            return self.forced
+        if transport != "broadcast":
+            return f"deltas travel by broadcast only so far ({transport} chosen)"
+        unable = [e.url for e in engines if not e.info().can(DELTA)]
+        if unable:
+            return f"engines {unable} do not apply deltas (they do not declare {DELTA!r})"
+        if not self.snapshot.held:
+            return "the first update"
+        if weights_released:
+            return "the engines released their weights"
+        if plan != self.plan:
+            return "the bucket plan changed"
+        if self.full_every is not None and self.deltas_since_full >= self.full_every - 1:
+            return f"every {self.full_every}-th update is full (full_every={self.full_every})"
+        for e in engines:
+            held = implementing(e, DELTA, DeltaEngine).delta_base()
+            if held != self.expected.get(e.url):
+                return (f"engine {e.url} holds {held or 'nothing'} to apply deltas to, not what this trainer "
+                        f"committed ({self.expected.get(e.url)}): restarted, rolled back or updated elsewhere")
+        return None
+
+    def begin(self, engines: Sequence[EngineAdapter], transport: str, plan: str,
+              weights_released: bool = False) -> DeltaReport:
+        """Decide this update (full or deltas) and ready the snapshot for it."""
+        why = self._full_because(engines, transport, plan, weights_released)
+        encoded = transport == "broadcast" and all(e.info().can(DELTA) for e in engines)
+        self.forced = None
+        self.snapshot.begin(full=why is not None)
+        self.plan = plan
+        if not encoded:  # the buckets go as they are: nothing the engines hold is known after this update
+            self.force_full(why or "")
+            self.forced = None
+        return DeltaReport(why is not None, why or f"deltas against version {self._held_version()}", encoded=encoded)
+
+    def _held_version(self) -> str:
+        versions = sorted({b.rsplit("/", 1)[-1] for b in self.expected.values()})
+        return ", ".join(versions) or "?"
+
+    def sent(self, report: DeltaReport) -> None:
+        """What the snapshot encoded, into ``report``."""
+        for header in self.snapshot.headers.values():
+            report.encodings[header.encoding] = report.encodings.get(header.encoding, 0) + 1
+            report.wire_bytes += header.nbytes
+            if header.encoding != "dense" or not report.full:
+                report.changed += header.count
+                report.words += header.words
+        report.snapshot_bytes = self.snapshot.nbytes
+
+    def check(self, engines: Sequence[EngineAdapter]) -> list[str]:
+        """Every engine rank's checksum of every bucket against the trainer's: each problem, one line."""
+        ours = self.snapshot.digests
+        problems = []
+        for e in engines:
+            checks: DeltaChecks = implementing(e, DELTA, DeltaEngine).delta_checks()
+            self.instances[e.url] = checks.instance
+            missing = sorted(set(ours) - set(checks.buckets))
+            if missing:
+                problems.append(f"engine {e.url} applied no bytes of buckets {missing[:8]}")
+            wrong = sorted(i for i, digests in checks.buckets.items()
+                           if i in ours and any(d != ours[i] for d in digests))
+            if wrong:
+                problems.append(f"engine {e.url}: the bytes it applied of buckets {wrong[:8]} differ from the "
+                                "trainer's (checksums)")
+        return problems
+
+    def committed(self, engines: Sequence[EngineAdapter], version: str, full: bool) -> None:
+        """The update is committed: each engine holds ``version``'s bytes."""
+        self.expected = {e.url: f"{self.instances.get(e.url)}/{version}" for e in engines}
+        self.deltas_since_full = 0 if full else self.deltas_since_full + 1
