@@ -2,7 +2,7 @@
 after each step) updates a real reference engine (its own worker process, HTTP, a gloo broadcast group) with
 ``WeightSync(delta=True)``. After every update the engine holds the trainer's bf16 tensors bit for bit; an
 engine restart forces a full update, saying why; a corrupted delta is caught by the check, and the update is
-sent again in full."""
+sent again in full. A Megatron-Core trainer at TP 2 (its gathered buckets sent by rank 0) does the same."""
 
 from __future__ import annotations
 
@@ -12,8 +12,12 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from tests.helpers.delta_workers import run_delta_updates
 from tests.helpers.faults import serve_with_fault
+from tests.helpers.workers import Case
 from weightstream import WeightSync
+from weightstream.jobs import Layout
+from weightstream.launch import launch
 from weightstream.models.presets import preset_config, random_hf_model, save_random_checkpoint
 from weightstream.reference_engine.server import stop
 
@@ -143,3 +147,19 @@ def test_corrupted_delta_caught_then_full_update(engine_dir):
         after = _update(sync, trainer, "v2").delta
         assert not after.full and after.checked and after.mismatch is None
         assert_engine_holds(server, trainer)
+
+
+def test_megatron_tp2_trainer_delta_updates(sources, engine_dir):
+    """A Megatron-Core trainer at TP 2 (bf16 weights, Adam on fp32 masters) into an engine at TP 1: a broadcast
+    of gathered buckets from trainer rank 0, which alone keeps the snapshot and encodes."""
+    case = Case(sources["tiny-qwen3"], Layout(2), dtype="bfloat16", bucket_bytes=SMALL)
+    with engine(engine_dir) as server:
+        results = launch(2, run_delta_updates, case, server.url, 6, LR)
+        held = server.engine.call("held_weights")[0]
+    reports = results[0]["reports"]
+    assert [(r.delta.full, r.delta.checked) for r in reports] == [(True, True)] + [(False, True)] * 5
+    assert all(0 < r.delta.wire_bytes < r.bytes / 2 for r in reports[1:]), [r.summary() for r in reports]
+    assert all(r.delta is None for r in results[1]["reports"])  # the sender alone encodes and checks
+    ours = results[0]["tensors"]
+    assert sorted(held) == sorted(ours)
+    assert [n for n, t in ours.items() if not torch.equal(held[n].view(torch.int16), t.view(torch.int16))] == []

@@ -1,0 +1,38 @@
+"""A Megatron-Core trainer job (``weightstream.launch``) that updates a reference engine with delta updates."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tests.helpers.workers import Case, _build
+from weightstream.streaming.stream import stream_hf_weights
+
+
+def run_delta_updates(case: Case, url: str, steps: int, lr: float) -> dict:
+    """Build the trainer (its weights in ``case.dtype``), keep fp32 master copies with Adam over them, and per
+    step: one Adam step (the gradient of each master seeded by the step, the same on every rank, so that what
+    Megatron replicates over TP stays equal), the masters copied into the model, one update of a kept
+    ``WeightSync(delta=True)``. Returns every update's report and, on rank 0, the HF tensors the trainer
+    streams after the last step."""
+    from weightstream.update import WeightSync
+
+    cfg, chunks = _build(case)
+    params = [p for c in chunks for p in c.parameters()]
+    masters = [p.detach().float().clone() for p in params]
+    opt = torch.optim.Adam(masters, lr=lr)
+    reports = []
+    with WeightSync([url], delta=True, bucket_bytes=case.bucket_bytes) as sync:
+        for step in range(steps):
+            if step:
+                gen = torch.Generator().manual_seed(step)
+                for m in masters:
+                    m.grad = torch.randn(m.shape, generator=gen)
+                opt.step()
+                with torch.no_grad():
+                    for p, m in zip(params, masters, strict=True):
+                        p.copy_(m)
+            reports.append(sync.update(chunks, cfg, weight_version=f"v{step}"))
+    tensors = {n: t.clone() for b in stream_hf_weights(chunks, cfg, bucket_bytes=case.bucket_bytes)
+               for n, t in b.named_tensors()}
+    return {"reports": reports, "tensors": tensors if dist.get_rank() == 0 else None}
