@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from weightstream.reference_engine.schema import delta_problems
 from weightstream.streaming.delta import (
     DeltaHeader,
     Snapshot,
@@ -129,3 +130,16 @@ def test_snapshot_over_real_adam_steps():
         opt.step()
         opt.zero_grad()
     assert 0 < sent < dense / 2
+
+
+@pytest.mark.unit
+def test_engine_refuses_a_bad_delta_header_naming_every_problem():
+    good = {**DeltaHeader("bitmap", 2, 4096, 10, 276).as_json(), "index": 3}
+    assert delta_problems(good) == [] and delta_problems(None) == []
+    assert delta_problems({**good, "encoding": "zstd", "index": -1}) == [
+        "weightstream_delta.index must be a non-negative integer",
+        "weightstream_delta.encoding must be one of ['dense', 'indices', 'bitmap'], got 'zstd'"]
+    assert delta_problems({**good, "word": 3, "count": 5000}) == [
+        "weightstream_delta.word must be 1, 2 or 4 and divide total 4096",
+        "weightstream_delta.count 5000 exceeds the bucket's words"]
+    assert delta_problems([1]) == ["field 'weightstream_delta' must be an object"]

@@ -105,7 +105,8 @@ def test_full_every_and_restart_force_full_updates(engine_dir):
     trainer = Trainer(seed=1)
     with engine(engine_dir) as server:
         port = server.server_address[1]
-        sync = WeightSync([server.url], bucket_bytes=SMALL, delta=True, full_every=3)
+        # checksums=True: each payload is checked as it arrives too
+        sync = WeightSync([server.url], bucket_bytes=SMALL, delta=True, full_every=3, checksums=True)
         reasons = []
         for step in range(4):
             trainer.step()
