@@ -33,8 +33,11 @@ def engine_dir(tmp_path_factory) -> str:
 
 @contextmanager
 def engine(model_dir: str, fault: str = "none", port: int = 0):
-    """A reference engine holding bf16 weights (so that they compare bit for bit with the trainer's)."""
+    """A reference engine holding bf16 weights (so that they compare bit for bit with the trainer's); without a
+    fault it declares all it can (``broadcast_ahead`` too: a delta-mode update must not send its buckets so)."""
     server = serve_with_fault(model_dir, 1, fault, dtype="bfloat16", port=port)
+    if fault == "none":
+        server.routes[("GET", "/get_server_info")] = server.server_info
     try:
         yield server
     finally:
@@ -164,3 +167,40 @@ def test_megatron_tp2_trainer_delta_updates(sources, engine_dir):
     ours = results[0]["tensors"]
     assert sorted(held) == sorted(ours)
     assert [n for n, t in ours.items() if not torch.equal(held[n].view(torch.int16), t.view(torch.int16))] == []
+
+
+def _without_delta(server) -> None:
+    """The engine's server info without the ``delta`` capability (an engine that cannot apply deltas)."""
+    route = ("GET", "/get_server_info")
+    info = server.routes[route]
+
+    def without(body):
+        status, reply = info(body)
+        return status, {**reply, "capabilities": [c for c in reply["capabilities"] if c != "delta"]}
+
+    server.routes[route] = without
+
+
+def test_full_updates_where_deltas_cannot_go(engine_dir):
+    """An engine that does not declare ``delta``, and a transport other than broadcast, get full updates: the
+    report says why, nothing is encoded or checked, and the engine holds the trainer's tensors."""
+    trainer = Trainer(seed=3)
+    with engine(engine_dir) as server:
+        _without_delta(server)
+        with WeightSync([server.url], bucket_bytes=SMALL, delta=True) as sync:
+            for step in range(2):
+                trainer.step()
+                d = _update(sync, trainer, f"v{step}").delta
+                assert (d.full, d.encoded, d.checked, d.wire_bytes) == (True, False, False, 0)
+                assert d.reason == f"engines ['{server.url}'] do not apply deltas (they do not declare 'delta')"
+                assert_engine_holds(server, trainer)
+        assert server.engine.delta_base is None
+    with engine(engine_dir) as server, \
+            WeightSync([server.url], transport="ipc", bucket_bytes=SMALL, delta=True) as sync:
+        for step in range(2):
+            trainer.step()
+            report = sync.update(trainer.model, trainer.config, weight_version=f"w{step}")
+            assert report.transport == "ipc" and (report.delta.full, report.delta.encoded) == (True, False)
+            assert report.delta.reason == "deltas travel by broadcast only so far (ipc chosen)"
+            assert_engine_holds(server, trainer)
+        assert server.engine.delta_base is None

@@ -377,9 +377,8 @@ class WeightSync:
         seconds: dict[str, float] = {}
         decision = self._decide(job, version, seconds)
         report = UpdateReport(decision.transport, decision.reason, decision.mode, engines=self._urls())
-        err, opened = self._open(job, decision, seconds)
+        err, opened = self._open(job, decision, seconds, report)
         if opened is not None:
-            err = err or self._begin_delta(decision, opened[1], report)
             err = self._transfer(*opened, err, report, seconds)
         failure, mismatch = _first_error(err), None
         if failure is None and _rank() == 0:
@@ -483,15 +482,19 @@ class WeightSync:
                                  align=decision.align, split_dtypes=decision.one_dtype,
                                  reuse_buffers=self.reuse_buffers, quantize=self.quantize)
 
-    def _open(self, job: _Job, decision: Decision, seconds: dict[str, float],
+    def _open(self, job: _Job, decision: Decision, seconds: dict[str, float], report: UpdateReport | None = None,
               ) -> tuple[BaseException | None, tuple[Sink, BucketStream] | None]:
-        """Every rank: the sink (kept across updates), the stream, and the sink opened on it. A failure is
-        kept, not raised: the stream still runs on this rank so that no other rank waits on it."""
+        """Every rank: the sink (kept across updates), the stream, (with ``delta``, on rank 0: full or deltas,
+        before the sink opens) and the sink opened on it. A failure is kept, not raised: the stream still runs
+        on this rank so that no other rank waits on it."""
         sink: Sink | None = None
         stream: BucketStream | None = None
         try:
             sink = self._make_sink(decision.transport, job.source.topology)
             stream = self._stream(job, decision)
+            failed = self._begin_delta(decision, stream, report) if report is not None else None
+            if failed is not None:
+                return failed, _opened(sink, stream)
             t = time.perf_counter()
             sink.open(stream)
             seconds["connect"] = time.perf_counter() - t

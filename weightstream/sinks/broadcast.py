@@ -107,7 +107,8 @@ class BroadcastSink(PipelinedSink):
         self.connect()
         self._ahead = []
         self.ahead_used = False
-        if not self.sender or self.checksums or not self.ahead or self.delta is not None or not len(stream):
+        delta = self.delta is not None and self.delta.active
+        if not self.sender or self.checksums or not self.ahead or delta or not len(stream):
             return
         ahead = [a for e in self.engines if (a := capable(e, BROADCAST_AHEAD, BroadcastAheadEngine)) is not None]
         if len(ahead) == len(self.engines):
@@ -137,7 +138,7 @@ class BroadcastSink(PipelinedSink):
         if not self.sender:
             return
         self._finish()
-        if self.delta is not None:
+        if self.delta is not None and self.delta.active:
             header, payload = self.delta.encode(bucket.index, bucket.buffer, bucket.word)
             bucket = Bucket(bucket.index, payload, bucket.metas, delta=header)
         digest = checksum(bucket.buffer) if self.checksums else None

@@ -95,7 +95,7 @@ class DeltaTracker:
         why = self._full_because(engines, transport, plan, weights_released)
         encoded = transport == "broadcast" and all(e.info().can(DELTA) for e in engines)
         self.forced = None
-        self.snapshot.begin(full=why is not None)
+        self.snapshot.begin(full=why is not None, active=encoded)
         self.plan = plan
         if not encoded:  # the buckets go as they are: nothing the engines hold is known after this update
             self.force_full(why or "")

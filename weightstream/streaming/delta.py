@@ -152,10 +152,11 @@ class Snapshot:
     pinned where CUDA is present: the bucket is compared on the host). Costs one byte per byte of weights
     sent (2 GB per billion bf16 parameters).
 
-    Per update: :meth:`begin` (``full``: every bucket dense, the snapshot made anew), :meth:`encode` per
-    bucket (the snapshot takes the new bytes), and :attr:`digests` the checksum of each bucket's new bytes,
-    to compare with what the engine reports. :meth:`forget` after anything that leaves the engine's bytes
-    unknown (a failed update): the next must be full."""
+    Per update: :meth:`begin` (``full``: every bucket dense, the snapshot made anew; ``active`` False: this
+    update's buckets go as they are, not through the snapshot), :meth:`encode` per bucket (the snapshot takes
+    the new bytes), and :attr:`digests` the checksum of each bucket's new bytes, to compare with what the
+    engine reports. :meth:`forget` after anything that leaves the engine's bytes unknown (a failed update):
+    the next must be full."""
 
     def __init__(self, where: str = "device", allowed: Iterable[Encoding] = ENCODINGS):
         if where not in ("device", "host"):
@@ -164,6 +165,7 @@ class Snapshot:
         self.allowed = tuple(allowed)
         self.held: dict[int, Tensor] = {}
         self.full = True
+        self.active = False  # the buckets of the update under way go through :meth:`encode`
         self.digests: dict[int, str] = {}
         self.headers: dict[int, DeltaHeader] = {}
 
@@ -171,7 +173,8 @@ class Snapshot:
     def nbytes(self) -> int:
         return sum(t.numel() for t in self.held.values())
 
-    def begin(self, full: bool) -> None:
+    def begin(self, full: bool, active: bool = True) -> None:
+        self.active = active
         self.full = full or not self.held
         self.digests, self.headers = {}, {}
         if self.full:
