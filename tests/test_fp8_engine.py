@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from tests.helpers.checks import INPUT_IDS
 from tests.helpers.fp8_workers import run_fp8_updates
@@ -41,8 +42,10 @@ def _fp8_checkpoint(preset: str, where: Path, seed: int) -> dict[str, str]:
         held = {n: reader.get(n) for n in reader.keys()}
     weights = {n: dequantize_block_fp8(t, held[n + SCALE_SUFFIX], SMALL.block, dtype=torch.float32)
                if t.dtype == FP8 else t for n, t in held.items() if not n.endswith(SCALE_SUFFIX)}
-    model.load_state_dict(weights, strict=False)  # a tied lm_head is the embedding's
-    save_hf_checkpoint(model, cfg, where / "dequantized")
+    # Written under the checkpoint's names (transformers holds MoE experts fused, under other names).
+    (where / "dequantized").mkdir()
+    cfg.save_pretrained(where / "dequantized")
+    save_file({n: t.contiguous() for n, t in weights.items()}, str(where / "dequantized" / "model.safetensors"))
     return {"fp8": str(where / "fp8"), "dequantized": str(where / "dequantized")}
 
 
@@ -186,16 +189,24 @@ def test_an_fp8_engine_started_without_weights_knows_its_fp8_weights_from_the_fa
         eng.abort_update()
 
 
-def test_the_engine_holds_float8_values_and_scales_as_loaded(dense_dirs):
-    """In the engine's model (engine TP 1 and each rank of TP 2): every FP8 projection is a Float8Linear whose float8
-    values and scales are the checkpoint's own bytes (this rank's blocks), loaded as they are."""
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3-moe"])
+def test_the_engine_holds_float8_values_and_scales_as_loaded(preset, tmp_path):
+    """In the engine's model (engine TP 1 and each rank of TP 2): every FP8 weight is held in float8 (projections as
+    Float8Linear, transformers' fused experts with Float8Experts), its values and scales the checkpoint's own bytes
+    (this rank's blocks), loaded as they are; and the model computes what an engine started on the dequantized
+    weights computes."""
     from transformers import AutoConfig
 
     from weightstream.reference_engine.model import Float8Linear, ShardedCausalLM
 
-    config = AutoConfig.from_pretrained(dense_dirs["fp8"])
-    with CheckpointReader(dense_dirs["fp8"]) as reader:
+    dirs = _fp8_checkpoint(preset, tmp_path, seed=5)
+    config = AutoConfig.from_pretrained(dirs["fp8"])
+    with CheckpointReader(dirs["fp8"]) as reader:
         held = {n: reader.get(n) for n in reader.keys()}
+    with CheckpointReader(dirs["dequantized"]) as reader:
+        plain_weights = {n: reader.get(n) for n in reader.keys()}
+    plain = ShardedCausalLM(config, 0, 1, None, torch.device("cpu"))
+    assert not plain.load_weights((n, t, None) for n, t in plain_weights.items()).problems
     for size in (1, 2):
         for rank in range(size):
             model = ShardedCausalLM(config, rank, size, None, torch.device("cpu"))
@@ -203,7 +214,7 @@ def test_the_engine_holds_float8_values_and_scales_as_loaded(dense_dirs):
             report = model.load_weights((n, t, None) for n, t in held.items())
             assert not report.problems and set(report.loaded) == set(held)
             stored = [n for n in held if n.endswith(SCALE_SUFFIX)]
-            assert len(stored) == 28 and len(model.stored_fp8) == 28
+            assert model.stored_fp8 == {n[: -len(SCALE_SUFFIX)] for n in stored}
             for scale in stored:
                 name = scale[: -len(SCALE_SUFFIX)]
                 values, scales = model.params[name], model.params[scale]
@@ -215,4 +226,8 @@ def test_the_engine_holds_float8_values_and_scales_as_loaded(dense_dirs):
                 assert values[0].dtype == FP8
                 assert torch.equal(values[0].view(torch.uint8), want_values.view(torch.uint8)), name
                 assert torch.equal(scales[0], want_scales), scale
-            assert sum(isinstance(m, Float8Linear) for m in model.model.modules()) == 28
+            projections = 28 if preset == "tiny-qwen3" else 16  # 4 layers of q, k, v, o (and gate, up, down)
+            assert sum(isinstance(m, Float8Linear) for m in model.model.modules()) == projections
+            if size == 1:
+                ids = torch.tensor(INPUT_IDS)
+                assert torch.equal(model.logits(ids), plain.logits(ids))

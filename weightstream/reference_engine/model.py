@@ -9,8 +9,8 @@ per-rank shards (checked to be exactly this rank's).
 A block-FP8 model (its checkpoint's ``quantization_config``) holds its FP8 projections as engines do: the
 float8 values ``X.weight`` and their float32 ``X.weight_scale_inv``, loaded as they arrive (from the checkpoint, or
 in the same bucket of an update, a colocated trainer writing straight into them), dequantized to the engine's dtype
-in each forward (:class:`Float8Linear`). An FP8 weight that is not a plain projection (fused routed experts) or
-whose shard does not fall on the block grid is held dequantized instead, loaded as ``fp8 × scale`` per block.
+in each forward (:class:`Float8Linear`; fused routed experts: :class:`Float8Experts`). An FP8 weight whose rank's
+part does not fall on the block grid is held dequantized instead, loaded as ``fp8 × scale`` per block.
 """
 
 from __future__ import annotations
@@ -100,6 +100,61 @@ class Float8Linear(nn.Module):
         return F.linear(x, weight, self.bias)
 
 
+EXPERT_SCALES = ("experts.gate_scale_inv", "experts.up_scale_inv", "experts.down_scale_inv")
+
+
+def _dequantize_experts(values: Tensor, scales: Tensor, block: tuple[int, int], dtype: torch.dtype) -> Tensor:
+    """:func:`dequantize_block_fp8` of every expert at once: ``values`` (experts, rows, cols), ``scales``
+    (experts, row blocks, column blocks)."""
+    _, rows, cols = values.shape
+    expanded = scales.repeat_interleave(block[0], dim=1)[:, :rows].repeat_interleave(block[1], dim=2)[:, :, :cols]
+    return (values.float() * expanded).to(dtype)
+
+
+class Float8Experts:
+    """Fused routed experts (transformers' ``gate_up_proj`` (E, 2I, H), ``down_proj`` (E, H, I)) held in block FP8:
+    the two parameters in float8, and ``gate_scale_inv``, ``up_scale_inv``, ``down_scale_inv`` per expert. For each
+    forward the module's parameters are the dequantized weights (in the activations' dtype), and the float8 ones
+    again after it."""
+
+    def __init__(self, fp8: BlockFP8):
+        self.block = fp8.block
+        self.fp8 = fp8
+        self.held: tuple[nn.Parameter, nn.Parameter] | None = None
+
+    def attach(self, module: nn.Module, gate_up: Tensor, down: Tensor) -> None:
+        experts, two_inter, hidden = gate_up.shape
+        inter, device = two_inter // 2, gate_up.device
+
+        def frozen(shape: tuple[int, ...], dtype: torch.dtype, fill: float) -> nn.Parameter:
+            return nn.Parameter(torch.full(shape, fill, dtype=dtype, device=device), requires_grad=False)
+
+        module.gate_up_proj = frozen(tuple(gate_up.shape), FP8, 0.0)
+        module.down_proj = frozen(tuple(down.shape), FP8, 0.0)
+        part, down_part = self.fp8.scale_shape((inter, hidden)), self.fp8.scale_shape((hidden, inter))
+        module.gate_scale_inv = frozen((experts, *part), torch.float32, 1.0)
+        module.up_scale_inv = frozen((experts, *part), torch.float32, 1.0)
+        module.down_scale_inv = frozen((experts, *down_part), torch.float32, 1.0)
+        module.register_forward_pre_hook(self._dequantize)
+        module.register_forward_hook(self._restore)
+
+    def _dequantize(self, module: nn.Module, args: tuple) -> None:
+        own = dict(module.named_parameters(recurse=False))
+        gate_up, down = own["gate_up_proj"], own["down_proj"]
+        inter, dtype = down.shape[2], args[0].dtype
+        gate = _dequantize_experts(gate_up[:, :inter], own["gate_scale_inv"], self.block, dtype)
+        up = _dequantize_experts(gate_up[:, inter:], own["up_scale_inv"], self.block, dtype)
+        self.held = (gate_up, down)
+        module._parameters["gate_up_proj"] = nn.Parameter(torch.cat([gate, up], dim=1), requires_grad=False)
+        module._parameters["down_proj"] = nn.Parameter(
+            _dequantize_experts(down, own["down_scale_inv"], self.block, dtype), requires_grad=False)
+
+    def _restore(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self.held is not None:
+            module._parameters["gate_up_proj"], module._parameters["down_proj"] = self.held
+            self.held = None
+
+
 def _split(n: int, size: int, what: str) -> int:
     if n % size:
         raise ValueError(f"{what}: {n} is not divisible by engine TP {size}")
@@ -178,6 +233,9 @@ class ShardedCausalLM:
         """Each projection held in FP8 whose rank's part falls on the block grid becomes a :class:`Float8Linear`
         (its float8 values and scales are then loaded, and written into, as they are)."""
         for name, module in list(self.model.named_modules()):
+            if _is_fused_experts(module):
+                self._hold_float8_experts(name, module, fp8)
+                continue
             if not isinstance(module, nn.Linear):
                 continue
             weight = self._checkpoint_names(f"{name}.weight".replace(".linear.", "."))[0]
@@ -188,6 +246,20 @@ class ShardedCausalLM:
             setattr(self.model.get_submodule(parent_name), attr, Float8Linear(module, fp8))
             self.stored_fp8.add(weight)
         self.params = self._param_table()
+
+    def _hold_float8_experts(self, name: str, module: nn.Module, fp8: BlockFP8) -> None:
+        """Fused routed experts held in FP8 whose rank's part falls on the block grid: ``gate_up_proj`` and
+        ``down_proj`` in float8, with the scales of each expert's gate, up and down (:class:`Float8Experts`)."""
+        gate_up, down = module.get_parameter("gate_up_proj"), module.get_parameter("down_proj")
+        experts, two_inter, hidden = gate_up.shape
+        inter = two_inter // 2
+        names = self._expert_names(name, experts)
+        if not all(self._held_fp8(n) for n in names[0] + names[1]):
+            return
+        if self.size > 1 and (inter % fp8.block[0] or inter % fp8.block[1]):
+            return
+        Float8Experts(fp8).attach(module, gate_up, down)
+        self.stored_fp8.update(names[0] + names[1])
 
     def _on_blocks(self, param: Tensor, dim: int | None, fp8: BlockFP8) -> bool:
         """Whether this rank's part of a weight (``param``, split on ``dim``) is whole blocks of the whole weight."""
@@ -338,12 +410,17 @@ class ShardedCausalLM:
             if _is_fused_experts(module):
                 inter = module.down_proj.shape[2]
                 gate_up, down = self._expert_names(name, module.gate_up_proj.shape[0])
+                own = dict(module.named_parameters(recurse=False))
                 for x in range(module.gate_up_proj.shape[0]):
                     table[gate_up[2 * x]] = (module.gate_up_proj.data[x, :inter], 0)
                     table[gate_up[2 * x + 1]] = (module.gate_up_proj.data[x, inter:], 0)
                     table[down[x]] = (module.down_proj.data[x], 1)
+                    if "gate_scale_inv" in own:  # held in block FP8 (Float8Experts)
+                        table[gate_up[2 * x] + SCALE_SUFFIX] = (own["gate_scale_inv"].data[x], 0)
+                        table[gate_up[2 * x + 1] + SCALE_SUFFIX] = (own["up_scale_inv"].data[x], 0)
+                        table[down[x] + SCALE_SUFFIX] = (own["down_scale_inv"].data[x], 1)
         for name, p in self.model.named_parameters(remove_duplicate=False):
-            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj") + EXPERT_SCALES):
                 continue
             name = name.replace(".linear.", ".")
             module_path = name.rsplit(".", 1)[0]
