@@ -32,10 +32,10 @@ def engine_dir(tmp_path_factory) -> str:
 
 
 @contextmanager
-def engine(model_dir: str, fault: str = "none", port: int = 0):
+def engine(model_dir: str, fault: str = "none", port: int = 0, tp: int = 1):
     """A reference engine holding bf16 weights (so that they compare bit for bit with the trainer's); without a
     fault it declares all it can (``broadcast_ahead`` too: a delta-mode update must not send its buckets so)."""
-    server = serve_with_fault(model_dir, 1, fault, dtype="bfloat16", port=port)
+    server = serve_with_fault(model_dir, tp, fault, dtype="bfloat16", port=port)
     if fault == "none":
         server.routes[("GET", "/get_server_info")] = server.server_info
     try:
@@ -67,11 +67,22 @@ class Trainer:
         return self.model.state_dict()
 
 
+def _whole(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """A tensor from what each engine rank holds of it: its shards joined along the dim they split, or (held
+    whole on every rank) rank 0's, where every rank holds the same bits."""
+    if parts[0].shape == like.shape:
+        assert all(torch.equal(p.view(torch.int16), parts[0].view(torch.int16)) for p in parts)
+        return parts[0]
+    dim = next(i for i, (a, b) in enumerate(zip(parts[0].shape, like.shape, strict=True)) if a != b)
+    return torch.cat(parts, dim)
+
+
 def assert_engine_holds(server, trainer: Trainer) -> None:
-    held = server.engine.call("held_weights")[0]
+    ranks = server.engine.call("held_weights")
     ours = trainer.tensors()
-    assert sorted(held) == sorted(ours)
-    different = [n for n, t in ours.items() if not torch.equal(held[n].view(torch.int16), t.view(torch.int16))]
+    assert sorted(ranks[0]) == sorted(ours)
+    different = [n for n, t in ours.items()
+                 if not torch.equal(_whole([r[n] for r in ranks], t).view(torch.int16), t.view(torch.int16))]
     assert not different, f"the engine's tensors differ from the trainer's: {different}"
 
 
@@ -204,3 +215,19 @@ def test_full_updates_where_deltas_cannot_go(engine_dir):
             assert report.delta.reason == "deltas travel by broadcast only so far (ipc chosen)"
             assert_engine_holds(server, trainer)
         assert server.engine.delta_base is None
+
+
+def test_two_engines_one_at_tp2(engine_dir):
+    """One broadcast group to an engine at TP 2 and one at TP 1: every rank of each keeps the buckets' bytes,
+    applies the deltas and reports its checksums; each engine holds the trainer's tensors bit for bit (the TP 2
+    engine's shards joined)."""
+    trainer = Trainer(seed=4)
+    with engine(engine_dir, tp=2) as a, engine(engine_dir) as b, \
+            WeightSync([a.url, b.url], bucket_bytes=SMALL, delta=True) as sync:
+        for step in range(4):
+            trainer.step()
+            d = _update(sync, trainer, f"v{step}").delta
+            assert (d.full, d.checked) == (step == 0, True), d.summary()
+            for server in (a, b):
+                assert_engine_holds(server, trainer)
+        assert len(a.engine.call("delta_checksums")) == 2
