@@ -246,6 +246,8 @@ class ShardedCausalLM:
             setattr(self.model.get_submodule(parent_name), attr, Float8Linear(module, fp8))
             self.stored_fp8.add(weight)
         self.params = self._param_table()
+        if self.device.type == "cuda":  # the unquantized weights just dropped: give their memory back to the device
+            torch.cuda.empty_cache()
 
     def _hold_float8_experts(self, name: str, module: nn.Module, fp8: BlockFP8) -> None:
         """Fused routed experts held in FP8 whose rank's part falls on the block grid: ``gate_up_proj`` and
