@@ -299,7 +299,8 @@ def update_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype:
 def _as_served(chunks, cfg, quantize: BlockFP8) -> None:
     """The trainer's weights replaced by those a block-FP8 engine serves (each FP8 tensor ``fp8 × scale`` in the
     model's dtype, as the stream quantizes it), so that the Megatron model's own forward is the reference for the
-    engine's logits."""
+    engine's logits. Held in host memory until loaded (next to a colocated engine a second copy of the model does
+    not fit the device)."""
     from weightstream.streaming.stream import stream_hf_weights
     from weightstream.testing.megatron import load_hf_weights
 
@@ -309,9 +310,9 @@ def _as_served(chunks, cfg, quantize: BlockFP8) -> None:
         named = dict(bucket.named_tensors())
         for name, t in named.items():
             if t.dtype == FP8:
-                served[name] = dequantize_block_fp8(t, named[name + SCALE_SUFFIX], quantize.block, dtype=dtype)
+                served[name] = dequantize_block_fp8(t, named[name + SCALE_SUFFIX], quantize.block, dtype=dtype).cpu()
             elif not name.endswith(SCALE_SUFFIX):
-                served[name] = t.clone()
+                served[name] = t.cpu()
     load_hf_weights(chunks, cfg, served)
 
 
