@@ -50,10 +50,11 @@ def _check(src: str, out, transport: str, torchrun: bool) -> None:
     assert (second - first).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("transport,engine_tp", [("broadcast", 1), ("p2p", 2), ("ipc", 2), ("ipc", 1)])
+@pytest.mark.parametrize("transport,engine_tp", [("broadcast", 1), ("p2p", 2), ("p2p", 1), ("ipc", 2), ("ipc", 1)])
 def test_torchrun_trainer_updates_engine(tmp_path, transport, engine_tp):
     """``ipc`` into an engine at TP 1: trainer rank 0 writes every tensor (those gathered over TP included)
-    straight into the engine's weights; at TP 2 each rank's buckets cross its control channel."""
+    straight into the engine's weights; at TP 2 each rank's buckets cross its control channel. ``p2p`` into an
+    engine at TP 1: resharded, both trainer ranks sending their shards to the engine's one rank."""
     cfg = preset_config("tiny-qwen3")
     src = save_random_checkpoint(cfg, tmp_path / "src", seed=31)
     eng_dir = save_random_checkpoint(cfg, tmp_path / "eng", seed=32)

@@ -139,8 +139,8 @@ def test_mixtral_transformers_models_plain_and_fsdp2(mixtral, tmp_path):
 
 def test_mixtral_megatron_checkpoint_converts_and_updates_the_reference_engine(mixtral, reference, tmp_path):
     """An EP 2 Megatron job's checkpoint converted (legacy per-rank files, experts from both EP ranks), bit for bit;
-    then an EP 2 trainer updates a TP 2 reference engine (its fused experts split over its ranks, loaded under
-    Mixtral's checkpoint names) and the engine's logits equal the HF model's."""
+    then an EP 2 trainer updates a TP 2 reference engine by resharded P2P (its fused experts split over its ranks,
+    loaded under Mixtral's checkpoint names) and the engine's logits equal the HF model's."""
     from tests.helpers.family_workers import run_updates
     from tests.helpers.megatron_saves import run_saves
     from weightstream.convert import convert_checkpoint
@@ -161,6 +161,6 @@ def test_mixtral_megatron_checkpoint_converts_and_updates_the_reference_engine(m
         ((result,),) = launch(2, run_updates, [(Case(mixtral, Layout(1, 1, ep=2)), [server.url], update)])[0]
     finally:
         stop(server)
-    assert result["report"].transport == "broadcast" and result["report"].tensors == len(_saved(mixtral))
+    assert result["report"].transport == "p2p" and result["report"].tensors == len(_saved(mixtral))
     assert (before - reference).abs().max() > 1e-2
     assert_logits_close(result["engine_logits"], reference)

@@ -62,9 +62,9 @@ def test_broadcast_tp2_pp2_two_updates(sources, engine_dir, tmp_path):
         eng = ReferenceEngine(server.url)
         before = eng.logits(INPUT_IDS)
         updates = [
-            {"transport": "auto", "bucket_bytes": SMALL, "save_to": str(saved1), "checksums": True,
+            {"transport": "broadcast", "bucket_bytes": SMALL, "save_to": str(saved1), "checksums": True,
              "weight_version": "step-1"},
-            {"transport": "auto", "bucket_bytes": SMALL, "reseed": 7, "save_to": str(saved2),
+            {"transport": "broadcast", "bucket_bytes": SMALL, "reseed": 7, "save_to": str(saved2),
              "weight_version": "step-2"},
         ]
         # Trainer rank 0 reads the engine's logits right after each update.
@@ -77,8 +77,8 @@ def test_broadcast_tp2_pp2_two_updates(sources, engine_dir, tmp_path):
     assert_logits_close(after2, hf_logits(str(saved2), INPUT_IDS))
     assert (after2 - after1).abs().max() > 1e-3 and (after1 - before).abs().max() > 1e-2
     for rep, version in zip(reports, ("step-1", "step-2"), strict=True):
-        # Engine TP 1 != trainer TP 2: broadcast, and the report says why.
-        assert rep.transport == "broadcast" and "engine TP 1 != trainer TP 2" in rep.reason
+        # Asked for (auto would reshard by P2P into this engine of another TP: tests/test_reshard_updates.py).
+        assert rep.transport == "broadcast" and rep.reason == "asked for"
         assert rep.tensors == 47 and rep.buckets > 3 and rep.weight_version == version
         assert set(rep.seconds) >= {"pause", "connect", "transfer", "commit", "resume", "total"}
     # Checksums are per bucket: one request each. Without them the reference engine takes every bucket's
@@ -108,14 +108,14 @@ def test_p2p_without_any_gather_and_fallback(sources, engine_dir):
                          [{"transport": "auto", "bucket_bytes": SMALL}])
         (p2p,) = _ok(results)
         l2 = ReferenceEngine(two.url).logits(INPUT_IDS)
-        (fallback,) = _ok(launch(2, run_update, Case(src, Layout(2, 1)), [one.url],
+        (fallback,) = _ok(launch(2, run_update, Case(src, Layout(2, 1)), [two.url, one.url],
                                  [{"transport": "p2p", "bucket_bytes": SMALL}]))
         l1 = ReferenceEngine(one.url).logits(INPUT_IDS)
     assert p2p.transport == "p2p" and p2p.mode == "per_rank"
     for rank_results in results:
         assert rank_results[0]["report"].gathers == 0  # no all-gather ran on any trainer rank
     assert fallback.transport == "broadcast"
-    assert fallback.reason.startswith("fell back from p2p") and "engine TP 1 != trainer TP 2" in fallback.reason
+    assert fallback.reason.startswith("fell back from p2p") and "2 engines (P2P serves one)" in fallback.reason
     ref = hf_logits(src, INPUT_IDS)
     assert_logits_close(l2, ref)
     assert_logits_close(l1, ref)
@@ -255,8 +255,8 @@ def test_disallowed_pickle_global_and_bearer_token(engine_dir):
 
 
 def test_moe_ep2_trainer_into_tp2_engine(tmp_path):
-    """Qwen3-MoE trained with EP 2: experts gathered over EP, broadcast, loaded by an engine that splits
-    every expert over its two TP ranks."""
+    """Qwen3-MoE trained with EP 2 into an engine that splits every expert over its two TP ranks: resharded P2P,
+    each EP rank sending each engine rank its half of every expert it holds, checked per bucket and sender."""
     cfg = preset_config("tiny-qwen3-moe")
     src = save_random_checkpoint(cfg, tmp_path / "src", seed=21)
     eng_dir = save_random_checkpoint(cfg, tmp_path / "eng", seed=22)
@@ -265,7 +265,7 @@ def test_moe_ep2_trainer_into_tp2_engine(tmp_path):
                          [{"transport": "auto", "bucket_bytes": SMALL, "checksums": True}])
         (rep,) = _ok(results)
         logits = ReferenceEngine(server.url).logits(INPUT_IDS)
-    assert rep.transport == "broadcast" and "trainer EP 2" in rep.reason
+    assert rep.transport == "p2p" and "trainer TP 1 EP 2" in rep.reason and rep.gathers == 0
     assert rep.tensors == 135
     assert_logits_close(logits, hf_logits(src, INPUT_IDS))
 

@@ -29,6 +29,7 @@ from weightstream.engines.base import (
     P2P,
     PAUSE_AND_BEGIN,
     RELEASE_MEMORY,
+    RESHARD,
     SINGLE_DTYPE,
     CommitsAndResumes,
     EngineAdapter,
@@ -45,6 +46,7 @@ from weightstream.models.spec import ModelSpec, load_hf_config
 from weightstream.sinks import BroadcastSink, IPCSink, P2PSink
 from weightstream.sinks.base import Delivery, PipelinedSink, Sink
 from weightstream.sinks.delta import DeltaReport, DeltaTracker
+from weightstream.sinks.reshard import ReshardSink
 from weightstream.sources import as_source
 from weightstream.sources.base import Source
 from weightstream.sources.topology import Topology
@@ -132,6 +134,7 @@ class Decision:
     transport: str
     reason: str
     one_dtype: bool = False  # an engine takes buckets of one dtype only (SINGLE_DTYPE)
+    reshard: bool = False  # P2P into an engine that declares its layout (RESHARD): any TP and EP on both sides
 
     @property
     def mode(self) -> Mode:
@@ -144,8 +147,9 @@ class Decision:
 
 
 def choose_transport(requested: str, engines: Sequence[EngineAdapter], topo: Topology, spec: ModelSpec,
-                     colocated: bool | None, *, p2p_source: bool = True) -> tuple[str, str]:
-    """(transport, why), from what the engines declare they can do. Only rank 0 calls it (it asks the engines)."""
+                     colocated: bool | None, *, p2p_source: bool = True, plain: bool = True) -> tuple[str, str]:
+    """(transport, why), from what the engines declare they can do. Only rank 0 calls it (it asks the engines).
+    ``plain``: the update sends unquantized, whole buckets (no block FP8, no deltas), which resharding takes."""
     if requested not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {requested!r}")
     infos = [e.info() for e in engines]
@@ -157,7 +161,11 @@ def choose_transport(requested: str, engines: Sequence[EngineAdapter], topo: Top
         shared = any(_local_gpu_uuids() & set(i.gpu_uuids) for i in infos)
         if colocated or (colocated is None and shared):
             return "ipc", "the engine shares this trainer's GPU (colocated)"
-    failed = _p2p_problems(engines, infos, topo, spec, p2p_source)
+    reshard = bool(engines) and infos[0].can(RESHARD) and plain
+    failed = _p2p_problems(engines, infos, topo, spec, p2p_source, reshard)
+    if not failed and reshard:
+        return "p2p", (f"engine TP {infos[0].tp_size}, trainer TP {topo.tp_size} EP {topo.ep_size}: each trainer rank "
+                       "sends each engine rank the rows and columns of its shards that it needs (resharded P2P)")
     if not failed:
         return "p2p", "engine TP equals trainer TP, engine PP 1: each TP rank sends its own shards"
     reason = "P2P preconditions failed: " + "; ".join(failed)
@@ -178,8 +186,9 @@ def _as_asked(transport: str, unable: list[str]) -> tuple[str, str]:
 
 
 def _p2p_problems(engines: Sequence[EngineAdapter], infos: Sequence[EngineInfo], topo: Topology, spec: ModelSpec,
-                  p2p_source: bool) -> list[str]:
-    """Why point-to-point per TP rank does not fit (nothing: it does)."""
+                  p2p_source: bool, reshard: bool = False) -> list[str]:
+    """Why point-to-point per TP rank does not fit (nothing: it does). ``reshard``: the engine takes any layout
+    (:data:`RESHARD`), so the trainer's TP and EP need not be its."""
     failed = []
     if not p2p_source:
         failed.append("the source has no TP ranks that send their own shards (P2P sends from Megatron's TP ranks)")
@@ -188,10 +197,12 @@ def _p2p_problems(engines: Sequence[EngineAdapter], infos: Sequence[EngineInfo],
     for e, i in zip(engines[:1], infos[:1], strict=True):
         if not i.can(P2P):
             failed.append(f"engine {e.url} ({i.engine}) does not receive per-rank buckets")
-        if i.tp_size != topo.tp_size:
-            failed.append(f"engine TP {i.tp_size} != trainer TP {topo.tp_size}")
+        if i.tp_size != topo.tp_size and not reshard:
+            failed.append(f"engine TP {i.tp_size} != trainer TP {topo.tp_size}" + _why_not_reshard(i))
         if i.pp_size != 1:
             failed.append(f"engine PP {i.pp_size} != 1")
+    if reshard:
+        return failed
     if topo.ep_size > 1:
         failed.append(f"trainer EP {topo.ep_size} (experts would need an engine with the same EP)")
     if spec.is_moe and topo.etp_size != topo.tp_size:
@@ -199,6 +210,13 @@ def _p2p_problems(engines: Sequence[EngineAdapter], infos: Sequence[EngineInfo],
     if not get_converter(spec.model_type).per_rank:
         failed.append(f"the {spec.model_type} converter does not support per-rank export")
     return failed
+
+
+def _why_not_reshard(info: EngineInfo) -> str:
+    """Why an engine of another TP is not resharded into."""
+    if not info.can(RESHARD):
+        return f" (the {info.engine} engine does not declare its layout: no resharding)"
+    return " (resharding sends unquantized full updates: not block FP8, not deltas)"
 
 
 def _pause_and_begin(engine: EngineAdapter, mode: str, version: str, timeout_s: float) -> None:
@@ -322,6 +340,7 @@ class WeightSync:
         if full_every is not None and not delta:
             raise ValueError("full_every applies to delta updates (delta=True)")
         self.delta = DeltaTracker(Snapshot(snapshot), full_every) if delta else None
+        self._reshard = False  # the last decision's: P2P sinks reshard (Decision.reshard)
 
     def _make_sink(self, kind: str, topology: Topology) -> Sink:
         sink = self.sinks.get(kind)
@@ -338,10 +357,18 @@ class WeightSync:
         self.sinks[kind] = sink
         return sink
 
+    def _resharding_takes(self) -> bool:
+        """Whether this sync's updates are what resharded P2P sends: unquantized and full (no deltas)."""
+        return self.quantize is None and self.delta is None
+
     def _new_sink(self, kind: str, topology: Topology) -> Sink:
         if kind == "ipc":
             return IPCSink(self.engines[0], checksums=self.checksums, timeout_s=self.timeout_s,
                            ahead=self.metadata_ahead, direct=self.direct)
+        if kind == "p2p" and self._reshard:
+            return ReshardSink(self.engines[0], topology, master_address=self.master_address,
+                               master_port=self.master_port, backend=self.backend, timeout_s=self.timeout_s,
+                               checksums=self.checksums)
         if kind == "p2p":
             return P2PSink(self.engines[0], topology, master_address=self.master_address,
                            master_port=self.master_port, backend=self.backend, timeout_s=self.timeout_s,
@@ -445,9 +472,11 @@ class WeightSync:
             t = time.perf_counter()
             try:
                 kind, reason = choose_transport(self.transport, self.engines, job.source.topology, job.spec,
-                                                self.colocated, p2p_source=job.source.per_rank_senders)
+                                                self.colocated, p2p_source=job.source.per_rank_senders,
+                                                plain=self._resharding_takes())
                 _check_formats(self.engines, self.quantize)
-                decided = Decision(kind, reason, any(e.info().can(SINGLE_DTYPE) for e in self.engines))
+                decided = Decision(kind, reason, any(e.info().can(SINGLE_DTYPE) for e in self.engines),
+                                   kind == "p2p" and self._resharding_takes() and self.engines[0].info().can(RESHARD))
                 if version is not None:
                     self._pause(version)
             except Exception as exc:  # noqa: BLE001 — shared with every rank below
@@ -461,6 +490,7 @@ class WeightSync:
             raise decided
         if not isinstance(decided, Decision):
             raise TypeError(f"rank 0 decided {decided!r}")
+        self._reshard = decided.reshard
         return decided
 
     def _pause(self, version: str) -> None:
@@ -703,6 +733,8 @@ def _fill_report(report: UpdateReport, stream: BucketStream, delivery: Delivery)
     report.planned, report.copies_made = stream.stats.planned, stream.stats.copy_programs
     report.metadata_ahead, report.direct = delivery.metadata_ahead, delivery.direct
     report.formed_group = delivery.formed_group
+    if delivery.tensors is not None:
+        report.tensors = delivery.tensors
 
 
 def update_weights(model_chunks: nn.Module | Sequence[nn.Module], hf_config: Any,

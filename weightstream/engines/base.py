@@ -21,12 +21,16 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from weightstream.converters.fp8 import BlockFP8, block_fp8_of
 from weightstream.errors import WeightstreamError
 from weightstream.streaming.bucket import Bucket, TensorMeta
+from weightstream.streaming.reshard import EngineLayout
 from weightstream.wire.frames import Plan
 
 # Capabilities an engine may declare.
 BROADCAST = "broadcast"  # receives a bucket's flat buffer by a broadcast over a joined group
 IPC = "ipc"  # receives a bucket's buffer as a CUDA IPC handle / shared-memory file
 P2P = "p2p"  # each engine TP rank receives its own per-rank bucket from trainer TP rank r (send/recv)
+# P2P into an engine of another layout: it declares how it splits each tensor (EngineLayout), and each engine
+# rank takes the pieces of its part from the trainer ranks that hold them (weightstream.streaming.reshard)
+RESHARD = "reshard"
 ROLLBACK = "rollback"  # an aborted update puts the last committed weights back
 RELEASE_MEMORY = "release_memory"  # frees weights / KV cache while the trainer runs, re-creates them after
 SINGLE_DTYPE = "single_dtype"  # every bucket must hold tensors of one dtype (the planner cuts them so)
@@ -165,6 +169,9 @@ class RankBucket:
     metas: tuple[TensorMeta, ...]
     nbytes: int
     checksum: str | None = None
+    # A resharded bucket (:data:`RESHARD`): the engine rank it is for (one engine rank may then hear several
+    # trainer ranks, each piece placed in its whole tensor by its shard); None: the engine rank of its position.
+    rank: int | None = None
 
 
 @runtime_checkable
@@ -213,6 +220,14 @@ class P2PEngine(GroupEngine, Protocol):
     """:data:`P2P`: each engine TP rank receives its own per-rank bucket from trainer TP rank r."""
 
     def receive_p2p(self, index: int, ranks: Sequence[RankBucket]) -> None: ...
+
+
+@runtime_checkable
+class ReshardEngine(P2PEngine, Protocol):
+    """:data:`RESHARD`: per-rank buckets into an engine of another layout; it declares how it holds each tensor."""
+
+    def layout(self) -> EngineLayout:
+        """How the engine splits the HF tensors over its ranks."""
 
 
 @runtime_checkable
@@ -299,7 +314,7 @@ class DeltaEngine(EngineAdapter, Protocol):
 
 # What an adapter implements for each capability its engine may declare.
 CAPABILITY_PROTOCOLS: dict[str, type] = {
-    BROADCAST: BroadcastEngine, P2P: P2PEngine, IPC: IPCEngine, RELEASE_MEMORY: MemoryEngine,
+    BROADCAST: BroadcastEngine, P2P: P2PEngine, RESHARD: ReshardEngine, IPC: IPCEngine, RELEASE_MEMORY: MemoryEngine,
     BROADCAST_AHEAD: BroadcastAheadEngine, IPC_AHEAD: IPCAheadEngine,
     COMMIT_AND_RESUME: CommitsAndResumes, PAUSE_AND_BEGIN: PausesAndBegins, DELTA: DeltaEngine,
 }

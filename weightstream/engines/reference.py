@@ -13,6 +13,7 @@ from weightstream.engines.base import (
     P2P,
     PAUSE_AND_BEGIN,
     RELEASE_MEMORY,
+    RESHARD,
     ROLLBACK,
     DeltaChecks,
     RankBucket,
@@ -20,6 +21,7 @@ from weightstream.engines.base import (
 from weightstream.engines.sglang import SGLangEngine
 from weightstream.models.spec import dtype_name
 from weightstream.streaming.bucket import Bucket, TensorMeta
+from weightstream.streaming.reshard import EngineLayout
 from weightstream.wire.frames import BucketLayout, Plan
 
 ENGINE_NAME = "weightstream-reference"
@@ -42,7 +44,8 @@ class ReferenceEngine(SGLangEngine):
     name = "reference"
 
     def capabilities(self, server_info: dict) -> frozenset[str]:
-        declared = server_info.get("capabilities") or (BROADCAST, IPC, IPC_AHEAD, P2P, ROLLBACK, RELEASE_MEMORY)
+        declared = server_info.get("capabilities") or (BROADCAST, IPC, IPC_AHEAD, P2P, RESHARD, ROLLBACK,
+                                                         RELEASE_MEMORY)
         # Its routes take a commit with a resume, and a pause with a begin, in one request each.
         return frozenset(declared) | {COMMIT_AND_RESUME, PAUSE_AND_BEGIN}
 
@@ -144,8 +147,14 @@ class ReferenceEngine(SGLangEngine):
         self.post("/weightstream/update_weights_from_p2p", {
             "group_name": self.group_name, "weight_version": self._version,
             "ranks": [{"src": r.src, "metas": [_meta_json(m) for m in r.metas], "nbytes": r.nbytes,
-                       "checksum": r.checksum} for r in ranks],
+                       "checksum": r.checksum,
+                       **({} if r.rank is None else {"rank": r.rank})} for r in ranks],
         }, step=f"update_weights_from_p2p (bucket {index})")
+
+    def layout(self) -> EngineLayout:
+        """How the engine splits each checkpoint tensor over its TP ranks (``/weightstream/layout``)."""
+        reply = self.get("/weightstream/layout", step="layout")
+        return EngineLayout(int(reply["tp_size"]), {str(k): int(v) for k, v in reply["dims"].items()})
 
     def logits(self, input_ids: list[list[int]]):
         import base64

@@ -7,7 +7,8 @@ holding its shard) and serves, on loopback by default:
   (per tensor or ``flattened_bucket``), ``/update_weights_from_tensor``, ``/destroy_weights_update_group``,
   ``/pause_generation``, ``/continue_generation``, ``/begin_weight_update``, ``/end_weight_update``,
   ``/update_weight_version``, ``/flush_cache``, ``/generate``, ``/model_info``, ``/get_server_info``, ``/health``;
-- weightstream's additions: ``/weightstream/update_weights_from_p2p`` (per-rank buckets by send/recv),
+- weightstream's additions: ``/weightstream/update_weights_from_p2p`` (per-rank buckets by send/recv, or a
+  resharded bucket's pieces from several trainer ranks), ``/weightstream/layout`` (how it splits each tensor),
   the ``*_ahead`` routes (every bucket's metadata in one request), ``/weightstream/logits``, and two fields:
   ``pause`` in ``/begin_weight_update`` and ``resume`` in ``/end_weight_update`` (one request each instead
   of two).
@@ -716,6 +717,7 @@ class EngineServer(ThreadingHTTPServer):
             ("POST", "/resume_memory_occupation"): self.resume_memory,
             ("GET", "/weightstream/memory"): lambda b: (200, {"ranks": self.engine.call("memory")}),
             ("GET", "/weightstream/delta_checksums"): self.delta_checksums,
+            ("GET", "/weightstream/layout"): self.layout,
         }
 
     def handle_error(self, request, client_address) -> None:
@@ -775,7 +777,7 @@ class EngineServer(ThreadingHTTPServer):
             "weight_version": e.weight_version, "device": e.devices[0].split(":")[0], "gpu_uuids": e.gpu_uuids(),
             "hostname": socket.gethostname(), "pid": os.getpid(), "dtype": e.dtype,
             "quantization_config": e.quantization_config,
-            "capabilities": ["broadcast", "ipc", "ipc_ahead", "p2p", "release_memory"]
+            "capabilities": ["broadcast", "ipc", "ipc_ahead", "p2p", "reshard", "release_memory"]
             + (["rollback"] if e.rollback else []) + ["broadcast_ahead", "delta"],
             "instance": e.instance, "delta_base": e.delta_base,
             "update_session_open": e.session_open,
@@ -890,12 +892,32 @@ class EngineServer(ThreadingHTTPServer):
     def update_p2p(self, b):
         self._in_session("update_weights_from_p2p")
         ranks = b["ranks"]
+        if any("rank" in r for r in ranks):
+            return self._update_p2p_pieces(b)
         if len(ranks) != self.engine.tp:
             raise EngineFailure(f"got metadata for {len(ranks)} ranks, engine has {self.engine.tp}")
         group = b.get("group_name", "weight_update_group")
         per_rank = [{"group_name": group, "src": int(r["src"]), "metas": r["metas"], "nbytes": int(r["nbytes"]),
                      "expected_checksum": r.get("checksum")} for r in ranks]
         return self._guarded(lambda: self.engine.call("update_p2p", per_rank=per_rank), b)
+
+    def _update_p2p_pieces(self, b):
+        """A resharded bucket: each entry names the engine rank it is for (``rank``) and the trainer rank it
+        comes from (``src``); an engine rank may hear several trainer ranks, or none."""
+        group = b.get("group_name", "weight_update_group")
+        parts: list[list[dict]] = [[] for _ in range(self.engine.tp)]
+        for r in b["ranks"]:
+            rank = r.get("rank")
+            if not isinstance(rank, int) or not 0 <= rank < self.engine.tp:
+                raise EngineFailure(f"a part for engine rank {rank!r}; the engine has ranks 0..{self.engine.tp - 1}")
+            parts[rank].append({"src": int(r["src"]), "metas": r["metas"], "nbytes": int(r["nbytes"]),
+                                "checksum": r.get("checksum")})
+        per_rank = [{"group_name": group, "parts": p} for p in parts]
+        return self._guarded(lambda: self.engine.call("update_p2p_pieces", per_rank=per_rank), b)
+
+    def layout(self, b):
+        """How the engine splits the checkpoint's tensors over its ranks (weightstream's resharding reads it)."""
+        return 200, {"tp_size": self.engine.tp, "dims": self.engine.call("layout")[0]}
 
     def begin(self, b):
         """``pause`` (a mode): pause generation first, as ``/pause_generation`` does (one request for both)."""

@@ -31,6 +31,7 @@ from weightstream.common.processes import die_with_parent
 from weightstream.converters.fp8 import block_fp8_of
 from weightstream.converters.registry import get_converter
 from weightstream.models.spec import dtype_from_name, dtype_name
+from weightstream.reference_engine.pieces import assemble, engine_layout
 from weightstream.reference_engine.schema import unknown_dtypes
 from weightstream.streaming.bucket import (
     Bucket,
@@ -698,6 +699,36 @@ class Worker:
         )
         return self._apply(Bucket(self.bucket_count, buffer, metas), expected_checksum)
 
+    def update_p2p_pieces(self, group_name, parts):
+        """A resharded per-rank bucket: ``parts`` from several trainer ranks (each ``src``, ``metas``, ``nbytes``,
+        ``checksum``), every piece placed in its whole tensor; received together, checked to tile this rank's
+        part of each tensor exactly, put together and loaded, or refused whole (nothing loaded), naming every
+        problem."""
+        group = self._group(group_name)
+        buffers = [torch.empty(int(p["nbytes"]), dtype=torch.uint8, device=self.device) for p in parts]
+        works = [dist.irecv(b, group=group, group_src=int(p["src"])) for b, p in zip(buffers, parts, strict=True)]
+        for w in works:
+            w.wait()
+        index = self.bucket_count
+        self.bucket_count += 1
+        problems, pieces = [], []
+        for buffer, part in zip(buffers, parts, strict=True):
+            if part.get("checksum") is not None and checksum(buffer) != part["checksum"]:
+                problems.append(f"the bytes from trainer rank {part['src']} arrived corrupted (checksum)")
+            for m in part["metas"]:
+                meta = TensorMeta(m["name"], dtype_from_name(m["dtype"]), tuple(m["shape"]), m["offset"],
+                                  Shard(**m["shard"]) if m.get("shard") else None)
+                pieces.append((meta, view_tensor(buffer, meta)))
+        weights, more = assemble(pieces, self.model.params, self.rank, self.size) if not problems else ([], [])
+        problems += more
+        if problems:
+            raise ValueError(f"bucket {index} refused, nothing of it loaded: " + "; ".join(problems))
+        return self._load(weights)
+
+    def layout(self):
+        """How this rank holds the checkpoint's tensors: the dim each is split on (those held whole omitted)."""
+        return dict(engine_layout(self.model.params, self.size).dims)
+
     def update_tensor(self, payload, load_format, expected_checksum):
         """SGLang's ``/update_weights_from_tensor`` payload, unpickled through the allow-list: named shared
         memory (the CPU) only from the processes :meth:`_grant` knows."""
@@ -853,6 +884,7 @@ class Worker:
             "commit_session": self.commit_session, "abort_session": self.abort_session,
             "release_memory": self.release_memory, "resume_memory": self.resume_memory, "memory": self.memory,
             "logits": self.logits, "generate": self.generate, "delta_checksums": self.delta_checksums,
+            "update_p2p_pieces": self.update_p2p_pieces, "layout": self.layout,
             "forget_delta": self.forget_delta,
         }
 

@@ -23,6 +23,7 @@ class Delivery:
     direct: bool = False  # the trainer wrote every tensor straight into the engine's weights (one copy)
     waited_s: float | None = None  # seconds spent waiting for the engines' answers, where the sink counts them
     formed_group: bool = False  # the update formed the group to the engines (it was not kept from before)
+    tensors: int | None = None  # HF tensors the engines got, where this rank's stream yields only some (resharding)
 
 
 @runtime_checkable

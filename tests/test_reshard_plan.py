@@ -1,0 +1,231 @@
+"""The resharding plan, from metadata alone: what each trainer rank sends each engine rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weightstream.common.layout import layout
+from weightstream.errors import ConversionError
+from weightstream.streaming.bucket import Shard, TensorMeta
+from weightstream.streaming.reshard import EngineLayout, is_identity, plan_bucket, tiling_problems
+
+pytestmark = pytest.mark.unit
+
+F32 = torch.float32
+# A tiny layer as HF names it: q split by rows, o by columns (Megatron's column / row parallel), a norm whole.
+SHAPES = {"q.weight": (8, 4), "o.weight": (4, 8), "norm.weight": (4,)}
+DIMS = {"q.weight": 0, "o.weight": 1}
+
+
+def trainer_bucket(tp: int, rank: int) -> list[TensorMeta]:
+    """The bucket a trainer TP rank yields per rank: its shard of q and o, the norm whole."""
+    out = []
+    for name, shape in SHAPES.items():
+        dim = DIMS.get(name)
+        if dim is None or tp == 1:
+            out.append((name, shape, None))
+            continue
+        n = shape[dim] // tp
+        local = list(shape)
+        local[dim] = n
+        out.append((name, tuple(local), Shard(dim, rank * n, n, shape[dim])))
+    offsets, _ = layout([[4 * _numel(s)] for _, s, _ in out])
+    return [TensorMeta(name, F32, shape, off, shard) for (name, shape, shard), (off,) in zip(out, offsets, strict=True)]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def routes(tp: int, engine_tp: int):
+    senders = [trainer_bucket(tp, r) for r in range(tp)]
+    return senders, plan_bucket(senders, EngineLayout(engine_tp, DIMS))
+
+
+def by_pair(plan):
+    return {(r.sender, r.engine_rank): r for r in plan}
+
+
+def engine_pieces(plan, e):
+    """Per tensor name, the placements engine rank e receives."""
+    out: dict[str, list] = {}
+    for r in plan:
+        if r.engine_rank == e:
+            for m in r.metas:
+                out.setdefault(m.name, []).append(m.shard)
+    return out
+
+
+def test_equal_tp_is_each_rank_its_own_bucket():
+    senders, plan = routes(2, 2)
+    assert is_identity(plan, 2)
+    assert [(r.sender, r.engine_rank, r.whole_bucket) for r in plan] == [(0, 0, True), (1, 1, True)]
+    assert by_pair(plan)[(1, 1)].metas == tuple(senders[1])
+
+
+def test_tp2_to_tp1_each_sends_its_shards_and_one_sends_the_norm():
+    senders, plan = routes(2, 1)
+    pairs = by_pair(plan)
+    assert set(pairs) == {(0, 0), (1, 0)}
+    assert pairs[(0, 0)].whole_bucket and pairs[(0, 0)].metas == tuple(senders[0])
+    # Rank 1 sends its shards, not the norm (rank 0 sends it): packed anew, shards placed in the whole.
+    assert not pairs[(1, 0)].whole_bucket
+    assert [(m.name, m.shape, m.shard) for m in pairs[(1, 0)].metas] == [
+        ("q.weight", (4, 4), Shard(0, 4, 4, 8)), ("o.weight", (4, 4), Shard(1, 4, 4, 8))]
+    got = engine_pieces(plan, 0)
+    for name, dests in got.items():
+        assert tiling_problems(name, dests, None, SHAPES[name]) == []
+
+
+def test_tp1_to_tp2_cuts_rows_and_columns():
+    senders, plan = routes(1, 2)
+    pairs = by_pair(plan)
+    assert set(pairs) == {(0, 0), (0, 1)}
+    r1 = pairs[(0, 1)]
+    assert [(p.name, p.cut, p.shape, p.dest) for p in r1.pieces] == [
+        ("q.weight", (0, 4, 4), (4, 4), Shard(0, 4, 4, 8)),
+        ("o.weight", (1, 4, 4), (4, 4), Shard(1, 4, 4, 8)),
+        ("norm.weight", None, (4,), None),
+    ]
+    assert r1.nbytes == r1.metas[-1].offset + 16 and r1.metas[0].offset == 0
+
+
+@pytest.mark.parametrize("tp,engine_tp", [(2, 4), (4, 2), (2, 1), (1, 4), (4, 1)])
+def test_every_engine_rank_gets_exactly_its_part(tp, engine_tp):
+    senders, plan = routes(tp, engine_tp)
+    layout_ = EngineLayout(engine_tp, DIMS)
+    for e in range(engine_tp):
+        got = engine_pieces(plan, e)
+        assert set(got) == set(SHAPES)
+        for name, dests in got.items():
+            assert tiling_problems(name, dests, layout_.part(name, SHAPES[name], e), SHAPES[name]) == []
+    # Every byte a sender sends is one of its own (a cut of a tensor it holds), and no pair sends twice.
+    assert len({(r.sender, r.engine_rank) for r in plan}) == len(plan)
+    for r in plan:
+        for p in r.pieces:
+            held = senders[r.sender][p.source]
+            assert held.name == p.name
+            if p.cut is not None:
+                dim, start, length = p.cut
+                assert 0 <= start and start + length <= held.shape[dim]
+
+
+def test_tp2_to_tp4_each_engine_rank_hears_one_sender_for_split_tensors():
+    _, plan = routes(2, 4)
+    for e in range(4):
+        senders_of_q = [r.sender for r in plan if r.engine_rank == e and any(p.name == "q.weight" for p in r.pieces)]
+        assert senders_of_q == [e // 2]
+    # The norm, on both trainer ranks: engine ranks 0 and 2 take it from rank 0, 1 and 3 from rank 1.
+    norm_from = {r.engine_rank: r.sender for r in plan for p in r.pieces if p.name == "norm.weight"}
+    assert norm_from == {0: 0, 1: 1, 2: 0, 3: 1}
+
+
+def test_experts_over_ep_ranks_into_one_engine_rank():
+    """EP 2 -> one engine rank: each EP rank sends its own experts; the dense tensor, on both, comes from one."""
+    def bucket(ep):
+        names = [f"experts.{ep * 2 + x}.w" for x in range(2)] + ["dense.w"]
+        return [TensorMeta(n, F32, (4, 4), 256 * k) for k, n in enumerate(names)]
+
+    senders = [bucket(0), bucket(1)]
+    plan = plan_bucket(senders, EngineLayout(1, {}))
+    pairs = by_pair(plan)
+    assert pairs[(0, 0)].whole_bucket
+    assert [m.name for m in pairs[(1, 0)].metas] == ["experts.2.w", "experts.3.w"]
+
+
+def test_unplannable_buckets_name_every_problem():
+    senders = [trainer_bucket(2, 0)]  # rank 1's shards never arrive
+    with pytest.raises(ConversionError) as err:
+        plan_bucket(senders, EngineLayout(1, DIMS))
+    text = str(err.value)
+    assert "q.weight: dim 0 [4, 8) missing" in text and "o.weight: dim 1 [4, 8) missing" in text
+    crossed = [TensorMeta("q.weight", F32, (8, 2), 0, Shard(1, 0, 2, 4))]
+    with pytest.raises(ConversionError, match="q.weight: the trainer splits dim 1, the engine dim 0"):
+        plan_bucket([crossed], EngineLayout(2, DIMS))
+
+
+def test_tiling_names_what_is_missing_overlapping_or_outside():
+    want = Shard(0, 4, 4, 8)
+    assert tiling_problems("q", [Shard(0, 4, 2, 8), Shard(0, 6, 2, 8)], want, (8, 4)) == []
+    assert tiling_problems("q", [Shard(0, 4, 2, 8)], want, (8, 4)) == ["q: dim 0 [6, 8) missing"]
+    assert tiling_problems("q", [Shard(0, 4, 3, 8), Shard(0, 6, 2, 8)], want, (8, 4)) == [
+        "q: dim 0 [6, 7) given twice"]
+    assert tiling_problems("q", [Shard(0, 2, 4, 8), Shard(0, 6, 2, 8)], want, (8, 4)) == [
+        "q: the pieces give dim 0 [2, 6), outside [4, 8)", "q: dim 0 [2, 4) given twice"]
+    assert tiling_problems("q", [Shard(1, 0, 4, 4)], want, (8, 4)) == [
+        "q: the pieces split dims [1], the part wanted is on dim 0"]
+    assert tiling_problems("n", [None, None], None, (4,)) == ["n: the pieces give the whole tensor more than once"]
+    assert tiling_problems("n", [None], None, (4,)) == []
+    assert tiling_problems("n", [Shard(0, 0, 2, 4), Shard(0, 2, 2, 4)], None, (4,)) == []
+
+
+def _params(rank: int, size: int) -> dict:
+    """An engine rank's table as the reference engine keeps it: q split by rows, o by columns, the norm whole."""
+    return {"q.weight": (torch.zeros(8 // size, 4), 0), "o.weight": (torch.zeros(4, 8 // size), 1),
+            "norm.weight": (torch.zeros(4), None)}
+
+
+def test_engine_puts_the_pieces_of_its_part_together():
+    """TP 2 -> TP 1, through the plan: the engine rank's tensors are the trainer's, put together bit for bit."""
+    from weightstream.reference_engine.pieces import assemble
+    from weightstream.streaming.bucket import view_tensor
+
+    whole = {n: torch.arange(_numel(s), dtype=F32).reshape(s) for n, s in SHAPES.items()}
+    senders = [trainer_bucket(2, r) for r in range(2)]
+    buffers = []
+    for metas in senders:
+        buf = torch.zeros(max(m.offset + m.nbytes for m in metas), dtype=torch.uint8)
+        for m in metas:
+            part = whole[m.name] if m.shard is None else whole[m.name].narrow(m.shard.dim, m.shard.start,
+                                                                              m.shard.length)
+            view_tensor(buf, m).copy_(part)
+        buffers.append(buf)
+    from weightstream.sinks.reshard import _packed
+    from weightstream.streaming.bucket import Bucket
+
+    for e, size in ((0, 1), (1, 2)):
+        plan = plan_bucket(senders, EngineLayout(size, DIMS))
+        pieces = []
+        for r in plan:
+            if r.engine_rank != e:
+                continue
+            bucket = Bucket(0, buffers[r.sender], tuple(senders[r.sender]))
+            sent = bucket.buffer if r.whole_bucket else _packed(bucket, r)
+            pieces += [(m, view_tensor(sent, m)) for m in r.metas]
+        weights, problems = assemble(pieces, _params(e, size), e, size)
+        assert problems == []
+        for name, tensor, part in weights:
+            want = whole[name] if part is None else whole[name].narrow(part.dim, part.start, part.length)
+            assert torch.equal(tensor, want), name
+
+
+def test_engine_refuses_a_bucket_whose_pieces_do_not_tile_its_part():
+    from weightstream.reference_engine.pieces import assemble
+
+    def piece(name, shape, shard):
+        return TensorMeta(name, F32, shape, 0, shard), torch.zeros(shape)
+
+    got = [piece("q.weight", (3, 4), Shard(0, 0, 3, 8)), piece("q.weight", (4, 4), Shard(0, 2, 4, 8)),
+           piece("o.weight", (4, 4), Shard(1, 0, 4, 8)), piece("norm.weight", (4,), None),
+           piece("norm.weight", (4,), None), piece("extra.weight", (4,), None),
+           piece("o.weight", (4, 3), Shard(1, 4, 4, 8))]
+    weights, problems = assemble(got, _params(0, 1), 0, 1)
+    assert weights == []  # nothing of the bucket is loaded; every problem is named
+    assert problems == [
+        "q.weight: dim 0 [2, 3) given twice", "q.weight: dim 0 [6, 8) missing",
+        "o.weight: a piece of shape (4, 3) placed at Shard(dim=1, start=4, length=4, full=8) in (4, 8)",
+        "norm.weight: the senders give the whole tensor more than once",
+        "extra.weight: the model has no such tensor",
+    ]
+
+
+def test_senders_are_one_rank_per_coordinate_of_the_first_stage():
+    from weightstream.sinks.reshard import pick_senders
+
+    # (pp, dp, tp, etp, ep) per rank: TP 2 x PP 2 (ranks 2, 3 the second stage), then TP 1 x EP 2 x DP 2.
+    assert pick_senders([(0, 0, 0, 0, 0), (0, 0, 1, 1, 0), (1, 0, 0, 0, 0), (1, 0, 1, 1, 0)]) == (0, 1)
+    assert pick_senders([(0, 0, 0, 0, 0), (0, 1, 0, 0, 1), (0, 2, 0, 0, 0), (0, 3, 0, 0, 1)]) == (0, 1)

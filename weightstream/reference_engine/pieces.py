@@ -1,0 +1,92 @@
+"""A resharded bucket on one engine rank: pieces of its tensors from several trainer ranks, checked to tile this
+rank's part of each exactly (:func:`~weightstream.streaming.reshard.tiling_problems`) and put together, or
+refused whole with every problem named."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from weightstream.streaming.bucket import Shard, TensorMeta
+from weightstream.streaming.reshard import EngineLayout, tiling_problems
+
+Weight = tuple[str, Tensor, Shard | None]
+
+
+def engine_layout(params: dict[str, tuple[Tensor, int | None]], size: int) -> EngineLayout:
+    """The layout an engine of ``size`` ranks declares from its table of parameters (checkpoint name ->
+    (this rank's tensor, the dim it is split on or None))."""
+    return EngineLayout(size, {name: dim for name, (_, dim) in params.items() if dim is not None})
+
+
+def wanted(params: dict[str, tuple[Tensor, int | None]], rank: int, size: int,
+           name: str) -> tuple[Shard | None, tuple[int, ...]] | None:
+    """This rank's part of ``name`` (None: whole) and the whole tensor's shape; None where it holds no such
+    tensor."""
+    entry = params.get(name)
+    if entry is None:
+        return None
+    param, dim = entry
+    if dim is None or size == 1:
+        return None, tuple(param.shape)
+    n = param.shape[dim]
+    whole = list(param.shape)
+    whole[dim] = n * size
+    return Shard(dim, rank * n, n, n * size), tuple(whole)
+
+
+def _shape_problem(meta: TensorMeta, whole: tuple[int, ...]) -> str | None:
+    expected = list(whole)
+    if meta.shard is not None:
+        if meta.shard.dim >= len(whole):
+            return f"{meta.name}: placed on dim {meta.shard.dim} of a {len(whole)}-D tensor"
+        expected[meta.shard.dim] = meta.shard.length
+    if tuple(expected) != tuple(meta.shape):
+        return f"{meta.name}: a piece of shape {tuple(meta.shape)} placed at {meta.shard} in {whole}"
+    return None
+
+
+def assemble(pieces: Sequence[tuple[TensorMeta, Tensor]], params: dict[str, tuple[Tensor, int | None]], rank: int,
+             size: int) -> tuple[list[Weight], list[str]]:
+    """The tensors this rank loads from ``pieces`` (each placed in the whole tensor by its ``meta.shard``):
+    per name this rank's part, with its placement; or nothing and every problem (a tensor this rank does not
+    hold, a piece of the wrong shape, rows missing or given twice)."""
+    by_name: dict[str, list[tuple[TensorMeta, Tensor]]] = {}
+    for meta, t in pieces:
+        by_name.setdefault(meta.name, []).append((meta, t))
+    problems: list[str] = []
+    plans: list[tuple[str, Shard | None, tuple[int, ...]]] = []
+    for name, got in by_name.items():
+        want = wanted(params, rank, size, name)
+        if want is None:
+            problems.append(f"{name}: the model has no such tensor")
+            continue
+        part, whole = want
+        problems += [p for m, _ in got if (p := _shape_problem(m, whole)) is not None]
+        problems += tiling_problems(name, [m.shard for m, _ in got], part, whole, "the senders")
+        plans.append((name, part, whole))
+    if problems:
+        return [], problems
+    return [(name, _put_together(by_name[name], part, whole), part) for name, part, whole in plans], []
+
+
+def _put_together(got: list[tuple[TensorMeta, Tensor]], part: Shard | None, whole: tuple[int, ...]) -> Tensor:
+    """The part (or the whole) made of the pieces ``got`` (checked to tile it): a piece that is all of it as it
+    is, else the pieces copied into one new tensor."""
+    if len(got) == 1:
+        return got[0][1]
+    meta0 = got[0][0]
+    shard0 = meta0.shard
+    assert shard0 is not None  # several pieces tile the part: each is placed
+    dim = shard0.dim
+    shape = list(whole)
+    base = 0
+    if part is not None:
+        shape[dim], base = part.length, part.start
+    out = torch.empty(shape, dtype=meta0.dtype, device=got[0][1].device)
+    for meta, t in got:
+        assert meta.shard is not None
+        out.narrow(dim, meta.shard.start - base, meta.shard.length).copy_(t)
+    return out

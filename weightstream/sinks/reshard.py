@@ -1,0 +1,252 @@
+"""``ReshardSink``: per-rank (P2P) delivery into an engine of any TP, from a trainer of any TP and EP.
+
+The engine declares how it splits each HF tensor over its ranks (:data:`~weightstream.engines.base.RESHARD`,
+an :class:`~weightstream.streaming.reshard.EngineLayout`). Once per stream plan every sending rank's bucket
+metadata is gathered and each bucket is planned (:func:`~weightstream.streaming.reshard.plan_bucket`): each
+trainer rank sends each engine rank exactly the rows or columns of the tensors it holds that the engine rank
+needs, so no rank gathers a tensor. A route that is the sender's whole bucket goes as it is; any other is packed
+into a buffer of its own (one batched copy per dtype). Where the plan is trainer rank r's bucket to engine rank
+r and nothing else (the engine's layout is the trainer's), the engine is told so as a plain per-rank bucket.
+
+The senders: for each (TP, expert-TP, EP) coordinate of the first pipeline stage, its first data-parallel
+replica; sender i is group rank i, the engine's rank e group rank ``senders + e``. Trainer rank 0 is sender 0:
+it talks to the engine and hosts the group's store.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from weightstream.common.processes import free_port
+from weightstream.engines.base import RESHARD, EngineAdapter, GroupSpec, RankBucket, ReshardEngine, implementing
+from weightstream.errors import UpdateError
+from weightstream.sinks.base import Delivery, InFlight, PipelinedSink
+from weightstream.sinks.broadcast import default_backend
+from weightstream.sources.topology import Topology
+from weightstream.streaming.bucket import Bucket, typed_buffer, view_tensor
+from weightstream.streaming.reshard import EngineLayout, Route, is_identity, plan_bucket
+from weightstream.wire.groups import GroupLayout, init_custom_process_group
+from weightstream.wire.handles import checksum
+
+if TYPE_CHECKING:
+    from weightstream.streaming.stream import BucketStream
+
+
+@dataclass(frozen=True)
+class Roster:
+    """Who sends: the senders' ranks in the trainer's job, in sender order; this rank's index among them (None:
+    it sends nothing); the engine's layout and the port of the group's store (from trainer rank 0)."""
+
+    senders: tuple[int, ...]
+    me: int | None
+    layout: EngineLayout
+    port: int
+
+
+def pick_senders(coords: list[tuple[int, int, int, int, int]]) -> tuple[int, ...]:
+    """Per rank of the job, ``(pp, dp, tp, etp, ep)``: the ranks that send, one per (TP, expert-TP, EP)
+    coordinate of the first pipeline stage (its lowest data-parallel replica), ordered by (EP, TP, expert-TP)."""
+    best: dict[tuple[int, int, int], tuple[int, int]] = {}
+    for rank, (pp, dp, tp, etp, ep) in enumerate(coords):
+        if pp != 0:
+            continue
+        key = (ep, tp, etp)
+        if key not in best or (dp, rank) < best[key]:
+            best[key] = (dp, rank)
+    return tuple(best[k][1] for k in sorted(best))
+
+
+class _Sent:
+    """The sends of one bucket (and the buffers they read), waited on together."""
+
+    def __init__(self, works: list[Any], buffers: list[torch.Tensor]):
+        self.works, self.buffers = works, buffers
+
+    def wait(self, timeout: timedelta) -> None:
+        for w in self.works:
+            w.wait(timeout)
+
+
+class ReshardSink(PipelinedSink):
+    name = "p2p"
+
+    def __init__(self, engine: EngineAdapter, topology: Topology, *, master_address: str = "127.0.0.1",
+                 master_port: int | None = None, backend: str | None = None, timeout_s: float = 60.0,
+                 checksums: bool = False):
+        self.engine = implementing(engine, RESHARD, ReshardEngine)
+        self.topology = topology
+        self.master_address, self.master_port = master_address, master_port
+        self.backend = backend or default_backend()
+        self.timeout_s, self.checksums = timeout_s, checksums
+        self.sender = False  # known once the roster is (_roster)
+        self.group = None
+        self.roster: Roster | None = None
+        self.routes: list[list[Route]] = []  # per bucket, every route (the poster tells the engine of them all)
+        self.identity: list[bool] = []  # per bucket: trainer rank r's bucket to engine rank r, nothing else
+        self.tensors = 0  # HF tensors of the plan, over every sender (a tensor split over several counted once)
+        self._planned_for: Any = None  # the stream plan the routes were made for
+        self._pool: ThreadPoolExecutor | None = None
+        self._inflight = InFlight(timeout_s, [engine.url])
+
+    # -- who sends, and what ---------------------------------------------------------------
+
+    def _world(self) -> tuple[int, int]:
+        if not dist.is_available() or not dist.is_initialized():
+            return 0, 1
+        group = self.topology.world_group
+        return dist.get_rank(group), dist.get_world_size(group)
+
+    def _gather(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank of the trainer's job (one collective; alone: itself)."""
+        _, size = self._world()
+        if size == 1:
+            return [obj]
+        everyone: list[Any] = [None] * size
+        dist.all_gather_object(everyone, obj, group=self.topology.world_group)
+        return everyone
+
+    def _roster(self) -> Roster:
+        """Who sends (one collective of the whole job, once): trainer rank 0 asks the engine for its layout and
+        picks the store's port; a failure there is raised on every rank."""
+        if self.roster is not None:
+            return self.roster
+        rank, _ = self._world()
+        topo = self.topology
+        told: Any = None
+        if rank == 0:
+            try:
+                told = (self.engine.layout(), self.master_port or free_port())
+            except Exception as exc:  # noqa: BLE001 — raised on every rank below
+                told = UpdateError("connect", f"the engine's layout: {exc}", [self.engine.url])
+        everyone = self._gather(((topo.pp_rank, topo.dp_rank, topo.tp_rank, topo.etp_rank, topo.ep_rank), told))
+        told = everyone[0][1]
+        if isinstance(told, BaseException):
+            raise told
+        senders = pick_senders([c for c, _ in everyone])
+        if senders[0] != 0:
+            raise UpdateError("group", f"trainer rank 0 is not the first sender ({senders})", [self.engine.url])
+        me = senders.index(rank) if rank in senders else None
+        self.roster = Roster(senders, me, told[0], told[1])
+        self.sender = me is not None
+        return self.roster
+
+    def _plan(self, stream: BucketStream) -> None:
+        """The routes of every bucket, made once per stream plan: every sender's bucket metadata gathered (one
+        collective of the whole job), each bucket planned alike on every rank."""
+        key = stream.shared
+        if key is not None and key is self._planned_for and not stream.stats.planned:
+            return
+        roster = self._roster()
+        metas = [stream.bucket_metas(i) for i in range(len(stream))] if roster.me is not None else None
+        everyone = self._gather(metas)
+        senders = [everyone[r] for r in roster.senders]
+        self.routes = [plan_bucket([s[i] for s in senders], roster.layout, stream.align) for i in range(len(stream))]
+        self.identity = [is_identity(r, len(senders)) and roster.layout.size == len(senders) for r in self.routes]
+        self.tensors = len({m.name for s in senders for bucket in s for m in bucket})
+        self._planned_for = key
+
+    def delivery(self) -> Delivery:
+        return replace(super().delivery(), tensors=self.tensors)
+
+    # -- the group -------------------------------------------------------------------------
+
+    def layout(self) -> GroupLayout | None:
+        roster = self.roster
+        if roster is None or roster.me is None:
+            return None
+        n = len(roster.senders)
+        return GroupLayout(self.master_address, self.backend, self.engine.group_name, self.timeout_s,
+                           n + roster.layout.size, roster.me, ((self.engine.url, n),))
+
+    def prepare(self, stream: BucketStream) -> None:
+        self._plan(stream)
+
+    def connect(self) -> None:
+        roster = self._roster()
+        me = roster.me
+        if self.group is not None or me is None:
+            return
+        n, world = len(roster.senders), len(roster.senders) + roster.layout.size
+        posts = []
+        if me == 0:
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ws-reshard")
+            posts.append(self._pool.submit(self.engine.join_group, GroupSpec(
+                self.master_address, roster.port, n, world, self.backend, self.timeout_s, self.engine.group_name)))
+        self._join(posts, lambda: init_custom_process_group(
+            self.backend, f"tcp://{self.master_address}:{roster.port}", world, me, self.engine.group_name,
+            self.timeout_s), [self.engine.url])
+
+    def disconnect(self, seconds: float | None = None) -> None:
+        if self.sender and self.roster is not None:
+            self._leave([self.engine] if self.roster.me == 0 else [], self.timeout_s if seconds is None else seconds)
+
+    def open(self, stream: BucketStream) -> None:
+        if stream.mode != "per_rank":
+            raise ValueError("ReshardSink needs a per_rank stream")
+        self._begin_update()
+        self._plan(stream)
+        self.connect()
+
+    # -- the buckets -----------------------------------------------------------------------
+
+    def send(self, bucket: Bucket) -> None:
+        failure: UpdateError | None = None
+        if self.sender:
+            try:
+                self._inflight.finish()
+            except UpdateError as exc:
+                failure = exc
+        roster = self._roster()
+        mine = [r for r in self.routes[bucket.index] if r.sender == roster.me]
+        buffers = [bucket.buffer if r.whole_bucket else _packed(bucket, r) for r in mine]
+        digests = {(r.sender, r.engine_rank): checksum(b) for r, b in zip(mine, buffers, strict=True)}
+        if self.checksums and len(roster.senders) > 1:
+            # Every rank meets here for every bucket: the checksums reach the poster, and a failure seen by one
+            # (the poster hears the engine) is raised by all, so that none waits for a rank that stopped.
+            for d, f in self._gather((digests, failure)):
+                digests.update(d)
+                failure = failure or f
+        if failure is not None:
+            raise failure
+        if not self.sender:
+            return
+        posts = []
+        if roster.me == 0:
+            told = self._told(bucket.index, digests if self.checksums else {})
+            posts.append(self._engine_pool().submit(self.engine.receive_p2p, bucket.index, told))
+        n = len(roster.senders)
+        works = [dist.isend(b, group=self.group, group_dst=n + r.engine_rank) for r, b in zip(mine, buffers,
+                                                                                             strict=True)]
+        self._inflight.start(bucket, _Sent(works, buffers), posts)
+
+    def _told(self, index: int, digests: dict[tuple[int, int], str]) -> list[RankBucket]:
+        """What the engine is told of bucket ``index``: per route, the engine rank, the sender and the pieces."""
+        routes = self.routes[index]
+        if self.identity[index]:  # a plain per-rank bucket: trainer rank r to engine rank r
+            return [RankBucket(r.sender, r.metas, r.nbytes, digests.get((r.sender, r.engine_rank)))
+                    for r in routes]
+        return [RankBucket(r.sender, r.metas, r.nbytes, digests.get((r.sender, r.engine_rank)), rank=r.engine_rank)
+                for r in routes]
+
+
+def _packed(bucket: Bucket, route: Route) -> torch.Tensor:
+    """The pieces of ``route`` cut from ``bucket`` into a buffer of their own, laid out as ``route.metas`` (one
+    batched copy per dtype)."""
+    out = typed_buffer(route.nbytes, bucket.buffer.device)
+    pairs: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for piece, meta in zip(route.pieces, route.metas, strict=True):
+        src = view_tensor(bucket.buffer, bucket.metas[piece.source])
+        if piece.cut is not None:
+            src = src.narrow(*piece.cut)
+        dst, srcs = pairs.setdefault(meta.dtype, ([], []))
+        dst.append(view_tensor(out, meta))
+        srcs.append(src)
+    for dst, srcs in pairs.values():
+        torch._foreach_copy_(dst, srcs)
+    return out
