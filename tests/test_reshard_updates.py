@@ -66,6 +66,16 @@ def test_resharded_p2p_between_tp_sizes(dense, trainer_tp, engine_tp):
     assert_logits_close(logits, hf_logits(src, INPUT_IDS))
 
 
+def test_resharded_p2p_from_two_pipeline_stages(dense):
+    """TP 2 x PP 2 into one engine rank: the first stage's two TP ranks send (the second stage's tensors reach them
+    within the job, as in every per-rank stream); the second stage's ranks send nothing."""
+    src, engine_dir = dense
+    reports, logits = _update(src, engine_dir, Layout(2, 2), 1)
+    assert reports[0].transport == "p2p" and "engine TP 1, trainer TP 2" in reports[0].reason
+    assert reports[0].tensors == 47
+    assert torch.equal(logits, _served(src, 1))
+
+
 def test_resharded_p2p_tp2_into_tp4(dense):
     """Two trainer ranks, four engine ranks: each engine rank hears the one trainer rank that holds its rows."""
     src, engine_dir = dense
