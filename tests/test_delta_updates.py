@@ -78,8 +78,11 @@ def _whole(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
 
 
 def assert_engine_holds(server, trainer: Trainer) -> None:
-    ranks = server.engine.call("held_weights")
-    ours = trainer.tensors()
+    assert_held(server.engine.call("held_weights"), trainer.tensors())
+
+
+def assert_held(ranks: list[dict[str, torch.Tensor]], ours: dict[str, torch.Tensor]) -> None:
+    """What each engine rank holds (``held_weights``), joined, equals ``ours`` bit for bit."""
     assert sorted(ranks[0]) == sorted(ours)
     different = [n for n, t in ours.items()
                  if not torch.equal(_whole([r[n] for r in ranks], t).view(torch.int16), t.view(torch.int16))]
@@ -164,20 +167,23 @@ def test_corrupted_delta_caught_then_full_update(engine_dir):
         assert_engine_holds(server, trainer)
 
 
-def test_megatron_tp2_trainer_delta_updates(sources, engine_dir):
-    """A Megatron-Core trainer at TP 2 (bf16 weights, Adam on fp32 masters) into an engine at TP 1: a broadcast
-    of gathered buckets from trainer rank 0, which alone keeps the snapshot and encodes."""
+@pytest.mark.parametrize("engine_tp", [1, 2])
+def test_megatron_tp2_trainer_delta_updates(sources, engine_dir, engine_tp):
+    """A Megatron-Core trainer at TP 2 (bf16 weights, Adam on fp32 masters). Into an engine at TP 1: a broadcast
+    of gathered buckets from trainer rank 0, which alone keeps the snapshot and encodes. Into an engine at TP 2:
+    P2P, each trainer TP rank encoding its own shards against its own snapshot and engine rank r checked
+    against trainer rank r."""
     case = Case(sources["tiny-qwen3"], Layout(2), dtype="bfloat16", bucket_bytes=SMALL)
-    with engine(engine_dir) as server:
+    with engine(engine_dir, tp=engine_tp) as server:
         results = launch(2, run_delta_updates, case, server.url, 6, LR)
-        held = server.engine.call("held_weights")[0]
+        held = server.engine.call("held_weights")
     reports = results[0]["reports"]
+    assert {r.transport for r in reports} == {"broadcast" if engine_tp == 1 else "p2p"}
     assert [(r.delta.full, r.delta.checked) for r in reports] == [(True, True)] + [(False, True)] * 5
+    # rank 0's share: the whole model gathered (broadcast), its own shards (P2P)
     assert all(0 < r.delta.wire_bytes < r.bytes / 2 for r in reports[1:]), [r.summary() for r in reports]
-    assert all(r.delta is None for r in results[1]["reports"])  # the sender alone encodes and checks
-    ours = results[0]["tensors"]
-    assert sorted(held) == sorted(ours)
-    assert [n for n, t in ours.items() if not torch.equal(held[n].view(torch.int16), t.view(torch.int16))] == []
+    assert all(r.delta is None for r in results[1]["reports"])  # rank 0 decides and checks
+    assert_held(held, results[0]["tensors"])
 
 
 def _without_delta(server) -> None:
@@ -212,7 +218,7 @@ def test_full_updates_where_deltas_cannot_go(engine_dir):
             trainer.step()
             report = sync.update(trainer.model, trainer.config, weight_version=f"w{step}")
             assert report.transport == "ipc" and (report.delta.full, report.delta.encoded) == (True, False)
-            assert report.delta.reason == "deltas travel by broadcast only so far (ipc chosen)"
+            assert report.delta.reason == "deltas travel by broadcast and P2P only so far (ipc chosen)"
             assert_engine_holds(server, trainer)
         assert server.engine.delta_base is None
 

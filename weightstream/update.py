@@ -372,7 +372,7 @@ class WeightSync:
         if kind == "p2p":
             return P2PSink(self.engines[0], topology, master_address=self.master_address,
                            master_port=self.master_port, backend=self.backend, timeout_s=self.timeout_s,
-                           checksums=self.checksums)
+                           checksums=self.checksums, delta=self.delta.snapshot if self.delta else None)
         return BroadcastSink(self.engines, master_address=self.master_address, master_port=self.master_port,
                              backend=self.backend, timeout_s=self.timeout_s, checksums=self.checksums,
                              ahead=self.metadata_ahead, delta=self.delta.snapshot if self.delta else None)
@@ -429,14 +429,23 @@ class WeightSync:
         return report, mismatch
 
     def _begin_delta(self, decision: Decision, stream: BucketStream, report: UpdateReport) -> BaseException | None:
-        """Rank 0, with ``delta``: full or deltas for this update (the sender's snapshot readied for it)."""
-        if self.delta is None or _rank() != 0:
+        """With ``delta``: rank 0 decides full or deltas for this update, and every rank readies its snapshot for
+        it (in per-rank mode every TP rank encodes its own buckets)."""
+        if self.delta is None:
             return None
-        try:
-            report.delta = self.delta.begin(self.engines, decision.transport, stream.metadata_digest(),
-                                            weights_released="weights" in self.released)
-        except Exception as exc:  # noqa: BLE001 — the stream still runs on every rank, then this is raised
-            return _as_update_error("delta", exc, self._urls())
+        decided: tuple[bool, bool] | BaseException | None = None
+        if _rank() == 0:
+            try:
+                report.delta = self.delta.begin(self.engines, decision.transport, stream.metadata_digest(),
+                                                weights_released="weights" in self.released)
+                decided = (self.delta.snapshot.full, self.delta.snapshot.active)
+            except Exception as exc:  # noqa: BLE001 — the stream still runs on every rank, then this is raised
+                decided = _as_update_error("delta", exc, self._urls())
+        decided = _share(decided)
+        if isinstance(decided, BaseException):
+            return decided
+        if _rank() != 0 and isinstance(decided, tuple):
+            self.delta.snapshot.begin(*decided)
         return None
 
     def _check_delta(self, report: UpdateReport, seconds: dict[str, float]) -> tuple[BaseException | None, str | None]:

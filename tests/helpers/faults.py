@@ -69,8 +69,8 @@ class FaultyWorker(Worker):
 
     struck_delta = False
 
-    def _receive_delta(self, group, header, index: int) -> torch.Tensor:
-        raw = super()._receive_delta(group, header, index)
+    def _receive_delta(self, group, header, index: int, src: int | None = None) -> torch.Tensor:
+        raw = super()._receive_delta(group, header, index, src)
         if (self.fault == f"corrupt_delta@{index}" and not self.struck_delta and header.encoding != "dense"
                 and header.nbytes):
             raw[header.nbytes - 1] ^= 0x5A

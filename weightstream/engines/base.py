@@ -21,6 +21,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from weightstream.converters.fp8 import BlockFP8, block_fp8_of
 from weightstream.errors import WeightstreamError
 from weightstream.streaming.bucket import Bucket, TensorMeta
+from weightstream.streaming.delta import DeltaHeader
 from weightstream.streaming.reshard import EngineLayout
 from weightstream.wire.frames import Plan
 
@@ -163,12 +164,13 @@ class GroupSpec:
 @dataclass(frozen=True)
 class RankBucket:
     """What one engine TP rank receives in a per-rank (P2P) bucket: from trainer rank ``src``,
-    ``nbytes`` bytes laid out as ``metas``."""
+    ``nbytes`` bytes laid out as ``metas`` (or, a delta, the payload that gives them)."""
 
     src: int
     metas: tuple[TensorMeta, ...]
     nbytes: int
     checksum: str | None = None
+    delta: DeltaHeader | None = None  # a delta (:data:`DELTA`): ``nbytes`` of payload, encoded as it says
     # A resharded bucket (:data:`RESHARD`): the engine rank it is for (one engine rank may then hear several
     # trainer ranks, each piece placed in its whole tensor by its shard); None: the engine rank of its position.
     rank: int | None = None

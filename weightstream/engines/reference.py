@@ -148,6 +148,7 @@ class ReferenceEngine(SGLangEngine):
             "group_name": self.group_name, "weight_version": self._version,
             "ranks": [{"src": r.src, "metas": [_meta_json(m) for m in r.metas], "nbytes": r.nbytes,
                        "checksum": r.checksum,
+                       "delta": None if r.delta is None else {**r.delta.as_json(), "index": index},
                        **({} if r.rank is None else {"rank": r.rank})} for r in ranks],
         }, step=f"update_weights_from_p2p (bucket {index})")
 

@@ -815,7 +815,8 @@ class EngineServer(ThreadingHTTPServer):
         """Run an update step; a failure marks the session failed (the update is then not complete). From
         the first step on, the weights are not served until the session ends (:meth:`Engine.check_settled`)."""
         self.engine.session_touched = True
-        if b.get("weightstream_delta") is None:
+        ranks = b.get("ranks") if isinstance(b.get("ranks"), list) else []
+        if b.get("weightstream_delta") is None and not any(isinstance(r, dict) and r.get("delta") for r in ranks):
             self.engine.session_plain = True
         else:
             self.engine.session_delta = True
@@ -896,9 +897,12 @@ class EngineServer(ThreadingHTTPServer):
             return self._update_p2p_pieces(b)
         if len(ranks) != self.engine.tp:
             raise EngineFailure(f"got metadata for {len(ranks)} ranks, engine has {self.engine.tp}")
+        problems = [f"rank {k}: {p}" for k, r in enumerate(ranks) for p in delta_problems(r.get("delta"))]
+        if problems:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, "bad delta headers: " + "; ".join(problems))
         group = b.get("group_name", "weight_update_group")
         per_rank = [{"group_name": group, "src": int(r["src"]), "metas": r["metas"], "nbytes": int(r["nbytes"]),
-                     "expected_checksum": r.get("checksum")} for r in ranks]
+                     "expected_checksum": r.get("checksum"), "delta": r.get("delta")} for r in ranks]
         return self._guarded(lambda: self.engine.call("update_p2p", per_rank=per_rank), b)
 
     def _update_p2p_pieces(self, b):

@@ -155,6 +155,11 @@ def dense_layout(names, dtypes, shapes) -> list[TensorMeta]:
     return metas
 
 
+def _delta_header(delta: dict) -> DeltaHeader:
+    """A delta bucket's header as the server passes it on (checked there: ``schema.delta_problems``)."""
+    return DeltaHeader(delta["encoding"], delta["word"], delta["total"], delta["count"], delta["nbytes"])
+
+
 def _metas(layout: BucketLayout) -> list[TensorMeta]:
     """A bucket's tensors as the trainer's :class:`Plan` lays them out (each at its offset)."""
     return [TensorMeta(n, dtype_from_name(d), tuple(s), o)
@@ -313,14 +318,19 @@ class Worker:
         return self._load(tensors)
 
     def _update_delta(self, program, group, delta: dict, expected_checksum):
-        """A bucket of a delta update: its payload (the changed words, or the whole bucket) received, checked
-        against the sender's checksum where given, applied to the bytes held of the bucket, loaded; those
-        bytes are kept for the next update and their checksum for the trainer to compare."""
-        header = DeltaHeader(delta["encoding"], delta["word"], delta["total"], delta["count"], delta["nbytes"])
-        index, layout = int(delta["index"]), tuple(program.metas)
-        if header.total != program.total:
-            raise ValueError(f"delta bucket {index}: {header.total} bytes, its tensors take {program.total}")
-        received = self._receive_delta(group, header, index)
+        """A broadcast bucket of a delta update: its new bytes (:meth:`_delta_bytes`), loaded."""
+        header, index = _delta_header(delta), int(delta["index"])
+        raw = self._delta_bytes(index, tuple(program.metas), program.total, header,
+                                self._receive_delta(group, header, index), expected_checksum)
+        return self._load_dense(program, raw, None)
+
+    def _delta_bytes(self, index: int, layout: tuple[TensorMeta, ...], total: int, header: DeltaHeader,
+                     received: torch.Tensor, expected_checksum) -> torch.Tensor:
+        """Bucket ``index``'s new bytes (``total``, laid out as ``layout``): its payload ``received`` (the changed
+        words, or the whole bucket) checked against the sender's checksum where given and applied to the bytes
+        held of the bucket; they are kept for the next update, and their checksum for the trainer to compare."""
+        if header.total != total:
+            raise ValueError(f"delta bucket {index}: {header.total} bytes, its tensors take {total}")
         payload = received.narrow(0, 0, header.nbytes)
         if expected_checksum is not None and checksum(payload) != expected_checksum:
             raise ChecksumError(f"delta bucket {index} arrived corrupted (checksum {checksum(payload)} != "
@@ -337,12 +347,16 @@ class Worker:
             apply(raw.narrow(0, 0, header.total), header, payload)
         self.delta_held[index] = (layout, raw)
         self.delta_digests[index] = checksum(raw.narrow(0, 0, header.total))
-        return self._load_dense(program, raw, None)
+        return raw
 
-    def _receive_delta(self, group, header: DeltaHeader, index: int) -> torch.Tensor:
-        """Delta bucket ``index``'s payload, broadcast into a buffer of ours (that views as any dtype)."""
+    def _receive_delta(self, group, header: DeltaHeader, index: int, src: int | None = None) -> torch.Tensor:
+        """Delta bucket ``index``'s payload, broadcast (or sent by group rank ``src``) into a buffer of ours (that
+        views as any dtype)."""
         raw = typed_buffer(header.nbytes, self.device)
-        dist.broadcast(raw.narrow(0, 0, header.nbytes), group=group, group_src=0)
+        if src is None:
+            dist.broadcast(raw.narrow(0, 0, header.nbytes), group=group, group_src=0)
+        else:
+            dist.recv(raw.narrow(0, 0, header.nbytes), group=group, group_src=src)
         return raw
 
     def delta_checksums(self) -> dict[int, str]:
@@ -688,15 +702,21 @@ class Worker:
             raise
         return chan, programs
 
-    def update_p2p(self, group_name, src, metas, nbytes, expected_checksum):
+    def update_p2p(self, group_name, src, metas, nbytes, expected_checksum, delta=None):
         group = self._group(group_name)
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        dist.recv(buffer, group=group, group_src=src)
         metas = tuple(
             TensorMeta(m["name"], dtype_from_name(m["dtype"]), tuple(m["shape"]), m["offset"],
                        Shard(**m["shard"]) if m.get("shard") else None)
             for m in metas
         )
+        if delta is not None:  # a delta of this rank's bucket: its new bytes, then loaded as a received bucket
+            header, index = _delta_header(delta), int(delta["index"])
+            total = max((m.offset + m.nbytes for m in metas), default=0)
+            raw = self._delta_bytes(index, metas, total, header, self._receive_delta(group, header, index, src),
+                                    expected_checksum)
+            return self._apply(Bucket(self.bucket_count, raw.narrow(0, 0, total), metas), None)
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        dist.recv(buffer, group=group, group_src=src)
         return self._apply(Bucket(self.bucket_count, buffer, metas), expected_checksum)
 
     def update_p2p_pieces(self, group_name, parts):

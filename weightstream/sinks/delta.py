@@ -3,12 +3,13 @@ after it. Runs on the rank that sends the buckets (the broadcast's sender), whic
 :class:`~weightstream.streaming.delta.Snapshot` the broadcast sink encodes against.
 
 An update is full (every bucket dense, the snapshot made anew) where it is the first, where it was forced (the
-last update failed, or its check found a mismatch), where the transport is not a broadcast (deltas travel by
-broadcast only so far), where an engine does not declare ``delta``, where the engines released their weights,
+last update failed, or its check found a mismatch), where the transport is IPC (deltas travel by broadcast and
+P2P), where an engine does not declare ``delta``, where the engines released their weights,
 where the bucket plan changed, where an engine holds other bytes than this trainer last committed (restarted,
 rolled back, or updated by someone else: its ``delta_base`` differs), and every ``full_every``-th update. Every
 delta-mode update, full or not, is checked: each engine rank reports the checksum of each bucket's bytes it
-applied, which must equal the trainer's checksum of the bucket's new bytes."""
+applied, which must equal the trainer's checksum of the bucket's new bytes (in per-rank mode, P2P: the bytes
+of the trainer TP rank that sends to it)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 
 from weightstream.engines.base import DELTA, DeltaChecks, DeltaEngine, EngineAdapter, implementing
 from weightstream.streaming.delta import Snapshot
+
+DELTA_TRANSPORTS = ("broadcast", "p2p")
 
 
 @dataclass
@@ -69,8 +72,8 @@ class DeltaTracker:
                       weights_released: bool) -> str | None:
         if self.forced is not None:
             return self.forced
-        if transport != "broadcast":
-            return f"deltas travel by broadcast only so far ({transport} chosen)"
+        if transport not in DELTA_TRANSPORTS:
+            return f"deltas travel by broadcast and P2P only so far ({transport} chosen)"
         unable = [e.url for e in engines if not e.info().can(DELTA)]
         if unable:
             return f"engines {unable} do not apply deltas (they do not declare {DELTA!r})"
@@ -93,7 +96,7 @@ class DeltaTracker:
               weights_released: bool = False) -> DeltaReport:
         """Decide this update (full or deltas) and ready the snapshot for it."""
         why = self._full_because(engines, transport, plan, weights_released)
-        encoded = transport == "broadcast" and all(e.info().can(DELTA) for e in engines)
+        encoded = transport in DELTA_TRANSPORTS and all(e.info().can(DELTA) for e in engines)
         self.forced = None
         self.snapshot.begin(full=why is not None, active=encoded)
         self.plan = plan
@@ -118,16 +121,17 @@ class DeltaTracker:
 
     def check(self, engines: Sequence[EngineAdapter]) -> list[str]:
         """Every engine rank's checksum of every bucket against the trainer's: each problem, one line."""
-        ours = self.snapshot.digests
         problems = []
         for e in engines:
             checks: DeltaChecks = implementing(e, DELTA, DeltaEngine).delta_checks()
             self.instances[e.url] = checks.instance
-            missing = sorted(set(ours) - set(checks.buckets))
+            # what engine rank r must report: the one snapshot's (broadcast), or its trainer rank's (P2P)
+            ours = self.snapshot.ranks or [self.snapshot.digests] * e.info().tp_size
+            missing = sorted({i for rank in ours for i in rank} - set(checks.buckets))
             if missing:
                 problems.append(f"engine {e.url} applied no bytes of buckets {missing[:8]}")
             wrong = sorted(i for i, digests in checks.buckets.items()
-                           if i in ours and any(d != ours[i] for d in digests))
+                           if any(d != rank.get(i) for d, rank in zip(digests, ours, strict=False)))
             if wrong:
                 problems.append(f"engine {e.url}: the bytes it applied of buckets {wrong[:8]} differ from the "
                                 "trainer's (checksums)")

@@ -18,6 +18,7 @@ from weightstream.sinks.base import InFlight, PipelinedSink
 from weightstream.sinks.broadcast import default_backend
 from weightstream.sources.topology import Topology
 from weightstream.streaming.bucket import Bucket
+from weightstream.streaming.delta import Snapshot
 from weightstream.wire.groups import GroupLayout, init_custom_process_group
 from weightstream.wire.handles import checksum
 
@@ -31,9 +32,11 @@ class P2PSink(PipelinedSink):
 
     def __init__(self, engine: EngineAdapter, topology: Topology, *, master_address: str = "127.0.0.1",
                  master_port: int | None = None, backend: str | None = None, timeout_s: float = 60.0,
-                 checksums: bool = False):
+                 checksums: bool = False, delta: Snapshot | None = None):
         """``topology``: this trainer rank's coordinates (the source's): the ranks of the first pipeline stage
-        and data-parallel replica send, TP rank r to the engine's TP rank r."""
+        and data-parallel replica send, TP rank r to the engine's TP rank r. ``delta``: this rank's snapshot of
+        the bytes its engine rank holds; each bucket then goes out as it encodes it (the engine must declare
+        ``delta``), and :meth:`close` gathers every TP rank's checksums of its new bytes for the check."""
         self.engine = implementing(engine, P2P, P2PEngine)
         self.master_address = master_address
         self.master_port = master_port
@@ -45,6 +48,7 @@ class P2PSink(PipelinedSink):
         self.poster = self.sender and self.tp_rank == 0
         self.group = None
         self.stream: BucketStream | None = None
+        self.delta = delta
         self._pool: ThreadPoolExecutor | None = None
         self._inflight = InFlight(timeout_s, [engine.url])
 
@@ -98,15 +102,18 @@ class P2PSink(PipelinedSink):
             self._inflight.finish()
         except UpdateError as exc:
             failure = exc
+        if self.delta is not None and self.delta.active:
+            header, payload = self.delta.encode(bucket.index, bucket.buffer, bucket.word)
+            bucket = Bucket(bucket.index, payload, bucket.metas, delta=header)
         digest = checksum(bucket.buffer) if self.checksums else None
-        digests = [digest]
-        if self.checksums and self.tp > 1:
+        digests, headers = [digest] * self.tp, [bucket.delta] * self.tp  # gathered below where they differ
+        if (self.checksums or bucket.delta is not None) and self.tp > 1:
             # The TP ranks meet here for every bucket: a failure seen by one (the poster hears the engine)
             # is raised by all, so that none is left waiting in this collective for a rank that stopped.
             everyone: list = [None] * self.tp
-            dist.all_gather_object(everyone, (digest, failure), group=self.tp_group)
-            digests = [d for d, _ in everyone]
-            failure = next((f for _, f in everyone if f is not None), None)
+            dist.all_gather_object(everyone, (digest, bucket.delta, failure), group=self.tp_group)
+            digests, headers = [d for d, _, _ in everyone], [h for _, h, _ in everyone]
+            failure = next((f for _, _, f in everyone if f is not None), None)
         if failure is not None:
             raise failure
         posts = []
@@ -114,8 +121,32 @@ class P2PSink(PipelinedSink):
             ranks = []
             for r in range(self.tp):
                 metas = bucket.metas if r == self.tp_rank else self._opened().metas_for_rank(bucket.index, r)
-                nbytes = max((m.offset + m.nbytes for m in metas), default=0)
-                ranks.append(RankBucket(r, tuple(metas), nbytes, digests[r] if self.checksums else None))
+                encoded = headers[r]
+                nbytes = max((m.offset + m.nbytes for m in metas), default=0) if encoded is None else encoded.nbytes
+                ranks.append(RankBucket(r, tuple(metas), nbytes, digests[r] if self.checksums else None, encoded))
             posts.append(self._engine_pool().submit(self.engine.receive_p2p, bucket.index, ranks))
         work = dist.isend(bucket.buffer, group=self.group, group_dst=self.tp + self.tp_rank)
         self._inflight.start(bucket, work, posts)
+
+    def close(self) -> None:
+        """Finish the bucket in flight; in a delta update, every TP rank's checksums of its buckets' new bytes go
+        to the snapshot of each (``Snapshot.ranks``: what engine rank r must report), the TP ranks meeting
+        whether or not one of them failed."""
+        if not self.sender:
+            return
+        if self.delta is None or not self.delta.active:
+            self._inflight.finish()
+            return
+        failure: UpdateError | None = None
+        try:
+            self._inflight.finish()
+        except UpdateError as exc:
+            failure = exc
+        everyone: list = [(self.delta.digests, failure)]
+        if self.tp > 1:
+            everyone = [None] * self.tp
+            dist.all_gather_object(everyone, (self.delta.digests, failure), group=self.tp_group)
+        self.delta.ranks = [d for d, _ in everyone]
+        failure = next((f for _, f in everyone if f is not None), None)
+        if failure is not None:
+            raise failure

@@ -168,6 +168,8 @@ class Snapshot:
         self.active = False  # the buckets of the update under way go through :meth:`encode`
         self.digests: dict[int, str] = {}
         self.headers: dict[int, DeltaHeader] = {}
+        # per-rank mode: the checksums each engine rank must report (its trainer rank's ``digests``)
+        self.ranks: list[dict[int, str]] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -176,7 +178,7 @@ class Snapshot:
     def begin(self, full: bool, active: bool = True) -> None:
         self.active = active
         self.full = full or not self.held
-        self.digests, self.headers = {}, {}
+        self.digests, self.headers, self.ranks = {}, {}, None
         if self.full:
             self.held = {}
 
