@@ -157,12 +157,20 @@ class ReshardSink(PipelinedSink):
     # -- the group -------------------------------------------------------------------------
 
     def layout(self) -> GroupLayout | None:
-        roster = self.roster
-        if roster is None or roster.me is None:
+        """The group as this rank sees it (no communication). Before the roster is known, only where the trainer
+        has one sender (TP, EP and expert-TP 1: trainer rank 0, whose engine adapter already knows the engine's
+        TP): the group a broadcast to the same engine forms, so that the two sinks hand it over."""
+        roster, topo = self.roster, self.topology
+        if roster is not None:
+            if roster.me is None:
+                return None
+            me, n, size = roster.me, len(roster.senders), roster.layout.size
+        elif (topo.tp_size, topo.ep_size, topo.etp_size, topo.pp_rank, topo.dp_rank) == (1, 1, 1, 0, 0):
+            me, n, size = 0, 1, self.engine.info().tp_size
+        else:
             return None
-        n = len(roster.senders)
-        return GroupLayout(self.master_address, self.backend, self.engine.group_name, self.timeout_s,
-                           n + roster.layout.size, roster.me, ((self.engine.url, n),))
+        return GroupLayout(self.master_address, self.backend, self.engine.group_name, self.timeout_s, n + size, me,
+                           ((self.engine.url, n),))
 
     def prepare(self, stream: BucketStream) -> None:
         self._plan(stream)
