@@ -40,18 +40,19 @@ def check_bits(device: str) -> list[str]:
         sources = _sources(dtype, device)
         for fp8 in (BlockFP8((128, 128), "float"), BlockFP8((128, 128), "ue8m0"), BlockFP8((64, 96), "float")):
             shapes = [(s.numel() // s.shape[-1], s.shape[-1]) for s in sources]
-            jobs = [CastJob(s, torch.empty(shape, dtype=FP8, device=device),
-                            torch.empty(fp8.scale_shape(shape), dtype=torch.float32, device=device))
-                    for s, shape in zip(sources, shapes, strict=True)]
-            BlockCast(jobs, fp8)()
-            for s, job in zip(sources, jobs, strict=True):
-                values, scales = quantize_block_fp8(s.reshape(job.values.shape), fp8.block,
-                                                    ue8m0=fp8.scale_fmt == "ue8m0")
-                differ = int((values.view(torch.uint8) != job.values.view(torch.uint8)).sum())
-                scale_differ = int((scales.view(torch.int32) != job.scales.view(torch.int32)).sum())
-                if differ or scale_differ:
-                    problems.append(f"{dtype} {fp8} {tuple(s.shape)} stride {s.stride()}: {differ} values and "
-                                    f"{scale_differ} scales differ")
+            for per_sm in (0, 4):  # one program per block; a few per multiprocessor (block after block)
+                jobs = [CastJob(s, torch.empty(shape, dtype=FP8, device=device),
+                                torch.empty(fp8.scale_shape(shape), dtype=torch.float32, device=device))
+                        for s, shape in zip(sources, shapes, strict=True)]
+                BlockCast(jobs, fp8, per_sm=per_sm)()
+                for s, job in zip(sources, jobs, strict=True):
+                    values, scales = quantize_block_fp8(s.reshape(job.values.shape), fp8.block,
+                                                        ue8m0=fp8.scale_fmt == "ue8m0")
+                    differ = int((values.view(torch.uint8) != job.values.view(torch.uint8)).sum())
+                    scale_differ = int((scales.view(torch.int32) != job.scales.view(torch.int32)).sum())
+                    if differ or scale_differ:
+                        problems.append(f"{dtype} {fp8} per_sm={per_sm} {tuple(s.shape)} stride {s.stride()}: "
+                                        f"{differ} values and {scale_differ} scales differ")
     return problems
 
 
@@ -67,19 +68,31 @@ def _timed(fn, repeats: int = 5) -> float:
     return best
 
 
-def speed(device: str) -> dict:
-    """One Qwen3-8B layer stack's linear weights (36 layers), bf16, quantized by the kernel (4, 8 and 16 warps per
-    block), against a device copy of the same bf16 bytes."""
-    shapes = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (12288, 4096), (12288, 4096), (4096, 12288)]
-    sources = [torch.randn(s, device=device, dtype=torch.bfloat16) for s in shapes for _ in range(36)]
+def _shapes(model: str) -> list[tuple[int, int]]:
+    """The linear weights of Qwen3-8B's 36 layers, or of 8 of Qwen3-30B-A3B's 48 (128 experts each)."""
+    if model == "qwen3-8b":
+        one = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (12288, 4096), (12288, 4096), (4096, 12288)]
+        return one * 36
+    one = [(4096, 2048), (512, 2048), (512, 2048), (2048, 4096)] + [(768, 2048), (768, 2048), (2048, 768)] * 128
+    return one * 8
+
+
+def speed(device: str, model: str) -> dict:
+    """Those weights (bf16) quantized by the kernel in several launch shapes (warps per program, rows of a block
+    read at a time; a few programs per multiprocessor each taking block after block), against a device copy of
+    the same bytes."""
+    sources = [torch.randn(s, device=device, dtype=torch.bfloat16) for s in _shapes(model)]
     fp8 = BlockFP8()
     jobs = [CastJob(s, torch.empty(s.shape, dtype=FP8, device=device),
                     torch.empty(fp8.scale_shape(tuple(s.shape)), dtype=torch.float32, device=device)) for s in sources]
     copies = [torch.empty_like(s) for s in sources]
     nbytes = sum(s.numel() * 2 for s in sources)
     out: dict = {"bytes": nbytes, "copy_s": _timed(lambda: torch._foreach_copy_(copies, sources))}
-    for warps in (4, 8, 16):
-        out[f"kernel_s_{warps}_warps"] = _timed(BlockCast(jobs, fp8, num_warps=warps))
+    for warps in (2, 4, 8):
+        for step in (16, 32, 64, 128):
+            out[f"kernel_s_{warps}_warps_{step}_rows"] = _timed(BlockCast(jobs, fp8, num_warps=warps,
+                                                                          rows_per_step=step))
+    out["kernel_s_4_warps_32_rows_8_per_sm"] = _timed(BlockCast(jobs, fp8, per_sm=8))
     return out
 
 
@@ -90,7 +103,7 @@ def main() -> None:
     device = "cuda"
     problems = check_bits(device)
     report = {"device": torch.cuda.get_device_name(), "bits": "passed" if not problems else "failed",
-              "problems": problems, **speed(device)}
+              "problems": problems, **{model: speed(device, model) for model in ("qwen3-8b", "qwen3-30b-a3b")}}
     print(json.dumps(report, indent=2))
     if args.json:
         with open(args.json, "w") as f:
