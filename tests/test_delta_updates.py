@@ -47,8 +47,8 @@ def engine(model_dir: str, fault: str = "none", port: int = 0, tp: int = 1):
 class Trainer:
     """Adam on fp32 master weights; ``model`` holds them in bf16, as a trainer streams them."""
 
-    def __init__(self, seed: int = 0):
-        self.config = preset_config("tiny-qwen3")
+    def __init__(self, seed: int = 0, preset: str = "tiny-qwen3"):
+        self.config = preset_config(preset)
         self.master = random_hf_model(self.config, seed=seed)
         self.model = copy.deepcopy(self.master).to(torch.bfloat16)
         self.opt = torch.optim.Adam(self.master.parameters(), lr=LR)
@@ -237,3 +237,17 @@ def test_two_engines_one_at_tp2(engine_dir):
             for server in (a, b):
                 assert_engine_holds(server, trainer)
         assert len(a.engine.call("delta_checksums")) == 2
+
+
+def test_moe_delta_updates(tmp_path):
+    """Qwen3-MoE (routed experts fused in memory, a router per layer): deltas checked, and the engine's tensors
+    (as transformers holds them on both sides) equal to the trainer's bit for bit."""
+    model_dir = save_random_checkpoint(preset_config("tiny-qwen3-moe"), tmp_path / "moe", seed=123)
+    trainer = Trainer(seed=5, preset="tiny-qwen3-moe")
+    with engine(model_dir) as server, WeightSync([server.url], bucket_bytes=SMALL, delta=True) as sync:
+        for step in range(3):
+            trainer.step()
+            report = _update(sync, trainer, f"v{step}")
+            assert (report.delta.full, report.delta.checked) == (step == 0, True), report.summary()
+            assert_engine_holds(server, trainer)
+        assert 0 < report.delta.wire_bytes < report.bytes / 2
