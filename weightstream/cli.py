@@ -185,6 +185,9 @@ def _bench_transport_args(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--per-bucket", action="store_true",
                        help="--transport ipc/broadcast: one request per bucket, not the metadata of all buckets ahead "
                             "(to compare; what engines without the ahead routes get)")
+    bench.add_argument("--replicas", type=int, default=1,
+                       help="--transport broadcast: engines updated at once, each of --engine-tp ranks, through one "
+                            "group with every engine rank (default 1)")
     bench.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="(default bfloat16)")
     bench.add_argument("--repeats", type=int, default=3, help="warm runs after the cold one (default 3)")
     bench.add_argument("--plot", default=None, metavar="F.png", help="bar chart of ours vs ceiling (needs matplotlib)")
@@ -669,7 +672,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                             bucket_bytes=args.bucket_mb or (512 << 20), repeats=args.repeats,
                             reuse_buffers=args.reuse_buffers, rollback=not args.no_rollback,
                             ahead=not args.per_bucket, tp=args.tp, engine_tp=args.engine_tp, ep=args.ep,
-                            prepare=args.prepare, direct=not args.no_direct, quantize=_quantize(args))
+                            prepare=args.prepare, direct=not args.no_direct, quantize=_quantize(args),
+                            replicas=args.replicas)
             print(res.render(), flush=True)
             results.append(res)
         if args.json:

@@ -250,11 +250,11 @@ def _stream_check(chunks, cfg, bucket_bytes: int, reuse_buffers: bool,
     return text, not problems
 
 
-def update_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype: str, repeats: int,
+def update_job(cfg_dir: str, url: str | list[str], transport: str, bucket_bytes: int, dtype: str, repeats: int,
                load: bool = False, ahead: bool = True, tp: int = 1, ep: int = 1, prepare: bool = False,
                direct: bool = True, quantize: BlockFP8 | None = None) -> dict:
-    """Trainer rank (one device each, TP ``tp`` × EP ``ep``): update the engine cold then ``repeats`` warm;
-    report each.
+    """Trainer rank (one device each, TP ``tp`` × EP ``ep``): update the engine (``url``: or every engine of a
+    list, at once) cold then ``repeats`` warm; report each.
     ``load``: the trainer's weights are the checkpoint in ``cfg_dir`` (else Megatron's random initialisation).
     ``quantize``: in block FP8, into an engine whose model is (the IPC ceiling then the copy of the bf16 bytes
     read, as on stream rows)."""
@@ -271,13 +271,14 @@ def update_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype:
             load_hf_weights(chunks, cfg, reader)
     # WEIGHTSTREAM_BENCH_FRESH_BUFFERS=1: a new buffer per bucket instead of the two kept ones (to compare).
     reuse = os.environ.get("WEIGHTSTREAM_BENCH_FRESH_BUFFERS", "0") != "1"
-    with WeightSync([url], transport=transport, bucket_bytes=bucket_bytes, timeout_s=300,
+    urls = [url] if isinstance(url, str) else list(url)
+    with WeightSync(urls, transport=transport, bucket_bytes=bucket_bytes, timeout_s=300,
                     reuse_buffers=reuse, metadata_ahead=ahead, direct=direct, quantize=quantize) as sync:
         prepared = None
         if prepare:
             ((prepared, _),), _ = _timed(device, 1, lambda: sync.prepare(chunks, cfg))
         runs, peak = _timed(device, repeats + 1, lambda: sync.update(chunks, cfg))
-    verified = _checksummed_update(chunks, cfg, url, transport, bucket_bytes, ahead, quantize)
+    verified = _checksummed_update(chunks, cfg, urls, transport, bucket_bytes, ahead, quantize)
     reports = [{"wall": t, "transport": rep.transport, "bytes": rep.bytes, "buckets": rep.buckets,
                 "tensors": rep.tensors, "seconds": rep.seconds, "direct": rep.direct} for t, rep in runs]
     read = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
@@ -316,14 +317,14 @@ def _as_served(chunks, cfg, quantize: BlockFP8) -> None:
     load_hf_weights(chunks, cfg, served)
 
 
-def _checksummed_update(chunks, cfg, url: str, transport: str, bucket_bytes: int, ahead: bool,
+def _checksummed_update(chunks, cfg, urls: list[str], transport: str, bucket_bytes: int, ahead: bool,
                         quantize: BlockFP8 | None = None) -> str | None:
     """One more update of the same weights, untimed, with checksums: the engine checks every bucket it
     receives against the trainer's checksum of it. None when it passed, else why not."""
     from weightstream.update import WeightSync
 
     try:
-        with WeightSync([url], transport=transport, bucket_bytes=bucket_bytes, timeout_s=300, checksums=True,
+        with WeightSync(urls, transport=transport, bucket_bytes=bucket_bytes, timeout_s=300, checksums=True,
                         metadata_ahead=ahead, quantize=quantize) as sync:
             sync.update(chunks, cfg)
     except Exception as exc:  # noqa: BLE001 -- the row reports it and fails
@@ -403,7 +404,7 @@ def run_bench(preset: str, transport: str, *, tiny: bool = False, dtype: str = "
               bucket_bytes: int = 512 << 20, repeats: int = 3, engine_device: str | None = None,
               reuse_buffers: bool = False, rollback: bool = True, ahead: bool = True, tp: int = 1,
               engine_tp: int | None = None, ep: int = 1, prepare: bool = False, direct: bool = True,
-              quantize: BlockFP8 | None = None) -> BenchResult:
+              quantize: BlockFP8 | None = None, replicas: int = 1) -> BenchResult:
     """One row of the benchmark table (see the module docstring)."""
     from weightstream.launch import launch
 
@@ -439,8 +440,10 @@ def run_bench(preset: str, transport: str, *, tiny: bool = False, dtype: str = "
         res.transport += " (one request per bucket)"
     if tp > 1 or ep > 1 or engine_tp not in (None, 1):
         res.transport += f" (trainer TP {tp}{f' EP {ep}' if ep > 1 else ''}, engine TP {engine_tp or tp})"
+    if replicas > 1:
+        res.transport += f" ({replicas} engines)"
     return _update_bench(res, cfg, transport, dtype, bucket_bytes, repeats, engine_device, backend, rollback, ahead,
-                         tp, engine_tp or tp, ep, prepare, direct, quantize)
+                         tp, engine_tp or tp, ep, prepare, direct, quantize, replicas)
 
 
 def fp8_config(cfg, quantize: BlockFP8) -> dict:
@@ -455,30 +458,30 @@ def fp8_config(cfg, quantize: BlockFP8) -> dict:
 def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_bytes: int, repeats: int,
                   engine_device: str | None, backend: str, rollback: bool = True, ahead: bool = True,
                   tp: int = 1, engine_tp: int = 1, ep: int = 1, prepare: bool = False,
-                  direct: bool = True, quantize: BlockFP8 | None = None) -> BenchResult:
+                  direct: bool = True, quantize: BlockFP8 | None = None, replicas: int = 1) -> BenchResult:
     from weightstream.launch import launch
     from weightstream.reference_engine.server import serve, stop
 
-    cuda = torch.cuda.is_available()
-    if engine_device is None and not cuda:
-        engine_device = "cpu"
-    elif engine_device is None:
-        # Colocated (IPC): the engine's ranks on the trainer's GPUs; otherwise on the next ones, where there are.
-        first = tp * ep if transport != "ipc" and torch.cuda.device_count() >= tp * ep + engine_tp else 0
-        engine_device = ",".join(f"cuda:{(first + r) % torch.cuda.device_count()}" for r in range(engine_tp))
+    devices = _engine_devices(engine_device, transport, tp * ep, engine_tp, replicas)
     tmp = tempfile.mkdtemp(prefix="ws-bench-")
     try:
         cfg.save_pretrained(tmp)
-        server = serve(tmp, engine_tp, device=engine_device, dtype=dtype, rollback=rollback)
+        servers = []
         try:
-            ranks = launch(tp * ep, update_job, tmp, server.url, transport, bucket_bytes, dtype, repeats, False, ahead,
-                           tp, ep, prepare, direct, quantize, backend=backend, timeout_s=600)
+            for device in devices:
+                servers.append(serve(tmp, engine_tp, device=device, dtype=dtype, rollback=rollback))
+            urls = [x.url for x in servers]
+            ranks = launch(tp * ep, update_job, tmp, urls if replicas > 1 else urls[0], transport, bucket_bytes, dtype,
+                           repeats, False, ahead, tp, ep, prepare, direct, quantize, backend=backend, timeout_s=600)
             r = ranks[0]
-            res.check, res.check_ok = _engine_check(server.url, r, dtype, quantize is not None)
+            checks = [_engine_check(url, r, dtype, quantize is not None) for url in urls]
         finally:
-            stop(server)
+            for server in servers:
+                stop(server)
+        res.check = "; ".join(c if replicas == 1 else f"engine {k}: {c}" for k, (c, _) in enumerate(checks))
+        res.check_ok = all(ok for _, ok in checks)
         reports = r["reports"]
-        res.device = f"trainer {r['device']}, engine {engine_device}"
+        res.device = f"trainer {r['device']}, engine {' and '.join(devices)}"
         res.cold_s, res.warm_s = reports[0]["wall"], [x["wall"] for x in reports[1:]]
         if transport == "ipc":
             res.transport += (" (one copy: written into the engine's weights)" if reports[-1]["direct"] else
@@ -499,14 +502,29 @@ def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_byte
             res.ceiling_s = max(x["seconds"] for x in raw)
             res.ceiling = f"plain {backend} send/recv of each rank's bytes, {tp} pairs at once, same buckets"
         else:
-            raw = launch(1 + engine_tp, raw_broadcast_job, res.bytes, bucket_bytes, repeats, backend=backend)
+            ranks_out = engine_tp * replicas
+            raw = launch(1 + ranks_out, raw_broadcast_job, res.bytes, bucket_bytes, repeats, backend=backend)
             res.ceiling_s = raw[0]["seconds"]
-            res.ceiling = f"plain {backend} broadcast of the same bytes to {engine_tp} ranks, same buckets"
+            res.ceiling = f"plain {backend} broadcast of the same bytes to {ranks_out} ranks, same buckets"
         if best["transport"] != transport:
             res.transport += f" (ran as {best['transport']})"
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return res
+
+
+def _engine_devices(engine_device: str | None, transport: str, trainer_ranks: int, engine_tp: int,
+                    replicas: int) -> list[str]:
+    """Where each engine's ranks sit: ``engine_device`` for every engine where given; the CPU without a GPU;
+    colocated (IPC) on the trainer's GPUs, else on the GPUs after the trainer's, one engine after the other
+    (round the GPUs there are)."""
+    if engine_device is not None:
+        return [engine_device] * replicas
+    if not torch.cuda.is_available():
+        return ["cpu"] * replicas
+    count = torch.cuda.device_count()
+    first = trainer_ranks if transport != "ipc" and count >= trainer_ranks + engine_tp * replicas else 0
+    return [",".join(f"cuda:{(first + k * engine_tp + r) % count}" for r in range(engine_tp)) for k in range(replicas)]
 
 
 def _checkpoint_bench(res: BenchResult, cfg, dtype: str, bucket_bytes: int, repeats: int) -> BenchResult:

@@ -1,0 +1,55 @@
+"""Several engine replicas updated at once by broadcast (one group with every engine rank): the update commits
+on all of them or on none. A real Megatron-Core trainer (gloo job) and real reference engines."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+import torch
+
+from tests.conftest import hf_logits
+from tests.helpers.checks import assert_logits_close
+from tests.helpers.workers import INPUT_IDS, Case, run_timed_updates
+from tests.test_update import engine
+from weightstream.engines import ReferenceEngine
+from weightstream.jobs import Layout
+from weightstream.launch import launch
+from weightstream.models.presets import preset_config, save_random_checkpoint
+
+SMALL = 120_000  # bytes per bucket: the tiny model travels in several buckets
+T = 6.0  # timeout_s of each wait
+BOUND = 1.2 * T + 5  # what a failed update may take, from its failing wait to every rank raising
+
+
+def test_a_failing_replica_makes_the_update_commit_on_none(tmp_path):
+    """Three replicas (TP 1, TP 2, and a TP 1 one whose bytes arrive corrupted): the update fails at that bucket on
+    every trainer rank within its bound, and the two good replicas put their weights back (same version, same
+    logits, bit for bit). The next update to the good ones commits on both."""
+    cfg = preset_config("tiny-qwen3")
+    src = save_random_checkpoint(cfg, tmp_path / "src", seed=61)
+    eng_dir = save_random_checkpoint(cfg, tmp_path / "eng", seed=62)
+    opts = {"transport": "auto", "bucket_bytes": SMALL, "checksums": True, "timeout_s": T}
+    with ExitStack() as stack:
+        one = stack.enter_context(engine(eng_dir, tp=1))
+        two = stack.enter_context(engine(eng_dir, tp=2))
+        bad = stack.enter_context(engine(eng_dir, tp=1, fault="corrupt@1"))
+        good = [ReferenceEngine(one.url), ReferenceEngine(two.url)]
+        before = [(e.weight_version(), e.logits(INPUT_IDS)) for e in good]
+        failed = launch(2, run_timed_updates, Case(src, Layout(2, 1)),
+                        [([one.url, two.url, bad.url], {**opts, "weight_version": "v1"})])
+        after_failure = [(e.weight_version(), e.logits(INPUT_IDS)) for e in good]
+        done = launch(2, run_timed_updates, Case(src, Layout(2, 1)),
+                      [([one.url, two.url], {**opts, "weight_version": "v2"})])
+        served = [(e.weight_version(), e.logits(INPUT_IDS)) for e in good]
+    for (attempt,) in failed:
+        assert attempt.get("type") == "UpdateError" and attempt["phase"] == "bucket 1", attempt
+        assert "arrived corrupted" in attempt["error"] and bad.url in attempt["error"]
+        assert attempt["seconds"] <= BOUND, attempt["seconds"]
+    for (version, logits), (v0, l0) in zip(after_failure, before, strict=True):
+        assert version == v0 != "v1" and torch.equal(logits, l0)  # committed on none: each put its weights back
+    (report,) = (r["report"] for (r,) in done[:1])
+    assert report.transport == "broadcast" and "2 engines" in report.reason
+    ref = hf_logits(src, INPUT_IDS)
+    for version, logits in served:
+        assert version == "v2"
+        assert_logits_close(logits, ref)
