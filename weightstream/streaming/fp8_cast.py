@@ -56,6 +56,12 @@ def _compile():
         import triton.language as tl
     except ImportError:
         return None
+    _kernel = _build(triton, tl)
+    return _kernel
+
+
+def _build(triton: Any, tl: Any) -> Any:
+    """The kernel: per block (a program's, or each of a persistent program's), the amax, the scale and the values."""
 
     @triton.jit
     def cast_blocks(jobs, owners, firsts, blocks, stride, SRC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
@@ -109,8 +115,7 @@ def _compile():
                 tl.store(dst + r * cols + c, (x * inverse).to(tl.float8e4nv), mask=mask)
             tl.store(tl.load(row + 8).to(tl.pointer_type(tl.float32)) + local, scale)
 
-    _kernel = cast_blocks
-    return _kernel
+    return cast_blocks
 
 
 def available(device: torch.device) -> bool:
