@@ -229,3 +229,31 @@ def test_senders_are_one_rank_per_coordinate_of_the_first_stage():
     # (pp, dp, tp, etp, ep) per rank: TP 2 x PP 2 (ranks 2, 3 the second stage), then TP 1 x EP 2 x DP 2.
     assert pick_senders([(0, 0, 0, 0, 0), (0, 0, 1, 1, 0), (1, 0, 0, 0, 0), (1, 0, 1, 1, 0)]) == (0, 1)
     assert pick_senders([(0, 0, 0, 0, 0), (0, 1, 0, 0, 1), (0, 2, 0, 0, 0), (0, 3, 0, 0, 1)]) == (0, 1)
+
+
+def test_auto_reshards_into_an_engine_that_declares_its_layout_and_says_why_not_otherwise():
+    from weightstream.converters.registry import model_spec
+    from weightstream.engines import EngineInfo, ReferenceEngine
+    from weightstream.engines.base import BROADCAST, IPC, P2P, RESHARD
+    from weightstream.models.presets import preset_config
+    from weightstream.sources.topology import Topology
+    from weightstream.update import choose_transport
+
+    class Declared(ReferenceEngine):
+        def __init__(self, info: EngineInfo):
+            super().__init__("http://e")
+            self._info = info
+
+    spec = model_spec(preset_config("tiny-qwen3-moe"))
+    ep2 = Topology(tp_size=2, ep_size=2, etp_size=1)
+
+    def choose(caps, engine_tp, plain=True):
+        engine = Declared(EngineInfo("x", tp_size=engine_tp, capabilities=frozenset(caps)))
+        return choose_transport("auto", [engine], ep2, spec, colocated=False, plain=plain)
+
+    kind, reason = choose({BROADCAST, IPC, P2P, RESHARD}, 1)
+    assert kind == "p2p" and reason.startswith("engine TP 1, trainer TP 2 EP 2: ") and "resharded P2P" in reason
+    kind, reason = choose({BROADCAST, IPC, P2P, RESHARD}, 1, plain=False)  # block FP8 or deltas
+    assert kind == "broadcast" and "engine TP 1 != trainer TP 2 (resharding sends unquantized full updates" in reason
+    kind, reason = choose({BROADCAST, IPC, P2P}, 1)
+    assert kind == "broadcast" and "(the x engine does not declare its layout: no resharding)" in reason
