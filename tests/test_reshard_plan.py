@@ -257,3 +257,32 @@ def test_auto_reshards_into_an_engine_that_declares_its_layout_and_says_why_not_
     assert kind == "broadcast" and "engine TP 1 != trainer TP 2 (resharding sends unquantized full updates" in reason
     kind, reason = choose({BROADCAST, IPC, P2P}, 1)
     assert kind == "broadcast" and "(the x engine does not declare its layout: no resharding)" in reason
+
+
+def test_deepseek_v3_at_tp2_is_resharded_or_broadcast_never_sent_as_row_shards():
+    """Megatron's local spec splits MLA's down projections over TP, engines hold them whole: P2P per rank would carry
+    row shards the engine refuses. An engine that declares its layout gets them resharded (assembled whole); an
+    update resharding does not send (block FP8, deltas) goes by broadcast, saying why."""
+    from weightstream.converters.registry import model_spec
+    from weightstream.engines import EngineInfo, ReferenceEngine
+    from weightstream.engines.base import BROADCAST, P2P, RESHARD
+    from weightstream.models.presets import preset_config
+    from weightstream.sources.topology import Topology
+    from weightstream.update import choose_transport
+
+    class Declared(ReferenceEngine):
+        def __init__(self, info: EngineInfo):
+            super().__init__("http://e")
+            self._info = info
+
+    spec = model_spec(preset_config("tiny-deepseek-v3"))
+    engine = Declared(EngineInfo("x", tp_size=2, capabilities=frozenset({BROADCAST, P2P, RESHARD})))
+    kind, reason = choose_transport("auto", [engine], Topology(tp_size=2, etp_size=2), spec, colocated=False)
+    assert kind == "p2p" and "resharded P2P" in reason
+    kind, reason = choose_transport("auto", [engine], Topology(tp_size=2, etp_size=2), spec, colocated=False,
+                                    plain=False)
+    assert kind == "broadcast" and "deepseek_v3 family has tensors a TP rank holds split or whole" in reason
+    kind, _ = choose_transport("auto", [engine], Topology(tp_size=1), spec, colocated=False, plain=False)
+    engine1 = Declared(EngineInfo("x", tp_size=1, capabilities=frozenset({BROADCAST, P2P})))
+    assert kind == "broadcast"  # engine TP 2 != trainer TP 1, and no resharding for block FP8
+    assert choose_transport("auto", [engine1], Topology(tp_size=1), spec, colocated=False, plain=False)[0] == "p2p"

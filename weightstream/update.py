@@ -207,8 +207,13 @@ def _p2p_problems(engines: Sequence[EngineAdapter], infos: Sequence[EngineInfo],
         failed.append(f"trainer EP {topo.ep_size} (experts would need an engine with the same EP)")
     if spec.is_moe and topo.etp_size != topo.tp_size:
         failed.append(f"trainer expert-TP {topo.etp_size} != TP {topo.tp_size}")
-    if not get_converter(spec.model_type).per_rank:
+    converter = get_converter(spec.model_type)
+    if not converter.per_rank:
         failed.append(f"the {spec.model_type} converter does not support per-rank export")
+    if topo.tp_size > 1 and any(m.whole_or_split and m.when(spec) for m in converter.mappings):
+        failed.append(f"the {spec.model_type} family has tensors a TP rank holds split or whole (whole_or_split: "
+                      "Megatron's local spec splits them), which engines hold whole: per-rank buckets would carry "
+                      "shards of them")
     return failed
 
 
