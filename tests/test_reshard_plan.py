@@ -6,9 +6,17 @@ import pytest
 import torch
 
 from weightstream.common.layout import layout
+from weightstream.converters.registry import model_spec
+from weightstream.engines import EngineInfo, ReferenceEngine
+from weightstream.engines.base import BROADCAST, IPC, P2P, RESHARD
 from weightstream.errors import ConversionError
-from weightstream.streaming.bucket import Shard, TensorMeta
+from weightstream.models.presets import preset_config
+from weightstream.reference_engine.pieces import assemble
+from weightstream.sinks.reshard import _packed, pick_senders
+from weightstream.sources.topology import Topology
+from weightstream.streaming.bucket import Bucket, Shard, TensorMeta, view_tensor
 from weightstream.streaming.reshard import EngineLayout, is_identity, plan_bucket, tiling_problems
+from weightstream.update import choose_transport
 
 pytestmark = pytest.mark.unit
 
@@ -163,6 +171,17 @@ def test_tiling_names_what_is_missing_overlapping_or_outside():
     assert tiling_problems("n", [Shard(0, 0, 2, 4), Shard(0, 2, 2, 4)], None, (4,)) == []
 
 
+MOE, DEEPSEEK = model_spec(preset_config("tiny-qwen3-moe")), model_spec(preset_config("tiny-deepseek-v3"))
+
+
+class Declared(ReferenceEngine):
+    """An adapter whose engine declares ``info`` without being asked over HTTP (the choice is pure)."""
+
+    def __init__(self, info: EngineInfo):
+        super().__init__("http://e")
+        self._info = info
+
+
 def _params(rank: int, size: int) -> dict:
     """An engine rank's table as the reference engine keeps it: q split by rows, o by columns, the norm whole."""
     return {"q.weight": (torch.zeros(8 // size, 4), 0), "o.weight": (torch.zeros(4, 8 // size), 1),
@@ -171,8 +190,6 @@ def _params(rank: int, size: int) -> dict:
 
 def test_engine_puts_the_pieces_of_its_part_together():
     """TP 2 -> TP 1, through the plan: the engine rank's tensors are the trainer's, put together bit for bit."""
-    from weightstream.reference_engine.pieces import assemble
-    from weightstream.streaming.bucket import view_tensor
 
     whole = {n: torch.arange(_numel(s), dtype=F32).reshape(s) for n, s in SHAPES.items()}
     senders = [trainer_bucket(2, r) for r in range(2)]
@@ -184,8 +201,6 @@ def test_engine_puts_the_pieces_of_its_part_together():
                                                                               m.shard.length)
             view_tensor(buf, m).copy_(part)
         buffers.append(buf)
-    from weightstream.sinks.reshard import _packed
-    from weightstream.streaming.bucket import Bucket
 
     for e, size in ((0, 1), (1, 2)):
         plan = plan_bucket(senders, EngineLayout(size, DIMS))
@@ -204,7 +219,6 @@ def test_engine_puts_the_pieces_of_its_part_together():
 
 
 def test_engine_refuses_a_bucket_whose_pieces_do_not_tile_its_part():
-    from weightstream.reference_engine.pieces import assemble
 
     def piece(name, shape, shard):
         return TensorMeta(name, F32, shape, 0, shard), torch.zeros(shape)
@@ -224,7 +238,6 @@ def test_engine_refuses_a_bucket_whose_pieces_do_not_tile_its_part():
 
 
 def test_senders_are_one_rank_per_coordinate_of_the_first_stage():
-    from weightstream.sinks.reshard import pick_senders
 
     # (pp, dp, tp, etp, ep) per rank: TP 2 x PP 2 (ranks 2, 3 the second stage), then TP 1 x EP 2 x DP 2.
     assert pick_senders([(0, 0, 0, 0, 0), (0, 0, 1, 1, 0), (1, 0, 0, 0, 0), (1, 0, 1, 1, 0)]) == (0, 1)
@@ -232,19 +245,8 @@ def test_senders_are_one_rank_per_coordinate_of_the_first_stage():
 
 
 def test_auto_reshards_into_an_engine_that_declares_its_layout_and_says_why_not_otherwise():
-    from weightstream.converters.registry import model_spec
-    from weightstream.engines import EngineInfo, ReferenceEngine
-    from weightstream.engines.base import BROADCAST, IPC, P2P, RESHARD
-    from weightstream.models.presets import preset_config
-    from weightstream.sources.topology import Topology
-    from weightstream.update import choose_transport
 
-    class Declared(ReferenceEngine):
-        def __init__(self, info: EngineInfo):
-            super().__init__("http://e")
-            self._info = info
-
-    spec = model_spec(preset_config("tiny-qwen3-moe"))
+    spec = MOE
     ep2 = Topology(tp_size=2, ep_size=2, etp_size=1)
 
     def choose(caps, engine_tp, plain=True):
@@ -263,19 +265,8 @@ def test_deepseek_v3_at_tp2_is_resharded_or_broadcast_never_sent_as_row_shards()
     """Megatron's local spec splits MLA's down projections over TP, engines hold them whole: P2P per rank would carry
     row shards the engine refuses. An engine that declares its layout gets them resharded (assembled whole); an
     update resharding does not send (block FP8, deltas) goes by broadcast, saying why."""
-    from weightstream.converters.registry import model_spec
-    from weightstream.engines import EngineInfo, ReferenceEngine
-    from weightstream.engines.base import BROADCAST, P2P, RESHARD
-    from weightstream.models.presets import preset_config
-    from weightstream.sources.topology import Topology
-    from weightstream.update import choose_transport
 
-    class Declared(ReferenceEngine):
-        def __init__(self, info: EngineInfo):
-            super().__init__("http://e")
-            self._info = info
-
-    spec = model_spec(preset_config("tiny-deepseek-v3"))
+    spec = DEEPSEEK
     engine = Declared(EngineInfo("x", tp_size=2, capabilities=frozenset({BROADCAST, P2P, RESHARD})))
     kind, reason = choose_transport("auto", [engine], Topology(tp_size=2, etp_size=2), spec, colocated=False)
     assert kind == "p2p" and "resharded P2P" in reason
