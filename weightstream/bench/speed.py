@@ -278,6 +278,7 @@ def update_job(cfg_dir: str, url: str | list[str], transport: str, bucket_bytes:
         if prepare:
             ((prepared, _),), _ = _timed(device, 1, lambda: sync.prepare(chunks, cfg))
         runs, peak = _timed(device, repeats + 1, lambda: sync.update(chunks, cfg))
+        reshard = _reshard_pairs(sync.sinks.get("p2p"))
     verified = _checksummed_update(chunks, cfg, urls, transport, bucket_bytes, ahead, quantize)
     reports = [{"wall": t, "transport": rep.transport, "bytes": rep.bytes, "buckets": rep.buckets,
                 "tensors": rep.tensors, "seconds": rep.seconds, "direct": rep.direct} for t, rep in runs]
@@ -294,7 +295,21 @@ def update_job(cfg_dir: str, url: str | list[str], transport: str, bucket_bytes:
     except Exception as exc:  # noqa: BLE001 -- e.g. Megatron's MoE router needs Transformer Engine on GPUs
         logits = f"the Megatron model's own forward failed: {type(exc).__name__}: {exc}"
     return {"device": str(device), "reports": reports, "peak_extra_bytes": peak, "copy_ceiling_s": ceiling,
-            "prepare_s": prepared, "logits": logits, "verified": verified}
+            "prepare_s": prepared, "logits": logits, "verified": verified, "reshard": reshard}
+
+
+def _reshard_pairs(sink: Any) -> tuple[int, list[tuple[int, int, int]]] | None:
+    """A resharded P2P update's plan as bytes per pair: (senders, [(sender, engine rank, bytes of every bucket)]);
+    None where the sink did not reshard (or each trainer rank sent its bucket to its own engine rank only)."""
+    from weightstream.sinks.reshard import ReshardSink
+
+    if not isinstance(sink, ReshardSink) or sink.roster is None or all(sink.identity):
+        return None
+    totals: dict[tuple[int, int], int] = {}
+    for routes in sink.routes:
+        for r in routes:
+            totals[(r.sender, r.engine_rank)] = totals.get((r.sender, r.engine_rank), 0) + r.nbytes
+    return len(sink.roster.senders), [(s, e, n) for (s, e), n in sorted(totals.items())]
 
 
 def _as_served(chunks, cfg, quantize: BlockFP8) -> None:
@@ -393,6 +408,31 @@ def raw_send_recv_job(per_rank: list[int], chunk: int, repeats: int) -> dict:
     if rank < half:
         return _wire_job(per_rank[rank], chunk, repeats, lambda piece: dist.send(piece, dst=rank + half))
     return _wire_job(per_rank[rank - half], chunk, repeats, lambda piece: dist.recv(piece, src=rank - half))
+
+
+def raw_reshard_job(pairs: list[tuple[int, int, int]], senders: int, chunk: int, repeats: int) -> dict:
+    """Resharded P2P's ceiling: for each ``(sender, engine rank, bytes)``, rank ``sender`` sends rank ``senders +
+    engine rank`` that many bytes in ``chunk``-byte pieces; every pair at once. Best of the warm runs."""
+    rank = dist.get_rank()
+    mine = ([(senders + e, n, True) for s, e, n in pairs if s == rank]
+            + [(s, n, False) for s, e, n in pairs if senders + e == rank])
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    buffers = [torch.empty(max(1, min(n, chunk)), dtype=torch.uint8, device=device) for _, n, _ in mine]
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        _sync(device)
+        t = time.perf_counter()
+        works: list[Any] = []
+        for (peer, n, send), buf in zip(mine, buffers, strict=True):
+            for start in range(0, n, chunk):
+                piece = buf[:min(chunk, n - start)]
+                works.append(dist.isend(piece, dst=peer) if send else dist.irecv(piece, src=peer))
+        for w in works:
+            w.wait()
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return {"seconds": min(times[1:]) if len(times) > 1 else times[0]}
 
 
 def raw_broadcast_job(total: int, chunk: int, repeats: int) -> dict:
@@ -496,11 +536,7 @@ def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_byte
             res.ceiling_s = r["copy_ceiling_s"]
             res.ceiling = "device copy of the " + ("bf16 bytes read" if quantize is not None else "same bytes")
         elif best["transport"] == "p2p":
-            per_rank = [x["reports"][-1]["bytes"] for x in ranks]
-            res.bytes = sum(per_rank)
-            raw = launch(2 * tp, raw_send_recv_job, per_rank, bucket_bytes, repeats, backend=backend)
-            res.ceiling_s = max(x["seconds"] for x in raw)
-            res.ceiling = f"plain {backend} send/recv of each rank's bytes, {tp} pairs at once, same buckets"
+            _p2p_ceiling(res, ranks, tp, engine_tp, bucket_bytes, repeats, backend)
         else:
             ranks_out = engine_tp * replicas
             raw = launch(1 + ranks_out, raw_broadcast_job, res.bytes, bucket_bytes, repeats, backend=backend)
@@ -511,6 +547,26 @@ def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_byte
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return res
+
+
+def _p2p_ceiling(res: BenchResult, ranks: list[dict], tp: int, engine_tp: int, bucket_bytes: int, repeats: int,
+                 backend: str) -> None:
+    """A P2P row's ceiling: plain sends of the same bytes between the same pairs of ranks, every pair at once."""
+    from weightstream.launch import launch
+
+    reshard = ranks[0]["reshard"]
+    if reshard is None:
+        per_rank = [x["reports"][-1]["bytes"] for x in ranks]
+        res.bytes = sum(per_rank)
+        raw = launch(2 * tp, raw_send_recv_job, per_rank, bucket_bytes, repeats, backend=backend)
+        res.ceiling = f"plain {backend} send/recv of each rank's bytes, {tp} pairs at once, same buckets"
+    else:
+        senders, pairs = reshard
+        res.bytes = sum(n for _, _, n in pairs)
+        raw = launch(senders + engine_tp, raw_reshard_job, pairs, senders, bucket_bytes, repeats, backend=backend)
+        res.ceiling = (f"plain {backend} sends of the resharding plan's bytes, {len(pairs)} pairs of trainer and "
+                       "engine ranks at once, same buckets")
+    res.ceiling_s = max(x["seconds"] for x in raw)
 
 
 def _engine_devices(engine_device: str | None, transport: str, trainer_ranks: int, engine_tp: int,
