@@ -12,7 +12,6 @@ on CUDA devices where Triton is present; everything else keeps ``_foreach_copy_`
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -20,25 +19,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from weightstream.common.triton_kernel import LazyKernel
+
 PIECE_BYTES = 512 << 10
 _BLOCK = 2048  # elements a program moves per step
 
-_kernel: Any = None
-_tried = False
 
-
-def _compile():
-    """The Triton kernel, compiled on its first launch; None without Triton."""
-    global _kernel, _tried
-    if _tried:
-        return _kernel
-    _tried = True
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
+def _build(triton: Any, tl: Any) -> Any:
     @triton.jit
     def copy_pieces(src_tab, dst_tab, len_tab, ELEM: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
@@ -50,15 +37,16 @@ def _compile():
             mask = offs < n
             tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
-    _kernel = copy_pieces
-    return _kernel
+    return copy_pieces
+
+
+# The kernel, compiled on its first launch (None without Triton); WEIGHTSTREAM_PIECE_COPY=0 keeps _foreach_copy_.
+_compile = LazyKernel(_build, "WEIGHTSTREAM_PIECE_COPY")
 
 
 def available(device: torch.device) -> bool:
-    """On ``device``, with Triton present, unless ``WEIGHTSTREAM_PIECE_COPY=0`` keeps ``_foreach_copy_``."""
-    if device.type != "cuda" or os.environ.get("WEIGHTSTREAM_PIECE_COPY", "1") == "0":
-        return False
-    return _compile() is not None
+    """On ``device``, with Triton present, unless ``WEIGHTSTREAM_PIECE_COPY=0``."""
+    return _compile.available(device)
 
 
 def plan_pieces(dst: Sequence[Tensor], src: Sequence[Tensor], piece_bytes: int = PIECE_BYTES

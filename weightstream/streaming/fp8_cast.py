@@ -20,7 +20,6 @@ quantizes with whole-tensor operations (:class:`weightstream.streaming.quantize.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,10 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from weightstream.common.triton_kernel import LazyKernel
 from weightstream.converters.fp8 import FP8, FP8_MAX, MIN_AMAX, BlockFP8
-
-_kernel: Any = None
-_tried = False
 
 
 @dataclass(frozen=True)
@@ -43,21 +40,6 @@ class CastJob:
     source: Tensor
     values: Tensor
     scales: Tensor
-
-
-def _compile():
-    """The Triton kernel, compiled on its first launch; None without Triton."""
-    global _kernel, _tried
-    if _tried:
-        return _kernel
-    _tried = True
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-    _kernel = _build(triton, tl)
-    return _kernel
 
 
 def _build(triton: Any, tl: Any) -> Any:
@@ -118,11 +100,13 @@ def _build(triton: Any, tl: Any) -> Any:
     return cast_blocks
 
 
+# The kernel, compiled on first launch (None without Triton); WEIGHTSTREAM_FP8_KERNEL=0 keeps whole-tensor operations.
+_compile = LazyKernel(_build, "WEIGHTSTREAM_FP8_KERNEL")
+
+
 def available(device: torch.device) -> bool:
-    """On ``device``, with Triton present, unless ``WEIGHTSTREAM_FP8_KERNEL=0`` keeps whole-tensor operations."""
-    if device.type != "cuda" or os.environ.get("WEIGHTSTREAM_FP8_KERNEL", "1") == "0":
-        return False
-    return _compile() is not None
+    """On ``device``, with Triton present, unless ``WEIGHTSTREAM_FP8_KERNEL=0``."""
+    return _compile.available(device)
 
 
 def _pow2(n: int) -> int:
