@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device call: correctness check, then the benchmark rows given as "preset:transport[:flags]" words.
 #   bash tools/gpu_session.sh check qwen3-8b:ipc qwen3-8b:ipc:--no-rollback qwen3-30b-a3b:stream:--reuse-buffers
-# Block FP8 (stream rows; flags are one word, so quote them): qwen3-8b:stream:"--reuse-buffers --quantize fp8-block"
+# Block FP8 (flags are one word, so quote them): qwen3-8b:stream:"--reuse-buffers --quantize fp8-block",
+#   qwen3-8b:ipc:"--quantize fp8-block", qwen3-30b-a3b:ipc:"--no-rollback --quantize fp8-block" (H200: the 30B trainer
+#   and its engine on one GPU); the same rows without --quantize for the bf16 update they are compared with.
 # The block-FP8 kernel alone (bits against the whole-tensor arithmetic, speed against a device copy): the word fp8-kernel.
 # JSON of every row and the raw output go to $OUT (or ./gpu-out).
 set -uo pipefail
