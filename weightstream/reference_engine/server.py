@@ -299,7 +299,7 @@ class Engine:
         if vocab_size is None:
             raise ValueError(f"{self.model_dir}/config.json names no vocab_size")
         self.vocab_size = int(vocab_size)
-        # a quantized model's (block FP8: the engine holds it dequantized, and takes updates in FP8)
+        # a quantized model's (block FP8: the engine holds float8 values and scales, and takes updates in FP8)
         self.quantization_config: dict | None = config.get("quantization_config")
         positions = config.get("max_position_embeddings") or (config.get("text_config") or {}).get(
             "max_position_embeddings")
