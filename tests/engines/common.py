@@ -12,6 +12,24 @@ from pathlib import Path
 
 import torch
 
+# One decoder layer of a Qwen3-like model, as the block-FP8 loader checks build it at engine TP 2: each HF weight's
+# shape and how an engine's TP rank r cuts it ("rows": column-parallel, "cols": row-parallel), and each fused engine
+# parameter with the HF weights it holds, in order.
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP = 256, 4, 2, 128, 512
+TP_SIZE = 2
+PREFIX = "model.layers.0"
+WEIGHTS = {
+    "self_attn.q_proj": ((HEADS * HEAD_DIM, HIDDEN), "rows"),
+    "self_attn.k_proj": ((KV_HEADS * HEAD_DIM, HIDDEN), "rows"),
+    "self_attn.v_proj": ((KV_HEADS * HEAD_DIM, HIDDEN), "rows"),
+    "self_attn.o_proj": ((HIDDEN, HEADS * HEAD_DIM), "cols"),
+    "mlp.gate_proj": ((MLP, HIDDEN), "rows"), "mlp.up_proj": ((MLP, HIDDEN), "rows"),
+    "mlp.down_proj": ((HIDDEN, MLP), "cols"),
+}
+FUSED = {"self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+         "self_attn.o_proj": ["self_attn.o_proj"], "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"],
+         "mlp.down_proj": ["mlp.down_proj"]}
+
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape)

@@ -47,23 +47,9 @@ sys.path.insert(0, str(HERE.parents[1]))  # weightstream from this checkout
 sys.path.insert(0, str(HERE))  # common, lmdeploy_check
 
 import torch  # noqa: E402
-from common import ipc_in_child, same_bits  # noqa: E402
+from common import FUSED, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, MLP, PREFIX, TP_SIZE, WEIGHTS, ipc_in_child, same_bits  # noqa: E402
 from lmdeploy_check import GROUP, cpu_cuda, fake_agent, lmdeploy_update_params, patched  # noqa: E402
 
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP = 256, 4, 2, 128, 512
-TP_SIZE = 2
-PREFIX = "model.layers.0"
-WEIGHTS = {
-    "self_attn.q_proj": ((HEADS * HEAD_DIM, HIDDEN), "rows"),
-    "self_attn.k_proj": ((KV_HEADS * HEAD_DIM, HIDDEN), "rows"),
-    "self_attn.v_proj": ((KV_HEADS * HEAD_DIM, HIDDEN), "rows"),
-    "self_attn.o_proj": ((HIDDEN, HEADS * HEAD_DIM), "cols"),
-    "mlp.gate_proj": ((MLP, HIDDEN), "rows"), "mlp.up_proj": ((MLP, HIDDEN), "rows"),
-    "mlp.down_proj": ((HIDDEN, MLP), "cols"),
-}
-FUSED = {"self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-         "self_attn.o_proj": ["self_attn.o_proj"], "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"],
-         "mlp.down_proj": ["mlp.down_proj"]}
 NORM = f"{PREFIX}.post_attention_layernorm.weight"
 
 

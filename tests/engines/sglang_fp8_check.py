@@ -35,24 +35,9 @@ sys.path.insert(0, str(HERE.parents[1]))  # weightstream from this checkout
 
 import torch  # noqa: E402
 import torchvision_standin  # noqa: E402,F401  (before anything imports sglang.srt.managers.io_struct)
-from common import same_bits  # noqa: E402
+from common import FUSED, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, MLP, PREFIX, TP_SIZE, WEIGHTS, same_bits  # noqa: E402
 
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP = 256, 4, 2, 128, 512
-TP_SIZE, BLOCK = 2, 128
-PREFIX = "model.layers.0"
-# HF weight -> (shape, how SGLang's TP rank r cuts it: "rows" = column-parallel, "cols" = row-parallel)
-WEIGHTS = {
-    "self_attn.q_proj": ((HEADS * HEAD_DIM, HIDDEN), "rows"),
-    "self_attn.k_proj": ((KV_HEADS * HEAD_DIM, HIDDEN), "rows"),
-    "self_attn.v_proj": ((KV_HEADS * HEAD_DIM, HIDDEN), "rows"),
-    "self_attn.o_proj": ((HIDDEN, HEADS * HEAD_DIM), "cols"),
-    "mlp.gate_proj": ((MLP, HIDDEN), "rows"), "mlp.up_proj": ((MLP, HIDDEN), "rows"),
-    "mlp.down_proj": ((HIDDEN, MLP), "cols"),
-}
-# SGLang's parameter -> the HF weights it holds, in order
-FUSED = {"self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-         "self_attn.o_proj": ["self_attn.o_proj"], "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"],
-         "mlp.down_proj": ["mlp.down_proj"]}
+BLOCK = 128
 
 
 def hf_tensors(fp8) -> list[tuple[str, torch.Tensor]]:
