@@ -97,11 +97,7 @@ class P2PSink(PipelinedSink):
     def send(self, bucket: Bucket) -> None:
         if not self.sender:
             return
-        failure: UpdateError | None = None
-        try:
-            self._inflight.finish()
-        except UpdateError as exc:
-            failure = exc
+        failure = self._finish_inflight()
         if self.delta is not None and self.delta.active:
             header, payload = self.delta.encode(bucket.index, bucket.buffer, bucket.word)
             bucket = Bucket(bucket.index, payload, bucket.metas, delta=header)
@@ -128,6 +124,14 @@ class P2PSink(PipelinedSink):
         work = dist.isend(bucket.buffer, group=self.group, group_dst=self.tp + self.tp_rank)
         self._inflight.start(bucket, work, posts)
 
+    def _finish_inflight(self) -> UpdateError | None:
+        """Finish the bucket in flight; its failure, kept to raise once the TP ranks have met."""
+        try:
+            self._inflight.finish()
+        except UpdateError as exc:
+            return exc
+        return None
+
     def close(self) -> None:
         """Finish the bucket in flight; in a delta update, every TP rank's checksums of its buckets' new bytes go
         to the snapshot of each (``Snapshot.ranks``: what engine rank r must report), the TP ranks meeting
@@ -137,11 +141,7 @@ class P2PSink(PipelinedSink):
         if self.delta is None or not self.delta.active:
             self._inflight.finish()
             return
-        failure: UpdateError | None = None
-        try:
-            self._inflight.finish()
-        except UpdateError as exc:
-            failure = exc
+        failure = self._finish_inflight()
         everyone: list = [(self.delta.digests, failure)]
         if self.tp > 1:
             everyone = [None] * self.tp
