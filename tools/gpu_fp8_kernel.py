@@ -40,19 +40,18 @@ def check_bits(device: str) -> list[str]:
         sources = _sources(dtype, device)
         for fp8 in (BlockFP8((128, 128), "float"), BlockFP8((128, 128), "ue8m0"), BlockFP8((64, 96), "float")):
             shapes = [(s.numel() // s.shape[-1], s.shape[-1]) for s in sources]
-            for per_sm in (0, 4):  # one program per block; a few per multiprocessor (block after block)
-                jobs = [CastJob(s, torch.empty(shape, dtype=FP8, device=device),
-                                torch.empty(fp8.scale_shape(shape), dtype=torch.float32, device=device))
-                        for s, shape in zip(sources, shapes, strict=True)]
-                BlockCast(jobs, fp8, per_sm=per_sm)()
-                for s, job in zip(sources, jobs, strict=True):
-                    values, scales = quantize_block_fp8(s.reshape(job.values.shape), fp8.block,
-                                                        ue8m0=fp8.scale_fmt == "ue8m0")
-                    differ = int((values.view(torch.uint8) != job.values.view(torch.uint8)).sum())
-                    scale_differ = int((scales.view(torch.int32) != job.scales.view(torch.int32)).sum())
-                    if differ or scale_differ:
-                        problems.append(f"{dtype} {fp8} per_sm={per_sm} {tuple(s.shape)} stride {s.stride()}: "
-                                        f"{differ} values and {scale_differ} scales differ")
+            jobs = [CastJob(s, torch.empty(shape, dtype=FP8, device=device),
+                            torch.empty(fp8.scale_shape(shape), dtype=torch.float32, device=device))
+                    for s, shape in zip(sources, shapes, strict=True)]
+            BlockCast(jobs, fp8)()
+            for s, job in zip(sources, jobs, strict=True):
+                values, scales = quantize_block_fp8(s.reshape(job.values.shape), fp8.block,
+                                                    ue8m0=fp8.scale_fmt == "ue8m0")
+                differ = int((values.view(torch.uint8) != job.values.view(torch.uint8)).sum())
+                scale_differ = int((scales.view(torch.int32) != job.scales.view(torch.int32)).sum())
+                if differ or scale_differ:
+                    problems.append(f"{dtype} {fp8} {tuple(s.shape)} stride {s.stride()}: "
+                                    f"{differ} values and {scale_differ} scales differ")
     return problems
 
 
@@ -79,8 +78,7 @@ def _shapes(model: str) -> list[tuple[int, int]]:
 
 def speed(device: str, model: str) -> dict:
     """Those weights (bf16) quantized by the kernel in several launch shapes (warps per program, rows of a block
-    read at a time; a few programs per multiprocessor each taking block after block), against a device copy of
-    the same bytes."""
+    read at a time), against a device copy of the same bytes."""
     sources = [torch.randn(s, device=device, dtype=torch.bfloat16) for s in _shapes(model)]
     fp8 = BlockFP8()
     jobs = [CastJob(s, torch.empty(s.shape, dtype=FP8, device=device),
@@ -92,7 +90,6 @@ def speed(device: str, model: str) -> dict:
         for step in (16, 32, 64, 128):
             out[f"kernel_s_{warps}_warps_{step}_rows"] = _timed(BlockCast(jobs, fp8, num_warps=warps,
                                                                           rows_per_step=step))
-    out["kernel_s_4_warps_32_rows_8_per_sm"] = _timed(BlockCast(jobs, fp8, per_sm=8))
     return out
 
 

@@ -118,7 +118,6 @@ class Float8Experts:
     again after it."""
 
     def __init__(self, fp8: BlockFP8):
-        self.block = fp8.block
         self.fp8 = fp8
         self.held: tuple[nn.Parameter, nn.Parameter] | None = None
 
@@ -142,12 +141,12 @@ class Float8Experts:
         own = dict(module.named_parameters(recurse=False))
         gate_up, down = own["gate_up_proj"], own["down_proj"]
         inter, dtype = down.shape[2], args[0].dtype
-        gate = _dequantize_experts(gate_up[:, :inter], own["gate_scale_inv"], self.block, dtype)
-        up = _dequantize_experts(gate_up[:, inter:], own["up_scale_inv"], self.block, dtype)
+        gate = _dequantize_experts(gate_up[:, :inter], own["gate_scale_inv"], self.fp8.block, dtype)
+        up = _dequantize_experts(gate_up[:, inter:], own["up_scale_inv"], self.fp8.block, dtype)
         self.held = (gate_up, down)
         module._parameters["gate_up_proj"] = nn.Parameter(torch.cat([gate, up], dim=1), requires_grad=False)
         module._parameters["down_proj"] = nn.Parameter(
-            _dequantize_experts(down, own["down_scale_inv"], self.block, dtype), requires_grad=False)
+            _dequantize_experts(down, own["down_scale_inv"], self.fp8.block, dtype), requires_grad=False)
 
     def _restore(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self.held is not None:

@@ -43,59 +43,59 @@ class CastJob:
 
 
 def _build(triton: Any, tl: Any) -> Any:
-    """The kernel: per block (a program's, or each of a persistent program's), the amax, the scale and the values."""
+    """The kernel: per block (a program's), the amax, the scale and the values."""
 
     @triton.jit
-    def cast_blocks(jobs, owners, firsts, blocks, stride, SRC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    def cast_blocks(jobs, owners, firsts, SRC: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                     PR: tl.constexpr, PC: tl.constexpr, UE8M0: tl.constexpr, MAX: tl.constexpr,
                     FLOOR: tl.constexpr, ALIGNED: tl.constexpr, STEP: tl.constexpr):
-        for pid in range(tl.program_id(0), blocks, stride):  # one block per program, or several (persistent)
-            job = tl.load(owners + pid).to(tl.int64)
-            row = jobs + job * 10
-            local = pid - tl.load(firsts + job)
-            grid_cols = tl.load(row + 9)
-            bi = local // grid_cols
-            bj = local % grid_cols
-            ci = tl.arange(0, PC)[None, :]
-            c = bj * BC + ci
-            inner = tl.load(row + 4)  # rows of the source's inner row dimension (see row_layout)
-            if ALIGNED:  # whole blocks within one inner run of rows, rows contiguous, addresses and strides in 16s
-                # (stored divided by 16); STEP rows at a time: the amax over the block, then its values (from L2)
-                src = (tl.load(row) * 16).to(tl.pointer_type(SRC))
-                first = bi * BR
-                pitch = tl.load(row + 2) * 16
-                base = src + (first // inner) * (tl.load(row + 1) * 16) + (first % inner) * pitch + c
-                cols = tl.load(row + 6) * 16
-                dst = (tl.load(row + 7) * 16).to(tl.pointer_type(tl.float8e4nv)) + first * cols + c
-                rs = tl.arange(0, STEP)[:, None]
-                amax = tl.max(tl.max(tl.abs(tl.load(base + rs * pitch)), axis=1), axis=0).to(tl.float32)
-                for k in range(STEP, BR, STEP):
-                    part = tl.max(tl.max(tl.abs(tl.load(base + (k + rs) * pitch)), axis=1), axis=0)
-                    amax = tl.maximum(amax, part.to(tl.float32))
-            else:
-                ri = tl.arange(0, PR)[:, None]
-                r = bi * BR + ri
-                src = tl.load(row).to(tl.pointer_type(SRC))
-                at = (r // inner) * tl.load(row + 1) + (r % inner) * tl.load(row + 2)
-                cols = tl.load(row + 6)
-                dst = tl.load(row + 7).to(tl.pointer_type(tl.float8e4nv))
-                mask = (ri < BR) & (ci < BC) & (r < tl.load(row + 5)) & (c < cols)
-                x = tl.load(src + at + c * tl.load(row + 3), mask=mask, other=0.0).to(tl.float32)
-                amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-            scale = tl.maximum(amax, FLOOR) * (1.0 / MAX)
-            if UE8M0:
-                bits = scale.to(tl.int32, bitcast=True)
-                exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-                exponent = tl.minimum(tl.maximum(exponent, 1), 254)
-                scale = (exponent << 23).to(tl.float32, bitcast=True)
-            inverse = tl.math.div_rn(1.0, scale)
-            if ALIGNED:
-                for k in range(0, BR, STEP):
-                    x = tl.load(base + (k + rs) * pitch).to(tl.float32)
-                    tl.store(dst + (k + rs) * cols, (x * inverse).to(tl.float8e4nv))
-            else:
-                tl.store(dst + r * cols + c, (x * inverse).to(tl.float8e4nv), mask=mask)
-            tl.store(tl.load(row + 8).to(tl.pointer_type(tl.float32)) + local, scale)
+        pid = tl.program_id(0)
+        job = tl.load(owners + pid).to(tl.int64)
+        row = jobs + job * 10
+        local = pid - tl.load(firsts + job)
+        grid_cols = tl.load(row + 9)
+        bi = local // grid_cols
+        bj = local % grid_cols
+        ci = tl.arange(0, PC)[None, :]
+        c = bj * BC + ci
+        inner = tl.load(row + 4)  # rows of the source's inner row dimension (see row_layout)
+        if ALIGNED:  # whole blocks within one inner run of rows, rows contiguous, addresses and strides in 16s
+            # (stored divided by 16); STEP rows at a time: the amax over the block, then its values (from L2)
+            src = (tl.load(row) * 16).to(tl.pointer_type(SRC))
+            first = bi * BR
+            pitch = tl.load(row + 2) * 16
+            base = src + (first // inner) * (tl.load(row + 1) * 16) + (first % inner) * pitch + c
+            cols = tl.load(row + 6) * 16
+            dst = (tl.load(row + 7) * 16).to(tl.pointer_type(tl.float8e4nv)) + first * cols + c
+            rs = tl.arange(0, STEP)[:, None]
+            amax = tl.max(tl.max(tl.abs(tl.load(base + rs * pitch)), axis=1), axis=0).to(tl.float32)
+            for k in range(STEP, BR, STEP):
+                part = tl.max(tl.max(tl.abs(tl.load(base + (k + rs) * pitch)), axis=1), axis=0)
+                amax = tl.maximum(amax, part.to(tl.float32))
+        else:
+            ri = tl.arange(0, PR)[:, None]
+            r = bi * BR + ri
+            src = tl.load(row).to(tl.pointer_type(SRC))
+            at = (r // inner) * tl.load(row + 1) + (r % inner) * tl.load(row + 2)
+            cols = tl.load(row + 6)
+            dst = tl.load(row + 7).to(tl.pointer_type(tl.float8e4nv))
+            mask = (ri < BR) & (ci < BC) & (r < tl.load(row + 5)) & (c < cols)
+            x = tl.load(src + at + c * tl.load(row + 3), mask=mask, other=0.0).to(tl.float32)
+            amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        scale = tl.maximum(amax, FLOOR) * (1.0 / MAX)
+        if UE8M0:
+            bits = scale.to(tl.int32, bitcast=True)
+            exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+            exponent = tl.minimum(tl.maximum(exponent, 1), 254)
+            scale = (exponent << 23).to(tl.float32, bitcast=True)
+        inverse = tl.math.div_rn(1.0, scale)
+        if ALIGNED:
+            for k in range(0, BR, STEP):
+                x = tl.load(base + (k + rs) * pitch).to(tl.float32)
+                tl.store(dst + (k + rs) * cols, (x * inverse).to(tl.float8e4nv))
+        else:
+            tl.store(dst + r * cols + c, (x * inverse).to(tl.float8e4nv), mask=mask)
+        tl.store(tl.load(row + 8).to(tl.pointer_type(tl.float32)) + local, scale)
 
     return cast_blocks
 
@@ -117,8 +117,7 @@ class BlockCast:
     """Every job quantized, one launch per source dtype on the current stream. The tensors are held, so the
     addresses in the tables stay theirs."""
 
-    def __init__(self, jobs: Sequence[CastJob], fp8: BlockFP8, num_warps: int = 2, per_sm: int = 0,
-                 rows_per_step: int = 64):
+    def __init__(self, jobs: Sequence[CastJob], fp8: BlockFP8, num_warps: int = 2, rows_per_step: int = 64):
         import triton.language as tl
 
         self.held = list(jobs)
@@ -126,9 +125,6 @@ class BlockCast:
         self.kernel = _compile()
         self.num_warps = num_warps
         self.step = min(rows_per_step, fp8.block[0])  # rows of a whole block a program reads at once
-        # per_sm > 0: that many programs per multiprocessor, each quantizing a block after another (else one per block)
-        self.programs = per_sm * torch.cuda.get_device_properties(jobs[0].source.device).multi_processor_count \
-            if per_sm and jobs else 0
         groups: dict[tuple[torch.dtype, bool], list[CastJob]] = {}
         for job in jobs:
             groups.setdefault((job.source.dtype, self._aligned(job)), []).append(job)
@@ -172,10 +168,9 @@ class BlockCast:
         br, bc = self.fp8.block
         for src, aligned, table, owners, firsts, blocks in self.launches:
             if blocks:
-                grid = min(blocks, self.programs) if self.programs else blocks
-                self.kernel[(grid,)](table, owners, firsts, blocks, grid, SRC=src, BR=br, BC=bc, PR=_pow2(br),
-                                     PC=_pow2(bc), UE8M0=self.fp8.scale_fmt == "ue8m0", MAX=FP8_MAX, FLOOR=MIN_AMAX,
-                                     ALIGNED=aligned, STEP=self.step, num_warps=self.num_warps)
+                self.kernel[(blocks,)](table, owners, firsts, SRC=src, BR=br, BC=bc, PR=_pow2(br),
+                                       PC=_pow2(bc), UE8M0=self.fp8.scale_fmt == "ue8m0", MAX=FP8_MAX, FLOOR=MIN_AMAX,
+                                       ALIGNED=aligned, STEP=self.step, num_warps=self.num_warps)
 
 
 def row_layout(t: Tensor) -> tuple[int, int, int, int] | None:
