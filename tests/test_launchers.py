@@ -92,6 +92,26 @@ def test_torchrun_trainer_updates_an_fp8_engine(tmp_path):
         assert torch.equal(torch.load(out / "logits1.pt"), ReferenceEngine(ref.url).logits(INPUT_IDS))
 
 
+def test_torchrun_trainer_sends_deltas(tmp_path):
+    """Delta updates from a torchrun job (TP 2, broadcast into an engine at TP 1), one WeightSync for both: the
+    first full, the second the words that changed, each checked by the engine's checksums; the engine's logits equal
+    HF's after each (the second: the checkpoint of the changed weights)."""
+    cfg = preset_config("tiny-qwen3")
+    src = save_random_checkpoint(cfg, tmp_path / "src", seed=37)
+    eng_dir = save_random_checkpoint(cfg, tmp_path / "eng", seed=38)
+    out = tmp_path / "out"
+    out.mkdir()
+    with engine(eng_dir, tp=1) as server:
+        _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+              SCRIPT, "--src", src, "--engine", server.url, "--transport", "broadcast", "--tp", "2", "--out", str(out),
+              "--delta"])
+    _check(src, out, "broadcast", torchrun=True)
+    first, second = (r["delta"] for r in json.loads((out / "reports.json").read_text()))
+    assert (first["full"], first["reason"], first["checked"]) == (True, "the first update", True), first
+    assert (second["full"], second["reason"], second["checked"]) == (False, "deltas against version step-0", True)
+    assert second["changed"] > 0
+
+
 def test_plain_single_process_trainer(tmp_path):
     cfg = preset_config("tiny-qwen3")
     src = save_random_checkpoint(cfg, tmp_path / "src", seed=33)

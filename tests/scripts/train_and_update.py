@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--out", required=True)
     ap.add_argument("--fp8-block", type=int, default=0, help="stream block FP8 with N x N blocks (0: unquantized)")
+    ap.add_argument("--delta", action="store_true", help="one WeightSync(delta=True) for every update")
     args = ap.parse_args()
 
     if "RANK" in os.environ:  # torchrun, srun wrappers, anything that exports the env:// variables
@@ -48,6 +49,8 @@ def main() -> None:
     with CheckpointReader(args.src) as reader:
         load_hf_weights(chunks, args.src, reader)
 
+    sync = ws.WeightSync([args.engine], transport=args.transport, timeout_s=60, bucket_bytes=100_000,
+                         delta=True) if args.delta else None
     reports = []
     for step in range(2):
         if step == 1:  # a training step's worth of change, the same on every rank
@@ -57,18 +60,26 @@ def main() -> None:
                     for _name, p in sorted(chunk.named_parameters()):
                         p.add_(torch.randn(p.shape, generator=gen) * 0.02)
             ws.save_hf_checkpoint(chunks, args.src, os.path.join(args.out, "step1"), quantize=quantize)
-        report = ws.update_weights(chunks, args.src, args.engine, transport=args.transport,
-                                   weight_version=f"step-{step}", timeout_s=60, bucket_bytes=100_000,
-                                   quantize=quantize)
+        if sync is not None:
+            report = sync.update(chunks, args.src, weight_version=f"step-{step}")
+        else:
+            report = ws.update_weights(chunks, args.src, args.engine, transport=args.transport,
+                                       weight_version=f"step-{step}", timeout_s=60, bucket_bytes=100_000,
+                                       quantize=quantize)
         if dist.get_rank() == 0:
             torch.save(ReferenceEngine(args.engine).logits(INPUT_IDS), os.path.join(args.out, f"logits{step}.pt"))
             reports.append({"transport": report.transport, "reason": report.reason, "tensors": report.tensors,
                             "ahead": report.metadata_ahead, "direct": report.direct,
                             "version": report.weight_version,
-                            "launcher_env": "TORCHELASTIC_USE_AGENT_STORE" in os.environ})
+                            "launcher_env": "TORCHELASTIC_USE_AGENT_STORE" in os.environ,
+                            "delta": None if report.delta is None else
+                            {"full": report.delta.full, "reason": report.delta.reason,
+                             "checked": report.delta.checked, "changed": report.delta.changed}})
     if dist.get_rank() == 0:
         with open(os.path.join(args.out, "reports.json"), "w") as f:
             json.dump(reports, f)
+    if sync is not None:
+        sync.close()
     dist.destroy_process_group()
 
 
