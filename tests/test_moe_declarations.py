@@ -3,6 +3,7 @@ ranks, and bucket plans over many small experts (no processes)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import pytest
@@ -250,3 +251,29 @@ def test_qwen3_30b_a3b_plan_packs_many_experts_per_bucket():
     assert min(counts[1:-2]) >= 160 and statistics.median(counts) >= 169
     expert_only = [bp for bp in plan if all(table[i].ep_owner is not None for i in bp.items)]
     assert len(expert_only) >= 60
+
+
+def test_qwen3_235b_a22b_shapes_and_plan():
+    """Qwen3-235B-A22B's real shapes (random weights for ``weightstream bench``; the byte counts of
+    tools/multinode_model.py): 36,945 HF tensors, 235.09 B parameters, 470.2 GB in bf16; 512 MiB buckets hold
+    every tensor but the embedding and lm_head (1.24 GB each, alone): 888 buckets. Block FP8 quantizes the
+    attention projections and the experts (36,472 tensors), not the routers."""
+    cfg = preset_config("qwen3-235b-a22b")
+    spec = model_spec(cfg)
+    assert (spec.num_experts, spec.moe_top_k, spec.moe_intermediate_size, spec.num_layers, spec.head_dim,
+            spec.norm_topk_prob, spec.qk_norm, spec.dense_layers) == (128, 8, 1536, 94, 128, True, True, frozenset())
+    shapes = expected_hf_shapes(cfg)
+    # Per layer: q/k/v/o, q/k norms, two layer norms, the router, 128 experts of three; then embedding, norm, lm_head.
+    assert len(shapes) == 94 * (4 + 2 + 2 + 1 + 3 * 128) + 3 == 36945
+    assert sum(math.prod(s) for s in shapes.values()) == 235_093_634_560
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (64 * 128, 4096)
+    assert shapes["model.layers.0.self_attn.k_proj.weight"] == (4 * 128, 4096)
+    assert shapes["model.layers.93.mlp.experts.127.gate_proj.weight"] == (1536, 4096)
+    assert shapes["model.layers.93.mlp.experts.127.down_proj.weight"] == (4096, 1536)
+    assert shapes["model.layers.0.mlp.gate.weight"] == (128, 4096)
+    assert shapes["lm_head.weight"] == shapes["model.embed_tokens.weight"] == (151936, 4096)
+    plan = plan_buckets([[math.prod(s) * 2] for s in shapes.values()], 512 << 20, ALIGN)
+    assert [(len(bp.items), bp.nbytes) for bp in plan if bp.nbytes > 512 << 20] == [(1, 151936 * 4096 * 2)] * 2
+    assert len(plan) == 888
+    conv = get_converter("qwen3_moe")
+    assert len([n for n in shapes if conv.quantizes(n)]) == 94 * (4 + 3 * 128)

@@ -105,6 +105,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True, mlp_only_layers=[],
         decoder_sparse_step=1,
     ),
+    # The shape of Qwen/Qwen3-235B-A22B: 94 layers of 128 experts (top-8) of width 1536, 64 query heads over 4
+    # key/value heads of 128; 36,945 HF tensors, 235.1 B parameters (470.2 GB in bf16).
+    "qwen3-235b-a22b": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
+        num_attention_heads=64, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
+        rope_theta=1000000.0, tie_word_embeddings=False, rms_norm_eps=1e-6, num_experts=128,
+        num_experts_per_tok=8, moe_intermediate_size=1536, norm_topk_prob=True, mlp_only_layers=[],
+        decoder_sparse_step=1,
+    ),
     # The shape of Qwen/Qwen3-8B (weights are random: nothing is downloaded).
     "qwen3-8b": dict(
         model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
