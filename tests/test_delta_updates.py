@@ -199,8 +199,8 @@ def _without_delta(server) -> None:
 
 
 def test_full_updates_where_deltas_cannot_go(engine_dir):
-    """An engine that does not declare ``delta``, and a transport other than broadcast, get full updates: the
-    report says why, nothing is encoded or checked, and the engine holds the trainer's tensors."""
+    """An engine that does not declare ``delta`` gets full updates: the report says why, nothing is encoded or
+    checked, and the engine holds the trainer's tensors."""
     trainer = Trainer(seed=3)
     with engine(engine_dir) as server:
         _without_delta(server)
@@ -209,18 +209,37 @@ def test_full_updates_where_deltas_cannot_go(engine_dir):
                 trainer.step()
                 d = _update(sync, trainer, f"v{step}").delta
                 assert (d.full, d.encoded, d.checked, d.wire_bytes) == (True, False, False, 0)
-                assert d.reason == f"engines ['{server.url}'] do not apply deltas (they do not declare 'delta')"
+                assert d.reason == (f"engines ['{server.url}'] do not apply deltas by broadcast "
+                                    "(they do not declare 'delta')")
                 assert_engine_holds(server, trainer)
         assert server.engine.delta_base is None
-    with engine(engine_dir) as server, \
-            WeightSync([server.url], transport="ipc", bucket_bytes=SMALL, delta=True) as sync:
-        for step in range(2):
+
+
+def test_delta_updates_over_ipc(engine_dir):
+    """Colocated (shared memory on the CPU): a delta-mode update goes ahead through buffers, not written into the
+    engine's weights (the engine keeps each bucket's bytes to apply the next delta to); each payload crosses as
+    the snapshot encodes it, and the engine holds the trainer's tensors bit for bit after every update, checked
+    by its checksums. Then the same engine updated by another trainer's plain update forces a full one."""
+    trainer = Trainer(seed=5)
+    with engine(engine_dir) as server:
+        with WeightSync([server.url], transport="ipc", bucket_bytes=SMALL, delta=True) as sync:
+            for step in range(5):
+                trainer.step()
+                report = sync.update(trainer.model, trainer.config, weight_version=f"w{step}")
+                d = report.delta
+                assert report.transport == "ipc" and not report.direct
+                assert (d.full, d.encoded, d.checked) == (step == 0, True, True), d.summary()
+                assert d.encodings.get("dense", 0) < report.buckets or step == 0
+                assert_engine_holds(server, trainer)
+            assert server.engine.delta_base == f"{server.engine.instance}/w4"
+            with WeightSync([server.url], transport="ipc", bucket_bytes=SMALL) as plain:
+                trainer.step()
+                assert plain.update(trainer.model, trainer.config, weight_version="other").delta is None
+            assert server.engine.delta_base is None
             trainer.step()
-            report = sync.update(trainer.model, trainer.config, weight_version=f"w{step}")
-            assert report.transport == "ipc" and (report.delta.full, report.delta.encoded) == (True, False)
-            assert report.delta.reason == "deltas travel by broadcast and P2P only so far (ipc chosen)"
+            d = sync.update(trainer.model, trainer.config, weight_version="w5").delta
+            assert d.full and d.checked and "restarted, rolled back or updated elsewhere" in d.reason
             assert_engine_holds(server, trainer)
-        assert server.engine.delta_base is None
 
 
 def test_two_engines_one_at_tp2(engine_dir):

@@ -34,6 +34,7 @@ from weightstream.wire.frames import (
     BucketLoaded,
     BucketSent,
     BuffersHeld,
+    DeltaRecord,
     Descriptors,
     Error,
     Export,
@@ -76,6 +77,8 @@ EXAMPLES: list[Frame] = [
     BucketSent(k=0, buffer=LentBuffer(4, fd_bytes=1 << 20), offset=0, nbytes=123456, keep=True, drop=(0,),
                checksum="abc123", events=("ZXYw",)),
     BucketSent(k=3, buffer=LentBuffer(1), offset=64, nbytes=1024, keep=False),
+    BucketSent(k=2, buffer=LentBuffer(5, fd_bytes=4096), offset=0, nbytes=300, keep=False,
+               delta=DeltaRecord(index=2, encoding="bitmap", word=2, total=2048, count=20, nbytes=168)),
     WritesDone(),
     Error(message="bucket 2 arrived corrupted", bucket=2),
     Error(message="the trainer refused a frame"),
@@ -103,7 +106,7 @@ def test_every_frame_kind_round_trips_through_json():
 def test_a_frame_on_the_wire_is_its_fields_with_the_version_and_kind():
     assert encode(BucketSent(k=1, buffer=LentBuffer(2), offset=8, nbytes=16, keep=True)) == {
         "v": PROTOCOL_VERSION, "kind": "bucket", "k": 1, "buffer": {"id": 2, "payload": None, "fd_bytes": None},
-        "offset": 8, "nbytes": 16, "keep": True, "drop": (), "checksum": None, "events": ()}
+        "offset": 8, "nbytes": 16, "keep": True, "drop": (), "checksum": None, "events": (), "delta": None}
 
 
 # -- malformed frames ----------------------------------------------------------------------------------
@@ -122,6 +125,13 @@ MALFORMED = {
                              ["unknown fields ['x'] in 'buffer'"]),
     "wrong version": ({**GOOD, "v": PROTOCOL_VERSION + 1}, "bucket",
                       [f"protocol version {PROTOCOL_VERSION + 1}: this end speaks version {PROTOCOL_VERSION}"]),
+    "bad delta": ({**GOOD, "delta": {"index": 1, "encoding": "zip", "word": 3, "total": 64, "count": 0,
+                                     "nbytes": 80}}, "bucket",
+                  ["'delta': delta encoding 'zip' is not one of dense, indices, bitmap",
+                   "'delta': delta word 3 must be 1, 2 or 4 and divide the bucket's 64 bytes"]),
+    "delta past the bytes sent": ({**GOOD, "delta": {"index": 1, "encoding": "indices", "word": 2, "total": 64,
+                                                     "count": 20, "nbytes": 120}}, "bucket",
+                                  ["the delta's 120 bytes exceed the 64 sent"]),
     "no version": ({k: v for k, v in GOOD.items() if k != "v"}, "bucket", ["protocol version None"]),
     "not an object": ([GOOD], None, ["a frame is a JSON object, got a list"]),
     "fields that disagree": (encode(Plan((BucketLayout(("a", "b"), ("float32",), ((1,), (2,)), (0, 4)),))), "plan",

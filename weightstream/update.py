@@ -369,7 +369,8 @@ class WeightSync:
     def _new_sink(self, kind: str, topology: Topology) -> Sink:
         if kind == "ipc":
             return IPCSink(self.engines[0], checksums=self.checksums, timeout_s=self.timeout_s,
-                           ahead=self.metadata_ahead, direct=self.direct)
+                           ahead=self.metadata_ahead, direct=self.direct,
+                           delta=self.delta.snapshot if self.delta else None)
         if kind == "p2p" and self._reshard:
             return ReshardSink(self.engines[0], topology, master_address=self.master_address,
                                master_port=self.master_port, backend=self.backend, timeout_s=self.timeout_s,

@@ -265,7 +265,8 @@ class IPCAheadEngine(EngineAdapter, Protocol):
     control channel per TP rank (:mod:`weightstream.wire`)."""
 
     def receive_ipc_ahead(self, plan: str, num_buckets: int, channels: Sequence[str], client: str,
-                          timeout_s: float) -> None: ...
+                          timeout_s: float, delta: bool = False) -> None:
+        """``delta``: every bucket comes as a delta payload (:class:`~weightstream.wire.frames.DeltaRecord`)."""
 
     def prepare_ipc_ahead(self, plan: str, num_buckets: int, channels: Sequence[str], client: str,
                           timeout_s: float) -> None: ...

@@ -90,16 +90,17 @@ class ReferenceEngine(SGLangEngine):
         }, step=f"update_weights_from_distributed_ahead ({len(buckets)} buckets)", timeout_s=timeout_s)
 
     def receive_ipc_ahead(self, plan: str, num_buckets: int, channels: Sequence[str], client: str,
-                          timeout_s: float) -> None:
+                          timeout_s: float, delta: bool = False) -> None:
         """A colocated update of ``num_buckets`` buckets laid out as ``plan`` (a digest of their metadata), and
         the control channel each engine TP rank connects to (``host:port``, the colocated trainer rank's);
         an engine rank that does not know the plan asks for its metadata there (:meth:`ipc_plan_frame`).
         The engine answers once every bucket is loaded, or once one failed. ``client`` names the trainer's
         buffers: the engine keeps those it was asked to keep mapped for the next update from the same
-        client. ``timeout_s``: the bound of each wait on the trainer."""
+        client. ``timeout_s``: the bound of each wait on the trainer. ``delta``: a delta-mode update (every
+        bucket a payload to apply to the bytes the engine holds of it, which it keeps for the next)."""
         self.post("/weightstream/update_weights_from_ipc_ahead", {
             "weight_version": self._version, "client": client, "channels": list(channels), "timeout_s": timeout_s,
-            "plan": plan, "num_buckets": num_buckets,
+            "plan": plan, "num_buckets": num_buckets, "weightstream_delta_mode": delta,
         }, step=f"update_weights_from_ipc_ahead ({num_buckets} buckets)", timeout_s=timeout_s * (num_buckets + 4))
 
     def prepare_ipc_ahead(self, plan: str, num_buckets: int, channels: Sequence[str], client: str,

@@ -127,6 +127,7 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "/weightstream/update_weights_from_ipc_ahead": {
         "plan": ((str,), True), "num_buckets": ((int,), True), "channels": ((list,), True),
         "client": ((str,), True), "timeout_s": (_NUMBER, False), "weight_version": (_OPT_STR, False),
+        "weightstream_delta_mode": ((bool,), False),
     },
     "/weightstream/release_ipc_buffers": {"client": ((str,), True)},
     "/update_weights_from_tensor": {
@@ -150,7 +151,8 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
 
 # Preparing a colocated update takes the update's fields, less the weight version (no update is open).
 SCHEMAS["/weightstream/prepare_ipc_ahead"] = {
-    k: v for k, v in SCHEMAS["/weightstream/update_weights_from_ipc_ahead"].items() if k != "weight_version"}
+    k: v for k, v in SCHEMAS["/weightstream/update_weights_from_ipc_ahead"].items()
+    if k not in ("weight_version", "weightstream_delta_mode")}
 
 
 # Bounds on fields of any route, checked once the field has its type: durations (finite seconds, so that
@@ -816,7 +818,8 @@ class EngineServer(ThreadingHTTPServer):
         the first step on, the weights are not served until the session ends (:meth:`Engine.check_settled`)."""
         self.engine.session_touched = True
         ranks = b.get("ranks") if isinstance(b.get("ranks"), list) else []
-        if b.get("weightstream_delta") is None and not any(isinstance(r, dict) and r.get("delta") for r in ranks):
+        if b.get("weightstream_delta") is None and b.get("weightstream_delta_mode") is not True \
+                and not any(isinstance(r, dict) and r.get("delta") for r in ranks):
             self.engine.session_plain = True
         else:
             self.engine.session_delta = True
@@ -868,6 +871,8 @@ class EngineServer(ThreadingHTTPServer):
     def update_ipc_ahead(self, b):
         self._in_session("update_weights_from_ipc_ahead")
         timeout_s, per_rank = self._ipc_ranks(b)
+        for r in per_rank:
+            r["delta"] = b.get("weightstream_delta_mode") is True
         # The workers answer once the last bucket is loaded: each frame waits at most timeout_s.
         bound = timeout_s * (b["num_buckets"] + 3)
         return self._guarded(lambda: self.engine.call("update_ipc_ahead", per_rank=per_rank, wait_s=bound), b)

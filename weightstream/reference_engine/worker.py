@@ -22,7 +22,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for
 from types import SimpleNamespace
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -43,13 +43,14 @@ from weightstream.streaming.bucket import (
     view_tensor,
 )
 from weightstream.streaming.copies import batched_copy, warm_kernel
-from weightstream.streaming.delta import DeltaHeader, apply
+from weightstream.streaming.delta import DeltaHeader, Encoding, apply
 from weightstream.wire.channel import Channel, ChannelError, fd_peer
 from weightstream.wire.frames import (
     BucketLayout,
     BucketLoaded,
     BucketSent,
     BuffersHeld,
+    DeltaRecord,
     Error,
     Export,
     ExportedWeights,
@@ -158,6 +159,11 @@ def dense_layout(names, dtypes, shapes) -> list[TensorMeta]:
 def _delta_header(delta: dict) -> DeltaHeader:
     """A delta bucket's header as the server passes it on (checked there: ``schema.delta_problems``)."""
     return DeltaHeader(delta["encoding"], delta["word"], delta["total"], delta["count"], delta["nbytes"])
+
+
+def _record_header(record: DeltaRecord) -> DeltaHeader:
+    """A delta bucket's header as a control frame carries it (its encoding checked as the frame was read)."""
+    return DeltaHeader(cast(Encoding, record.encoding), record.word, record.total, record.count, record.nbytes)
 
 
 def _metas(layout: BucketLayout) -> list[TensorMeta]:
@@ -431,22 +437,23 @@ class Worker:
         bucket = Bucket(self.bucket_count, raw.narrow(0, 0, program.total), tuple(program.metas))
         return self._apply(bucket, expected_checksum)
 
-    def update_ipc_ahead(self, plan, num_buckets, channel, client, timeout_s):
+    def update_ipc_ahead(self, plan, num_buckets, channel, client, timeout_s, delta=False):
         """Every bucket of a colocated update, announced ahead; per bucket the trainer sends one small frame
         on the control ``channel`` naming the buffer (a handle is opened once per kept buffer) and, on a GPU,
         this worker's stream waits for the trainer's event instead of either side synchronising. The reply
         frame goes once the copies are queued; the trainer waits on our event before reusing the buffer.
         The first failure is answered on the channel and raised (nothing after it is loaded). Where every
         tensor of the plan is one whole weight of ours, the trainer may write into our weights instead
-        (:meth:`_offer_writes`, :meth:`_take_writes`): no bucket frames then."""
+        (:meth:`_offer_writes`, :meth:`_take_writes`): no bucket frames then. ``delta``: a delta-mode update,
+        every bucket a payload applied to the bytes we hold of it (kept for the next; no writes offered)."""
         chan, programs = self._ipc_connect(plan, num_buckets, channel, client, timeout_s)
         with self._leased(chan):
-            offer = self._offer_writes(chan, plan, programs, timeout_s)
+            offer = self._offer_writes(chan, plan, programs, timeout_s, not delta)
             if offer is not None:
                 return self._take_writes(chan, *offer, timeout_s * (num_buckets + 1))
-            return self._take_buckets(chan, programs, timeout_s)
+            return self._take_buckets(chan, programs, timeout_s, delta)
 
-    def _take_buckets(self, chan: Channel, programs: list, timeout_s: float) -> dict:
+    def _take_buckets(self, chan: Channel, programs: list, timeout_s: float, delta: bool = False) -> dict:
         """One :class:`BucketSent` frame per bucket, each loaded and answered (:class:`BucketLoaded`)."""
         loaded: list[str] = []
         events = None
@@ -455,36 +462,55 @@ class Worker:
             with _closing(fds), _failures_answered(chan, k):
                 if self.device.type == "cuda" and frame.events:
                     events = self._open_events(frame.events)
-                loaded += self._load_sent(k, program, frame, fds, events)
+                loaded += self._load_sent(k, program, frame, fds, events, delta)
             chan.send(BucketLoaded(k))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return {"loaded": loaded}
 
-    def _load_sent(self, k: int, program, frame: BucketSent, fds: list[int], events: list | None) -> list[str]:
+    def _load_sent(self, k: int, program, frame: BucketSent, fds: list[int], events: list | None,
+                   delta: bool = False) -> list[str]:
         """Bucket ``k`` out of the buffer ``frame`` names (opened if it comes with the frame); on a GPU (where
         ``events`` are the trainer's) after the trainer's event for it, recording ours once the copies are
-        queued."""
+        queued. ``delta``: the buffer holds a delta payload (:meth:`_load_delta_sent`)."""
         cuda = self.device.type == "cuda"
         if frame.k != k:
             raise RuntimeError(f"expected bucket {k}, the trainer sent bucket {frame.k}")
+        if delta != (frame.delta is not None):
+            raise RuntimeError(f"bucket {k} came {'without' if delta else 'with'} a delta header in an update "
+                               f"{'' if delta else 'not '}opened as delta-mode")
         if frame.drop:
             self._close_ipc_buffers(list(frame.drop))
         whole = self._buffer_of(frame.buffer, frame.keep, fds)
-        if program.total > frame.nbytes:
+        if frame.delta is None and program.total > frame.nbytes:
             raise RuntimeError(f"bucket {k} needs {program.total} bytes, the trainer sent {frame.nbytes}")
         view = whole.narrow(0, frame.offset, frame.nbytes)
         if cuda and events is None:
             raise RuntimeError("the trainer sent no CUDA events")
         if events is not None:
             torch.cuda.current_stream(self.device).wait_event(events[k % 2])
-        loaded = self._load_dense(program, view, frame.checksum, kept=frame.keep)["loaded"]
+        if frame.delta is not None:
+            loaded = self._load_delta_sent(program, view, frame.delta, frame.checksum)
+        else:
+            loaded = self._load_dense(program, view, frame.checksum, kept=frame.keep)["loaded"]
         if events is not None:
             events[2 + k % 2].record(torch.cuda.current_stream(self.device))
             if not frame.keep:
                 # A buffer used once is closed as it is dropped (on return): the copies out of it finish first.
                 torch.cuda.current_stream(self.device).synchronize()
         return loaded
+
+    def _load_delta_sent(self, program, view: torch.Tensor, record: DeltaRecord, expected_checksum) -> list[str]:
+        """A delta-mode bucket out of the trainer's buffer ``view``: its new bytes (:meth:`_delta_bytes`; a dense
+        one copied into a buffer of ours first, as those are kept for the next delta), loaded."""
+        header = _record_header(record)
+        received = view
+        if header.encoding == "dense":
+            received = typed_buffer(header.nbytes, self.device)
+            received.narrow(0, 0, header.nbytes).copy_(view.narrow(0, 0, header.nbytes))
+        raw = self._delta_bytes(record.index, tuple(program.metas), program.total, header, received,
+                                expected_checksum)
+        return self._load_dense(program, raw, None)["loaded"]
 
     def _buffer_of(self, named: LentBuffer, keep: bool, fds: list[int]) -> torch.Tensor:
         """The whole buffer a frame names: lent with the frame (kept mapped if ``keep``), or one we hold."""
@@ -591,13 +617,14 @@ class Worker:
         self._close_ipc_buffers(None)
         self.ipc_client = None
 
-    def _offer_writes(self, chan, plan, programs, timeout_s) -> tuple[SimpleNamespace, OfferAnswer] | None:
+    def _offer_writes(self, chan, plan, programs, timeout_s, offer: bool = True,
+                      ) -> tuple[SimpleNamespace, OfferAnswer] | None:
         """Offer the trainer to write the plan's tensors straight into our weights, where every tensor of it is
         one whole weight of ours (loaded by a plain copy): :class:`Offer`. Its :class:`OfferAnswer` says
         whether it will, and which export of ours it holds (``have``); where it will, the :class:`Export`
         follows: its id, and unless the trainer holds it, our weights' storages and each tensor's place in
-        them. Returns the export and the answer where it will, else None."""
-        can = self._can_take_writes(programs)
+        them. Returns the export and the answer where it will, else None. ``offer`` False: none is made."""
+        can = offer and self._can_take_writes(programs)
         chan.send(Offer(can))
         answer = _receive_one(chan, OfferAnswer, timeout_s, "the trainer's answer to the offer of direct writes")
         if not answer.direct:

@@ -1,10 +1,10 @@
 """The trainer's side of delta updates: when an update may send deltas and when it must be full, and the check
-after it. Runs on the rank that sends the buckets (the broadcast's sender), which holds the
-:class:`~weightstream.streaming.delta.Snapshot` the broadcast sink encodes against.
+after it. Runs on trainer rank 0, which holds the :class:`~weightstream.streaming.delta.Snapshot` its sink
+encodes against (the broadcast's sender; in P2P and IPC every sending rank holds its own).
 
 An update is full (every bucket dense, the snapshot made anew) where it is the first, where it was forced (the
-last update failed, or its check found a mismatch), where the transport is IPC (deltas travel by broadcast and
-P2P), where an engine does not declare ``delta``, where the engines released their weights,
+last update failed, or its check found a mismatch), where an engine does not declare ``delta`` (over IPC: or
+``ipc_ahead``), where the engines released their weights,
 where the bucket plan changed, where an engine holds other bytes than this trainer last committed (restarted,
 rolled back, or updated by someone else: its ``delta_base`` differs), and every ``full_every``-th update. Every
 delta-mode update, full or not, is checked: each engine rank reports the checksum of each bucket's bytes it
@@ -16,10 +16,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from weightstream.engines.base import DELTA, DeltaChecks, DeltaEngine, EngineAdapter, implementing
+from weightstream.engines.base import DELTA, IPC_AHEAD, DeltaChecks, DeltaEngine, EngineAdapter, implementing
 from weightstream.streaming.delta import Snapshot
 
-DELTA_TRANSPORTS = ("broadcast", "p2p")
+DELTA_TRANSPORTS = ("broadcast", "p2p", "ipc")
+
+
+def _needs(transport: str) -> tuple[str, ...]:
+    """What an engine must declare to take deltas by ``transport`` (over IPC they go ahead, through buffers)."""
+    return (DELTA, IPC_AHEAD) if transport == "ipc" else (DELTA,)
 
 
 @dataclass
@@ -73,10 +78,12 @@ class DeltaTracker:
         if self.forced is not None:
             return self.forced
         if transport not in DELTA_TRANSPORTS:
-            return f"deltas travel by broadcast and P2P only so far ({transport} chosen)"
-        unable = [e.url for e in engines if not e.info().can(DELTA)]
+            return f"deltas travel by broadcast, P2P and IPC ({transport} chosen)"
+        needs = _needs(transport)
+        unable = [e.url for e in engines if not all(e.info().can(c) for c in needs)]
         if unable:
-            return f"engines {unable} do not apply deltas (they do not declare {DELTA!r})"
+            return (f"engines {unable} do not apply deltas by {transport} (they do not declare "
+                    f"{' and '.join(map(repr, needs))})")
         if not self.snapshot.held:
             return "the first update"
         if weights_released:
@@ -96,7 +103,7 @@ class DeltaTracker:
               weights_released: bool = False) -> DeltaReport:
         """Decide this update (full or deltas) and ready the snapshot for it."""
         why = self._full_because(engines, transport, plan, weights_released)
-        encoded = transport in DELTA_TRANSPORTS and all(e.info().can(DELTA) for e in engines)
+        encoded = transport in DELTA_TRANSPORTS and all(e.info().can(c) for e in engines for c in _needs(transport))
         self.forced = None
         self.snapshot.begin(full=why is not None, active=encoded)
         self.plan = plan

@@ -49,11 +49,13 @@ from weightstream.errors import UpdateError
 from weightstream.models.spec import dtype_from_name
 from weightstream.sinks.base import Delivery
 from weightstream.streaming.bucket import Bucket
+from weightstream.streaming.delta import Snapshot
 from weightstream.wire.channel import Channel, ChannelError, Listener
 from weightstream.wire.frames import (
     BucketLoaded,
     BucketSent,
     BuffersHeld,
+    DeltaRecord,
     Error,
     Export,
     ExportedWeights,
@@ -87,8 +89,12 @@ class IPCSink:
     name = "ipc"
 
     def __init__(self, engine: EngineAdapter, *, checksums: bool = False, timeout_s: float = 60.0,
-                 ahead: bool = True, direct: bool = True):
+                 ahead: bool = True, direct: bool = True, delta: Snapshot | None = None):
+        """``delta``: this rank's snapshot of the bytes its engine rank holds; in a delta update (the snapshot
+        active) each bucket goes through a buffer as the snapshot encodes it (no direct writes: the engine
+        keeps every bucket's bytes to apply the next delta to), ahead only."""
         self.engine = implementing(engine, IPC, IPCEngine)
+        self.delta = delta
         self.ahead = ahead  # use the engine's ipc_ahead where it has it
         self.direct = direct  # write into the engine's weights where it offers them (ahead only)
         self.checksums = checksums
@@ -187,6 +193,10 @@ class IPCSink:
             raise ValueError(f"engine TP {self.engine_tp} needs as many colocated trainer ranks; "
                              f"the job has {self.world}")
         self.ahead_used = self.ahead and channel and len(stream) > 0
+        if self._delta_active() and not self.ahead_used and len(stream) > 0:
+            raise ValueError(f"a delta update over IPC goes ahead: the engine at {self.engine.url} must declare "
+                             f"ipc_ahead{'' if channel else ' (it does not)'} and the sync send the metadata "
+                             f"ahead{'' if self.ahead else ' (metadata_ahead=False)'}")
         self._announces = bool(channel) and not self.ahead_used and stream.device.type == "cpu" and len(stream) > 0
         self._engine_holds = self._engine_holds or self.ahead_used or self._announces
 
@@ -204,9 +214,12 @@ class IPCSink:
             self._pool = self._pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="ws-ipc")
             channels = everyone[: self.engine_tp]
             engine = self._ahead_engine()
-            post = engine.prepare_ipc_ahead if prepare else engine.receive_ipc_ahead
-            self._ahead = self._pool.submit(post, stream.metadata_digest(), len(stream), channels, self._client,
-                                            self.timeout_s)
+            if prepare:
+                self._ahead = self._pool.submit(engine.prepare_ipc_ahead, stream.metadata_digest(), len(stream),
+                                                channels, self._client, self.timeout_s)
+            else:
+                self._ahead = self._pool.submit(engine.receive_ipc_ahead, stream.metadata_digest(), len(stream),
+                                                channels, self._client, self.timeout_s, self._delta_active())
         if listener is None:
             return
         channel = self._channel = listener.accept(self.timeout_s, abandon=self._engine_gave_up)
@@ -227,7 +240,8 @@ class IPCSink:
         answers with its export's id, and with the export itself unless that is the one held (mapped here
         then), and the stream writes into it. On the CPU the export's storages come as descriptors."""
         offer = self._receive(Offer, "connect", "the engine's offer of direct writes")
-        use = offer.direct and direct and self.direct and not self.checksums and stream.can_write_into()
+        use = (offer.direct and direct and self.direct and not self.checksums and not self._delta_active()
+               and stream.can_write_into())
         events = self._event_handles() if use and self._events is not None else ()
         self._control().send(OfferAnswer(direct=use, have=self._targets_id, events=events))
         if not use:
@@ -280,9 +294,14 @@ class IPCSink:
             return
         k = self._sent
         self._sent += 1
-        buffer = bucket.buffer
+        buffer, record, keep = bucket.buffer, None, bucket.kept
+        if self._delta_active():
+            header, buffer = self._snapshot().encode(bucket.index, bucket.buffer, bucket.word)
+            record = DeltaRecord(bucket.index, header.encoding, header.word, header.total, header.count,
+                                 header.nbytes)
+            keep = keep and header.encoding == "dense"  # else the payload is a tensor of this bucket's own
         self._device = buffer.device
-        named = self._name_buffer(buffer.untyped_storage(), buffer.device, keep=bucket.kept)
+        named = self._name_buffer(buffer.untyped_storage(), buffer.device, keep=keep)
         digest = checksum(buffer) if self.checksums else None
         events: tuple[str, ...] = ()
         if buffer.is_cuda:
@@ -290,7 +309,7 @@ class IPCSink:
                 events = self._event_handles()
             self._cuda_events()[k % 2].record(torch.cuda.current_stream(buffer.device))
         frame = BucketSent(k=k, buffer=named.buffer, offset=int(buffer.storage_offset()), nbytes=buffer.numel(),
-                           keep=bucket.kept, drop=named.drop, checksum=digest, events=events)
+                           keep=keep, drop=named.drop, checksum=digest, events=events, delta=record)
         self._control().send(frame, named.fds)
         self._outstanding.append((k, named.hold))
         while len(self._outstanding) > 1:  # bucket k - 1's buffer is packed again next
@@ -395,6 +414,15 @@ class IPCSink:
         return next(iter(self._targets.values())).device
 
     # -- what only some states have, checked ------------------------------------------------------
+
+    def _delta_active(self) -> bool:
+        """This update's buckets go through the delta snapshot (a delta-mode update, full or not)."""
+        return self.delta is not None and self.delta.active
+
+    def _snapshot(self) -> Snapshot:
+        if self.delta is None:
+            raise RuntimeError("IPCSink: a delta-mode bucket, but this sink was made without a snapshot")
+        return self.delta
 
     def _control(self) -> Channel:
         """This update's control channel: opened by :meth:`_open_ahead` on a rank that sends, until the update

@@ -20,7 +20,7 @@ from typing import Annotated, Any, ClassVar, TypeVar, Union, get_args, get_origi
 
 from weightstream.errors import WeightstreamError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: BucketSent.delta
 
 _ENVELOPE = ("v", "kind")
 _SHOWN = 3  # problems shown per list field (then how many more)
@@ -133,6 +133,30 @@ class ExportedWeights(_Checked):
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class DeltaRecord(_Checked):
+    """How a bucket of a delta-mode update is encoded (:class:`~weightstream.streaming.delta.DeltaHeader`):
+    bucket ``index`` of the plan, ``total`` bytes compared in words of ``word`` bytes, of which ``count``
+    changed, sent in ``nbytes`` bytes as ``encoding`` (``dense``, ``indices`` or ``bitmap``)."""
+
+    index: Natural
+    encoding: str
+    word: Natural
+    total: Natural
+    count: Natural
+    nbytes: Natural
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.encoding not in ("dense", "indices", "bitmap"):
+            out.append(f"delta encoding {self.encoding[:40]!r} is not one of dense, indices, bitmap")
+        if self.word not in (1, 2, 4) or self.total % max(self.word, 1):
+            out.append(f"delta word {self.word} must be 1, 2 or 4 and divide the bucket's {self.total} bytes")
+        elif self.count > self.total // self.word:
+            out.append(f"delta count {self.count} exceeds the bucket's {self.total // self.word} words")
+        return out
+
+
 # -- the engine's frames --------------------------------------------------------------------------------
 
 
@@ -238,8 +262,10 @@ class KeptBuffers(Frame):
 class BucketSent(Frame):
     """Bucket ``k`` lies in ``buffer``, ``nbytes`` from byte ``offset``. ``keep``: the engine keeps that buffer
     mapped (named by its id from then on); ``drop``: kept buffers it may close; ``checksum``: the bucket's
-    digest where the trainer asks for it to be checked; ``events`` (bucket 0 on a GPU): the trainer's four
-    interprocess CUDA events."""
+    digest where the trainer asks for it to be checked (of the payload, in a delta-mode update); ``events``
+    (bucket 0 on a GPU): the trainer's four interprocess CUDA events. ``delta`` (every bucket of a delta-mode
+    update): the buffer holds the bucket's payload, encoded as it says, to apply to the bytes the engine
+    holds of that bucket."""
 
     kind: ClassVar[str] = "bucket"
     k: Natural
@@ -250,6 +276,12 @@ class BucketSent(Frame):
     drop: tuple[Natural, ...] = ()
     checksum: str | None = None
     events: tuple[str, ...] = ()
+    delta: DeltaRecord | None = None
+
+    def problems(self) -> list[str]:
+        if self.delta is not None and self.delta.nbytes > self.nbytes:
+            return [f"the delta's {self.delta.nbytes} bytes exceed the {self.nbytes} sent"]
+        return []
 
 
 @dataclass(frozen=True, slots=True)
