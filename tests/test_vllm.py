@@ -1,9 +1,11 @@
 """A real vLLM server (CPU) updated by a real Megatron trainer through the ``weightstream`` weight-transfer
-backend. Needs a python with vLLM and weightstream's ``vllm.general_plugins`` entry point: set
-``WEIGHTSTREAM_VLLM_PYTHON`` to it (skipped otherwise; ``WEIGHTSTREAM_REQUIRE_VLLM=1`` makes that a failure)."""
+backend, and by a transformers trainer with delta updates its workers apply. Needs a python with vLLM and
+weightstream's ``vllm.general_plugins`` entry point: set ``WEIGHTSTREAM_VLLM_PYTHON`` to it (skipped otherwise;
+``WEIGHTSTREAM_REQUIRE_VLLM=1`` makes that a failure). The unit tests at the end need no vLLM."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -14,8 +16,12 @@ import urllib.request
 import pytest
 import torch
 
+from weightstream.engines.base import BROADCAST, DELTA, DeltaChecks
+from weightstream.engines.vllm import WORKER_EXTENSION, VLLMEngine, WorkerDelta, engine_delta, worker_deltas
+from weightstream.integrations.vllm_backend import HeldBuckets, WeightstreamUpdateInfo
 from weightstream.jobs import Layout
 from weightstream.launch import free_port, launch
+from weightstream.streaming.delta import Snapshot
 
 VLLM_PYTHON = os.environ.get("WEIGHTSTREAM_VLLM_PYTHON", "")
 PROMPTS = [[3, 14, 159, 265, 358, 979, 323, 846], [999, 0, 1, 2, 500, 501, 77, 88, 99, 111]]
@@ -65,7 +71,8 @@ class VLLMServer:
         self.proc = subprocess.Popen(
             [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
              "--port", str(self.port), "--skip-tokenizer-init", "--enforce-eager", "--max-model-len", "256",
-             "--dtype", "float32", "--weight-transfer-config", json.dumps({"backend": "weightstream"})],
+             "--dtype", "float32", "--weight-transfer-config", json.dumps({"backend": "weightstream"}),
+             "--worker-extension-cls", WORKER_EXTENSION],
             stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.ready_s = None
 
@@ -109,7 +116,11 @@ class VLLMServer:
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return greedy_of(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), prompts, max_tokens)
+
+
+def greedy_of(model, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    """HF's greedy token ids after each prompt."""
     out = []
     with torch.no_grad():
         for prompt in prompts:
@@ -136,7 +147,6 @@ def vllm_update(src: str, layout: Layout, url: str, version: str) -> dict:
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3-moe", "tiny-llama"])
 def test_vllm_update_from_megatron(preset, tmp_path):
-    from weightstream.engines.vllm import VLLMEngine
     from weightstream.models.presets import save_random_checkpoint
 
     python = _vllm_python()
@@ -168,3 +178,194 @@ def test_vllm_update_from_megatron(preset, tmp_path):
         assert after == expected, server.tail()
     finally:
         server.stop()
+
+
+# -- delta updates ---------------------------------------------------------------------------------------
+
+SMALL = 120_000  # bytes per bucket: the tiny model travels in several buckets
+
+
+class DeltaTrainer:
+    """Adam on fp32 master weights; ``model`` holds them in bf16, as a trainer streams them (as in
+    ``tests/test_delta_updates.py``): at a small learning rate few bf16 words change per step."""
+
+    def __init__(self, config, seed: int, lr: float = 1e-5):
+        from weightstream.models.presets import random_hf_model
+
+        self.config = config
+        self.master = random_hf_model(config, seed=seed)
+        self.model = copy.deepcopy(self.master).to(torch.bfloat16)
+        self.opt = torch.optim.Adam(self.master.parameters(), lr=lr)
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def step(self) -> None:
+        ids = torch.randint(0, self.config.vocab_size, (2, 16), generator=self.gen)
+        self.master(ids, labels=ids).loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        with torch.no_grad():
+            for kept, master in zip(self.model.parameters(), self.master.parameters(), strict=True):
+                kept.copy_(master)
+
+    def greedy(self) -> list[list[int]]:
+        """HF's greedy tokens with the trainer's bf16 weights (in fp32, as the vLLM under test serves them)."""
+        return greedy_of(copy.deepcopy(self.model).float().eval(), PROMPTS)
+
+
+def _update(sync, trainer: DeltaTrainer, engine: VLLMEngine, version: str):
+    """One update of ``sync``; vLLM then serves ``version`` and answers HF's greedy tokens with the trainer's
+    weights."""
+    report = sync.update(trainer.model, trainer.config, weight_version=version)
+    print(f"{version}: {report.summary()}; encodings {report.delta.encodings}")
+    assert report.transport == "broadcast" and report.weight_version == version, report.summary()
+    assert engine.weight_version() == version
+    assert [engine.greedy(p, MAX_TOKENS) for p in PROMPTS] == trainer.greedy(), report.summary()
+    return report
+
+
+def _vllm_weight_checksums(engine: VLLMEngine) -> dict[str, str]:
+    """vLLM's own sha256 of each of its parameters (``/weight_checker``)."""
+    return engine.post("/weight_checker", {"action": "checksum"}, step="weight_checker")["checksums"]
+
+
+def test_vllm_delta_updates(tmp_path):
+    """A transformers trainer (Adam, bf16 weights) into a real vLLM whose workers apply the deltas: a first full
+    update, then deltas checked by the workers' checksums, vLLM's greedy tokens HF's after each, and its
+    parameters bit for bit those a full update of the same weights leaves. A plain update in between leaves the
+    workers no base (the next update is full, saying why); another trainer's update under the same version name
+    leaves them other bytes, which the check catches (the update goes again in full)."""
+    import weightstream as ws
+    from weightstream.models.presets import save_random_checkpoint
+
+    python = _vllm_python()
+    cfg = _config("tiny-qwen3")
+    server = VLLMServer(python, save_random_checkpoint(cfg, tmp_path / "engine", seed=1), str(tmp_path / "vllm.log"))
+    try:
+        server.wait_healthy()
+        print(f"\nvLLM healthy after {server.ready_s:.1f} s")
+        engine = VLLMEngine(server.url, timeout_s=120)
+        assert {BROADCAST, DELTA} <= engine.info().capabilities
+        trainer = DeltaTrainer(cfg, seed=2)
+        with ws.WeightSync([server.url], transport="broadcast", delta=True, bucket_bytes=SMALL,
+                           timeout_s=120) as sync:
+            first = _update(sync, trainer, engine, "v0").delta
+            assert (first.full, first.reason, first.checked) == (True, "the first update", True)
+            for step in range(1, 4):
+                trainer.step()
+                report = _update(sync, trainer, engine, f"v{step}")
+                d = report.delta
+                assert (d.full, d.checked, d.mismatch) == (False, True, None), report.summary()
+                assert d.reason == f"deltas against version v{step - 1}"
+                assert set(d.encodings) - {"dense"} and 0 < d.changed < d.words, d.encodings
+                assert 0 < d.wire_bytes < report.bytes / 2, report.summary()
+            base = engine.delta_base()
+            assert base is not None and base.endswith("/v3")
+            sync.close()
+
+            # The same weights in full by a plain update: vLLM's parameters are the ones the deltas left.
+            applied = _vllm_weight_checksums(engine)
+            ws.update_weights(trainer.model, cfg, server.url, transport="broadcast", bucket_bytes=SMALL,
+                              weight_version="v3-plain", timeout_s=120)
+            assert _vllm_weight_checksums(engine) == applied
+            assert engine.delta_base() is None  # its buckets were not kept
+
+            trainer.step()
+            d = _update(sync, trainer, engine, "v4").delta
+            assert (d.full, d.checked) == (True, True)
+            assert d.reason == (f"engine {server.url} holds nothing to apply deltas to, not what this trainer "
+                                f"committed ({base}): restarted, rolled back or updated elsewhere")
+            sync.close()
+
+            # Another trainer commits its weights under the name this one committed last: the workers' base
+            # names what this trainer expects, their bytes are the other's.
+            other = DeltaTrainer(cfg, seed=3)
+            with ws.WeightSync([server.url], transport="broadcast", delta=True, bucket_bytes=SMALL,
+                               timeout_s=120) as sync2:
+                assert sync2.update(other.model, cfg, weight_version="v4").delta.full
+            trainer.step()
+            d = _update(sync, trainer, engine, "v5").delta
+            assert d.mismatch is not None and d.mismatch.startswith(
+                f"engine {server.url}: the bytes it applied of buckets [0, 1, "), d.mismatch
+            assert (d.full, d.checked) == (True, True) and d.reason.startswith("the check of the last attempt found")
+
+            trainer.step()
+            d = _update(sync, trainer, engine, "v6").delta
+            assert (d.full, d.checked, d.reason) == (False, True, "deltas against version v5")
+    finally:
+        server.stop()
+
+
+@pytest.mark.unit
+def test_vllm_declares_delta_only_with_the_worker_extension():
+    from weightstream.engines.vllm import BACKEND
+    from weightstream.integrations import vllm_backend
+
+    assert (BACKEND, WORKER_EXTENSION) == (vllm_backend.BACKEND_NAME, vllm_backend.WORKER_EXTENSION)
+    engine = VLLMEngine("http://127.0.0.1:9")
+    ours = {"weight_transfer_backend": "weightstream", "worker_extension": WORKER_EXTENSION}
+    assert engine.capabilities(ours) == {BROADCAST, DELTA}
+    assert engine.capabilities({**ours, "worker_extension": None}) == {BROADCAST}
+    assert engine.capabilities({**ours, "weight_transfer_backend": "nccl"}) == {BROADCAST}
+    assert engine.capabilities({**ours, "pp_size": 2}) == frozenset()
+
+
+@pytest.mark.unit
+def test_engine_delta_from_its_workers():
+    one = {"instance": "a1", "version": "v3", "held_bytes": 8, "buckets": {"0": "x", "1": "y"}}
+    two = {"instance": "b2", "version": "v3", "held_bytes": 8, "buckets": {"0": "x"}}
+    assert engine_delta(worker_deltas({"results": [one, two]})) == DeltaChecks(
+        "a1+b2", "a1+b2/v3", {0: ("x", "x"), 1: ("y", "")})
+    # a worker without the version (restarted, aborted): no base
+    assert engine_delta([WorkerDelta("a1", "v3", {}), WorkerDelta("b2", None, {})]).base is None
+    with pytest.raises(ValueError, match=r"worker 0: .*; worker 1: 7"):
+        worker_deltas({"results": [{"instance": 1, "version": None, "buckets": {}}, 7]})
+
+
+@pytest.mark.unit
+def test_vllm_update_info_lists_every_problem():
+    with pytest.raises(ValueError) as err:
+        WeightstreamUpdateInfo(names=["a", "b"], dtype_names=["bfloat16", "f16"], shapes=[[4], [-1]],
+                               weightstream_delta={"encoding": "zip", "word": 2, "total": 8, "count": 1, "nbytes": 2})
+    assert str(err.value) == (
+        "bad update_info: unknown dtype_names ['f16']; shapes must be lists of non-negative integers; "
+        "weightstream_delta.index must be a non-negative integer; weightstream_delta.encoding must be one of "
+        "['dense', 'indices', 'bitmap'], got 'zip'")
+    with pytest.raises(ValueError) as err:
+        WeightstreamUpdateInfo(names=["a"], dtype_names=["bfloat16"], shapes=[[4]], weightstream_delta={
+            "encoding": "indices", "word": 2, "total": 16, "count": 1, "nbytes": 2, "index": 0})
+    assert str(err.value) == ("bad update_info: weightstream_delta.total 16 is not the bucket's 8 bytes; "
+                              "weightstream_delta.nbytes 2 is not the 6 bytes of indices for 1 changed words")
+
+
+@pytest.mark.unit
+def test_held_buckets_apply_deltas_and_keep_a_base_only_once_committed():
+    """What a vLLM worker keeps: the sender's payloads applied give the sender's bytes (and checksums); only a
+    committed session of delta buckets leaves a version; an uncommitted one leaves none and its bytes are dropped
+    when the next session opens; a plain bucket drops them at once."""
+    gen = torch.Generator().manual_seed(0)
+    layout = (("w",), ("bfloat16",), ((4096,),))
+    bucket = torch.randn(4096, generator=gen).to(torch.bfloat16)
+    snapshot, held = Snapshot("host"), HeldBuckets()
+
+    def send(full: bool) -> torch.Tensor:
+        snapshot.begin(full=full)
+        header, payload = snapshot.encode(0, bucket.view(torch.uint8), 2)
+        return held.new_bytes(0, layout, header, payload.clone())
+
+    held.begin()
+    assert torch.equal(send(full=True), bucket.view(torch.uint8)) and held.version is None
+    held.commit("v0")
+    assert (held.version, held.digests) == ("v0", snapshot.digests)
+    held.begin()
+    bucket[::50] += 1
+    assert torch.equal(send(full=False), bucket.view(torch.uint8)) and snapshot.headers[0].encoding == "indices"
+    assert held.version is None and held.digests == snapshot.digests
+    held.begin()  # the session was not committed (aborted): its bytes are dropped, a full update must come
+    assert held.held == {} and held.state()["held_bytes"] == 0
+    with pytest.raises(ValueError, match="holds no bytes of that bucket"):
+        send(full=False)
+    held.begin()
+    send(full=True)
+    held.loaded_plain()  # a bucket loaded whole in the same session: nothing is kept, no version after it
+    held.commit("v1")
+    assert (held.held, held.version) == ({}, None)

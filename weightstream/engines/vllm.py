@@ -1,18 +1,24 @@
 """vLLM's HTTP weight-transfer protocol (0.32.0, dev-mode routes: ``VLLM_SERVER_DEV_MODE=1``), with the
 ``weightstream`` weight-transfer backend (``weightstream.integrations.vllm_backend``) on the engine side:
 ``--weight-transfer-config '{"backend": "weightstream"}'``. Endpoint names and payload fields live here
-and nowhere else (see ``docs/engines.md``)."""
+and nowhere else (see ``docs/engines.md``). With ``--worker-extension-cls`` naming the backend's
+``WeightstreamWorkerExtension`` as well, the engine takes delta updates (:data:`~weightstream.engines.base.DELTA`,
+``docs/delta.md``): its workers apply each bucket's delta to the bytes they keep of it, and ``/collective_rpc``
+reads what they hold and applied."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
 from weightstream.converters.fp8 import BlockFP8
 from weightstream.engines.base import (
     BROADCAST,
+    DELTA,
+    DeltaChecks,
     EngineError,
     EngineInfo,
     GroupSpec,
@@ -26,8 +32,49 @@ from weightstream.streaming.bucket import Bucket
 PAUSE_MODES = {"abort": "abort", "retract": "wait", "in_place": "keep", "wait": "wait", "keep": "keep"}
 # vLLM's quantization methods that quantize a bf16 checkpoint themselves at load (the engine takes bf16 updates)
 ONLINE_QUANTIZATION = ("fp8_per_tensor", "fp8_per_block")
+BACKEND = "weightstream"  # the weight-transfer backend (weightstream.integrations.vllm_backend.BACKEND_NAME)
+# vLLM's --worker-extension-cls that serves the delta calls on each worker (vllm_backend.WORKER_EXTENSION)
+WORKER_EXTENSION = "weightstream.integrations.vllm_backend.WeightstreamWorkerExtension"
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerDelta:
+    """What one vLLM worker holds for delta updates (``weightstream_delta_state``): its ``instance`` (made when
+    it started), the committed ``version`` whose bucket bytes it keeps (None: none) and the checksum of each
+    bucket's bytes the open (or last) session applied."""
+
+    instance: str
+    version: str | None
+    buckets: dict[int, str]
+
+
+def worker_deltas(reply: Any) -> list[WorkerDelta]:
+    """The workers' answers to ``/collective_rpc weightstream_delta_state``, in worker rank order. Raises
+    ``ValueError`` listing every malformed answer."""
+    results = reply.get("results") if isinstance(reply, dict) else None
+    if not isinstance(results, list) or not results:
+        raise ValueError(f"no results in the reply: {str(reply)[:200]}")
+    problems = [f"worker {r}: {str(w)[:200]}" for r, w in enumerate(results)
+                if not (isinstance(w, dict) and isinstance(w.get("instance"), str)
+                        and isinstance(w.get("version"), str | None) and isinstance(w.get("buckets"), dict))]
+    if problems:
+        raise ValueError("malformed delta states: " + "; ".join(problems))
+    return [WorkerDelta(w["instance"], w["version"], {int(k): str(v) for k, v in w["buckets"].items()})
+            for w in results]
+
+
+def engine_delta(workers: Sequence[WorkerDelta]) -> DeltaChecks:
+    """The engine's :class:`DeltaChecks` from its workers': its instance names every worker's (a restart of any
+    changes it), its base is ``instance/version`` where every worker keeps the same committed version, and each
+    bucket's checksums are per worker ("" where a worker applied none of it)."""
+    instance = "+".join(w.instance for w in workers)
+    versions = {w.version for w in workers}
+    version = versions.pop() if len(versions) == 1 else None
+    indices = sorted({i for w in workers for i in w.buckets})
+    return DeltaChecks(instance, None if version is None else f"{instance}/{version}",
+                       {i: tuple(w.buckets.get(i, "") for w in workers) for i in indices})
 
 
 class VLLMEngine(HTTPEngine):
@@ -38,6 +85,7 @@ class VLLMEngine(HTTPEngine):
     def __init__(self, url: str, **kw: Any):
         super().__init__(url, **kw)
         self._model: str | None = None  # the served model's name, asked once
+        self._delta_sent = False  # the open session sent delta buckets (the commit names their version)
 
     # -- what the engine is ------------------------------------------------------------------
 
@@ -58,6 +106,7 @@ class VLLMEngine(HTTPEngine):
                 "ep": bool(parallel.get("enable_expert_parallel")),
                 "device": str(device.get("device_type") or device.get("device") or "cpu"),
                 "weight_transfer_backend": (config.get("weight_transfer_config") or {}).get("backend"),
+                "worker_extension": parallel.get("worker_extension_cls") or None,
                 "quantization": (config.get("model_config") or {}).get("quantization"),
             }
         return self._server_info
@@ -91,10 +140,15 @@ class VLLMEngine(HTTPEngine):
 
     def capabilities(self, server_info: dict) -> frozenset[str]:
         """Broadcast only, and only where the sinks' group accounting (``tp_size`` ranks per engine) is the
-        engine's whole world (PP 1, DP 1). vLLM cannot roll back; sleep/wake do nothing on the CPU."""
+        engine's whole world (PP 1, DP 1); delta buckets by broadcast where the server runs weightstream's
+        backend with its worker extension (``--worker-extension-cls`` :data:`WORKER_EXTENSION`). vLLM cannot roll
+        back; sleep/wake do nothing on the CPU."""
         caps = set()
         if server_info.get("pp_size", 1) == 1 and server_info.get("dp_size", 1) == 1:
             caps.add(BROADCAST)
+            if (server_info.get("weight_transfer_backend") == BACKEND
+                    and server_info.get("worker_extension") == WORKER_EXTENSION):
+                caps.add(DELTA)
         return frozenset(caps)
 
     def world_size(self) -> int:
@@ -119,13 +173,27 @@ class VLLMEngine(HTTPEngine):
     def begin_update(self, version: str | None, timeout_s: float | None = None) -> None:
         """Open a session (vLLM's layerwise reload starts). vLLM has no session bound: ``timeout_s`` is unused."""
         self._version = version
+        self._delta_sent = False
         self.post("/start_weight_update", {}, step="start_weight_update")
         self._session = True
 
     def commit_update(self) -> str | None:
+        """vLLM finishes the session; where it took delta buckets, its workers then keep their bytes as this
+        version's (:meth:`delta_base`). A worker that misses that word keeps no base: the next update is full."""
         self._session = False
+        delta, self._delta_sent = self._delta_sent, False
         self.post("/finish_weight_update", {"weight_version": self._version}, step="finish_weight_update")
+        if delta and self._version is not None:
+            self._delta_commit(self._version)
         return self.weight_version()
+
+    def _delta_commit(self, version: str) -> None:
+        try:
+            self.post("/collective_rpc", {"method": "weightstream_delta_commit", "kwargs": {"version": version}},
+                      step="collective_rpc weightstream_delta_commit")
+        except EngineError as exc:  # the weights are committed; only the base for the next delta is lost
+            log.warning("%s: the update is committed, but its workers keep no delta base (%s): the next "
+                        "update is full", self.url, exc.detail)
 
     def abort_update(self, timeout_s: float | None = None) -> None:
         """vLLM cannot roll back: an open session is finished as it stands (what was loaded stays). After a
@@ -133,6 +201,7 @@ class VLLMEngine(HTTPEngine):
         if not self._session:
             return
         self._session = False
+        self._delta_sent = False  # the workers keep no base of a session not committed
         try:
             self.post("/finish_weight_update", {"weight_version": None}, step="finish_weight_update (abort)",
                       timeout_s=timeout_s)
@@ -156,14 +225,36 @@ class VLLMEngine(HTTPEngine):
 
     def receive_broadcast(self, bucket: Bucket, checksum: str | None) -> None:
         """The metadata of one dense (back-to-back) bucket whose buffer is being broadcast; answers when
-        every worker has received and loaded it."""
+        every worker has received and loaded it. A delta bucket (:data:`DELTA`) says how its payload is
+        encoded and which bucket of the plan it is (``weightstream_delta``, as the reference engine takes it)."""
         info: dict[str, Any] = {
             "names": [m.name for m in bucket.metas], "dtype_names": [dtype_name(m.dtype) for m in bucket.metas],
             "shapes": [list(m.shape) for m in bucket.metas],
         }
         if checksum is not None:
             info["checksum"] = checksum
+        if bucket.delta is not None:
+            info["weightstream_delta"] = {**bucket.delta.as_json(), "index": bucket.index}
+            self._delta_sent = True
         self.post("/update_weights", {"update_info": info}, step=f"update_weights (bucket {bucket.index})")
+
+    # -- delta updates ---------------------------------------------------------------------------
+
+    def _workers_delta(self) -> DeltaChecks:
+        step = "collective_rpc weightstream_delta_state"
+        reply = self.post("/collective_rpc", {"method": "weightstream_delta_state"}, step=step)
+        try:
+            return engine_delta(worker_deltas(reply))
+        except ValueError as exc:
+            raise EngineError(self.url, step, str(exc)) from None
+
+    def delta_base(self) -> str | None:
+        """``instance/version`` of the last committed delta-mode update whose bucket bytes every worker keeps
+        (asked afresh: a restart, an aborted or a plain update changes it)."""
+        return self._workers_delta().base
+
+    def delta_checks(self) -> DeltaChecks:
+        return self._workers_delta()
 
     # -- memory ----------------------------------------------------------------------------------
 

@@ -12,8 +12,16 @@ included) and ``--weight-transfer-config '{"backend": "weightstream"}'``. The HT
 store; worker r joins as ``rank_offset + r``). The group is gloo on the CPU, NCCL on CUDA.
 
 ``/update_weights {"update_info": {...}}``: ``names``, ``dtype_names``, ``shapes`` and an optional
-``checksum`` (:func:`weightstream.wire.handles.checksum` of the flat buffer). The buffer is
+``checksum`` (:func:`weightstream.wire.handles.checksum` of the broadcast bytes). The buffer is
 laid out back to back in ``names`` order (``weightstream.reference_engine.worker.dense_layout``).
+
+Delta updates (``docs/delta.md``): a bucket whose ``update_info`` has ``weightstream_delta`` (``encoding``,
+``word``, ``total``, ``count``, ``nbytes``, ``index``: :class:`~weightstream.streaming.delta.DeltaHeader` and the
+bucket's index in the plan) is broadcast as its payload, ``nbytes`` bytes; the worker applies it to the bytes it
+keeps of that bucket (:class:`HeldBuckets`: every bucket it last applied, one copy of the model per worker) and
+loads the bucket's new bytes as it loads a full one. With ``--worker-extension-cls`` naming
+:class:`WeightstreamWorkerExtension`, ``/collective_rpc`` reads what each worker holds and applied
+(``weightstream_delta_state``) and settles a committed update's version (``weightstream_delta_commit``).
 
 vLLM is imported only when vLLM itself loads this module's engine (``register`` or the
 ``WeightstreamTransferEngine`` attribute), so ``import weightstream`` never needs vLLM.
@@ -23,17 +31,23 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 
+from weightstream.reference_engine.schema import delta_problems, int_lists, unknown_dtypes
+from weightstream.streaming.delta import DeltaHeader, Encoding, apply, encoded_bytes
 from weightstream.wire.groups import destroy_group, init_custom_process_group
+from weightstream.wire.handles import checksum
 
 BACKEND_NAME = "weightstream"
 ENGINE_CLASS_NAME = "WeightstreamTransferEngine"
+# vLLM's ``--worker-extension-cls`` for delta updates (the adapter declares ``delta`` where the server names it)
+WORKER_EXTENSION = f"{__name__}.WeightstreamWorkerExtension"
 
 log = logging.getLogger("weightstream.vllm")
 
@@ -64,23 +78,141 @@ class WeightstreamUpdateInfo:
     dtype_names: list[str]
     shapes: list[list[int]]
     checksum: str | None = None
+    weightstream_delta: dict[str, Any] | None = None  # a delta bucket: its header and index in the plan
 
     def __post_init__(self) -> None:
-        if not (len(self.names) == len(self.dtype_names) == len(self.shapes)):
-            raise ValueError(f"names ({len(self.names)}), dtype_names ({len(self.dtype_names)}) and shapes "
-                             f"({len(self.shapes)}) differ in length")
+        problems = _update_info_problems(self)
+        if problems:
+            raise ValueError("bad update_info: " + "; ".join(problems))
+
+    def nbytes(self) -> int:
+        """The bucket's bytes, its tensors back to back."""
+        metas = _layout(self)
+        return metas[-1].offset + metas[-1].nbytes if metas else 0
+
+    def delta(self) -> tuple[int, DeltaHeader] | None:
+        """The bucket's index in the plan and its delta header (None: a plain bucket, sent whole)."""
+        d = self.weightstream_delta
+        if d is None:
+            return None
+        return int(d["index"]), DeltaHeader(cast(Encoding, d["encoding"]), d["word"], d["total"], d["count"],
+                                            d["nbytes"])
 
 
-def receive_bucket(group, info: WeightstreamUpdateInfo, device: torch.device):
-    """One broadcast from rank 0 into a buffer of the dense layout; the ``(name, tensor)`` views.
-    Raises :class:`ChecksumMismatch` (naming the tensors) before anything is handed out."""
+def _update_info_problems(info: WeightstreamUpdateInfo) -> list[str]:
+    """Every problem of a bucket's ``update_info``: its tensors' fields, and a delta header that is malformed or
+    does not fit the bucket."""
+    problems = []
+    if not (len(info.names) == len(info.dtype_names) == len(info.shapes)):
+        problems.append(f"names ({len(info.names)}), dtype_names ({len(info.dtype_names)}) and shapes "
+                        f"({len(info.shapes)}) differ in length")
+    unknown = unknown_dtypes(info.dtype_names)
+    if unknown:
+        problems.append(f"unknown dtype_names {unknown[:5]}")
+    if not int_lists(info.shapes, 2):
+        problems.append("shapes must be lists of non-negative integers")
+    problems += delta_problems(info.weightstream_delta)
+    if not problems and info.weightstream_delta is not None:
+        problems += _delta_fit_problems(info.weightstream_delta, info.nbytes())
+    return problems
+
+
+def _delta_fit_problems(delta: dict[str, Any], nbytes: int) -> list[str]:
+    """What in a well-formed delta header does not fit its bucket of ``nbytes``."""
+    problems = []
+    if delta["total"] != nbytes:
+        problems.append(f"weightstream_delta.total {delta['total']} is not the bucket's {nbytes} bytes")
+    size = encoded_bytes(delta["encoding"], delta["total"] // delta["word"], delta["count"], delta["word"])
+    if delta["nbytes"] != size:
+        problems.append(f"weightstream_delta.nbytes {delta['nbytes']} is not the {size} bytes of "
+                        f"{delta['encoding']} for {delta['count']} changed words")
+    return problems
+
+
+def _layout(info: WeightstreamUpdateInfo):
     from weightstream.reference_engine.worker import dense_layout
-    from weightstream.streaming.bucket import view_tensor
-    from weightstream.wire.handles import checksum
 
-    metas = dense_layout(info.names, info.dtype_names, info.shapes)
+    return dense_layout(info.names, info.dtype_names, info.shapes)
+
+
+Layout = tuple[tuple[str, ...], tuple[str, ...], tuple[tuple[int, ...], ...]]
+
+
+def _layout_key(info: WeightstreamUpdateInfo) -> Layout:
+    return tuple(info.names), tuple(info.dtype_names), tuple(tuple(int(d) for d in s) for s in info.shapes)
+
+
+class HeldBuckets:
+    """What one worker keeps for delta updates: per bucket index, the layout and the bytes of the bucket it last
+    applied (the decoded bucket: one copy of the model per worker, on the worker's device), the checksum of each
+    bucket's bytes the open (or last) session applied, and ``version``: the committed update whose bytes these
+    are (None: none; the trainer then sends a full update). ``instance`` names this worker's life: a restarted
+    engine names another.
+
+    A session that changes the held bytes leaves no version until :meth:`commit` names it (an aborted or failed
+    session never does: vLLM cannot put its weights back, so the next update must be full); a bucket loaded
+    without a delta header (a plain update) drops them, since the weights no longer match them."""
+
+    def __init__(self) -> None:
+        self.instance = uuid.uuid4().hex[:16]
+        self.held: dict[int, tuple[Layout, torch.Tensor]] = {}
+        self.digests: dict[int, str] = {}
+        self.version: str | None = None
+        self.changed = False  # the open session changed the held bytes
+        self.plain = False  # the open session loaded buckets it did not keep
+
+    @property
+    def nbytes(self) -> int:
+        return sum(raw.numel() for _, raw in self.held.values())
+
+    def begin(self) -> None:
+        """A session opens; bytes no committed update names are dropped (a full update comes)."""
+        if self.version is None:
+            self.held = {}
+        self.digests, self.changed, self.plain = {}, False, False
+
+    def loaded_plain(self) -> None:
+        """A bucket was loaded whole, without a delta header: what is held no longer matches the weights."""
+        self.held, self.version, self.plain = {}, None, True
+
+    def new_bytes(self, index: int, layout: Layout, header: DeltaHeader, payload: torch.Tensor) -> torch.Tensor:
+        """Bucket ``index``'s new bytes: ``payload`` (``header.nbytes``) applied to the bytes held of it (or, dense,
+        the payload itself); kept, with their checksum. Raises ``ValueError`` where there is nothing to apply it
+        to, or it does not fit."""
+        self.changed, self.version = True, None
+        held = self.held.get(index)
+        if header.encoding == "dense":
+            raw = payload
+        elif held is None or held[0] != layout:
+            raise ValueError(f"delta bucket {index}: this worker holds no bytes of that bucket to apply it to "
+                             "(a full update must come first)")
+        else:
+            raw = apply(held[1], header, payload)
+        self.held[index] = (layout, raw)
+        self.digests[index] = checksum(raw)
+        return raw
+
+    def commit(self, version: str) -> None:
+        """The session was committed as ``version``: a session of delta buckets only leaves their bytes held."""
+        if self.changed and not self.plain and version:
+            self.version = version
+
+    def state(self) -> dict[str, Any]:
+        """What ``weightstream_delta_state`` answers (JSON: bucket indices as strings)."""
+        return {"instance": self.instance, "version": self.version, "held_bytes": self.nbytes,
+                "buckets": {str(i): d for i, d in sorted(self.digests.items())}}
+
+
+def receive_bucket(group, info: WeightstreamUpdateInfo, device: torch.device, held: HeldBuckets | None = None):
+    """One broadcast from rank 0 into a buffer of the dense layout (or, a delta bucket, its payload applied to
+    the bytes ``held`` of it); the ``(name, tensor)`` views. Raises :class:`ChecksumMismatch` (naming the
+    tensors) before anything is handed out."""
+    from weightstream.streaming.bucket import view_tensor
+
+    metas = _layout(info)
     total = metas[-1].offset + metas[-1].nbytes if metas else 0
-    buffer = torch.empty(total, dtype=torch.uint8, device=device)
+    delta = info.delta()
+    buffer = torch.empty(total if delta is None else delta[1].nbytes, dtype=torch.uint8, device=device)
     group.broadcast(buffer, 0).wait()
     if info.checksum is not None:
         got = checksum(buffer)
@@ -88,6 +220,12 @@ def receive_bucket(group, info: WeightstreamUpdateInfo, device: torch.device):
             raise ChecksumMismatch(
                 f"bucket of {len(metas)} tensors arrived corrupted (checksum {got} != sender's {info.checksum}); "
                 f"nothing of it was loaded; its tensors: {[m.name for m in metas]}")
+    if delta is not None:
+        if held is None:
+            raise ValueError(f"delta bucket {delta[0]}: this worker keeps no bytes for deltas")
+        buffer = held.new_bytes(delta[0], _layout_key(info), delta[1], buffer)
+    elif held is not None:
+        held.loaded_plain()
     return [(m.name, view_tensor(buffer, m)) for m in metas], total
 
 
@@ -139,13 +277,15 @@ def _join_group(init_info: WeightstreamInitInfo, rank: int, device: torch.device
     return group
 
 
-def _load_bucket(group: Any, info: WeightstreamUpdateInfo, device: torch.device, model: Any) -> set[str]:
+def _load_bucket(group: Any, info: WeightstreamUpdateInfo, device: torch.device, model: Any,
+                 held: HeldBuckets | None = None) -> set[str]:
     """One bucket received through ``group`` (None before /init_weight_transfer_engine: an error) and loaded
-    into ``model``; the MoE modules (``..experts``) it loaded into."""
+    into ``model`` (a delta bucket: its new bytes from ``held``, loaded whole); the MoE modules (``..experts``)
+    it loaded into."""
     if group is None:
         raise RuntimeError("no weightstream group: call /init_weight_transfer_engine first")
     t0 = time.perf_counter()
-    tensors, nbytes = receive_bucket(group, info, device)
+    tensors, nbytes = receive_bucket(group, info, device, held)
     model.load_weights(tensors)
     touched = {moe for name, _ in tensors if (moe := _moe_module(name)) is not None}
     log.info("weightstream: loaded %d tensors (%d bytes) in %.3f s", len(tensors), nbytes,
@@ -218,11 +358,11 @@ def _transfer_engine_class(base: Any, init_cls: type, update_cls: type) -> type:
             self.rank: int | None = None
             self._touched_moe: set[str] = set()
             self._reloading = False
+            self.held = HeldBuckets()  # the bytes of each bucket applied, for delta updates
 
         def init_transfer_engine(self, init_info) -> None:
-            if self.group is not None:  # a trainer that reconnects: the old group is gone on its side
-                destroy_group(self.group)
-                self.group = None
+            group, self.group = self.group, None
+            destroy_group(group)  # a trainer that reconnects: the old group (if any) is gone on its side
             self.rank = int(init_info.rank_offset) + _worker_rank(self.parallel_config)
             self.group = _join_group(init_info, self.rank, self.device)
 
@@ -230,6 +370,7 @@ def _transfer_engine_class(base: Any, init_cls: type, update_cls: type) -> type:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
             self._touched_moe = set()
+            self.held.begin()
             initialize_layerwise_reload(self.model)
             self._reloading = True
 
@@ -254,13 +395,36 @@ def _transfer_engine_class(base: Any, init_cls: type, update_cls: type) -> type:
                 raise
 
         def receive_weights(self, update_info) -> None:
-            self._touched_moe |= _load_bucket(self.group, update_info, self.device, self.model)
+            self._touched_moe |= _load_bucket(self.group, update_info, self.device, self.model, self.held)
 
         def shutdown(self) -> None:
             group, self.group = self.group, None
             destroy_group(group)
 
     return WeightstreamTransferEngine
+
+
+def _held_buckets(worker: Any) -> HeldBuckets:
+    """What the weightstream weight-transfer engine of a vLLM worker (its ``weight_transfer_engine``) keeps."""
+    engine, ours = worker.weight_transfer_engine, cast(Any, _engine_class())  # ours: made when vLLM loads it
+    if not isinstance(engine, ours):
+        raise RuntimeError(f"the worker's weight-transfer engine is {type(engine).__name__}, not weightstream's: "
+                           "start vLLM with --weight-transfer-config '{\"backend\": \"weightstream\"}'")
+    return engine.held
+
+
+class WeightstreamWorkerExtension:
+    """vLLM's ``--worker-extension-cls`` (:data:`WORKER_EXTENSION`): the calls ``/collective_rpc`` makes on each
+    worker for delta updates. vLLM mixes it into its worker class, so ``self`` is the worker."""
+
+    def weightstream_delta_state(self) -> dict[str, Any]:
+        """This worker's instance, the committed version whose bucket bytes it holds, and the checksum of each
+        bucket's bytes the open (or last) session applied (:meth:`HeldBuckets.state`)."""
+        return _held_buckets(self).state()
+
+    def weightstream_delta_commit(self, version: str) -> None:
+        """The session just finished was committed as ``version`` (:meth:`HeldBuckets.commit`)."""
+        _held_buckets(self).commit(str(version))
 
 
 def __getattr__(name: str):
