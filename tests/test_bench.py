@@ -58,3 +58,29 @@ def test_an_fp8_ipc_row_writes_into_the_float8_engine_and_checks_it():
     assert res.ceiling == "device copy of the bf16 bytes read"
     diff = float(re.search(r"max \|diff\| (\S+)", res.check).group(1))
     assert diff <= 1e-4, res.check
+
+
+def test_delta_row_on_real_adam_steps(tmp_path, capsys):
+    """``bench --delta``: the first update full, ``repeats`` forced full ones of the same weights, then per learning
+    rate real Adam steps (Megatron's own loss, backward, fp32 masters) each followed by a delta update: every update
+    checked by the engine's checksums, fewer words changed at the smaller rate, the bytes on the wire those of the
+    encodings, and the engine's logits the Megatron model's after the last. Printed and saved as JSON."""
+    import json
+
+    from weightstream.cli import main
+
+    argv = ["bench", "--delta", "--transport", "broadcast", "--preset", "tiny-qwen3", "--bucket-mb", "0.125",
+            "--lr", "1e-6,1e-4", "--steps", "2", "--repeats", "1", "--json", str(tmp_path / "d.json")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    (row,) = json.loads((tmp_path / "d.json").read_text())
+    updates = row["updates"]
+    assert [(u["lr"], u["full"]) for u in updates] == [(None, True)] * 2 + [(1e-6, False)] * 2 + [(1e-4, False)] * 2
+    assert updates[1]["reason"] == "a full update of the same weights, timed to compare with"
+    assert all(u["checked"] for u in updates) and row["check"].startswith("6 of 6 updates checked")
+    small, large = (max(u["changed_fraction"] for u in updates[2:4]), min(u["changed_fraction"] for u in updates[4:]))
+    assert 0 < small < large < 1
+    assert all(u["wire_bytes"] < row["bytes"] for u in updates[2:]) and updates[0]["wire_bytes"] == row["bytes"]
+    assert row["snapshot_bytes"] == row["bytes"]
+    assert float(re.search(r"max \|diff\| (\S+)", row["check"]).group(1)) <= 0.1 and row["check_ok"] is True
+    assert "lr 1e-06 step 2:" in out and "check (passed)" in out

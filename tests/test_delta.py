@@ -45,6 +45,17 @@ def test_encode_apply_bit_exact(encoding, changed):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("words", [16, 20, 4100])
+def test_bitmap_of_any_length_applies(words):
+    """A bitmap of an odd number of bytes (20 words: 3) leaves the values after it at an odd offset: they apply
+    all the same."""
+    old, new = _bf16_pair(words, words // 3 + 1, seed=words)
+    header, payload = encode(new, old, 2, ("bitmap",))
+    assert header.encoding == "bitmap" or words == 4100
+    assert torch.equal(apply(old.clone(), header, payload), new)
+
+
+@pytest.mark.unit
 def test_sizes_and_choice():
     # 4096 bf16 words: indices 6 bytes per change, bitmap 512 bytes + 2 per change, dense 8192
     assert [encoded_bytes(e, 4096, 100, 2) for e in ("indices", "bitmap", "dense")] == [600, 712, 8192]

@@ -30,6 +30,17 @@ def _mb(value: str) -> int:
     return int(mb * (1 << 20))
 
 
+def _floats(value: str) -> tuple[float, ...]:
+    """A comma-separated list of positive numbers (learning rates)."""
+    try:
+        out = tuple(float(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of numbers: {value!r}") from None
+    if not out or any(v <= 0 for v in out):
+        raise argparse.ArgumentTypeError(f"must be positive numbers, comma-separated: {value!r}")
+    return out
+
+
 def _layout_args(p: argparse.ArgumentParser, tp: int, pp: int) -> None:
     p.add_argument("--tp", type=int, default=tp, help=f"tensor-parallel size of the Megatron model (default {tp})")
     p.add_argument("--pp", type=int, default=pp, help=f"pipeline-parallel size (default {pp})")
@@ -185,6 +196,17 @@ def _bench_transport_args(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--per-bucket", action="store_true",
                        help="--transport ipc/broadcast: one request per bucket, not the metadata of all buckets ahead "
                             "(to compare; what engines without the ahead routes get)")
+    bench.add_argument("--delta", action="store_true",
+                       help="delta updates on real optimizer steps (broadcast, p2p or ipc): per --lr, --steps "
+                            "Adam steps on fp32 masters, each followed by a delta update, against full updates of "
+                            "the same weights in the same run")
+    bench.add_argument("--lr", type=_floats, default=(1e-6, 1e-5), metavar="LR[,LR...]",
+                       help="learning rates of --delta (default 1e-6,1e-5)")
+    bench.add_argument("--steps", type=int, default=3, help="optimizer steps per learning rate of --delta (default 3)")
+    bench.add_argument("--masters", choices=["device", "host"], default="device",
+                       help="where --delta keeps the fp32 master weights and Adam's state (default device)")
+    bench.add_argument("--snapshot", choices=["device", "host"], default="device",
+                       help="where the sender keeps the bytes it computes deltas against (default device)")
     bench.add_argument("--replicas", type=int, default=1,
                        help="--transport broadcast: engines updated at once, each of --engine-tp ranks, through one "
                             "group with every engine rank (default 1)")
@@ -648,6 +670,26 @@ def cmd_engine(args: argparse.Namespace) -> int:
     return code
 
 
+def _bench_delta(args: argparse.Namespace) -> int:
+    """``bench --delta --transport T``: one row per transport (``weightstream.bench.delta``)."""
+    from weightstream.bench.delta import run_delta_bench, write_delta_json
+
+    results = []
+    for transport in args.transport:
+        res = run_delta_bench(args.preset, transport, tiny=args.tiny, dtype=args.dtype,
+                              bucket_bytes=args.bucket_mb or (512 << 20), lrs=args.lr, steps=args.steps,
+                              repeats=args.repeats, masters=args.masters, snapshot=args.snapshot, tp=args.tp)
+        print(res.render(), flush=True)
+        results.append(res)
+    if args.json:
+        write_delta_json(results, args.json)
+    failed = [f"{r.preset} {r.transport}" for r in results if r.failed]
+    if failed:
+        print(f"FAILED: the check of {len(failed)} row(s) did not pass: {'; '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import json
 
@@ -663,6 +705,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.plot:
             print(plot(rows, args.plot))
         return 1 if any(row.failed for row in rows) else 0
+    if args.transport and args.delta:
+        return _bench_delta(args)
     if args.transport:
         from weightstream.bench.speed import plot, run_bench, write_json
 

@@ -19,7 +19,8 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -358,26 +359,30 @@ def _logits_tolerance(dtype: str, scale: float) -> float:
 def _engine_check(url: str, rank0: dict, dtype: str, quantized: bool = False) -> tuple[str, bool]:
     """The row's check after its runs: every bucket of a checksummed update verified by the engine, and the
     engine's logits within :func:`_logits_tolerance` of the Megatron model's."""
+    verified = rank0["verified"]
+    served = " with the weights the engine serves (each FP8 tensor fp8 x scale)" if quantized else ""
+    text, ok = logits_check(url, rank0["logits"], dtype, served)
+    first = ("every bucket's checksum verified by the engine on one more update" if verified is None
+             else f"the checksummed update failed: {verified}")
+    return f"{first}; {text}", ok and verified is None
+
+
+def logits_check(url: str, ours: torch.Tensor | str, dtype: str, served: str = "") -> tuple[str, bool]:
+    """The engine's logits against ``ours`` (the Megatron model's forward, or why it failed), within
+    :func:`_logits_tolerance`: what was found, and whether it passed."""
     from weightstream.engines import ReferenceEngine
 
-    problems = []
-    if rank0["verified"] is not None:
-        problems.append(f"the checksummed update failed: {rank0['verified']}")
-    ours = rank0["logits"]
     if isinstance(ours, str):
-        return "; ".join(problems + [ours]), False
+        return ours, False
     try:
         theirs = ReferenceEngine(url).logits(IDS).float()
     except Exception as exc:  # noqa: BLE001 -- the row reports it and fails
-        return "; ".join(problems + [f"the engine's logits could not be read: {exc}"]), False
+        return f"the engine's logits could not be read: {exc}", False
     diff, scale = (theirs - ours).abs().max().item(), ours.abs().max().item()
     tol = _logits_tolerance(dtype, scale)
-    if diff > tol:
-        problems.append(f"logits differ by more than {tol:.3g}")
-    text = (f"every bucket's checksum verified by the engine on one more update; engine logits vs the Megatron "
-            f"model's{' with the weights the engine serves (each FP8 tensor fp8 x scale)' if quantized else ''}: "
-            f"max |diff| {diff:.3g} (logits up to {scale:.3g}, {dtype}, tolerance {tol:.3g})")
-    return "; ".join([text] + problems), not problems
+    text = (f"engine logits vs the Megatron model's{served}: max |diff| {diff:.3g} (logits up to {scale:.3g}, "
+            f"{dtype}, tolerance {tol:.3g})")
+    return (text if diff <= tol else f"{text}: logits differ by more than {tol:.3g}"), diff <= tol
 
 
 def _wire_job(total: int, chunk: int, repeats: int, move: Callable[[torch.Tensor], object]) -> dict:
@@ -500,53 +505,61 @@ def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_byte
                   tp: int = 1, engine_tp: int = 1, ep: int = 1, prepare: bool = False,
                   direct: bool = True, quantize: BlockFP8 | None = None, replicas: int = 1) -> BenchResult:
     from weightstream.launch import launch
-    from weightstream.reference_engine.server import serve, stop
 
     devices = _engine_devices(engine_device, transport, tp * ep, engine_tp, replicas)
+    with serving(cfg, devices, engine_tp, dtype, rollback) as (tmp, urls):
+        ranks = launch(tp * ep, update_job, tmp, urls if replicas > 1 else urls[0], transport, bucket_bytes, dtype,
+                       repeats, False, ahead, tp, ep, prepare, direct, quantize, backend=backend, timeout_s=600)
+        r = ranks[0]
+        checks = [_engine_check(url, r, dtype, quantize is not None) for url in urls]
+    res.check = "; ".join(c if replicas == 1 else f"engine {k}: {c}" for k, (c, _) in enumerate(checks))
+    res.check_ok = all(ok for _, ok in checks)
+    reports = r["reports"]
+    res.device = f"trainer {r['device']}, engine {' and '.join(devices)}"
+    res.cold_s, res.warm_s = reports[0]["wall"], [x["wall"] for x in reports[1:]]
+    if transport == "ipc":
+        res.transport += (" (one copy: written into the engine's weights)" if reports[-1]["direct"] else
+                          " (two copies: through buffers the engine copies out of)")
+    res.prepare_s = r["prepare_s"]
+    best = min(reports[1:], key=lambda x: x["wall"]) if len(reports) > 1 else reports[0]
+    res.bytes, res.tensors, res.buckets = best["bytes"], best["tensors"], best["buckets"]
+    res.phases = {k: v for k, v in best["seconds"].items() if k != "total"}
+    res.cold_phases = {k: v for k, v in reports[0]["seconds"].items() if k != "total"}
+    res.peak_extra_bytes = r["peak_extra_bytes"]
+    if transport == "ipc":
+        res.ceiling_s = r["copy_ceiling_s"]
+        res.ceiling = "device copy of the " + ("bf16 bytes read" if quantize is not None else "same bytes")
+    elif best["transport"] == "p2p":
+        _p2p_ceiling(res, ranks, tp, engine_tp, bucket_bytes, repeats, backend)
+    else:
+        ranks_out = engine_tp * replicas
+        raw = launch(1 + ranks_out, raw_broadcast_job, res.bytes, bucket_bytes, repeats, backend=backend)
+        res.ceiling_s = raw[0]["seconds"]
+        res.ceiling = f"plain {backend} broadcast of the same bytes to {ranks_out} ranks, same buckets"
+    if best["transport"] != transport:
+        res.transport += f" (ran as {best['transport']})"
+    return res
+
+
+@contextmanager
+def serving(cfg, devices: list[str], engine_tp: int, dtype: str, rollback: bool = True,
+            ) -> Iterator[tuple[str, list[str]]]:
+    """A reference engine at TP ``engine_tp`` on each of ``devices``, started on ``cfg`` saved in a temporary
+    directory (its random weights replaced by the first update): that directory and the engines' URLs; every
+    engine stopped and the directory removed after."""
+    from weightstream.reference_engine.server import serve, stop
+
     tmp = tempfile.mkdtemp(prefix="ws-bench-")
+    servers = []
     try:
         cfg.save_pretrained(tmp)
-        servers = []
-        try:
-            for device in devices:
-                servers.append(serve(tmp, engine_tp, device=device, dtype=dtype, rollback=rollback))
-            urls = [x.url for x in servers]
-            ranks = launch(tp * ep, update_job, tmp, urls if replicas > 1 else urls[0], transport, bucket_bytes, dtype,
-                           repeats, False, ahead, tp, ep, prepare, direct, quantize, backend=backend, timeout_s=600)
-            r = ranks[0]
-            checks = [_engine_check(url, r, dtype, quantize is not None) for url in urls]
-        finally:
-            for server in servers:
-                stop(server)
-        res.check = "; ".join(c if replicas == 1 else f"engine {k}: {c}" for k, (c, _) in enumerate(checks))
-        res.check_ok = all(ok for _, ok in checks)
-        reports = r["reports"]
-        res.device = f"trainer {r['device']}, engine {' and '.join(devices)}"
-        res.cold_s, res.warm_s = reports[0]["wall"], [x["wall"] for x in reports[1:]]
-        if transport == "ipc":
-            res.transport += (" (one copy: written into the engine's weights)" if reports[-1]["direct"] else
-                              " (two copies: through buffers the engine copies out of)")
-        res.prepare_s = r["prepare_s"]
-        best = min(reports[1:], key=lambda x: x["wall"]) if len(reports) > 1 else reports[0]
-        res.bytes, res.tensors, res.buckets = best["bytes"], best["tensors"], best["buckets"]
-        res.phases = {k: v for k, v in best["seconds"].items() if k != "total"}
-        res.cold_phases = {k: v for k, v in reports[0]["seconds"].items() if k != "total"}
-        res.peak_extra_bytes = r["peak_extra_bytes"]
-        if transport == "ipc":
-            res.ceiling_s = r["copy_ceiling_s"]
-            res.ceiling = "device copy of the " + ("bf16 bytes read" if quantize is not None else "same bytes")
-        elif best["transport"] == "p2p":
-            _p2p_ceiling(res, ranks, tp, engine_tp, bucket_bytes, repeats, backend)
-        else:
-            ranks_out = engine_tp * replicas
-            raw = launch(1 + ranks_out, raw_broadcast_job, res.bytes, bucket_bytes, repeats, backend=backend)
-            res.ceiling_s = raw[0]["seconds"]
-            res.ceiling = f"plain {backend} broadcast of the same bytes to {ranks_out} ranks, same buckets"
-        if best["transport"] != transport:
-            res.transport += f" (ran as {best['transport']})"
+        for device in devices:
+            servers.append(serve(tmp, engine_tp, device=device, dtype=dtype, rollback=rollback))
+        yield tmp, [x.url for x in servers]
     finally:
+        for server in servers:
+            stop(server)
         shutil.rmtree(tmp, ignore_errors=True)
-    return res
 
 
 def _p2p_ceiling(res: BenchResult, ranks: list[dict], tp: int, engine_tp: int, bucket_bytes: int, repeats: int,

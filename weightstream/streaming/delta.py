@@ -132,7 +132,10 @@ def apply(held: Tensor, header: DeltaHeader, payload: Tensor) -> Tensor:
         return held.copy_(payload)
     words = _words(held, header.word)
     split = header.count * INDEX_BYTES if header.encoding == "indices" else (header.words + 7) // 8
-    values = _words(payload.narrow(0, split, header.nbytes - split), header.word)
+    raw_values = payload.narrow(0, split, header.nbytes - split)
+    if raw_values.storage_offset() % header.word:  # a bitmap of an odd length: the values start unaligned
+        raw_values = raw_values.clone()
+    values = _words(raw_values, header.word)
     if header.encoding == "indices":
         where = payload.narrow(0, 0, split).view(torch.int32).long()
         if where.numel() and (int(where.min()) < 0 or int(where.max()) >= words.numel()):

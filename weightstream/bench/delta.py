@@ -1,0 +1,284 @@
+"""``weightstream bench --delta``: delta updates measured on real optimizer steps, against full updates of the
+same weights in the same run.
+
+The trainer is the preset's Megatron-Core model in bf16 with fp32 master weights (on its device, or in host
+memory with ``masters="host"`` where the device cannot hold them and Adam's state), Adam over the masters, the
+masters copied into the model after each step; each step's gradient is that of the model's own language-model
+loss on a random batch (forward and backward through Megatron). One ``WeightSync(delta=True)`` into a reference
+engine makes, in order: the first update (full, cold); ``repeats`` full updates of the same weights, warm
+(forced full); then per learning rate, ``steps`` times: one optimizer step, one update (deltas). Each update's
+report gives the share of words changed, the bytes on the wire, its encodings, its time and phases, and the
+check of its bytes (every engine rank's checksum of every bucket against the trainer's). The row's check: every
+update checked, and the engine's logits after the last one equal to the Megatron model's forward (within the
+tolerance of :func:`~weightstream.bench.speed.logits_check`). The ceiling of the same run: a device copy of the
+full update's bytes (IPC) or a plain broadcast of them (broadcast).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from weightstream.bench.speed import (
+    IDS,
+    _engine_devices,
+    _timed,
+    _trainer,
+    bench_config,
+    copy_ceiling,
+    logits_check,
+    raw_broadcast_job,
+    raw_send_recv_job,
+    serving,
+)
+from weightstream.sinks.delta import DeltaTracker
+
+DELTA_TRANSPORTS = ("broadcast", "p2p", "ipc")
+SEQ = 64  # tokens per sequence of a training batch
+BATCH = 2
+
+
+@dataclass
+class DeltaStep:
+    """One update of the run: full (why) or deltas, what it sent and how long it took."""
+
+    lr: float | None  # the learning rate of the step before it (None: no step, the same weights again)
+    full: bool
+    reason: str
+    seconds: float
+    changed_fraction: float
+    wire_bytes: int
+    encodings: dict[str, int]
+    checked: bool
+    phases: dict[str, float]
+    peak_extra_bytes: int | None  # the device memory the update added at its peak (None on a CPU)
+
+
+@dataclass
+class DeltaBenchResult:
+    preset: str
+    transport: str
+    device: str
+    dtype: str
+    bucket_bytes: int
+    masters: str
+    snapshot: str
+    bytes: int = 0  # of a full update
+    buckets: int = 0
+    snapshot_bytes: int = 0  # what the sender kept to compute deltas
+    updates: list[DeltaStep] = field(default_factory=list)
+    ceiling_s: float = 0.0
+    ceiling: str = ""
+    check: str = ""
+    check_ok: bool | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.check_ok is not True
+
+    @property
+    def full_s(self) -> float:
+        """The best warm full update (the first update, cold, left out where there are others)."""
+        full = [u.seconds for u in self.updates if u.full]
+        return min(full[1:] or full)
+
+    def rows(self) -> list[tuple[float, list[DeltaStep]]]:
+        """The delta updates, by learning rate, in the order run."""
+        out: dict[float, list[DeltaStep]] = {}
+        for u in self.updates:
+            if u.lr is not None:
+                out.setdefault(u.lr, []).append(u)
+        return list(out.items())
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(full_s=self.full_s)
+        return d
+
+    def render(self) -> str:
+        lines = [
+            f"weightstream bench --delta: {self.preset}, {self.transport}, {self.dtype}, {self.device}, "
+            f"buckets of {self.bucket_bytes / 2**20:g} MiB; fp32 masters on the {self.masters}, "
+            f"snapshot on the {self.snapshot}",
+            f"  full update       {self.full_s * 1e3:9.1f} ms   {self.bytes / 1e6:.1f} MB, {self.buckets} buckets "
+            f"(best warm; ceiling {self.ceiling_s * 1e3:.1f} ms: {self.ceiling}; "
+            f"ratio {self.full_s / self.ceiling_s if self.ceiling_s else float('nan'):.2f}x)",
+            f"  snapshot          {self.snapshot_bytes / 1e6:9.1f} MB kept by the sender",
+        ]
+        for lr, steps in self.rows():
+            for k, u in enumerate(steps):
+                what = "full" if u.full else f"{u.changed_fraction:7.3%} changed"
+                enc = ", ".join(f"{n} {e}" for e, n in sorted(u.encodings.items()))
+                lines.append(
+                    f"  lr {lr:g} step {k + 1}: {what}, {u.wire_bytes / 1e6:8.2f} MB on the wire "
+                    f"({u.wire_bytes / max(self.bytes, 1):.2%} of full), {u.seconds * 1e3:8.1f} ms "
+                    f"({u.seconds / self.full_s:.2f}x full), {'checked' if u.checked else 'NOT CHECKED'}; "
+                    f"buckets: {enc}" + ("" if not u.full else f" ({u.reason})"))
+                peak = "" if u.peak_extra_bytes is None else f"; peak extra {u.peak_extra_bytes / 2**20:.1f} MiB"
+                lines.append("      phases: " + ", ".join(f"{n} {v * 1e3:.1f} ms" for n, v in u.phases.items())
+                             + peak)
+        verdict = {True: "passed", False: "FAILED", None: "not run"}[self.check_ok]
+        lines.append(f"  check ({verdict}): {self.check}")
+        return "\n".join(lines)
+
+
+class _Adam:
+    """fp32 master weights of ``chunks``' parameters (on ``where``: "device" or "host") with Adam over them; a
+    step copies them into the model's (bf16) parameters."""
+
+    def __init__(self, chunks: list[nn.Module], where: str, lr: float):
+        self.params = [p for c in chunks for p in c.parameters()]
+        host = where == "host" and self.params[0].is_cuda
+        self.masters = [p.detach().float().to("cpu" if host else p.device).clone() for p in self.params]
+        if host:
+            self.masters = [m.pin_memory() for m in self.masters]
+        self.opt = torch.optim.Adam(self.masters, lr=lr)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+
+    def step(self, chunks: list[nn.Module], vocab_size: int, gen: torch.Generator) -> float:
+        """One step on the loss of a random batch: its loss."""
+        loss = _loss(chunks, vocab_size, gen)
+        loss.backward()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters, strict=True):
+                m.grad = (p.grad if p.grad is not None else torch.zeros_like(p)).to(m.device, torch.float32)
+                p.grad = None
+            self.opt.step()
+            for p, m in zip(self.params, self.masters, strict=True):
+                p.copy_(m)
+                m.grad = None
+        return float(loss)
+
+
+def _loss(chunks: list[nn.Module], vocab_size: int, gen: torch.Generator) -> torch.Tensor:
+    """The mean language-model loss of the (one-stage) Megatron model on a random batch, its graph kept."""
+    from weightstream.sources.megatron import unwrap
+    from weightstream.testing.megatron import forward_shims
+
+    (model,) = [unwrap(c) for c in chunks]
+    device = next(model.parameters()).device
+    ids = torch.randint(0, vocab_size, (BATCH, SEQ + 1), generator=gen).to(device)
+    inputs, labels = ids[:, :-1], ids[:, 1:]
+    position_ids = torch.arange(SEQ, device=device).unsqueeze(0).expand(BATCH, SEQ)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool, device=device), diagonal=1)
+    model.train()
+    with forward_shims():
+        return model(inputs, position_ids, mask, labels=labels).float().mean()
+
+
+def delta_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype: str, lrs: list[float],
+              steps: int, repeats: int, masters: str, snapshot: str, tp: int = 1) -> dict:
+    """Trainer rank (TP ``tp``): the updates of the run (module docstring), each as :class:`DeltaStep`
+    fields; the Megatron model's logits after the last (or why its forward failed)."""
+    from weightstream.models.spec import load_hf_config
+    from weightstream.testing.megatron import megatron_logits
+    from weightstream.update import WeightSync
+
+    cfg = load_hf_config(cfg_dir)
+    chunks, device = _trainer(cfg, dtype, tp)
+    adam = _Adam(chunks, masters, lrs[0])
+    gen = torch.Generator().manual_seed(0)
+    updates: list[dict] = []
+
+    def update(lr: float | None) -> None:
+        version = str(len(updates))
+        ((seconds, report),), peak = _timed(device, 1, lambda: sync.update(chunks, cfg, weight_version=version))
+        d = report.delta
+        if d is None:
+            raise RuntimeError("a delta-mode update reported no delta")
+        updates.append({"lr": lr, "full": d.full, "reason": d.reason, "seconds": seconds,
+                        "changed_fraction": d.changed_fraction, "wire_bytes": d.wire_bytes,
+                        "encodings": dict(d.encodings), "checked": d.checked,
+                        "phases": {k: v for k, v in report.seconds.items() if k != "total"},
+                        "peak_extra_bytes": peak, "bytes": report.bytes, "buckets": report.buckets,
+                        "snapshot_bytes": d.snapshot_bytes})
+
+    with WeightSync([url], transport=transport, bucket_bytes=bucket_bytes, timeout_s=300, delta=True,
+                    snapshot=snapshot, reuse_buffers=True) as sync:
+        tracker = _tracker(sync.delta)
+        update(None)
+        for _ in range(repeats):
+            tracker.force_full("a full update of the same weights, timed to compare with")
+            update(None)
+        for lr in lrs:
+            adam.set_lr(lr)
+            for _ in range(steps):
+                adam.step(chunks, cfg.vocab_size, gen)
+                update(lr)
+    logits: torch.Tensor | str
+    try:
+        logits = megatron_logits(chunks, torch.tensor(IDS), cfg.vocab_size).float().cpu()
+    except Exception as exc:  # noqa: BLE001 -- the row reports it and fails
+        logits = f"the Megatron model's own forward failed: {type(exc).__name__}: {exc}"
+    return {"device": str(device), "updates": updates, "logits": logits}
+
+
+def _tracker(tracker: DeltaTracker | None) -> DeltaTracker:
+    if tracker is None:
+        raise RuntimeError("WeightSync(delta=True) made no delta tracker")
+    return tracker
+
+
+def run_delta_bench(preset: str, transport: str, *, tiny: bool = False, dtype: str = "bfloat16",
+                    bucket_bytes: int = 512 << 20, lrs: tuple[float, ...] = (1e-6, 1e-5), steps: int = 3,
+                    repeats: int = 2, masters: str = "device", snapshot: str = "device",
+                    engine_device: str | None = None, tp: int = 1) -> DeltaBenchResult:
+    """One ``bench --delta`` row (module docstring)."""
+    from weightstream.launch import launch
+
+    problems = []
+    if transport not in DELTA_TRANSPORTS:
+        problems.append(f"transport must be one of {DELTA_TRANSPORTS}, got {transport!r}")
+    if masters not in ("device", "host") or snapshot not in ("device", "host"):
+        problems.append(f"masters and snapshot are kept on 'device' or 'host', got {masters!r}, {snapshot!r}")
+    if steps < 1 or not lrs or any(lr <= 0 for lr in lrs):
+        problems.append(f"at least one step and positive learning rates, got steps {steps}, lrs {list(lrs)}")
+    if problems:
+        raise ValueError("bench --delta: " + "; ".join(problems))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    cfg = bench_config(preset, tiny, dtype)
+    res = DeltaBenchResult(preset + (" (tiny widths)" if tiny else ""), transport, "", dtype, bucket_bytes,
+                           masters, snapshot)
+    engine_tp = 1 if transport == "broadcast" else tp
+    devices = _engine_devices(engine_device, transport, tp, engine_tp, 1)
+    with serving(cfg, devices, engine_tp, dtype) as (tmp, (url,)):
+        ranks = launch(tp, delta_job, tmp, url, transport, bucket_bytes, dtype, list(lrs), steps, repeats, masters,
+                       snapshot, tp, backend=backend, timeout_s=3600)
+        r = ranks[0]
+        text, ok = logits_check(url, r["logits"], dtype)
+    res.device = f"trainer {r['device']}, engine {devices[0]}"
+    res.updates = [DeltaStep(**{k: u[k] for k in DeltaStep.__dataclass_fields__}) for u in r["updates"]]
+    last = r["updates"][-1]
+    res.bytes, res.buckets, res.snapshot_bytes = last["bytes"], last["buckets"], last["snapshot_bytes"]
+    unchecked = [k for k, u in enumerate(res.updates) if not u.checked]
+    full_after_steps = [k for k, u in enumerate(res.updates) if u.lr is not None and u.full]
+    res.check = (f"{len(res.updates) - len(unchecked)} of {len(res.updates)} updates checked (every engine rank's "
+                 f"checksum of every bucket equal to the trainer's); {text}")
+    if full_after_steps:
+        res.check += f"; updates {full_after_steps} after a step went full"
+    res.check_ok = ok and not unchecked and not full_after_steps
+    if transport == "ipc":
+        res.ceiling_s = copy_ceiling(res.bytes, bucket_bytes, torch.device(devices[0].split(",")[0]), repeats)
+        res.ceiling = "device copy of a full update's bytes"
+    elif transport == "p2p":
+        per_rank = [x["updates"][-1]["bytes"] for x in ranks]
+        res.bytes = sum(per_rank)
+        raw = launch(2 * tp, raw_send_recv_job, per_rank, bucket_bytes, repeats, backend=backend)
+        res.ceiling_s = max(x["seconds"] for x in raw)
+        res.ceiling = f"plain {backend} send/recv of each rank's bytes, {tp} pairs at once"
+    else:
+        raw = launch(1 + engine_tp, raw_broadcast_job, res.bytes, bucket_bytes, repeats, backend=backend)
+        res.ceiling_s = raw[0]["seconds"]
+        res.ceiling = f"plain {backend} broadcast of a full update's bytes to {engine_tp} ranks"
+    return res
+
+
+def write_delta_json(results: list[DeltaBenchResult], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump([r.as_dict() for r in results], f, indent=1)
