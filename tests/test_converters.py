@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 import weightstream as ws
@@ -161,6 +163,10 @@ def test_te_names_resolve_to_the_same_hf_names():
 def test_spec_reads_configs():
     s = model_spec(preset_config("qwen3-8b"))
     assert (s.head_dim, s.q_per_group, s.qkv_bias, s.qk_norm, s.rope_theta) == (128, 4, False, True, 1e6)
+    from weightstream.converters.expected import expected_hf_shapes
+
+    shapes = expected_hf_shapes(preset_config("qwen3-4b"))  # Qwen3-4B: 4,022,468,096 parameters, tied
+    assert (len(shapes), sum(math.prod(v) for v in shapes.values())) == (398, 4_022_468_096)
     s2 = model_spec(preset_config("tiny-qwen2"))
     assert (s2.head_dim, s2.qkv_bias, s2.qk_norm) == (8, True, False)
     with pytest.raises(UnknownModelError):
