@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -209,7 +209,8 @@ class ShardedCausalLM:
         self.stale: set[str] = set()  # released (or half-updated) weights no update has loaded since
         self.stale_why = ""
         self.rollback = True  # back up what a session overwrites (else an aborted session leaves weights stale)
-        self._loaded_in_session: set[str] = set()
+        # the names each load of the open session covered (joined only where a commit or abort needs them)
+        self._loaded_in_session: list[Collection[str]] = []
         # vocabulary row pieces (per-rank embedding / lm_head) received, for exchange_vocab_pieces
         self.pending_vocab: list[tuple[str, int, Tensor]] = []
         self.fp8: BlockFP8 | None = None  # the model's block-FP8 layout (None: an unquantized model)
@@ -277,10 +278,13 @@ class ShardedCausalLM:
     def begin_session(self) -> None:
         self.backup = {} if self.rollback else None
         self.pending_vocab = []
-        self._loaded_in_session = set()
+        self._loaded_in_session = []
+
+    def _session_loaded(self) -> set[str]:
+        return set().union(*self._loaded_in_session)
 
     def commit_session(self) -> None:
-        missing = self.stale - self._loaded_in_session
+        missing = self.stale - self._session_loaded() if self.stale else set()
         if missing:
             raise RuntimeError(f"{len(missing)} tensors {self.stale_why} and this update did not load them "
                                f"(e.g. {sorted(missing)[:3]}); the update is not committed")
@@ -296,7 +300,7 @@ class ShardedCausalLM:
         backup, self.backup = self.backup or {}, None
         self.pending_vocab = []
         if not self.rollback and self._loaded_in_session:
-            self.stale |= self._loaded_in_session
+            self.stale |= self._session_loaded()
             self.stale_why = "were half-updated by an aborted update (this engine keeps no backup)"
         for name, old in backup.items():
             param = self.params[name][0]
@@ -483,10 +487,11 @@ class ShardedCausalLM:
         first, with one batched copy per dtype."""
         if self.released_bytes:
             return LoadReport([], [f"{n}: the weights are released; resume them before loading" for n in names])
-        self._keep(list(zip(names, (t for group in targets for t in group), strict=True)))
+        if self.backup is not None:
+            self._keep(list(zip(names, (t for group in targets for t in group), strict=True)))
         for copy in copies:
             copy()
-        self._loaded_in_session.update(names)
+        self._loaded_in_session.append(names)
         return LoadReport(names, [])
 
     @torch.no_grad()
@@ -496,8 +501,9 @@ class ShardedCausalLM:
         this session (an abort puts them back, or, without backups, marks them stale)."""
         if self.released_bytes:
             raise RuntimeError("the weights are released; resume them before an update writes into them")
-        self._keep(list(zip(names, targets, strict=True)))
-        self._loaded_in_session.update(names)
+        if self.backup is not None:  # (no per-tensor work per update without backups)
+            self._keep(list(zip(names, targets, strict=True)))
+        self._loaded_in_session.append(names)
 
     def _held_fp8(self, name: str) -> bool:
         """Whether the model holds ``name`` in block FP8 (an update must send it as float8 with its scales)."""
@@ -537,9 +543,9 @@ class ShardedCausalLM:
                     names.append(name)
                     dst.append(param)
                 loaded.append(name)
-                self._loaded_in_session.add(name)
             except (ValueError, RuntimeError) as exc:
                 problems.append(f"{name}: {exc}")
+        self._loaded_in_session.append(loaded)
         self._keep(list(zip(names, dst, strict=True)))
         if dst:
             torch._foreach_copy_(dst, src)

@@ -806,7 +806,7 @@ class EngineServer(ThreadingHTTPServer):
             raise EngineFailure(f"{what} must run between begin_weight_update() and end_weight_update()")
 
     def _record(self, results, b) -> tuple[int, dict]:
-        loaded = len(results[0]["loaded"]) if results and isinstance(results[0], dict) else 0
+        loaded = int(results[0]["loaded"]) if results and isinstance(results[0], dict) else 0
         self.engine.session_loaded += loaded
         msg = f"Succeeded to update weights ({loaded} tensors)."
         if b.get("weight_version") is not None:

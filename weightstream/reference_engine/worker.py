@@ -383,7 +383,7 @@ class Worker:
         group = self._group(group_name)
         programs = [self._dense_program(b["names"], b["dtypes"], b["shapes"]) for b in buckets]
         pipe = _Pipeline(self, max((p.total for p in programs), default=0))
-        loaded, failure = [], None
+        loaded, failure = 0, None
         for i, program in enumerate(programs):
             raw = pipe.receive(i, program.total, group)
             if failure is not None:
@@ -455,7 +455,7 @@ class Worker:
 
     def _take_buckets(self, chan: Channel, programs: list, timeout_s: float, delta: bool = False) -> dict:
         """One :class:`BucketSent` frame per bucket, each loaded and answered (:class:`BucketLoaded`)."""
-        loaded: list[str] = []
+        loaded = 0
         events = None
         for k, program in enumerate(programs):
             frame, fds = _receive(chan, BucketSent, timeout_s, f"the frame of bucket {k} from the trainer", k)
@@ -469,7 +469,7 @@ class Worker:
         return {"loaded": loaded}
 
     def _load_sent(self, k: int, program, frame: BucketSent, fds: list[int], events: list | None,
-                   delta: bool = False) -> list[str]:
+                   delta: bool = False) -> int:
         """Bucket ``k`` out of the buffer ``frame`` names (opened if it comes with the frame); on a GPU (where
         ``events`` are the trainer's) after the trainer's event for it, recording ours once the copies are
         queued. ``delta``: the buffer holds a delta payload (:meth:`_load_delta_sent`)."""
@@ -500,7 +500,7 @@ class Worker:
                 torch.cuda.current_stream(self.device).synchronize()
         return loaded
 
-    def _load_delta_sent(self, program, view: torch.Tensor, record: DeltaRecord, expected_checksum) -> list[str]:
+    def _load_delta_sent(self, program, view: torch.Tensor, record: DeltaRecord, expected_checksum) -> int:
         """A delta-mode bucket out of the trainer's buffer ``view``: its new bytes (:meth:`_delta_bytes`; a dense
         one copied into a buffer of ours first, as those are kept for the next delta), loaded."""
         header = _record_header(record)
@@ -701,7 +701,7 @@ class Worker:
             torch.cuda.synchronize(self.device)
         self.direct_updates += 1
         chan.send(WritesApplied(len(export.names)))
-        return {"loaded": export.names}
+        return {"loaded": len(export.names)}
 
     def _open_events(self, handles) -> list:
         """The trainer's interprocess CUDA events, from their handles (base64)."""
@@ -837,7 +837,7 @@ class Worker:
     def _report(self, report):
         if report.problems:
             raise RuntimeError(f"{len(report.problems)} tensors could not be loaded: " + "; ".join(report.problems))
-        return {"loaded": report.loaded}
+        return {"loaded": len(report.loaded)}  # a count: the names would cross the pipe per update
 
     def _load(self, tensors, foreign: bool = False):
         """``foreign``: the tensors live in the sender's memory (IPC), which it may free or reuse as soon as

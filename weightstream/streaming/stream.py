@@ -147,6 +147,7 @@ class StreamPlan:
     buffers: list[Tensor | None] = field(default_factory=lambda: [None, None])  # kept bucket buffers (reuse)
     digest: str | None = None  # of every bucket's metadata (metadata_digest)
     checked_into: Any = None  # the key of the last write_into targets checked against every bucket
+    all_mine: bool | None = None  # this rank makes every tensor itself (read once: can_write_into)
 
     def forget_copies(self, key: Any) -> None:
         """Drop every bucket's copies kept under ``key`` (``("into", k)``: those into the targets ``k`` of
@@ -296,7 +297,11 @@ class BucketStream(Iterator[Bucket]):
     def can_write_into(self) -> bool:
         """Whether this rank makes every tensor of every bucket itself, whole (a full stream of a source with
         no pipeline or expert parallelism to share over, kept plan): then :meth:`write_into` applies."""
-        return self.mode == "full" and self.shared is not None and all(it.mine for it in self.items)
+        if self.mode != "full" or self.shared is None:
+            return False
+        if self.shared.all_mine is None:  # per plan, not per update: the items are the plan's
+            self.shared.all_mine = all(it.mine for it in self.items)
+        return self.shared.all_mine
 
     def write_into(self, targets: dict[str, Tensor], key: Any) -> None:
         """Have every tensor written straight into ``targets[name]`` (a contiguous tensor of the tensor's dtype

@@ -352,14 +352,25 @@ def _inheritable(fd: int) -> bool:
         return False
 
 
+_MOD = 65521  # the period of the checksum's position weights
+
+
 def checksum(buffer: torch.Tensor) -> str:
-    """A position-sensitive checksum of a flat uint8 buffer, computed where the buffer lives."""
+    """A position-sensitive checksum of a flat uint8 buffer, computed where the buffer lives: over its 32-bit
+    words ``w_i``, the sum of the words and the sum of ``w_i * (i % 65521 + 1)`` (each modulo 2**48). The second
+    is summed by columns of a ``[rows, 65521]`` view (the words' position within a row is their weight), so that
+    no word is widened or multiplied in memory: a few passes over the bytes, not a dozen."""
     flat = buffer.reshape(-1)
     pad = (-flat.numel()) % 4
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    words = flat.view(torch.int32).to(torch.int64)
-    weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65521 + 1
-    s1 = int(words.sum().item())
-    s2 = int((words * weights).sum().item())
+    words = flat.view(torch.int32)
+    rows = words.numel() // _MOD
+    s1 = int(words.sum(dtype=torch.int64).item())
+    s2 = 0
+    if rows:
+        columns = words.narrow(0, 0, rows * _MOD).view(rows, _MOD).sum(dim=0, dtype=torch.int64)
+        s2 = int((columns * torch.arange(1, _MOD + 1, device=words.device, dtype=torch.int64)).sum().item())
+    tail = words.narrow(0, rows * _MOD, words.numel() - rows * _MOD).to(torch.int64)
+    s2 += int((tail * torch.arange(1, tail.numel() + 1, device=words.device, dtype=torch.int64)).sum().item())
     return f"{buffer.numel():x}-{s1 & 0xFFFFFFFFFFFF:x}-{s2 & 0xFFFFFFFFFFFF:x}"
