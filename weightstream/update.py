@@ -30,6 +30,7 @@ from weightstream.engines.base import (
     PAUSE_AND_BEGIN,
     RELEASE_MEMORY,
     RESHARD,
+    ROLLBACK,
     SINGLE_DTYPE,
     CommitsAndResumes,
     EngineAdapter,
@@ -472,7 +473,8 @@ class WeightSync:
             return None, None
         mismatch = "; ".join(problems)
         self.delta.force_full(f"the check of the last attempt found: {mismatch}")
-        self._abort_sessions()
+        # An engine that cannot roll back holds the mismatched bytes: it stays paused until the full update.
+        self._abort_sessions(resume_stale=False)
         return None, mismatch
 
     def _urls(self) -> list[str]:
@@ -675,10 +677,11 @@ class WeightSync:
         made = iter(make_adapter(k, u, **self._adapter_options) for k, u in zip(kinds or [], urls, strict=True))
         self.engines = [next(made) if isinstance(e, str) else e for e in self._given]
 
-    def _abort_sessions(self, seconds: float | None = None) -> None:
+    def _abort_sessions(self, seconds: float | None = None, resume_stale: bool = True) -> None:
         """Close every engine's session without committing, then resume generation; within ``seconds``
         (the cleanup budget by default), best effort: an engine that cannot answer gives its session
-        up by itself after the bound it was given at ``begin``."""
+        up by itself after the bound it was given at ``begin``. ``resume_stale`` False: an engine that does not
+        declare ``rollback`` (what the session loaded stays) is left paused, for an update that follows at once."""
         deadline = Deadline(cleanup_budget(self.timeout_s) if seconds is None else seconds)
         pool = ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="ws-abort")
 
@@ -688,7 +691,8 @@ class WeightSync:
             except Exception as exc:  # noqa: BLE001
                 log.warning("could not abort the update session on %s: %s", e.url, exc)
             try:
-                e.resume(timeout_s=deadline.remaining(0.5))
+                if resume_stale or e.info().can(ROLLBACK):
+                    e.resume(timeout_s=deadline.remaining(0.5))
             except Exception as exc:  # noqa: BLE001
                 log.warning("could not resume generation on %s: %s", e.url, exc)
 
