@@ -21,6 +21,9 @@ def test_p2p_row_runs_p2p_and_checks_the_engine():
     assert diff <= 1e-4, res.check  # float32 engine vs the Megatron model's own forward
     assert res.check_ok is True and "every bucket's checksum verified by the engine" in res.check, res.check
     assert "transfer" in res.phases
+    # the engine's side of the same run, split: each bucket received then loaded, the wait between requests
+    assert {"receive", "load", "idle", "commit"} <= set(res.engine_phases), res.engine_phases
+    assert 0 < sum(res.engine_phases.values()) < res.best_s
 
 
 def test_rows_saved_with_json_print_again_from_it(tmp_path, capsys):
@@ -56,6 +59,9 @@ def test_an_fp8_ipc_row_writes_into_the_float8_engine_and_checks_it():
     assert res.transport == "ipc (block FP8 16x16) (one copy: written into the engine's weights)", res.transport
     assert res.check_ok is True and "every bucket's checksum verified by the engine" in res.check, res.check
     assert res.ceiling == "device copy of the bf16 bytes read"
+    # the engine's side: the channel and the offer, the backup of what the trainer overwrites, then its writes
+    assert {"handshake", "backup", "wait", "commit"} <= set(res.engine_phases), res.engine_phases
+    assert "load" not in res.engine_phases  # written by the trainer: nothing loaded by the engine
     diff = float(re.search(r"max \|diff\| (\S+)", res.check).group(1))
     assert diff <= 1e-4, res.check
 

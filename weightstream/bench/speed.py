@@ -53,6 +53,9 @@ class BenchResult:
     peak_extra_bytes: int | None = None
     phases: dict[str, float] = field(default_factory=dict)  # of the best warm run
     cold_phases: dict[str, float] = field(default_factory=dict)  # of the first run (updates)
+    # the engine's side of the best warm run, its rank 0 (reference engine: ``update_phases``), and of the first
+    engine_phases: dict[str, float] = field(default_factory=dict)
+    engine_cold_phases: dict[str, float] = field(default_factory=dict)
     check: str = ""  # what was checked after the runs, and how it came out
     check_ok: bool | None = None  # whether it passed; a row whose check fails or cannot run has failed
 
@@ -93,7 +96,9 @@ class BenchResult:
             + (f", after prepare() {self.prepare_s * 1e3:.1f} ms" if self.prepare_s is not None else ""),
             f"  peak extra memory {peak}",
         ]
-        for what, phases in (("best warm", self.phases), ("cold", self.cold_phases)):
+        for what, phases in (("best warm", self.phases), ("cold", self.cold_phases),
+                             ("engine rank 0, best warm", self.engine_phases),
+                             ("engine rank 0, cold", self.engine_cold_phases)):
             if phases:
                 lines.append(f"  phases ({what}): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in phases.items()))
         if self.check:
@@ -278,11 +283,19 @@ def update_job(cfg_dir: str, url: str | list[str], transport: str, bucket_bytes:
         prepared = None
         if prepare:
             ((prepared, _),), _ = _timed(device, 1, lambda: sync.prepare(chunks, cfg))
-        runs, peak = _timed(device, repeats + 1, lambda: sync.update(chunks, cfg))
+        runs: list[tuple[float, Any]] = []
+        engine: list[dict[str, float]] = []
+        peak: int | None = None
+        for _ in range(repeats + 1):
+            (one,), extra = _timed(device, 1, lambda: sync.update(chunks, cfg))
+            runs.append(one)
+            peak = extra if peak is None or extra is None else max(peak, extra)
+            engine.append(_engine_phases(urls[0]) if dist.get_rank() == 0 else {})
         reshard = _reshard_pairs(sync.sinks.get("p2p"))
     verified = _checksummed_update(chunks, cfg, urls, transport, bucket_bytes, ahead, quantize)
     reports = [{"wall": t, "transport": rep.transport, "bytes": rep.bytes, "buckets": rep.buckets,
-                "tensors": rep.tensors, "seconds": rep.seconds, "direct": rep.direct} for t, rep in runs]
+                "tensors": rep.tensors, "seconds": rep.seconds, "direct": rep.direct, "engine": phases}
+               for (t, rep), phases in zip(runs, engine, strict=True)]
     read = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
     ceiling = (copy_ceiling(reports[-1]["bytes"] if quantize is None else read, bucket_bytes, device, repeats)
                if transport == "ipc" else None)
@@ -297,6 +310,17 @@ def update_job(cfg_dir: str, url: str | list[str], transport: str, bucket_bytes:
         logits = f"the Megatron model's own forward failed: {type(exc).__name__}: {exc}"
     return {"device": str(device), "reports": reports, "peak_extra_bytes": peak, "copy_ceiling_s": ceiling,
             "prepare_s": prepared, "logits": logits, "verified": verified, "reshard": reshard}
+
+
+def _engine_phases(url: str) -> dict[str, float]:
+    """Where the last update's time went on the engine's rank 0 (untimed; empty where it cannot say)."""
+    from weightstream.engines import ReferenceEngine
+
+    try:
+        return ReferenceEngine(url).update_phases()[0]
+    except Exception as exc:  # noqa: BLE001 -- a row without the engine's split, said so in the log
+        print(f"weightstream bench: the engine's phases could not be read: {exc}", flush=True)
+        return {}
 
 
 def _reshard_pairs(sink: Any) -> tuple[int, list[tuple[int, int, int]]] | None:
@@ -525,6 +549,7 @@ def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_byte
     res.bytes, res.tensors, res.buckets = best["bytes"], best["tensors"], best["buckets"]
     res.phases = {k: v for k, v in best["seconds"].items() if k != "total"}
     res.cold_phases = {k: v for k, v in reports[0]["seconds"].items() if k != "total"}
+    res.engine_phases, res.engine_cold_phases = best["engine"], reports[0]["engine"]
     res.peak_extra_bytes = r["peak_extra_bytes"]
     if transport == "ipc":
         res.ceiling_s = r["copy_ceiling_s"]

@@ -131,6 +131,12 @@ class ReferenceEngine(SGLangEngine):
             body["weightstream_delta"] = {**bucket.delta.as_json(), "index": bucket.index}
         return body
 
+    def update_phases(self) -> list[dict[str, float]]:
+        """Seconds per phase of the engine's last update session, per engine rank (``/weightstream/update_phases``:
+        handshake, wait, receive, apply delta, load, backup, device finish, idle, commit; each where it occurred)."""
+        reply = self.get("/weightstream/update_phases", step="update_phases")
+        return [{str(k): float(v) for k, v in rank.items()} for rank in reply["ranks"]]
+
     def delta_base(self) -> str | None:
         """What the engine holds to apply deltas to: ``instance/version`` of its last committed delta-mode
         update (asked afresh: a restart or another trainer's update changes it)."""

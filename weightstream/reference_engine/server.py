@@ -719,6 +719,7 @@ class EngineServer(ThreadingHTTPServer):
             ("POST", "/resume_memory_occupation"): self.resume_memory,
             ("GET", "/weightstream/memory"): lambda b: (200, {"ranks": self.engine.call("memory")}),
             ("GET", "/weightstream/delta_checksums"): self.delta_checksums,
+            ("GET", "/weightstream/update_phases"): self.update_phases,
             ("GET", "/weightstream/layout"): self.layout,
         }
 
@@ -847,6 +848,11 @@ class EngineServer(ThreadingHTTPServer):
         indices = sorted({i for r in ranks for i in r})
         return 200, {"instance": e.instance, "delta_base": e.delta_base,
                      "buckets": {str(i): [r.get(i) for r in ranks] for i in indices}}
+
+    def update_phases(self, b):
+        """Where the last update session's time went on each engine rank: seconds per phase (the worker's
+        ``update_phases``), rank by rank."""
+        return 200, {"ranks": self.engine.call("update_phases")}
 
     def update_distributed_ahead(self, b):
         self._in_session("update_weights_from_distributed_ahead")

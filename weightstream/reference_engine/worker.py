@@ -12,6 +12,7 @@ import gc
 import os
 import signal
 import socket
+import time
 import traceback
 import uuid
 from collections import deque
@@ -27,6 +28,7 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 
+from weightstream.common.phases import PhaseClock
 from weightstream.common.processes import die_with_parent
 from weightstream.converters.fp8 import block_fp8_of
 from weightstream.converters.registry import get_converter
@@ -226,6 +228,10 @@ class Worker:
         from weightstream.reference_engine.model import ShardedCausalLM
 
         self.rank, self.size, self.device = rank, size, device
+        # Where an update's time goes on this rank (``update_phases``): the open session's, and the last one's.
+        self.clock = PhaseClock()
+        self.in_session = False
+        self.last_phases: dict[str, float] = {}
         self.config = AutoConfig.from_pretrained(model_dir)
         self.model = ShardedCausalLM(self.config, rank, size, dist.group.WORLD, device, dtype)
         self.groups: dict[str, Any] = {}
@@ -314,8 +320,10 @@ class Worker:
             return self._update_delta(self._dense_program(names, dtypes, shapes), group, delta, expected_checksum)
         if load_format == "flattened_bucket":
             program = self._dense_program(names, dtypes, shapes)
-            raw = self._receive_dense(program, group)
-            return self._load_dense(program, raw, expected_checksum)
+            with self.clock("receive"):
+                raw = self._receive_dense(program, group)
+            with self.clock("load"):
+                return self._load_dense(program, raw, expected_checksum)
         tensors = []
         for name, dt, shape in zip(names, dtypes, shapes, strict=True):
             t = torch.empty(tuple(shape), dtype=dtype_from_name(dt), device=self.device)
@@ -326,9 +334,12 @@ class Worker:
     def _update_delta(self, program, group, delta: dict, expected_checksum):
         """A broadcast bucket of a delta update: its new bytes (:meth:`_delta_bytes`), loaded."""
         header, index = _delta_header(delta), int(delta["index"])
-        raw = self._delta_bytes(index, tuple(program.metas), program.total, header,
-                                self._receive_delta(group, header, index), expected_checksum)
-        return self._load_dense(program, raw, None)
+        with self.clock("receive"):
+            received = self._receive_delta(group, header, index)
+        with self.clock("apply delta"):
+            raw = self._delta_bytes(index, tuple(program.metas), program.total, header, received, expected_checksum)
+        with self.clock("load"):
+            return self._load_dense(program, raw, None)
 
     def _delta_bytes(self, index: int, layout: tuple[TensorMeta, ...], total: int, header: DeltaHeader,
                      received: torch.Tensor, expected_checksum) -> torch.Tensor:
@@ -385,15 +396,17 @@ class Worker:
         pipe = _Pipeline(self, max((p.total for p in programs), default=0))
         loaded, failure = 0, None
         for i, program in enumerate(programs):
-            raw = pipe.receive(i, program.total, group)
+            with self.clock("receive"):
+                raw = pipe.receive(i, program.total, group)
             if failure is not None:
                 continue
             try:
-                with pipe.loading(i):
+                with self.clock("load"), pipe.loading(i):
                     loaded += self._load_dense(program, raw, None)["loaded"]
             except Exception as exc:  # noqa: BLE001 -- the rest is drained, then this is raised
                 failure = f"bucket {i}: {exc}"
-        pipe.finish()
+        with self.clock("device finish"):
+            pipe.finish()
         if failure is not None:
             raise RuntimeError(failure)
         return {"loaded": loaded}
@@ -446,9 +459,11 @@ class Worker:
         tensor of the plan is one whole weight of ours, the trainer may write into our weights instead
         (:meth:`_offer_writes`, :meth:`_take_writes`): no bucket frames then. ``delta``: a delta-mode update,
         every bucket a payload applied to the bytes we hold of it (kept for the next; no writes offered)."""
-        chan, programs = self._ipc_connect(plan, num_buckets, channel, client, timeout_s)
+        with self.clock("handshake"):
+            chan, programs = self._ipc_connect(plan, num_buckets, channel, client, timeout_s)
         with self._leased(chan):
-            offer = self._offer_writes(chan, plan, programs, timeout_s, not delta)
+            with self.clock("handshake"):
+                offer = self._offer_writes(chan, plan, programs, timeout_s, not delta)
             if offer is not None:
                 return self._take_writes(chan, *offer, timeout_s * (num_buckets + 1))
             return self._take_buckets(chan, programs, timeout_s, delta)
@@ -458,14 +473,16 @@ class Worker:
         loaded = 0
         events = None
         for k, program in enumerate(programs):
-            frame, fds = _receive(chan, BucketSent, timeout_s, f"the frame of bucket {k} from the trainer", k)
-            with _closing(fds), _failures_answered(chan, k):
+            with self.clock("wait"):
+                frame, fds = _receive(chan, BucketSent, timeout_s, f"the frame of bucket {k} from the trainer", k)
+            with self.clock("load"), _closing(fds), _failures_answered(chan, k):
                 if self.device.type == "cuda" and frame.events:
                     events = self._open_events(frame.events)
                 loaded += self._load_sent(k, program, frame, fds, events, delta)
             chan.send(BucketLoaded(k))
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            with self.clock("device finish"):
+                torch.cuda.synchronize(self.device)
         return {"loaded": loaded}
 
     def _load_sent(self, k: int, program, frame: BucketSent, fds: list[int], events: list | None,
@@ -691,14 +708,17 @@ class Worker:
             events = self._open_events(answer.events) if cuda else []
             if cuda and len(events) != 4:
                 raise RuntimeError("the trainer sent no CUDA events")
-            self.model.begin_writes(export.names, export.targets)
+            with self.clock("backup"):
+                self.model.begin_writes(export.names, export.targets)
             if cuda:
                 events[2].record(torch.cuda.current_stream(self.device))
         chan.send(Ready())
-        _receive_one(chan, WritesDone, bound_s, "the trainer's writes into our weights")
+        with self.clock("wait"):  # the trainer writes (on a GPU: queues its writes)
+            _receive_one(chan, WritesDone, bound_s, "the trainer's writes into our weights")
         if cuda:
-            torch.cuda.current_stream(self.device).wait_event(events[0])
-            torch.cuda.synchronize(self.device)
+            with self.clock("device finish"):
+                torch.cuda.current_stream(self.device).wait_event(events[0])
+                torch.cuda.synchronize(self.device)
         self.direct_updates += 1
         chan.send(WritesApplied(len(export.names)))
         return {"loaded": len(export.names)}
@@ -739,12 +759,17 @@ class Worker:
         if delta is not None:  # a delta of this rank's bucket: its new bytes, then loaded as a received bucket
             header, index = _delta_header(delta), int(delta["index"])
             total = max((m.offset + m.nbytes for m in metas), default=0)
-            raw = self._delta_bytes(index, metas, total, header, self._receive_delta(group, header, index, src),
-                                    expected_checksum)
-            return self._apply(Bucket(self.bucket_count, raw.narrow(0, 0, total), metas), None)
+            with self.clock("receive"):
+                received = self._receive_delta(group, header, index, src)
+            with self.clock("apply delta"):
+                raw = self._delta_bytes(index, metas, total, header, received, expected_checksum)
+            with self.clock("load"):
+                return self._apply(Bucket(self.bucket_count, raw.narrow(0, 0, total), metas), None)
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        dist.recv(buffer, group=group, group_src=src)
-        return self._apply(Bucket(self.bucket_count, buffer, metas), expected_checksum)
+        with self.clock("receive"):
+            dist.recv(buffer, group=group, group_src=src)
+        with self.clock("load"):
+            return self._apply(Bucket(self.bucket_count, buffer, metas), expected_checksum)
 
     def update_p2p_pieces(self, group_name, parts):
         """A resharded per-rank bucket: ``parts`` from several trainer ranks (each ``src``, ``metas``, ``nbytes``,
@@ -753,9 +778,10 @@ class Worker:
         problem."""
         group = self._group(group_name)
         buffers = [torch.empty(int(p["nbytes"]), dtype=torch.uint8, device=self.device) for p in parts]
-        works = [dist.irecv(b, group=group, group_src=int(p["src"])) for b, p in zip(buffers, parts, strict=True)]
-        for w in works:
-            w.wait()
+        with self.clock("receive"):
+            works = [dist.irecv(b, group=group, group_src=int(p["src"])) for b, p in zip(buffers, parts, strict=True)]
+            for w in works:
+                w.wait()
         index = self.bucket_count
         self.bucket_count += 1
         problems, pieces = [], []
@@ -770,7 +796,8 @@ class Worker:
         problems += more
         if problems:
             raise ValueError(f"bucket {index} refused, nothing of it loaded: " + "; ".join(problems))
-        return self._load(weights)
+        with self.clock("load"):
+            return self._load(weights)
 
     def layout(self):
         """How this rank holds the checkpoint's tensors: the dim each is split on (those held whole omitted)."""
@@ -779,6 +806,10 @@ class Worker:
     def update_tensor(self, payload, load_format, expected_checksum):
         """SGLang's ``/update_weights_from_tensor`` payload, unpickled through the allow-list: named shared
         memory (the CPU) only from the processes :meth:`_grant` knows."""
+        with self.clock("load"):
+            return self._update_tensor(payload, load_format, expected_checksum)
+
+    def _update_tensor(self, payload, load_format, expected_checksum):
         obj = loads_b64(payload, self._grant())
         if load_format == "flattened_bucket":
             buffer = obj["flattened_tensor"]
@@ -853,15 +884,32 @@ class Worker:
         self.model.begin_session()
         self.bucket_count = 0
         self.delta_digests, self.delta_changed = {}, False
+        self.clock.reset()
+        self.in_session = True
         return "ok"
 
     def commit_session(self):
-        self.model.commit_session()
+        with self.clock("commit"):
+            self.model.commit_session()
         self.bucket_count = 0
+        self._end_session()
         return "ok"
+
+    def _end_session(self) -> None:
+        self.in_session = False
+        self.last_phases = self.clock.reset()
+
+    def update_phases(self) -> dict[str, float]:
+        """Seconds per phase of the last update session on this rank (host time; see :class:`PhaseClock`):
+        ``handshake`` (IPC: the channel, the plan, the offer), ``wait`` (IPC: for the trainer's next frame or its
+        writes), ``receive`` (a collective's receive; on a GPU until it is queued), ``apply delta``, ``load``
+        (copies into the weights, queued on a GPU), ``backup``, ``device finish`` (waiting for the device at the
+        end), ``idle`` (between the server's requests), ``commit``."""
+        return dict(self.last_phases)
 
     def abort_session(self):
         restored = self.model.rollback_session()
+        self._end_session()
         self.bucket_count = 0
         if self.delta_changed:  # the bytes held for deltas were changed in place: no longer the committed ones
             self.forget_delta()
@@ -931,6 +979,7 @@ class Worker:
             "commit_session": self.commit_session, "abort_session": self.abort_session,
             "release_memory": self.release_memory, "resume_memory": self.resume_memory, "memory": self.memory,
             "logits": self.logits, "generate": self.generate, "delta_checksums": self.delta_checksums,
+            "update_phases": self.update_phases,
             "update_p2p_pieces": self.update_p2p_pieces, "layout": self.layout,
             "forget_delta": self.forget_delta,
         }
@@ -993,10 +1042,13 @@ def _serve(worker: Worker, conn: Connection) -> None:
     """Run the server's commands until it says ``shutdown`` (or its end of the pipe closes)."""
     commands = worker.commands()
     while True:
+        start = time.perf_counter()
         try:
             command, kwargs = worker.next_command(conn)
         except EOFError:
             return
+        if worker.in_session:
+            worker.clock.add("idle", time.perf_counter() - start)
         if command == "shutdown":
             conn.send((True, "bye"))
             return
