@@ -6,19 +6,18 @@ sent again in full. A Megatron-Core trainer at TP 2 (its gathered buckets sent b
 
 from __future__ import annotations
 
-import copy
 from contextlib import contextmanager
 
 import pytest
 import torch
 
-from tests.helpers.delta_workers import run_delta_updates
+from tests.helpers.delta_workers import HFAdamTrainer, run_delta_updates
 from tests.helpers.faults import serve_with_fault
 from tests.helpers.workers import Case
 from weightstream import WeightSync
 from weightstream.jobs import Layout
 from weightstream.launch import launch
-from weightstream.models.presets import preset_config, random_hf_model, save_random_checkpoint
+from weightstream.models.presets import preset_config, save_random_checkpoint
 from weightstream.reference_engine.server import stop
 
 SMALL = 120_000  # bytes per bucket: the tiny model travels in several buckets
@@ -44,27 +43,11 @@ def engine(model_dir: str, fault: str = "none", port: int = 0, tp: int = 1):
         stop(server)
 
 
-class Trainer:
-    """Adam on fp32 master weights; ``model`` holds them in bf16, as a trainer streams them."""
+class Trainer(HFAdamTrainer):
+    """Adam on fp32 master weights of a preset's transformers model, at :data:`LR`."""
 
     def __init__(self, seed: int = 0, preset: str = "tiny-qwen3"):
-        self.config = preset_config(preset)
-        self.master = random_hf_model(self.config, seed=seed)
-        self.model = copy.deepcopy(self.master).to(torch.bfloat16)
-        self.opt = torch.optim.Adam(self.master.parameters(), lr=LR)
-        self.gen = torch.Generator().manual_seed(seed)
-
-    def step(self) -> None:
-        ids = torch.randint(0, self.config.vocab_size, (2, 16), generator=self.gen)
-        self.master(ids, labels=ids).loss.backward()
-        self.opt.step()
-        self.opt.zero_grad()
-        with torch.no_grad():
-            for kept, master in zip(self.model.parameters(), self.master.parameters(), strict=True):
-                kept.copy_(master)
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return self.model.state_dict()
+        super().__init__(preset_config(preset), seed, LR)
 
 
 def _whole(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:

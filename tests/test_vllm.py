@@ -16,6 +16,7 @@ import urllib.request
 import pytest
 import torch
 
+from tests.helpers.delta_workers import HFAdamTrainer
 from weightstream.engines.base import BROADCAST, DELTA, DeltaChecks
 from weightstream.engines.vllm import WORKER_EXTENSION, VLLMEngine, WorkerDelta, engine_delta, worker_deltas
 from weightstream.integrations.vllm_backend import HeldBuckets, WeightstreamUpdateInfo
@@ -185,27 +186,11 @@ def test_vllm_update_from_megatron(preset, tmp_path):
 SMALL = 120_000  # bytes per bucket: the tiny model travels in several buckets
 
 
-class DeltaTrainer:
-    """Adam on fp32 master weights; ``model`` holds them in bf16, as a trainer streams them (as in
-    ``tests/test_delta_updates.py``): at a small learning rate few bf16 words change per step."""
+class DeltaTrainer(HFAdamTrainer):
+    """:class:`HFAdamTrainer` at lr 1e-5, and HF's greedy tokens with its bf16 weights."""
 
     def __init__(self, config, seed: int, lr: float = 1e-5):
-        from weightstream.models.presets import random_hf_model
-
-        self.config = config
-        self.master = random_hf_model(config, seed=seed)
-        self.model = copy.deepcopy(self.master).to(torch.bfloat16)
-        self.opt = torch.optim.Adam(self.master.parameters(), lr=lr)
-        self.gen = torch.Generator().manual_seed(seed)
-
-    def step(self) -> None:
-        ids = torch.randint(0, self.config.vocab_size, (2, 16), generator=self.gen)
-        self.master(ids, labels=ids).loss.backward()
-        self.opt.step()
-        self.opt.zero_grad()
-        with torch.no_grad():
-            for kept, master in zip(self.model.parameters(), self.master.parameters(), strict=True):
-                kept.copy_(master)
+        super().__init__(config, seed, lr)
 
     def greedy(self) -> list[list[int]]:
         """HF's greedy tokens with the trainer's bf16 weights (in fp32, as the vLLM under test serves them)."""

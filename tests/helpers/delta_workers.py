@@ -1,12 +1,41 @@
-"""A Megatron-Core trainer job (``weightstream.launch``) that updates a reference engine with delta updates."""
+"""Trainers for delta updates: a transformers model with Adam on fp32 masters (in the test process), and a
+Megatron-Core trainer job (``weightstream.launch``) that updates a reference engine with delta updates."""
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.distributed as dist
 
 from tests.helpers.workers import Case, _build
 from weightstream.streaming.stream import stream_hf_weights
+
+
+class HFAdamTrainer:
+    """Adam on fp32 master weights of a transformers model of ``config``; ``model`` holds them in bf16, as a
+    trainer streams them: at a small learning rate few bf16 words change per step."""
+
+    def __init__(self, config, seed: int, lr: float):
+        from weightstream.models.presets import random_hf_model
+
+        self.config = config
+        self.master = random_hf_model(config, seed=seed)
+        self.model = copy.deepcopy(self.master).to(torch.bfloat16)
+        self.opt = torch.optim.Adam(self.master.parameters(), lr=lr)
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def step(self) -> None:
+        ids = torch.randint(0, self.config.vocab_size, (2, 16), generator=self.gen)
+        self.master(ids, labels=ids).loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        with torch.no_grad():
+            for kept, master in zip(self.model.parameters(), self.master.parameters(), strict=True):
+                kept.copy_(master)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
 
 
 def run_delta_updates(case: Case, url: str, steps: int, lr: float) -> dict:
