@@ -4,6 +4,13 @@
 # Block FP8 (flags are one word, so quote them): qwen3-8b:stream:"--reuse-buffers --quantize fp8-block",
 #   qwen3-8b:ipc:"--quantize fp8-block", qwen3-30b-a3b:ipc:"--no-rollback --quantize fp8-block" (H200: the 30B trainer
 #   and its engine on one GPU); the same rows without --quantize for the bf16 update they are compared with.
+# On two GPUs (nvidia-h200-x2; not lent so far): the same rows by wire, bf16 then FP8, whose bytes halve (issue 19's
+#   ratio to raw of the FP8 bytes against the bf16 row's), and the engine's side of each (its phases print too):
+#   qwen3-8b:broadcast qwen3-8b:broadcast:"--quantize fp8-block" qwen3-8b:p2p qwen3-8b:p2p:"--quantize fp8-block"
+#   qwen3-30b-a3b:broadcast qwen3-30b-a3b:broadcast:"--quantize fp8-block" qwen3-30b-a3b:broadcast:--prepare
+# Delta updates on real Adam steps (issue 22's goal row, two GPUs): bash tools/gpu_run.sh bench --delta --transport
+#   broadcast --preset qwen3-4b --lr 1e-6,1e-5 --steps 3 (one GPU: --transport ipc; qwen3-8b needs --masters host and
+#   more host memory than 128 GiB holds with Adam's state).
 # The block-FP8 kernel alone (bits against the whole-tensor arithmetic, speed against a device copy): the word fp8-kernel.
 # JSON of every row and the raw output go to $OUT (or ./gpu-out).
 set -uo pipefail
