@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from weightstream.streaming.delta import _pack_bits, apply, encode
+from weightstream.streaming.delta import _count, _pack_bits, apply, encode
 from weightstream.wire.handles import checksum
 
 
@@ -58,6 +58,13 @@ def _measure(new: torch.Tensor, old: torch.Tensor) -> dict[str, float]:
         "values a[mask]": lambda: a[mask],
         "positions nonzero": lambda: mask.nonzero(),
         "bitmap _pack_bits": lambda: _pack_bits(mask),
+        # the alternatives measured against them
+        "count_nonzero (.item)": lambda: int(torch.count_nonzero(mask).item()),
+        "count 8 at a time (_count)": lambda: _count(mask),
+        "values masked_select": lambda: torch.masked_select(a, mask),
+        "scatter index_put": lambda: b.clone().index_put_((mask,), a[mask]),
+        "scatter masked_scatter": lambda: b.clone().masked_scatter_(mask, a[mask]),
+        "clone (for the two above)": lambda: b.clone(),
     }
     times = {k: _ms(f) for k, f in parts.items()}
     raw_new, raw_old = new.view(torch.uint8), old.view(torch.uint8)

@@ -30,6 +30,7 @@ INDEX_BYTES = 4  # a changed word's position in ``indices`` (int32: buckets up t
 _WORD_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 _GATHER = 0x0102040810204080  # byte k of an int64 times this: into bit 56 + k (see _pack_bits)
+_ADD = 0x0101010101010101  # an int64 of 8 bytes times this: their sum in the top byte (see _count)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +90,20 @@ def _pack_bits(mask: Tensor) -> Tensor:
     return ((flags * _GATHER) >> 56).to(torch.uint8)
 
 
+def _count(mask: Tensor) -> int:
+    """How many of ``mask`` (bool) are set: 8 flags at a time read as one int64, whose product with
+    ``0x0101010101010101`` sums its 8 bytes into the top one (at most 8: no carry), then one sum (a bool sum widens
+    every flag first)."""
+    whole = mask.numel() - mask.numel() % 8
+    head = mask.narrow(0, 0, whole)
+    if whole and head.storage_offset() % 8 == 0:
+        flags = head.view(torch.uint8).view(torch.int64)
+        count = int(((flags * _ADD) >> 56).sum().item())
+    else:
+        count, whole = 0, 0
+    return count + int(mask.narrow(0, whole, mask.numel() - whole).sum().item())
+
+
 def _unpack_bits(packed: Tensor, words: int) -> Tensor:
     bits = _BITS.to(packed.device)
     return (packed.unsqueeze(1) & bits).ne(0).view(-1)[:words]
@@ -104,7 +119,7 @@ def encode(new: Tensor, held: Tensor, word: int, allowed: Iterable[Encoding] = E
     total = new.numel()
     a, b = _words(new, word), _words(held, word)
     mask = a != b
-    count = int(mask.sum().item())
+    count = _count(mask)
     encoding = choose(a.numel(), count, word, allowed)
     header = DeltaHeader(encoding, word, total, count, encoded_bytes(encoding, a.numel(), count, word))
     if encoding == "dense":
@@ -146,8 +161,9 @@ def apply(held: Tensor, header: DeltaHeader, payload: Tensor) -> Tensor:
         words[where] = values
     else:
         mask = _unpack_bits(payload.narrow(0, 0, split), header.words)
-        if int(mask.sum()) != values.numel():
-            raise ValueError(f"delta does not fit: {int(mask.sum())} bits set for {values.numel()} values")
+        set_bits = _count(mask)
+        if set_bits != values.numel():
+            raise ValueError(f"delta does not fit: {set_bits} bits set for {values.numel()} values")
         words[mask] = values
     return held
 
