@@ -683,7 +683,12 @@ def _bench_delta(args: argparse.Namespace) -> int:
         results.append(res)
     if args.json:
         write_delta_json(results, args.json)
-    failed = [f"{r.preset} {r.transport}" for r in results if r.failed]
+    return _rows_status([f"{r.preset} {r.transport}" for r in results if r.failed])
+
+
+def _rows_status(failed: list[str]) -> int:
+    """The exit status of a run of benchmark rows: 1, said on stderr, where the check of any (``failed``) did not
+    pass."""
     if failed:
         print(f"FAILED: the check of {len(failed)} row(s) did not pass: {'; '.join(failed)}", file=sys.stderr)
         return 1
@@ -724,11 +729,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             write_json(results, args.json)
         if args.plot:
             print(plot(results, args.plot))
-        failed = [f"{r.preset} {r.transport}" for r in results if r.failed]
-        if failed:
-            print(f"FAILED: the check of {len(failed)} row(s) did not pass: {'; '.join(failed)}", file=sys.stderr)
-            return 1
-        return 0
+        return _rows_status([f"{r.preset} {r.transport}" for r in results if r.failed])
 
     from weightstream.bench.soak import run_soak
 

@@ -162,7 +162,7 @@ def choose_transport(requested: str, engines: Sequence[EngineAdapter], topo: Top
         shared = any(_local_gpu_uuids() & set(i.gpu_uuids) for i in infos)
         if colocated or (colocated is None and shared):
             return "ipc", "the engine shares this trainer's GPU (colocated)"
-    reshard = bool(engines) and infos[0].can(RESHARD) and plain
+    reshard = reshards(engines, plain)
     failed = _p2p_problems(engines, infos, topo, spec, p2p_source, reshard)
     if not failed and reshard:
         return "p2p", (f"engine TP {infos[0].tp_size}, trainer TP {topo.tp_size} EP {topo.ep_size}: each trainer rank "
@@ -216,6 +216,12 @@ def _p2p_problems(engines: Sequence[EngineAdapter], infos: Sequence[EngineInfo],
                       "Megatron's local spec splits them), which engines hold whole: per-rank buckets would carry "
                       "shards of them")
     return failed
+
+
+def reshards(engines: Sequence[EngineAdapter], plain: bool) -> bool:
+    """Whether P2P into ``engines`` is resharded: the first declares its layout (:data:`RESHARD`) and the update is
+    ``plain`` (unquantized, no deltas)."""
+    return plain and bool(engines) and engines[0].info().can(RESHARD)
 
 
 def _why_not_reshard(info: EngineInfo) -> str:
@@ -493,7 +499,7 @@ class WeightSync:
                                                 plain=self._resharding_takes())
                 _check_formats(self.engines, self.quantize)
                 decided = Decision(kind, reason, any(e.info().can(SINGLE_DTYPE) for e in self.engines),
-                                   kind == "p2p" and self._resharding_takes() and self.engines[0].info().can(RESHARD))
+                                   kind == "p2p" and reshards(self.engines, self._resharding_takes()))
                 if version is not None:
                     self._pause(version)
             except Exception as exc:  # noqa: BLE001 — shared with every rank below

@@ -28,10 +28,10 @@ from weightstream.bench.speed import (
     _timed,
     _trainer,
     bench_config,
+    broadcast_ceiling,
     copy_ceiling,
     logits_check,
-    raw_broadcast_job,
-    raw_send_recv_job,
+    send_recv_ceiling,
     serving,
 )
 from weightstream.sinks.delta import DeltaTracker
@@ -269,13 +269,9 @@ def run_delta_bench(preset: str, transport: str, *, tiny: bool = False, dtype: s
     elif transport == "p2p":
         per_rank = [x["updates"][-1]["bytes"] for x in ranks]
         res.bytes = sum(per_rank)
-        raw = launch(2 * tp, raw_send_recv_job, per_rank, bucket_bytes, repeats, backend=backend)
-        res.ceiling_s = max(x["seconds"] for x in raw)
-        res.ceiling = f"plain {backend} send/recv of each rank's bytes, {tp} pairs at once"
+        res.ceiling_s, res.ceiling = send_recv_ceiling(per_rank, bucket_bytes, repeats, backend)
     else:
-        raw = launch(1 + engine_tp, raw_broadcast_job, res.bytes, bucket_bytes, repeats, backend=backend)
-        res.ceiling_s = raw[0]["seconds"]
-        res.ceiling = f"plain {backend} broadcast of a full update's bytes to {engine_tp} ranks"
+        res.ceiling_s, res.ceiling = broadcast_ceiling(res.bytes, engine_tp, bucket_bytes, repeats, backend)
     return res
 
 

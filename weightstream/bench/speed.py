@@ -555,12 +555,9 @@ def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_byte
         res.ceiling_s = r["copy_ceiling_s"]
         res.ceiling = "device copy of the " + ("bf16 bytes read" if quantize is not None else "same bytes")
     elif best["transport"] == "p2p":
-        _p2p_ceiling(res, ranks, tp, engine_tp, bucket_bytes, repeats, backend)
+        _p2p_ceiling(res, ranks, engine_tp, bucket_bytes, repeats, backend)
     else:
-        ranks_out = engine_tp * replicas
-        raw = launch(1 + ranks_out, raw_broadcast_job, res.bytes, bucket_bytes, repeats, backend=backend)
-        res.ceiling_s = raw[0]["seconds"]
-        res.ceiling = f"plain {backend} broadcast of the same bytes to {ranks_out} ranks, same buckets"
+        res.ceiling_s, res.ceiling = broadcast_ceiling(res.bytes, engine_tp * replicas, bucket_bytes, repeats, backend)
     if best["transport"] != transport:
         res.transport += f" (ran as {best['transport']})"
     return res
@@ -587,7 +584,7 @@ def serving(cfg, devices: list[str], engine_tp: int, dtype: str, rollback: bool 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _p2p_ceiling(res: BenchResult, ranks: list[dict], tp: int, engine_tp: int, bucket_bytes: int, repeats: int,
+def _p2p_ceiling(res: BenchResult, ranks: list[dict], engine_tp: int, bucket_bytes: int, repeats: int,
                  backend: str) -> None:
     """A P2P row's ceiling: plain sends of the same bytes between the same pairs of ranks, every pair at once."""
     from weightstream.launch import launch
@@ -596,15 +593,34 @@ def _p2p_ceiling(res: BenchResult, ranks: list[dict], tp: int, engine_tp: int, b
     if reshard is None:
         per_rank = [x["reports"][-1]["bytes"] for x in ranks]
         res.bytes = sum(per_rank)
-        raw = launch(2 * tp, raw_send_recv_job, per_rank, bucket_bytes, repeats, backend=backend)
-        res.ceiling = f"plain {backend} send/recv of each rank's bytes, {tp} pairs at once, same buckets"
-    else:
-        senders, pairs = reshard
-        res.bytes = sum(n for _, _, n in pairs)
-        raw = launch(senders + engine_tp, raw_reshard_job, pairs, senders, bucket_bytes, repeats, backend=backend)
-        res.ceiling = (f"plain {backend} sends of the resharding plan's bytes, {len(pairs)} pairs of trainer and "
-                       "engine ranks at once, same buckets")
+        res.ceiling_s, res.ceiling = send_recv_ceiling(per_rank, bucket_bytes, repeats, backend)
+        return
+    senders, pairs = reshard
+    res.bytes = sum(n for _, _, n in pairs)
+    raw = launch(senders + engine_tp, raw_reshard_job, pairs, senders, bucket_bytes, repeats, backend=backend)
+    res.ceiling = (f"plain {backend} sends of the resharding plan's bytes, {len(pairs)} pairs of trainer and "
+                   "engine ranks at once, same buckets")
     res.ceiling_s = max(x["seconds"] for x in raw)
+
+
+def broadcast_ceiling(nbytes: int, ranks_out: int, bucket_bytes: int, repeats: int, backend: str,
+                      ) -> tuple[float, str]:
+    """A plain broadcast of ``nbytes`` from one rank to ``ranks_out``, in buckets of ``bucket_bytes``: its time
+    (best of ``repeats``) and what it was."""
+    from weightstream.launch import launch
+
+    raw = launch(1 + ranks_out, raw_broadcast_job, nbytes, bucket_bytes, repeats, backend=backend)
+    return raw[0]["seconds"], f"plain {backend} broadcast of the same bytes to {ranks_out} ranks, same buckets"
+
+
+def send_recv_ceiling(per_rank: list[int], bucket_bytes: int, repeats: int, backend: str) -> tuple[float, str]:
+    """Plain sends of ``per_rank[r]`` bytes from rank r to its pair, every pair at once: the slowest pair's time
+    (best of ``repeats``) and what it was."""
+    from weightstream.launch import launch
+
+    raw = launch(2 * len(per_rank), raw_send_recv_job, per_rank, bucket_bytes, repeats, backend=backend)
+    return (max(x["seconds"] for x in raw),
+            f"plain {backend} send/recv of each rank's bytes, {len(per_rank)} pairs at once, same buckets")
 
 
 def _engine_devices(engine_device: str | None, transport: str, trainer_ranks: int, engine_tp: int,

@@ -40,7 +40,7 @@ from typing import Any, cast
 import torch
 
 from weightstream.reference_engine.schema import delta_problems, int_lists, unknown_dtypes
-from weightstream.streaming.delta import DeltaHeader, Encoding, apply, encoded_bytes
+from weightstream.streaming.delta import DeltaHeader, apply, encoded_bytes
 from weightstream.wire.groups import destroy_group, init_custom_process_group
 from weightstream.wire.handles import checksum
 
@@ -95,8 +95,7 @@ class WeightstreamUpdateInfo:
         d = self.weightstream_delta
         if d is None:
             return None
-        return int(d["index"]), DeltaHeader(cast(Encoding, d["encoding"]), d["word"], d["total"], d["count"],
-                                            d["nbytes"])
+        return int(d["index"]), DeltaHeader.from_json(d)
 
 
 def _update_info_problems(info: WeightstreamUpdateInfo) -> list[str]:

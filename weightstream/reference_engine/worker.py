@@ -18,12 +18,12 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import asdict, replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for
 from types import SimpleNamespace
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,7 @@ from weightstream.streaming.bucket import (
     view_tensor,
 )
 from weightstream.streaming.copies import batched_copy, warm_kernel
-from weightstream.streaming.delta import DeltaHeader, Encoding, apply
+from weightstream.streaming.delta import DeltaHeader, apply
 from weightstream.wire.channel import Channel, ChannelError, fd_peer
 from weightstream.wire.frames import (
     BucketLayout,
@@ -158,14 +158,10 @@ def dense_layout(names, dtypes, shapes) -> list[TensorMeta]:
     return metas
 
 
-def _delta_header(delta: dict) -> DeltaHeader:
-    """A delta bucket's header as the server passes it on (checked there: ``schema.delta_problems``)."""
-    return DeltaHeader(delta["encoding"], delta["word"], delta["total"], delta["count"], delta["nbytes"])
-
-
-def _record_header(record: DeltaRecord) -> DeltaHeader:
-    """A delta bucket's header as a control frame carries it (its encoding checked as the frame was read)."""
-    return DeltaHeader(cast(Encoding, record.encoding), record.word, record.total, record.count, record.nbytes)
+def _wire_meta(m: dict) -> TensorMeta:
+    """A tensor of a per-rank bucket as a P2P request names it (name, dtype, shape, offset, shard)."""
+    return TensorMeta(m["name"], dtype_from_name(m["dtype"]), tuple(m["shape"]), m["offset"],
+                      Shard(**m["shard"]) if m.get("shard") else None)
 
 
 def _metas(layout: BucketLayout) -> list[TensorMeta]:
@@ -333,7 +329,7 @@ class Worker:
 
     def _update_delta(self, program, group, delta: dict, expected_checksum):
         """A broadcast bucket of a delta update: its new bytes (:meth:`_delta_bytes`), loaded."""
-        header, index = _delta_header(delta), int(delta["index"])
+        header, index = DeltaHeader.from_json(delta), int(delta["index"])
         with self.clock("receive"):
             received = self._receive_delta(group, header, index)
         with self.clock("apply delta"):
@@ -520,7 +516,7 @@ class Worker:
     def _load_delta_sent(self, program, view: torch.Tensor, record: DeltaRecord, expected_checksum) -> int:
         """A delta-mode bucket out of the trainer's buffer ``view``: its new bytes (:meth:`_delta_bytes`; a dense
         one copied into a buffer of ours first, as those are kept for the next delta), loaded."""
-        header = _record_header(record)
+        header = DeltaHeader.from_json(asdict(record))  # its encoding checked as the frame was read
         received = view
         if header.encoding == "dense":
             received = typed_buffer(header.nbytes, self.device)
@@ -751,13 +747,9 @@ class Worker:
 
     def update_p2p(self, group_name, src, metas, nbytes, expected_checksum, delta=None):
         group = self._group(group_name)
-        metas = tuple(
-            TensorMeta(m["name"], dtype_from_name(m["dtype"]), tuple(m["shape"]), m["offset"],
-                       Shard(**m["shard"]) if m.get("shard") else None)
-            for m in metas
-        )
+        metas = tuple(_wire_meta(m) for m in metas)
         if delta is not None:  # a delta of this rank's bucket: its new bytes, then loaded as a received bucket
-            header, index = _delta_header(delta), int(delta["index"])
+            header, index = DeltaHeader.from_json(delta), int(delta["index"])
             total = max((m.offset + m.nbytes for m in metas), default=0)
             with self.clock("receive"):
                 received = self._receive_delta(group, header, index, src)
@@ -788,9 +780,7 @@ class Worker:
         for buffer, part in zip(buffers, parts, strict=True):
             if part.get("checksum") is not None and checksum(buffer) != part["checksum"]:
                 problems.append(f"the bytes from trainer rank {part['src']} arrived corrupted (checksum)")
-            for m in part["metas"]:
-                meta = TensorMeta(m["name"], dtype_from_name(m["dtype"]), tuple(m["shape"]), m["offset"],
-                                  Shard(**m["shard"]) if m.get("shard") else None)
+            for meta in map(_wire_meta, part["metas"]):
                 pieces.append((meta, view_tensor(buffer, meta)))
         weights, more = assemble(pieces, self.model.params, self.rank, self.size) if not problems else ([], [])
         problems += more

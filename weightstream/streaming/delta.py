@@ -15,9 +15,9 @@ Pure functions of tensors; they run where the tensors live (the GPU, or the CPU)
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor
@@ -51,6 +51,12 @@ class DeltaHeader:
     def as_json(self) -> dict:
         return {"encoding": self.encoding, "word": self.word, "total": self.total, "count": self.count,
                 "nbytes": self.nbytes}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> DeltaHeader:
+        """The header :meth:`as_json` wrote (other keys, such as the bucket's index, ignored); its fields checked
+        by the receiver first (``reference_engine.schema.delta_problems``, or the control frame's types)."""
+        return cls(cast(Encoding, d["encoding"]), int(d["word"]), int(d["total"]), int(d["count"]), int(d["nbytes"]))
 
 
 def word_size(total: int, itemsizes: Iterable[int]) -> int:
