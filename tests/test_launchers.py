@@ -92,20 +92,22 @@ def test_torchrun_trainer_updates_an_fp8_engine(tmp_path):
         assert torch.equal(torch.load(out / "logits1.pt"), ReferenceEngine(ref.url).logits(INPUT_IDS))
 
 
-def test_torchrun_trainer_sends_deltas(tmp_path):
-    """Delta updates from a torchrun job (TP 2, broadcast into an engine at TP 1), one WeightSync for both: the
-    first full, the second the words that changed, each checked by the engine's checksums; the engine's logits equal
-    HF's after each (the second: the checkpoint of the changed weights)."""
+@pytest.mark.parametrize("transport,engine_tp", [("broadcast", 1), ("ipc", 2), ("p2p", 2)])
+def test_torchrun_trainer_sends_deltas(tmp_path, transport, engine_tp):
+    """Delta updates from a torchrun job (TP 2; broadcast into an engine at TP 1, or colocated IPC and P2P into one at
+    TP 2, each trainer rank encoding against its own snapshot), one WeightSync for both: the first full, the second
+    the words that changed, each checked by the engine's checksums; the engine's logits equal HF's after each (the
+    second: the checkpoint of the changed weights)."""
     cfg = preset_config("tiny-qwen3")
     src = save_random_checkpoint(cfg, tmp_path / "src", seed=37)
     eng_dir = save_random_checkpoint(cfg, tmp_path / "eng", seed=38)
     out = tmp_path / "out"
     out.mkdir()
-    with engine(eng_dir, tp=1) as server:
+    with engine(eng_dir, tp=engine_tp) as server:
         _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-              SCRIPT, "--src", src, "--engine", server.url, "--transport", "broadcast", "--tp", "2", "--out", str(out),
+              SCRIPT, "--src", src, "--engine", server.url, "--transport", transport, "--tp", "2", "--out", str(out),
               "--delta"])
-    _check(src, out, "broadcast", torchrun=True)
+    _check(src, out, transport, torchrun=True)
     first, second = (r["delta"] for r in json.loads((out / "reports.json").read_text()))
     assert (first["full"], first["reason"], first["checked"]) == (True, "the first update", True), first
     assert (second["full"], second["reason"], second["checked"]) == (False, "deltas against version step-0", True)
