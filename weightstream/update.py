@@ -421,6 +421,8 @@ class WeightSync:
         if opened is not None:
             err = self._transfer(*opened, err, report, seconds)
         failure, mismatch = _first_error(err), None
+        if failure is None and opened is not None and isinstance(opened[0], IPCSink):
+            opened[0].share_digests()  # every rank: the check below needs each engine rank's trainer rank's
         if failure is None and _rank() == 0:
             failure, mismatch = self._check_delta(report, seconds)
             if failure is None and mismatch is None:

@@ -428,7 +428,8 @@ class BucketStream(Iterator[Bucket]):
         kept = shared.buffers[slot]
         if kept is None or kept.numel() < total or kept.device != self.device:
             largest = max(self._program_for(b.index).total for b in self.plan)
-            kept = shared.buffers[slot] = typed_buffer(largest, self.device)
+            # zeroed once: the bytes between tensors (alignment) are then the same on every rank and every run
+            kept = shared.buffers[slot] = typed_buffer(largest, self.device).zero_()
         return kept
 
     def _copies(self, program: _Program, raw: Tensor) -> list[Callable[[], Any]]:
