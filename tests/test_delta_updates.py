@@ -150,22 +150,77 @@ def test_corrupted_delta_caught_then_full_update(engine_dir):
         assert_engine_holds(server, trainer)
 
 
-@pytest.mark.parametrize("engine_tp", [1, 2])
-def test_megatron_tp2_trainer_delta_updates(sources, engine_dir, engine_tp):
-    """A Megatron-Core trainer at TP 2 (bf16 weights, Adam on fp32 masters). Into an engine at TP 1: a broadcast
-    of gathered buckets from trainer rank 0, which alone keeps the snapshot and encodes. Into an engine at TP 2:
-    P2P, each trainer TP rank encoding its own shards against its own snapshot and engine rank r checked
-    against trainer rank r."""
-    case = Case(sources["tiny-qwen3"], Layout(2), dtype="bfloat16", bucket_bytes=SMALL)
+@pytest.mark.parametrize("trainer_tp,engine_tp,transport,resharded", [
+    (2, 1, "broadcast", False), (2, 2, "auto", True), (2, 1, "auto", True), (1, 2, "auto", True)])
+def test_megatron_trainer_delta_updates(sources, engine_dir, trainer_tp, engine_tp, transport, resharded):
+    """A Megatron-Core trainer (bf16 weights, Adam on fp32 masters). By broadcast (TP 2 into an engine at TP 1):
+    gathered buckets from trainer rank 0, which alone keeps the snapshot and encodes. By P2P into an engine at the
+    trainer's TP (resharded, as the engine declares its layout, but each trainer rank's bucket goes whole to its
+    engine rank): each trainer TP rank encodes its own shards against its own snapshot, engine rank r checked
+    against trainer rank r. Resharded P2P (TP 2 into TP 1, TP 1 into TP 2): each trainer rank encodes the bytes
+    of each engine rank's rows against its snapshot of those, and each engine rank is checked against the
+    routes that reached it."""
+    case = Case(sources["tiny-qwen3"], Layout(trainer_tp), dtype="bfloat16", bucket_bytes=SMALL)
     with engine(engine_dir, tp=engine_tp) as server:
-        results = launch(2, run_delta_updates, case, server.url, 6, LR)
+        results = launch(trainer_tp, run_delta_updates, case, server.url, 6, LR, transport)
         held = server.engine.call("held_weights")
     reports = results[0]["reports"]
-    assert {r.transport for r in reports} == {"broadcast" if engine_tp == 1 else "p2p"}
+    assert {r.transport for r in reports} == {"broadcast" if transport == "broadcast" else "p2p"}
+    assert all(("resharded P2P" in r.reason) == resharded for r in reports), reports[0].reason
     assert [(r.delta.full, r.delta.checked) for r in reports] == [(True, True)] + [(False, True)] * 5
     # rank 0's share: the whole model gathered (broadcast), its own shards (P2P)
     assert all(0 < r.delta.wire_bytes < r.bytes / 2 for r in reports[1:]), [r.summary() for r in reports]
-    assert all(r.delta is None for r in results[1]["reports"])  # rank 0 decides and checks
+    assert all(r.delta is None for res in results[1:] for r in res["reports"])  # rank 0 decides and checks
+    assert_held(held, results[0]["tensors"])
+
+
+def test_resharded_moe_ep2_delta_updates(tmp_path):
+    """Qwen3-MoE trained with EP 2 into an engine at TP 1: each EP rank encodes its own experts (and the rank that
+    sends the dense tensors, those) against its own snapshot; every update checked, the engine's tensors the
+    trainer's bit for bit."""
+    model_dir = save_random_checkpoint(preset_config("tiny-qwen3-moe"), tmp_path / "moe", seed=124)
+    src = save_random_checkpoint(preset_config("tiny-qwen3-moe"), tmp_path / "src", seed=125)
+    case = Case(src, Layout(1, 1, ep=2), dtype="bfloat16", bucket_bytes=SMALL)
+    with engine(model_dir, tp=1) as server:
+        results = launch(2, run_delta_updates, case, server.url, 3, LR)
+        held = server.engine.call("held_weights")
+    reports = results[0]["reports"]
+    assert all(r.transport == "p2p" and "resharded P2P" in r.reason for r in reports), reports[0].reason
+    assert [(r.delta.full, r.delta.checked) for r in reports] == [(True, True), (False, True), (False, True)]
+    assert_held(held, _as_transformers_holds(results[0]["tensors"], src, tmp_path / "streamed"))
+
+
+def _as_transformers_holds(tensors: dict[str, torch.Tensor], config_dir: str, out) -> dict[str, torch.Tensor]:
+    """The streamed HF tensors as transformers holds them (the engine's model: experts fused): written as a
+    checkpoint with ``config_dir``'s config and loaded in bf16."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    out.mkdir()
+    shutil.copy(f"{config_dir}/config.json", out / "config.json")
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(out / "model.safetensors"))
+    return AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16).state_dict()
+
+
+def test_resharded_corrupted_delta_caught(sources, engine_dir):
+    """Resharded P2P (trainer TP 2 into an engine at TP 1, which hears both trainer ranks per bucket): one trainer
+    rank's delta part arrives corrupted; the check names the bucket, the update goes again in full, and the next is
+    a checked delta again, the engine holding the trainer's tensors bit for bit."""
+    case = Case(sources["tiny-qwen3"], Layout(2), dtype="bfloat16", bucket_bytes=SMALL)
+    with engine(engine_dir, fault="corrupt_delta@1") as server:
+        server.routes[("GET", "/get_server_info")] = server.server_info  # every capability, as a faultless one
+        results = launch(2, run_delta_updates, case, server.url, 3, LR)
+        held = server.engine.call("held_weights")
+    first, caught, after = (r.delta for r in results[0]["reports"])
+    assert "resharded P2P" in results[0]["reports"][1].reason
+    assert (first.full, first.checked, first.mismatch) == (True, True, None)
+    assert caught.mismatch == (f"engine {server.url}: the bytes it applied of buckets [1] differ from the trainer's "
+                               "(checksums)")
+    assert (caught.full, caught.checked, caught.reason) == (True, True, f"the check of the last attempt found: "
+                                                                        f"{caught.mismatch}")
+    assert (after.full, after.checked, after.mismatch) == (False, True, None)
     assert_held(held, results[0]["tensors"])
 
 

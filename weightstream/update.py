@@ -150,7 +150,7 @@ class Decision:
 def choose_transport(requested: str, engines: Sequence[EngineAdapter], topo: Topology, spec: ModelSpec,
                      colocated: bool | None, *, p2p_source: bool = True, plain: bool = True) -> tuple[str, str]:
     """(transport, why), from what the engines declare they can do. Only rank 0 calls it (it asks the engines).
-    ``plain``: the update sends unquantized, whole buckets (no block FP8, no deltas), which resharding takes."""
+    ``plain``: the update sends unquantized buckets (no block FP8), which resharding takes."""
     if requested not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {requested!r}")
     infos = [e.info() for e in engines]
@@ -220,7 +220,7 @@ def _p2p_problems(engines: Sequence[EngineAdapter], infos: Sequence[EngineInfo],
 
 def reshards(engines: Sequence[EngineAdapter], plain: bool) -> bool:
     """Whether P2P into ``engines`` is resharded: the first declares its layout (:data:`RESHARD`) and the update is
-    ``plain`` (unquantized, no deltas)."""
+    ``plain`` (unquantized)."""
     return plain and bool(engines) and engines[0].info().can(RESHARD)
 
 
@@ -228,7 +228,7 @@ def _why_not_reshard(info: EngineInfo) -> str:
     """Why an engine of another TP is not resharded into."""
     if not info.can(RESHARD):
         return f" (the {info.engine} engine does not declare its layout: no resharding)"
-    return " (resharding sends unquantized full updates: not block FP8, not deltas)"
+    return " (resharding sends unquantized weights: not block FP8)"
 
 
 def _pause_and_begin(engine: EngineAdapter, mode: str, version: str, timeout_s: float) -> None:
@@ -370,8 +370,8 @@ class WeightSync:
         return sink
 
     def _resharding_takes(self) -> bool:
-        """Whether this sync's updates are what resharded P2P sends: unquantized and full (no deltas)."""
-        return self.quantize is None and self.delta is None
+        """Whether this sync's updates are what resharded P2P sends: unquantized (deltas or not)."""
+        return self.quantize is None
 
     def _new_sink(self, kind: str, topology: Topology) -> Sink:
         if kind == "ipc":
@@ -381,7 +381,7 @@ class WeightSync:
         if kind == "p2p" and self._reshard:
             return ReshardSink(self.engines[0], topology, master_address=self.master_address,
                                master_port=self.master_port, backend=self.backend, timeout_s=self.timeout_s,
-                               checksums=self.checksums)
+                               checksums=self.checksums, delta=self.delta.snapshot if self.delta else None)
         if kind == "p2p":
             return P2PSink(self.engines[0], topology, master_address=self.master_address,
                            master_port=self.master_port, backend=self.backend, timeout_s=self.timeout_s,
@@ -421,8 +421,8 @@ class WeightSync:
         if opened is not None:
             err = self._transfer(*opened, err, report, seconds)
         failure, mismatch = _first_error(err), None
-        if failure is None and opened is not None and isinstance(opened[0], IPCSink):
-            opened[0].share_digests()  # every rank: the check below needs each engine rank's trainer rank's
+        if failure is None and opened is not None and isinstance(opened[0], (IPCSink, ReshardSink)):
+            opened[0].share_digests()  # every rank: the check below needs what each engine rank's senders sent
         if failure is None and _rank() == 0:
             failure, mismatch = self._check_delta(report, seconds)
             if failure is None and mismatch is None:

@@ -38,7 +38,7 @@ class HFAdamTrainer:
         return self.model.state_dict()
 
 
-def run_delta_updates(case: Case, url: str, steps: int, lr: float) -> dict:
+def run_delta_updates(case: Case, url: str, steps: int, lr: float, transport: str = "auto") -> dict:
     """Build the trainer (its weights in ``case.dtype``), keep fp32 master copies with Adam over them, and per
     step: one Adam step (the gradient of each master seeded by the step, the same on every rank, so that what
     Megatron replicates over TP stays equal), the masters copied into the model, one update of a kept
@@ -51,7 +51,7 @@ def run_delta_updates(case: Case, url: str, steps: int, lr: float) -> dict:
     masters = [p.detach().float().clone() for p in params]
     opt = torch.optim.Adam(masters, lr=lr)
     reports = []
-    with WeightSync([url], delta=True, bucket_bytes=case.bucket_bytes) as sync:
+    with WeightSync([url], delta=True, bucket_bytes=case.bucket_bytes, transport=transport) as sync:
         for step in range(steps):
             if step:
                 gen = torch.Generator().manual_seed(step)

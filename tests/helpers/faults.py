@@ -12,7 +12,8 @@ Faults, as ``KIND`` or ``KIND@N``:
 - ``stall@K``: the worker hangs at bucket K;
 - ``skip_join@R``: engine rank R says it joined the weight-update group and does not;
 - ``stall_commit``: the worker hangs when the update is committed;
-- ``corrupt_delta@K``: the first delta payload of bucket K (changed words, not a dense bucket) has its last
+- ``corrupt_delta@K``: the first delta payload of bucket K (changed words, not a dense bucket; resharded: of one
+  trainer rank's part) has its last
   value changed as it arrives (with ``checksums=True`` the transfer's own checksum catches it first).
 
 Every faulty worker also answers ``held_weights``: the tensors its model holds, by name, on the CPU.
@@ -76,6 +77,15 @@ class FaultyWorker(Worker):
             raw[header.nbytes - 1] ^= 0x5A
             self.struck_delta = True
         return raw
+
+    def _pieces_from_deltas(self, parts: list[dict], payloads: list[torch.Tensor]) -> list[torch.Tensor]:
+        for part, payload in zip(parts, payloads, strict=True):  # resharded: the first delta part of bucket K
+            d = part.get("delta") or {}
+            if (self.fault == f"corrupt_delta@{d.get('index')}" and not self.struck_delta
+                    and d.get("encoding") != "dense" and d.get("nbytes")):
+                payload[int(d["nbytes"]) - 1] ^= 0x5A
+                self.struck_delta = True
+        return super()._pieces_from_deltas(parts, payloads)
 
     def held_weights(self) -> dict[str, torch.Tensor]:
         """By the checkpoint's names (a row-parallel projection wraps its ``linear``)."""

@@ -920,13 +920,16 @@ class EngineServer(ThreadingHTTPServer):
         """A resharded bucket: each entry names the engine rank it is for (``rank``) and the trainer rank it
         comes from (``src``); an engine rank may hear several trainer ranks, or none."""
         group = b.get("group_name", "weight_update_group")
+        problems = [f"part {k}: {p}" for k, r in enumerate(b["ranks"]) for p in delta_problems(r.get("delta"))]
+        if problems:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, "bad delta headers: " + "; ".join(problems))
         parts: list[list[dict]] = [[] for _ in range(self.engine.tp)]
         for r in b["ranks"]:
             rank = r.get("rank")
             if not isinstance(rank, int) or not 0 <= rank < self.engine.tp:
                 raise EngineFailure(f"a part for engine rank {rank!r}; the engine has ranks 0..{self.engine.tp - 1}")
             parts[rank].append({"src": int(r["src"]), "metas": r["metas"], "nbytes": int(r["nbytes"]),
-                                "checksum": r.get("checksum")})
+                                "checksum": r.get("checksum"), "delta": r.get("delta")})
         per_rank = [{"group_name": group, "parts": p} for p in parts]
         return self._guarded(lambda: self.engine.call("update_p2p_pieces", per_rank=per_rank), b)
 

@@ -45,7 +45,7 @@ from weightstream.streaming.bucket import (
     view_tensor,
 )
 from weightstream.streaming.copies import batched_copy, warm_kernel
-from weightstream.streaming.delta import DeltaHeader, apply
+from weightstream.streaming.delta import DeltaHeader, Key, apply
 from weightstream.wire.channel import Channel, ChannelError, fd_peer
 from weightstream.wire.frames import (
     BucketLayout,
@@ -256,10 +256,11 @@ class Worker:
         # Dense broadcast buckets seen before (by names, dtypes, shapes): the parameters they load into,
         # checked once, and how to cut the received buffer; an update repeats the same buckets.
         self.programs: dict[tuple, Any] = {}
-        # Delta updates: per bucket index, the layout and the bytes of the bucket this worker last applied (a
-        # delta is applied to them), and the checksums of what the open session applied; ``delta_changed``:
-        # the open session changed them (an abort leaves them unknown: they are dropped).
-        self.delta_held: dict[int, tuple[tuple[TensorMeta, ...], torch.Tensor]] = {}
+        # Delta updates: per bucket index (resharded: per bucket index and trainer rank), the layout and the
+        # bytes of the bucket this worker last applied (a delta is applied to them), and the checksums of what the
+        # open session applied; ``delta_changed``: the open session changed them (an abort leaves them unknown:
+        # they are dropped).
+        self.delta_held: dict[Key, tuple[tuple[TensorMeta, ...], torch.Tensor]] = {}
         self.delta_digests: dict[int, str] = {}
         self.delta_changed = False
         self._load_initial(model_dir)
@@ -337,11 +338,13 @@ class Worker:
         with self.clock("load"):
             return self._load_dense(program, raw, None)
 
-    def _delta_bytes(self, index: int, layout: tuple[TensorMeta, ...], total: int, header: DeltaHeader,
+    def _delta_bytes(self, index: Key, layout: tuple[TensorMeta, ...], total: int, header: DeltaHeader,
                      received: torch.Tensor, expected_checksum) -> torch.Tensor:
         """Bucket ``index``'s new bytes (``total``, laid out as ``layout``): its payload ``received`` (the changed
         words, or the whole bucket) checked against the sender's checksum where given and applied to the bytes
-        held of the bucket; they are kept for the next update, and their checksum for the trainer to compare."""
+        held of the bucket; they are kept for the next update, and their checksum for the trainer to compare
+        (``delta_digests``, by bucket: a resharded bucket's part, keyed by bucket and trainer rank, is joined to
+        its bucket's by :meth:`update_p2p_pieces`)."""
         if header.total != total:
             raise ValueError(f"delta bucket {index}: {header.total} bytes, its tensors take {total}")
         payload = received.narrow(0, 0, header.nbytes)
@@ -359,7 +362,8 @@ class Worker:
             raw = held[1]  # type: ignore[index]  # held is checked above
             apply(raw.narrow(0, 0, header.total), header, payload)
         self.delta_held[index] = (layout, raw)
-        self.delta_digests[index] = checksum(raw.narrow(0, 0, header.total))
+        if isinstance(index, int):
+            self.delta_digests[index] = checksum(raw.narrow(0, 0, header.total))
         return raw
 
     def _receive_delta(self, group, header: DeltaHeader, index: int, src: int | None = None) -> torch.Tensor:
@@ -776,9 +780,13 @@ class Worker:
                 w.wait()
         index = self.bucket_count
         self.bucket_count += 1
+        if any(p.get("delta") is not None for p in parts):
+            with self.clock("apply delta"):
+                buffers = self._pieces_from_deltas(parts, buffers)
         problems, pieces = [], []
         for buffer, part in zip(buffers, parts, strict=True):
-            if part.get("checksum") is not None and checksum(buffer) != part["checksum"]:
+            if (part.get("delta") is None and part.get("checksum") is not None
+                    and checksum(buffer) != part["checksum"]):
                 problems.append(f"the bytes from trainer rank {part['src']} arrived corrupted (checksum)")
             for meta in map(_wire_meta, part["metas"]):
                 pieces.append((meta, view_tensor(buffer, meta)))
@@ -788,6 +796,27 @@ class Worker:
             raise ValueError(f"bucket {index} refused, nothing of it loaded: " + "; ".join(problems))
         with self.clock("load"):
             return self._load(weights)
+
+    def _pieces_from_deltas(self, parts: list[dict], payloads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A resharded delta-mode bucket: each trainer rank's part, its new bytes from its payload (held per
+        bucket and trainer rank); the checksum of the bucket is those of its parts, joined in trainer-rank order
+        (what the trainer's ``expected_digests`` joins)."""
+        out, digests = [], {}
+        for part, payload in zip(parts, payloads, strict=True):
+            delta = part.get("delta")
+            if delta is None:
+                raise ValueError(f"a resharded bucket with deltas from some trainer ranks, not from rank {part['src']}")
+            header, index, src = DeltaHeader.from_json(delta), int(delta["index"]), int(part["src"])
+            metas = tuple(map(_wire_meta, part["metas"]))
+            total = max((m.offset + m.nbytes for m in metas), default=0)
+            raw = self._delta_bytes((index, src), metas, total, header, payload, part.get("checksum"))
+            digests[src] = (index, checksum(raw.narrow(0, 0, header.total)))
+            out.append(raw)
+        indices = {i for i, _ in digests.values()}
+        if len(indices) != 1:
+            raise ValueError(f"the parts of one resharded bucket name buckets {sorted(indices)}")
+        self.delta_digests[indices.pop()] = "+".join(d for _, (_, d) in sorted(digests.items()))
+        return out
 
     def layout(self):
         """How this rank holds the checkpoint's tensors: the dim each is split on (those held whole omitted)."""

@@ -8,6 +8,10 @@ needs, so no rank gathers a tensor. A route that is the sender's whole bucket go
 into a buffer of its own (one batched copy per dtype). Where the plan is trainer rank r's bucket to engine rank
 r and nothing else (the engine's layout is the trainer's), the engine is told so as a plain per-rank bucket.
 
+Deltas: each sender encodes the bytes of each of its routes against its snapshot of them (kept per bucket and
+engine rank); engine rank e reports, per bucket, the checksums of the bytes each sender's route gave it, joined
+in sender order, which trainer rank 0 checks against the senders' own (:meth:`ReshardSink.share_digests`).
+
 The senders: for each (TP, expert-TP, EP) coordinate of the first pipeline stage, its first data-parallel
 replica; sender i is group rank i, the engine's rank e group rank ``senders + e``. Trainer rank 0 is sender 0:
 it talks to the engine and hosts the group's store.
@@ -30,6 +34,7 @@ from weightstream.sinks.base import Delivery, InFlight, PipelinedSink
 from weightstream.sinks.broadcast import default_backend
 from weightstream.sources.topology import Topology
 from weightstream.streaming.bucket import Bucket, typed_buffer, view_tensor
+from weightstream.streaming.delta import DeltaHeader, Key, Snapshot, word_size
 from weightstream.streaming.reshard import EngineLayout, Route, is_identity, plan_bucket
 from weightstream.wire.groups import GroupLayout, init_custom_process_group
 from weightstream.wire.handles import checksum
@@ -78,8 +83,10 @@ class ReshardSink(PipelinedSink):
 
     def __init__(self, engine: EngineAdapter, topology: Topology, *, master_address: str = "127.0.0.1",
                  master_port: int | None = None, backend: str | None = None, timeout_s: float = 60.0,
-                 checksums: bool = False):
+                 checksums: bool = False, delta: Snapshot | None = None):
+        """``delta``: this rank's snapshot of the bytes of its routes (a delta-mode update, where it is active)."""
         self.engine = implementing(engine, RESHARD, ReshardEngine)
+        self.delta = delta
         self.topology = topology
         self.master_address, self.master_port = master_address, master_port
         self.backend = backend or default_backend()
@@ -213,12 +220,18 @@ class ReshardSink(PipelinedSink):
         roster = self._roster()
         mine = [r for r in self.routes[bucket.index] if r.sender == roster.me]
         buffers = [bucket.buffer if r.whole_bucket else _packed(bucket, r) for r in mine]
-        digests = {(r.sender, r.engine_rank): checksum(b) for r, b in zip(mine, buffers, strict=True)}
-        if self.checksums and len(roster.senders) > 1:
-            # Every rank meets here for every bucket: the checksums reach the poster, and a failure seen by one
-            # (the poster hears the engine) is raised by all, so that none waits for a rank that stopped.
-            for d, f in self._gather((digests, failure)):
+        headers: dict[tuple[int, int], DeltaHeader] = {}
+        if self._delta_active():
+            buffers = [self._encode(bucket, r, b, headers) for r, b in zip(mine, buffers, strict=True)]
+        digests = ({(r.sender, r.engine_rank): checksum(b) for r, b in zip(mine, buffers, strict=True)}
+                   if self.checksums else {})
+        if (self.checksums or self._delta_active()) and len(roster.senders) > 1:
+            # Every rank meets here for every bucket: the checksums and delta headers reach the poster, and a
+            # failure seen by one (the poster hears the engine) is raised by all, so that none waits for a rank
+            # that stopped.
+            for d, h, f in self._gather((digests, headers, failure)):
                 digests.update(d)
+                headers.update(h)
                 failure = failure or f
         if failure is not None:
             raise failure
@@ -226,21 +239,66 @@ class ReshardSink(PipelinedSink):
             return
         posts = []
         if roster.me == 0:
-            told = self._told(bucket.index, digests if self.checksums else {})
+            told = self._told(bucket.index, digests, headers)
             posts.append(self._engine_pool().submit(self.engine.receive_p2p, bucket.index, told))
         n = len(roster.senders)
         works = [dist.isend(b, group=self.group, group_dst=n + r.engine_rank) for r, b in zip(mine, buffers,
                                                                                              strict=True)]
         self._inflight.start(bucket, _Sent(works, buffers), posts)
 
-    def _told(self, index: int, digests: dict[tuple[int, int], str]) -> list[RankBucket]:
-        """What the engine is told of bucket ``index``: per route, the engine rank, the sender and the pieces."""
-        routes = self.routes[index]
-        if self.identity[index]:  # a plain per-rank bucket: trainer rank r to engine rank r
-            return [RankBucket(r.sender, r.metas, r.nbytes, digests.get((r.sender, r.engine_rank)))
-                    for r in routes]
-        return [RankBucket(r.sender, r.metas, r.nbytes, digests.get((r.sender, r.engine_rank)), rank=r.engine_rank)
-                for r in routes]
+    def _encode(self, bucket: Bucket, route: Route, new: torch.Tensor,
+                headers: dict[tuple[int, int], DeltaHeader]) -> torch.Tensor:
+        """The payload of ``route``'s bytes ``new`` against this sender's snapshot of them (its header into
+        ``headers``)."""
+        header, payload = self._snapshot().encode((bucket.index, route.engine_rank), new,
+                                                  word_size(new.numel(), (bucket.word,)))
+        headers[(route.sender, route.engine_rank)] = header
+        return payload
+
+    def _told(self, index: int, digests: dict[tuple[int, int], str],
+              headers: dict[tuple[int, int], DeltaHeader]) -> list[RankBucket]:
+        """What the engine is told of bucket ``index``: per route, the engine rank, the sender and the pieces (or,
+        a delta, the payload that gives them)."""
+        told = []
+        for r in self.routes[index]:
+            key = (r.sender, r.engine_rank)
+            header = headers.get(key)
+            nbytes = r.nbytes if header is None else header.nbytes
+            # identity: a plain per-rank bucket, trainer rank r to engine rank r
+            rank = None if self.identity[index] else r.engine_rank
+            told.append(RankBucket(r.sender, r.metas, nbytes, digests.get(key), header, rank=rank))
+        return told
+
+    def _delta_active(self) -> bool:
+        return self.delta is not None and self.delta.active
+
+    def _snapshot(self) -> Snapshot:
+        if self.delta is None:
+            raise RuntimeError("ReshardSink: a delta-mode bucket, but this sink was made without a snapshot")
+        return self.delta
+
+    def share_digests(self) -> None:
+        """A delta-mode update, on every rank once every rank's buckets went through: the checksums of each
+        sender's routes (its snapshot's) go to trainer rank 0's snapshot as what each engine rank must report per
+        bucket (``Snapshot.ranks``): those of the routes to it, joined in sender order."""
+        if not self._delta_active():
+            return
+        roster = self._roster()
+        everyone = self._gather(self._snapshot().digests if roster.me is not None else None)
+        if self._world()[0] == 0:
+            self._snapshot().ranks = expected_digests([everyone[r] for r in roster.senders], roster.layout.size)
+
+
+def expected_digests(senders: list[dict[Key, str]], engine_ranks: int) -> list[dict[Key, str]]:
+    """Per engine rank, per bucket: the checksums of the bytes each sender's route gave it (``senders``: each
+    sender's, keyed by (bucket, engine rank)), joined with ``+`` in sender order; what the engine reports."""
+    out: list[dict[Key, list[str]]] = [{} for _ in range(engine_ranks)]
+    for digests in senders:
+        for key, digest in digests.items():
+            if isinstance(key, tuple):
+                index, rank = key
+                out[rank].setdefault(index, []).append(digest)
+    return [{i: "+".join(ds) for i, ds in rank.items()} for rank in out]
 
 
 def _packed(bucket: Bucket, route: Route) -> torch.Tensor:

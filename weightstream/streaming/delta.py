@@ -31,6 +31,9 @@ _WORD_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 _GATHER = 0x0102040810204080  # byte k of an int64 times this: into bit 56 + k (see _pack_bits)
 _ADD = 0x0101010101010101  # an int64 of 8 bytes times this: their sum in the top byte (see _count)
+# What a snapshot keeps bytes under: a bucket's index, or (resharded P2P) the bucket's index and the engine rank
+# that the bytes go to (one sender sends one bucket to several engine ranks, each its own bytes).
+Key = int | tuple[int, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,13 +194,13 @@ class Snapshot:
             raise ValueError(f"snapshot must be kept on 'device' or 'host', got {where!r}")
         self.where = where
         self.allowed = tuple(allowed)
-        self.held: dict[int, Tensor] = {}
+        self.held: dict[Key, Tensor] = {}
         self.full = True
         self.active = False  # the buckets of the update under way go through :meth:`encode`
-        self.digests: dict[int, str] = {}
-        self.headers: dict[int, DeltaHeader] = {}
+        self.digests: dict[Key, str] = {}
+        self.headers: dict[Key, DeltaHeader] = {}
         # per-rank mode: the checksums each engine rank must report (its trainer rank's ``digests``)
-        self.ranks: list[dict[int, str]] | None = None
+        self.ranks: list[dict[Key, str]] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -219,8 +222,9 @@ class Snapshot:
         kept = torch.empty(new.numel(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         return kept.copy_(new)
 
-    def encode(self, index: int, new: Tensor, word: int) -> tuple[DeltaHeader, Tensor]:
-        """Bucket ``index``'s new bytes (flat uint8) as a header and payload; the snapshot then holds them."""
+    def encode(self, index: Key, new: Tensor, word: int) -> tuple[DeltaHeader, Tensor]:
+        """The new bytes (flat uint8) of bucket ``index`` (or of a bucket's bytes for one engine rank) as a header
+        and payload; the snapshot then holds them."""
         held = self.held.get(index)
         if self.full or held is None or held.numel() != new.numel():
             header = DeltaHeader("dense", word, new.numel(), new.numel() // word, new.numel())
