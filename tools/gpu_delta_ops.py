@@ -8,12 +8,14 @@ and a device copy of the same bytes for scale. Every payload is applied back and
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 
 import torch
 
-from weightstream.streaming.delta import _count, _pack_bits, apply, encode
+from weightstream.common import word_kernels
+from weightstream.streaming.delta import _count, _pack_bits, apply, encode, encode_into
 from weightstream.wire.handles import checksum
 
 
@@ -39,7 +41,11 @@ def main() -> None:
     old = torch.randn(n, device=dev).to(torch.bfloat16)
     print(f"bucket {args.mib} MiB ({n} bf16 words)")
     copy, digest = _ms(lambda: old.clone()), _ms(lambda: checksum(old.view(torch.uint8)))
-    print(f"  device copy {copy:.2f} ms; checksum {digest:.2f} ms")
+    os.environ["WEIGHTSTREAM_DELTA_KERNEL"] = "0"
+    torch_digest = _ms(lambda: checksum(old.view(torch.uint8)))
+    del os.environ["WEIGHTSTREAM_DELTA_KERNEL"]
+    print(f"  device copy {copy:.2f} ms; checksum {digest:.2f} ms (word kernels: "
+          f"{word_kernels.available(dev)}; torch operations {torch_digest:.2f} ms)")
     for frac in args.changed:
         new = old.clone()
         where = torch.rand(n, device=dev) < frac
@@ -75,7 +81,16 @@ def _measure(new: torch.Tensor, old: torch.Tensor) -> dict[str, float]:
         if not torch.equal(held, raw_new):
             raise SystemExit(f"{enc}: the payload applied differs from the new bytes")
         times[f"encode {enc}"] = _ms(lambda e=enc: encode(raw_new, raw_old, 2, (e,)))
-        times[f"apply {enc}"] = _ms(lambda h=header, p=payload: apply(raw_old.clone(), h, p))
+        times[f"apply {enc} (with a clone)"] = _ms(lambda h=header, p=payload: apply(raw_old.clone(), h, p))
+        # what a snapshot does per bucket: encode, and the held bytes become the new ones (fused on the GPU)
+        held = raw_old.clone()
+        times[f"encode_into {enc} (with a copy)"] = _ms(lambda e=enc, h=held: encode_into(raw_new, h.copy_(raw_old),
+                                                                                          2, (e,)))
+        os.environ["WEIGHTSTREAM_DELTA_KERNEL"] = "0"
+        times[f"encode_into {enc}, torch (with a copy)"] = _ms(
+            lambda e=enc, h=held: encode_into(raw_new, h.copy_(raw_old), 2, (e,)))
+        times[f"apply {enc}, torch (with a clone)"] = _ms(lambda h=header, p=payload: apply(raw_old.clone(), h, p))
+        del os.environ["WEIGHTSTREAM_DELTA_KERNEL"]
     return times
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from typing import Any, Literal, cast
 import torch
 from torch import Tensor
 
+from weightstream.common import word_kernels
 from weightstream.wire.handles import checksum
 
 Encoding = Literal["dense", "indices", "bitmap"]
@@ -141,6 +142,37 @@ def encode(new: Tensor, held: Tensor, word: int, allowed: Iterable[Encoding] = E
     return header, torch.cat([where, values])
 
 
+def encode_into(new: Tensor, held: Tensor, word: int, allowed: Iterable[Encoding] = ENCODINGS,
+                ) -> tuple[DeltaHeader, Tensor]:
+    """:func:`encode`, after which ``held`` holds ``new``'s bytes. Where both are on one CUDA device with the word
+    kernels: one pass compares, counts, makes the bitmap and writes the changed words into ``held``, and one more
+    packs the changed words (and their positions); the same header and payload, bit for bit."""
+    if not (new.device == held.device and word_kernels.available(new.device)):
+        header, payload = encode(new, held, word, allowed)
+        held.copy_(new)
+        return header, payload
+    if new.numel() != held.numel():
+        raise ValueError(f"a delta needs the held bytes of the same bucket: {new.numel()} new bytes, "
+                         f"{held.numel()} held")
+    a = _words(new, word)
+    count, bitmap, counts = word_kernels.compare_pack(a, _words(held, word))
+    encoding = choose(a.numel(), count, word, allowed)
+    header = DeltaHeader(encoding, word, new.numel(), count, encoded_bytes(encoding, a.numel(), count, word))
+    if encoding == "dense":
+        return header, new
+    payload = torch.empty(header.nbytes, dtype=torch.uint8, device=new.device)
+    split = count * INDEX_BYTES if encoding == "indices" else bitmap.numel()
+    tail = payload.narrow(0, split, count * word)
+    values = tail if split % word == 0 else torch.empty(count * word, dtype=torch.uint8, device=new.device)
+    positions = payload.narrow(0, 0, split).view(torch.int32) if encoding == "indices" else None
+    if encoding == "bitmap":
+        payload.narrow(0, 0, split).copy_(bitmap)
+    word_kernels.compact(a, bitmap, counts, _words(values, word), positions)
+    if values is not tail:  # a bitmap of an odd length: the values start unaligned
+        tail.copy_(values)
+    return header, payload
+
+
 def apply(held: Tensor, header: DeltaHeader, payload: Tensor) -> Tensor:
     """Write ``payload`` (encoded by :func:`encode` against bytes equal to ``held``) into ``held`` (flat uint8,
     changed in place) and return it: then exactly the sender's new bytes. Raises ``ValueError`` where the
@@ -168,6 +200,13 @@ def apply(held: Tensor, header: DeltaHeader, payload: Tensor) -> Tensor:
         if where.numel() and (int(where.min()) < 0 or int(where.max()) >= words.numel()):
             raise ValueError(f"delta does not fit: positions outside the bucket's {words.numel()} words")
         words[where] = values
+    elif word_kernels.available(held.device) and payload.device == held.device:
+        packed = payload.narrow(0, 0, split)
+        counts = word_kernels.flagged(packed, header.words)
+        set_bits = int(counts.sum().item())
+        if set_bits != values.numel():
+            raise ValueError(f"delta does not fit: {set_bits} bits set for {values.numel()} values")
+        word_kernels.expand_into(words, packed, values, counts)
     else:
         mask = _unpack_bits(payload.narrow(0, 0, split), header.words)
         set_bits = _count(mask)
@@ -233,12 +272,11 @@ class Snapshot:
         else:
             # on the host: the bucket comes over (the kept copy is then refreshed from it)
             here = new if held.device == new.device else new.to(held.device)
-            header, payload = encode(here, held, word, self.allowed)
+            header, payload = encode_into(here, held, word, self.allowed)
             if header.encoding == "dense":
                 payload = new
             elif payload.device != new.device:
                 payload = payload.to(new.device)
-            held.copy_(here)
         self.digests[index] = checksum(new)
         self.headers[index] = header
         return header, payload
