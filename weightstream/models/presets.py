@@ -127,6 +127,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
         rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6,
     ),
+    # The shape of Qwen/Qwen3-1.7B (tied embeddings): ``bench --delta`` on an 80 GB GPU, masters and Adam's state on it.
+    "qwen3-1.7b": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6,
+    ),
     # Llama 3.1: no biases, Llama 3 rotary scaling (factor 8 beyond 8,192 positions). Llama 3.2's small models: the
     # same with the output layer tied to the embedding and factor 32.
     "tiny-llama": dict(
