@@ -51,19 +51,23 @@ def _build(triton: Any, tl: Any) -> dict[str, Any]:
         tl.store(bitmap + byte, tl.sum(bits, axis=1).to(tl.uint8), mask=byte < (n + 7) // 8)
 
     @triton.jit
-    def compact(new, bitmap, starts, values, positions, n, B: tl.constexpr, VALUES: tl.constexpr,
-                POSITIONS: tl.constexpr):
+    def move(dense, bitmap, starts, packed, positions, n, B: tl.constexpr, PACK: tl.constexpr,
+             POSITIONS: tl.constexpr):
+        """PACK: the flagged words of ``dense`` into ``packed`` back to back (and their positions, with POSITIONS);
+        else each word of ``packed`` into its flagged place in ``dense``."""
         pid = tl.program_id(0)
         offs = pid.to(tl.int64) * B + tl.arange(0, B)
         byte = pid.to(tl.int64) * (B // 8) + tl.arange(0, B // 8)
-        packed = tl.load(bitmap + byte, mask=byte < (n + 7) // 8, other=0).to(tl.int32)
-        flags = tl.reshape((packed[:, None] >> tl.arange(0, 8)[None, :]) & 1, (B,))
+        bits = tl.load(bitmap + byte, mask=byte < (n + 7) // 8, other=0).to(tl.int32)
+        flags = tl.reshape((bits[:, None] >> tl.arange(0, 8)[None, :]) & 1, (B,))
         changed = (flags != 0) & (offs < n)
         at = tl.load(starts + pid) + tl.cumsum(flags, axis=0) - 1
-        if VALUES:
-            tl.store(values + at, tl.load(new + offs, mask=changed, other=0), mask=changed)
-        if POSITIONS:
-            tl.store(positions + at, offs.to(tl.int32), mask=changed)
+        if PACK:
+            tl.store(packed + at, tl.load(dense + offs, mask=changed, other=0), mask=changed)
+            if POSITIONS:
+                tl.store(positions + at, offs.to(tl.int32), mask=changed)
+        else:
+            tl.store(dense + offs, tl.load(packed + at, mask=changed, other=0), mask=changed)
 
     @triton.jit
     def popcounts(bitmap, counts, n, B: tl.constexpr):
@@ -74,19 +78,7 @@ def _build(triton: Any, tl: Any) -> dict[str, Any]:
         flags = tl.reshape((packed[:, None] >> tl.arange(0, 8)[None, :]) & 1, (B,))
         tl.store(counts + pid, tl.sum(tl.where(offs < n, flags, 0), axis=0))
 
-    @triton.jit
-    def expand_into(held, bitmap, starts, values, n, B: tl.constexpr):
-        pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * B + tl.arange(0, B)
-        byte = pid.to(tl.int64) * (B // 8) + tl.arange(0, B // 8)
-        packed = tl.load(bitmap + byte, mask=byte < (n + 7) // 8, other=0).to(tl.int32)
-        flags = tl.reshape((packed[:, None] >> tl.arange(0, 8)[None, :]) & 1, (B,))
-        changed = (flags != 0) & (offs < n)
-        at = tl.load(starts + pid) + tl.cumsum(flags, axis=0) - 1
-        tl.store(held + offs, tl.load(values + at, mask=changed, other=0), mask=changed)
-
-    return {"sums": sums, "compare_pack": compare_pack, "compact": compact, "popcounts": popcounts,
-            "expand_into": expand_into}
+    return {"sums": sums, "compare_pack": compare_pack, "move": move, "popcounts": popcounts}
 
 
 # Compiled on first launch (None without Triton); WEIGHTSTREAM_DELTA_KERNEL=0 keeps the torch operations.
@@ -136,20 +128,20 @@ def compare_pack(new: Tensor, held: Tensor) -> tuple[int, Tensor, Tensor]:
     return int(counts.sum().item()), bitmap, counts
 
 
-def compact(new: Tensor, bitmap: Tensor, counts: Tensor, values: Tensor | None, positions: Tensor | None) -> None:
-    """The words of ``new`` that ``bitmap`` flags into ``values`` (same dtype) and their positions into
-    ``positions`` (int32), back to back in word order; either may be None (not written)."""
+def compact(new: Tensor, bitmap: Tensor, counts: Tensor, values: Tensor, positions: Tensor | None) -> None:
+    """The words of ``new`` that ``bitmap`` flags into ``values`` (same dtype) and, unless None, their positions
+    into ``positions`` (int32), back to back in word order."""
     n = new.numel()
-    _kernels()["compact"][(_blocks(n),)](new, bitmap, _starts(counts), new if values is None else values,
-                                         bitmap if positions is None else positions, n, B=BLOCK,
-                                         VALUES=values is not None, POSITIONS=positions is not None, num_warps=8)
+    _kernels()["move"][(_blocks(n),)](new, bitmap, _starts(counts), values, bitmap if positions is None else positions,
+                                      n, B=BLOCK, PACK=True, POSITIONS=positions is not None, num_warps=8)
 
 
 def expand_into(held: Tensor, bitmap: Tensor, values: Tensor, counts: Tensor) -> None:
     """Each value of ``values`` written at the next word of ``held`` that ``bitmap`` flags; ``counts``: the
     bitmap's :func:`flagged` counts, whose sum the caller checked to be ``values``' size."""
     n = held.numel()
-    _kernels()["expand_into"][(_blocks(n),)](held, bitmap, _starts(counts), values, n, B=BLOCK, num_warps=8)
+    _kernels()["move"][(_blocks(n),)](held, bitmap, _starts(counts), values, bitmap, n, B=BLOCK, PACK=False,
+                                      POSITIONS=False, num_warps=8)
 
 
 def flagged(bitmap: Tensor, n: int) -> Tensor:

@@ -221,11 +221,12 @@ class ReshardSink(PipelinedSink):
         mine = [r for r in self.routes[bucket.index] if r.sender == roster.me]
         buffers = [bucket.buffer if r.whole_bucket else _packed(bucket, r) for r in mine]
         headers: dict[tuple[int, int], DeltaHeader] = {}
-        if self._delta_active():
-            buffers = [self._encode(bucket, r, b, headers) for r, b in zip(mine, buffers, strict=True)]
+        snapshot = self._active_snapshot()
+        if snapshot is not None:
+            buffers = [_encode(snapshot, bucket, r, b, headers) for r, b in zip(mine, buffers, strict=True)]
         digests = ({(r.sender, r.engine_rank): checksum(b) for r, b in zip(mine, buffers, strict=True)}
                    if self.checksums else {})
-        if (self.checksums or self._delta_active()) and len(roster.senders) > 1:
+        if (self.checksums or snapshot is not None) and len(roster.senders) > 1:
             # Every rank meets here for every bucket: the checksums and delta headers reach the poster, and a
             # failure seen by one (the poster hears the engine) is raised by all, so that none waits for a rank
             # that stopped.
@@ -246,15 +247,6 @@ class ReshardSink(PipelinedSink):
                                                                                              strict=True)]
         self._inflight.start(bucket, _Sent(works, buffers), posts)
 
-    def _encode(self, bucket: Bucket, route: Route, new: torch.Tensor,
-                headers: dict[tuple[int, int], DeltaHeader]) -> torch.Tensor:
-        """The payload of ``route``'s bytes ``new`` against this sender's snapshot of them (its header into
-        ``headers``)."""
-        header, payload = self._snapshot().encode((bucket.index, route.engine_rank), new,
-                                                  word_size(new.numel(), (bucket.word,)))
-        headers[(route.sender, route.engine_rank)] = header
-        return payload
-
     def _told(self, index: int, digests: dict[tuple[int, int], str],
               headers: dict[tuple[int, int], DeltaHeader]) -> list[RankBucket]:
         """What the engine is told of bucket ``index``: per route, the engine rank, the sender and the pieces (or,
@@ -269,24 +261,30 @@ class ReshardSink(PipelinedSink):
             told.append(RankBucket(r.sender, r.metas, nbytes, digests.get(key), header, rank=rank))
         return told
 
-    def _delta_active(self) -> bool:
-        return self.delta is not None and self.delta.active
-
-    def _snapshot(self) -> Snapshot:
-        if self.delta is None:
-            raise RuntimeError("ReshardSink: a delta-mode bucket, but this sink was made without a snapshot")
-        return self.delta
+    def _active_snapshot(self) -> Snapshot | None:
+        """The snapshot, where this update's routes go through it (a delta-mode update, full or not)."""
+        return self.delta if self.delta is not None and self.delta.active else None
 
     def share_digests(self) -> None:
         """A delta-mode update, on every rank once every rank's buckets went through: the checksums of each
         sender's routes (its snapshot's) go to trainer rank 0's snapshot as what each engine rank must report per
         bucket (``Snapshot.ranks``): those of the routes to it, joined in sender order."""
-        if not self._delta_active():
+        snapshot = self._active_snapshot()
+        if snapshot is None:
             return
         roster = self._roster()
-        everyone = self._gather(self._snapshot().digests if roster.me is not None else None)
+        everyone = self._gather(snapshot.digests if roster.me is not None else None)
         if self._world()[0] == 0:
-            self._snapshot().ranks = expected_digests([everyone[r] for r in roster.senders], roster.layout.size)
+            snapshot.ranks = expected_digests([everyone[r] for r in roster.senders], roster.layout.size)
+
+
+def _encode(snapshot: Snapshot, bucket: Bucket, route: Route, new: torch.Tensor,
+            headers: dict[tuple[int, int], DeltaHeader]) -> torch.Tensor:
+    """The payload of ``route``'s bytes ``new`` against the sender's ``snapshot`` of them (its header into
+    ``headers``)."""
+    header, payload = snapshot.encode((bucket.index, route.engine_rank), new, word_size(new.numel(), (bucket.word,)))
+    headers[(route.sender, route.engine_rank)] = header
+    return payload
 
 
 def expected_digests(senders: list[dict[Key, str]], engine_ranks: int) -> list[dict[Key, str]]:
