@@ -12,6 +12,9 @@
 #   broadcast --preset qwen3-4b --lr 1e-6,1e-5 --steps 3 (one GPU: --transport ipc; qwen3-8b needs --masters host and
 #   more host memory than 128 GiB holds with Adam's state).
 # The block-FP8 kernel alone (bits against the whole-tensor arithmetic, speed against a device copy): the word fp8-kernel.
+# The delta word kernels (bits against the torch operations, then each step per 512 MiB bucket): the word word-kernels;
+#   delta updates on real Adam steps on an 80 GB GPU: bash tools/gpu_run.sh bench --delta --transport ipc --preset
+#   qwen3-1.7b --masters device --snapshot device --lr 1e-6 --steps 3 (WEIGHTSTREAM_DELTA_KERNEL=0: the torch path).
 # JSON of every row and the raw output go to $OUT (or ./gpu-out).
 set -uo pipefail
 OUT="${OUT:-gpu-out}"; mkdir -p "$OUT"
@@ -23,6 +26,11 @@ for row in "$@"; do
   fi
   if [ "$row" = fp8-kernel ]; then
     PYTHONPATH="/tmp/site:$PWD" timeout 300 python3 tools/gpu_fp8_kernel.py --json "$OUT/fp8_kernel.json" | tail -12
+    continue
+  fi
+  if [ "$row" = word-kernels ]; then
+    PYTHONPATH="$PWD" timeout 300 python3 tools/check_word_kernels.py | tail -4
+    PYTHONPATH="$PWD" timeout 200 python3 tools/gpu_delta_ops.py | tee "$OUT/gpu_delta_ops.txt"
     continue
   fi
   IFS=: read -r preset transport flags <<<"$row"
