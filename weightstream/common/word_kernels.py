@@ -25,7 +25,7 @@ BLOCK = 4096  # words per program (a multiple of 8: a block's bitmap is whole by
 MOD = 65521  # the checksum's position weights: i % MOD + 1
 
 
-def _build(triton: Any, tl: Any) -> dict[str, Any]:
+def _sums(triton: Any, tl: Any) -> Any:
     @triton.jit
     def sums(words, n, s1, s2, B: tl.constexpr, M: tl.constexpr):
         pid = tl.program_id(0)
@@ -35,6 +35,10 @@ def _build(triton: Any, tl: Any) -> dict[str, Any]:
         tl.store(s1 + pid, tl.sum(w, axis=0))
         tl.store(s2 + pid, tl.sum(w * (offs % M + 1), axis=0))
 
+    return sums
+
+
+def _compare_pack(triton: Any, tl: Any) -> Any:
     @triton.jit
     def compare_pack(new, held, bitmap, counts, n, B: tl.constexpr):
         pid = tl.program_id(0)
@@ -50,6 +54,10 @@ def _build(triton: Any, tl: Any) -> dict[str, Any]:
         byte = pid.to(tl.int64) * (B // 8) + tl.arange(0, B // 8)
         tl.store(bitmap + byte, tl.sum(bits, axis=1).to(tl.uint8), mask=byte < (n + 7) // 8)
 
+    return compare_pack
+
+
+def _move(triton: Any, tl: Any) -> Any:
     @triton.jit
     def move(dense, bitmap, starts, packed, positions, n, B: tl.constexpr, PACK: tl.constexpr,
              POSITIONS: tl.constexpr):
@@ -69,6 +77,10 @@ def _build(triton: Any, tl: Any) -> dict[str, Any]:
         else:
             tl.store(dense + offs, tl.load(packed + at, mask=changed, other=0), mask=changed)
 
+    return move
+
+
+def _popcounts(triton: Any, tl: Any) -> Any:
     @triton.jit
     def popcounts(bitmap, counts, n, B: tl.constexpr):
         pid = tl.program_id(0)
@@ -78,7 +90,13 @@ def _build(triton: Any, tl: Any) -> dict[str, Any]:
         flags = tl.reshape((packed[:, None] >> tl.arange(0, 8)[None, :]) & 1, (B,))
         tl.store(counts + pid, tl.sum(tl.where(offs < n, flags, 0), axis=0))
 
-    return {"sums": sums, "compare_pack": compare_pack, "move": move, "popcounts": popcounts}
+    return popcounts
+
+
+def _build(triton: Any, tl: Any) -> dict[str, Any]:
+    """Every kernel, each made by its own builder."""
+    return {"sums": _sums(triton, tl), "compare_pack": _compare_pack(triton, tl), "move": _move(triton, tl),
+            "popcounts": _popcounts(triton, tl)}
 
 
 # Compiled on first launch (None without Triton); WEIGHTSTREAM_DELTA_KERNEL=0 keeps the torch operations.
