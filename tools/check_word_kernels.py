@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -28,6 +30,16 @@ from weightstream.streaming.delta import (
 from weightstream.wire.handles import checksum
 
 DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+@contextmanager
+def torch_path() -> Iterator[None]:
+    """Within: the torch operations, not the word kernels (``WEIGHTSTREAM_DELTA_KERNEL=0``)."""
+    os.environ["WEIGHTSTREAM_DELTA_KERNEL"] = "0"
+    try:
+        yield
+    finally:
+        del os.environ["WEIGHTSTREAM_DELTA_KERNEL"]
 
 
 def _pair(n: int, word: int, frac: float, device: torch.device, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -74,9 +86,8 @@ def check_direct(device: torch.device, sizes: list[int]) -> int:
                     _fail(f"expand_into, word {word} n {n} frac {frac}")
                 if word == 4:
                     s1, s2 = wk.checksum_sums(a)
-                    os.environ["WEIGHTSTREAM_DELTA_KERNEL"] = "0"
-                    ours = checksum(new)
-                    del os.environ["WEIGHTSTREAM_DELTA_KERNEL"]
+                    with torch_path():
+                        ours = checksum(new)
                     if ours != f"{new.numel():x}-{s1 & 0xFFFFFFFFFFFF:x}-{s2 & 0xFFFFFFFFFFFF:x}":
                         _fail(f"checksum sums, n {n}")
                 cases += 1
@@ -103,9 +114,8 @@ def check_paths(device: torch.device, sizes: list[int]) -> int:
                         _fail(f"encode_into, word {word} n {n} frac {frac} {allowed}")
                     if not torch.equal(apply(held.clone(), header, payload), new):
                         _fail(f"apply, word {word} n {n} frac {frac} {allowed}")
-                    os.environ["WEIGHTSTREAM_DELTA_KERNEL"] = "0"
-                    torch_sum = checksum(new)
-                    del os.environ["WEIGHTSTREAM_DELTA_KERNEL"]
+                    with torch_path():
+                        torch_sum = checksum(new)
                     if checksum(new) != torch_sum:
                         _fail(f"checksum, n {n}")
                     cases += 1

@@ -8,11 +8,11 @@ and a device copy of the same bytes for scale. Every payload is applied back and
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections.abc import Callable
 
 import torch
+from check_word_kernels import torch_path
 
 from weightstream.common import word_kernels
 from weightstream.streaming.delta import _count, _pack_bits, apply, encode, encode_into
@@ -41,9 +41,8 @@ def main() -> None:
     old = torch.randn(n, device=dev).to(torch.bfloat16)
     print(f"bucket {args.mib} MiB ({n} bf16 words)")
     copy, digest = _ms(lambda: old.clone()), _ms(lambda: checksum(old.view(torch.uint8)))
-    os.environ["WEIGHTSTREAM_DELTA_KERNEL"] = "0"
-    torch_digest = _ms(lambda: checksum(old.view(torch.uint8)))
-    del os.environ["WEIGHTSTREAM_DELTA_KERNEL"]
+    with torch_path():
+        torch_digest = _ms(lambda: checksum(old.view(torch.uint8)))
     print(f"  device copy {copy:.2f} ms; checksum {digest:.2f} ms (word kernels: "
           f"{word_kernels.available(dev)}; torch operations {torch_digest:.2f} ms)")
     for frac in args.changed:
@@ -86,11 +85,10 @@ def _measure(new: torch.Tensor, old: torch.Tensor) -> dict[str, float]:
         held = raw_old.clone()
         times[f"encode_into {enc} (with a copy)"] = _ms(lambda e=enc, h=held: encode_into(raw_new, h.copy_(raw_old),
                                                                                           2, (e,)))
-        os.environ["WEIGHTSTREAM_DELTA_KERNEL"] = "0"
-        times[f"encode_into {enc}, torch (with a copy)"] = _ms(
-            lambda e=enc, h=held: encode_into(raw_new, h.copy_(raw_old), 2, (e,)))
-        times[f"apply {enc}, torch (with a clone)"] = _ms(lambda h=header, p=payload: apply(raw_old.clone(), h, p))
-        del os.environ["WEIGHTSTREAM_DELTA_KERNEL"]
+        with torch_path():
+            times[f"encode_into {enc}, torch (with a copy)"] = _ms(
+                lambda e=enc, h=held: encode_into(raw_new, h.copy_(raw_old), 2, (e,)))
+            times[f"apply {enc}, torch (with a clone)"] = _ms(lambda h=header, p=payload: apply(raw_old.clone(), h, p))
     return times
 
 if __name__ == "__main__":

@@ -78,14 +78,14 @@ class FaultyWorker(Worker):
             self.struck_delta = True
         return raw
 
-    def _pieces_from_deltas(self, parts: list[dict], payloads: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _pieces_from_deltas(self, parts: list[dict], layouts: list, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
         for part, payload in zip(parts, payloads, strict=True):  # resharded: the first delta part of bucket K
             d = part.get("delta") or {}
             if (self.fault == f"corrupt_delta@{d.get('index')}" and not self.struck_delta
                     and d.get("encoding") != "dense" and d.get("nbytes")):
                 payload[int(d["nbytes"]) - 1] ^= 0x5A
                 self.struck_delta = True
-        return super()._pieces_from_deltas(parts, payloads)
+        return super()._pieces_from_deltas(parts, layouts, payloads)
 
     def held_weights(self) -> dict[str, torch.Tensor]:
         """By the checkpoint's names (a row-parallel projection wraps its ``linear``)."""

@@ -164,6 +164,11 @@ def _wire_meta(m: dict) -> TensorMeta:
                       Shard(**m["shard"]) if m.get("shard") else None)
 
 
+def _extent(metas: tuple[TensorMeta, ...]) -> int:
+    """The bytes of a bucket laid out as ``metas``: to the end of its last tensor."""
+    return max((m.offset + m.nbytes for m in metas), default=0)
+
+
 def _metas(layout: BucketLayout) -> list[TensorMeta]:
     """A bucket's tensors as the trainer's :class:`Plan` lays them out (each at its offset)."""
     return [TensorMeta(n, dtype_from_name(d), tuple(s), o)
@@ -261,7 +266,7 @@ class Worker:
         # open session applied; ``delta_changed``: the open session changed them (an abort leaves them unknown:
         # they are dropped).
         self.delta_held: dict[Key, tuple[tuple[TensorMeta, ...], torch.Tensor]] = {}
-        self.delta_digests: dict[int, str] = {}
+        self.delta_digests: dict[Key, str] = {}
         self.delta_changed = False
         self._load_initial(model_dir)
         # A buffer lent by name (a payload pickled by torch on the CPU) is at most twice the model's size.
@@ -342,9 +347,8 @@ class Worker:
                      received: torch.Tensor, expected_checksum) -> torch.Tensor:
         """Bucket ``index``'s new bytes (``total``, laid out as ``layout``): its payload ``received`` (the changed
         words, or the whole bucket) checked against the sender's checksum where given and applied to the bytes
-        held of the bucket; they are kept for the next update, and their checksum for the trainer to compare
-        (``delta_digests``, by bucket: a resharded bucket's part, keyed by bucket and trainer rank, is joined to
-        its bucket's by :meth:`update_p2p_pieces`)."""
+        held of the bucket (a resharded bucket's part: keyed by bucket and trainer rank); they are kept for the next
+        update, and their checksum for the trainer to compare (:meth:`delta_checksums`)."""
         if header.total != total:
             raise ValueError(f"delta bucket {index}: {header.total} bytes, its tensors take {total}")
         payload = received.narrow(0, 0, header.nbytes)
@@ -362,8 +366,7 @@ class Worker:
             raw = held[1]  # type: ignore[index]  # held is checked above
             apply(raw.narrow(0, 0, header.total), header, payload)
         self.delta_held[index] = (layout, raw)
-        if isinstance(index, int):
-            self.delta_digests[index] = checksum(raw.narrow(0, 0, header.total))
+        self.delta_digests[index] = checksum(raw.narrow(0, 0, header.total))
         return raw
 
     def _receive_delta(self, group, header: DeltaHeader, index: int, src: int | None = None) -> torch.Tensor:
@@ -377,8 +380,17 @@ class Worker:
         return raw
 
     def delta_checksums(self) -> dict[int, str]:
-        """The checksum of each bucket's bytes the open (or last) session applied, by bucket index."""
-        return dict(self.delta_digests)
+        """The checksum of each bucket's bytes the open (or last) session applied, by bucket index; a resharded
+        bucket's: those of its trainer ranks' parts joined with ``+`` in trainer-rank order (what the trainer's
+        ``sinks.reshard.expected_digests`` joins)."""
+        whole: dict[int, str] = {}
+        parts: dict[int, list[tuple[int, str]]] = {}
+        for key, digest in self.delta_digests.items():
+            if isinstance(key, tuple):
+                parts.setdefault(key[0], []).append((key[1], digest))
+            else:
+                whole[key] = digest
+        return {**whole, **{i: "+".join(d for _, d in sorted(ps)) for i, ps in parts.items()}}
 
     def forget_delta(self) -> str:
         """Drop the bytes kept for deltas (the weights were loaded otherwise: they no longer match them)."""
@@ -754,7 +766,7 @@ class Worker:
         metas = tuple(_wire_meta(m) for m in metas)
         if delta is not None:  # a delta of this rank's bucket: its new bytes, then loaded as a received bucket
             header, index = DeltaHeader.from_json(delta), int(delta["index"])
-            total = max((m.offset + m.nbytes for m in metas), default=0)
+            total = _extent(metas)
             with self.clock("receive"):
                 received = self._receive_delta(group, header, index, src)
             with self.clock("apply delta"):
@@ -780,16 +792,16 @@ class Worker:
                 w.wait()
         index = self.bucket_count
         self.bucket_count += 1
+        layouts = [tuple(map(_wire_meta, p["metas"])) for p in parts]
         if any(p.get("delta") is not None for p in parts):
             with self.clock("apply delta"):
-                buffers = self._pieces_from_deltas(parts, buffers)
+                buffers = self._pieces_from_deltas(parts, layouts, buffers)
         problems, pieces = [], []
-        for buffer, part in zip(buffers, parts, strict=True):
+        for buffer, part, layout in zip(buffers, parts, layouts, strict=True):
             if (part.get("delta") is None and part.get("checksum") is not None
                     and checksum(buffer) != part["checksum"]):
                 problems.append(f"the bytes from trainer rank {part['src']} arrived corrupted (checksum)")
-            for meta in map(_wire_meta, part["metas"]):
-                pieces.append((meta, view_tensor(buffer, meta)))
+            pieces.extend((meta, view_tensor(buffer, meta)) for meta in layout)
         weights, more = assemble(pieces, self.model.params, self.rank, self.size) if not problems else ([], [])
         problems += more
         if problems:
@@ -797,26 +809,20 @@ class Worker:
         with self.clock("load"):
             return self._load(weights)
 
-    def _pieces_from_deltas(self, parts: list[dict], payloads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """A resharded delta-mode bucket: each trainer rank's part, its new bytes from its payload (held per
-        bucket and trainer rank); the checksum of the bucket is those of its parts, joined in trainer-rank order
-        (what the trainer's ``expected_digests`` joins)."""
-        out, digests = [], {}
-        for part, payload in zip(parts, payloads, strict=True):
-            delta = part.get("delta")
-            if delta is None:
-                raise ValueError(f"a resharded bucket with deltas from some trainer ranks, not from rank {part['src']}")
-            header, index, src = DeltaHeader.from_json(delta), int(delta["index"]), int(part["src"])
-            metas = tuple(map(_wire_meta, part["metas"]))
-            total = max((m.offset + m.nbytes for m in metas), default=0)
-            raw = self._delta_bytes((index, src), metas, total, header, payload, part.get("checksum"))
-            digests[src] = (index, checksum(raw.narrow(0, 0, header.total)))
-            out.append(raw)
-        indices = {i for i, _ in digests.values()}
+    def _pieces_from_deltas(self, parts: list[dict], layouts: list[tuple[TensorMeta, ...]],
+                            payloads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A resharded delta-mode bucket: each trainer rank's part (laid out as its ``layouts`` entry), its new
+        bytes from its payload, held per bucket and trainer rank (:meth:`_delta_bytes`)."""
+        if any(p.get("delta") is None for p in parts):
+            raise ValueError("a resharded bucket with deltas from some trainer ranks, not from others")
+        deltas = [p["delta"] for p in parts]
+        indices = {int(d["index"]) for d in deltas}
         if len(indices) != 1:
             raise ValueError(f"the parts of one resharded bucket name buckets {sorted(indices)}")
-        self.delta_digests[indices.pop()] = "+".join(d for _, (_, d) in sorted(digests.items()))
-        return out
+        index = indices.pop()
+        return [self._delta_bytes((index, int(part["src"])), layout, _extent(layout), DeltaHeader.from_json(delta),
+                                  payload, part.get("checksum"))
+                for part, layout, delta, payload in zip(parts, layouts, deltas, payloads, strict=True)]
 
     def layout(self):
         """How this rank holds the checkpoint's tensors: the dim each is split on (those held whole omitted)."""

@@ -119,13 +119,17 @@ def _unpack_bits(packed: Tensor, words: int) -> Tensor:
     return (packed.unsqueeze(1) & bits).ne(0).view(-1)[:words]
 
 
+def _same_bucket(new: Tensor, held: Tensor) -> None:
+    if new.numel() != held.numel():
+        raise ValueError(f"a delta needs the held bytes of the same bucket: {new.numel()} new bytes, "
+                         f"{held.numel()} held")
+
+
 def encode(new: Tensor, held: Tensor, word: int, allowed: Iterable[Encoding] = ENCODINGS,
            ) -> tuple[DeltaHeader, Tensor]:
     """``new``'s bytes (flat uint8) against ``held`` (the bytes the engine holds, same size): the header and the
     payload (flat uint8; ``new`` itself where dense is smallest). Neither input is changed."""
-    if new.numel() != held.numel():
-        raise ValueError(f"a delta needs the held bytes of the same bucket: {new.numel()} new bytes, "
-                         f"{held.numel()} held")
+    _same_bucket(new, held)
     total = new.numel()
     a, b = _words(new, word), _words(held, word)
     mask = a != b
@@ -151,9 +155,7 @@ def encode_into(new: Tensor, held: Tensor, word: int, allowed: Iterable[Encoding
         header, payload = encode(new, held, word, allowed)
         held.copy_(new)
         return header, payload
-    if new.numel() != held.numel():
-        raise ValueError(f"a delta needs the held bytes of the same bucket: {new.numel()} new bytes, "
-                         f"{held.numel()} held")
+    _same_bucket(new, held)
     a = _words(new, word)
     count, bitmap, counts = word_kernels.compare_pack(a, _words(held, word))
     encoding = choose(a.numel(), count, word, allowed)
