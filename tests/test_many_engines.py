@@ -53,3 +53,31 @@ def test_a_failing_replica_makes_the_update_commit_on_none(tmp_path):
     for version, logits in served:
         assert version == "v2"
         assert_logits_close(logits, ref)
+
+
+def test_a_replica_failing_its_commit_leaves_every_replica_as_it_was(tmp_path):
+    """Three replicas, the last of which fails the commit itself (its device reports an error once every bucket
+    was loaded and checked): the trainer commits none until each has prepared, so the two before it put their
+    weights back (same version, same logits, bit for bit) instead of serving the new ones alone."""
+    cfg = preset_config("tiny-qwen3")
+    src = save_random_checkpoint(cfg, tmp_path / "src", seed=63)
+    eng_dir = save_random_checkpoint(cfg, tmp_path / "eng", seed=64)
+    opts = {"transport": "broadcast", "bucket_bytes": SMALL, "timeout_s": T, "weight_version": "v1"}
+    with ExitStack() as stack:
+        one = stack.enter_context(engine(eng_dir, tp=1))
+        two = stack.enter_context(engine(eng_dir, tp=2))
+        bad = stack.enter_context(engine(eng_dir, tp=1, fault="fail_commit"))
+        replicas = [ReferenceEngine(u) for u in (one.url, two.url, bad.url)]
+        before = [(e.weight_version(), e.logits(INPUT_IDS)) for e in replicas]
+        failed = launch(2, run_timed_updates, Case(src, Layout(2, 1)), [([one.url, two.url, bad.url], opts)])
+        after = [(e.weight_version(), e.logits(INPUT_IDS)) for e in replicas]
+        # Alone (a commit in one phase), its failed commit is aborted at once: it serves its weights again.
+        alone = launch(2, run_timed_updates, Case(src, Layout(2, 1)), [([bad.url], opts)])
+        after_alone = (replicas[2].weight_version(), replicas[2].logits(INPUT_IDS))
+    for (attempt,) in failed + alone:
+        assert attempt.get("type") == "UpdateError" and attempt["phase"] == "commit", attempt
+        assert "the device reported an error" in attempt["error"] and bad.url in attempt["error"], attempt
+        assert "committed on" not in attempt["error"], attempt  # none had committed
+        assert attempt["seconds"] <= BOUND, attempt["seconds"]
+    for (version, logits), (v0, l0) in zip([*after, after_alone], [*before, before[2]], strict=True):
+        assert version == v0 != "v1" and torch.equal(logits, l0)

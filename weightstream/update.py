@@ -28,6 +28,7 @@ from weightstream.engines.base import (
     IPC,
     P2P,
     PAUSE_AND_BEGIN,
+    PREPARE_COMMIT,
     RELEASE_MEMORY,
     RESHARD,
     ROLLBACK,
@@ -38,8 +39,10 @@ from weightstream.engines.base import (
     EngineInfo,
     MemoryEngine,
     PausesAndBegins,
+    PreparesCommits,
     capable,
     describe_format,
+    implementing,
     require,
 )
 from weightstream.errors import UpdateError, WeightstreamError
@@ -120,6 +123,15 @@ def _first_error(err: BaseException | None) -> BaseException | None:
                 return UpdateError(e.phase, f"on trainer rank {rank}: {e.detail}", e.engines)
             return e
     return None
+
+
+def _committed_on(err: WeightstreamError, committed: Sequence[str], urls: Sequence[str]) -> WeightstreamError:
+    """A commit that failed after some engines had committed says which (the others' sessions are aborted)."""
+    if not committed or not isinstance(err, UpdateError):
+        return err
+    left = [u for u in urls if u not in committed]
+    return UpdateError(err.phase, f"{err.detail} (committed on {list(committed)} before it failed; not on {left})",
+                       err.engines)
 
 
 def _local_gpu_uuids() -> set[str]:
@@ -589,22 +601,39 @@ class WeightSync:
         comes between)."""
         t = time.perf_counter()
         rest = [tag for tag in self.released if tag != "weights"]
-        both = [c for e in self.engines if (c := capable(e, COMMIT_AND_RESUME, CommitsAndResumes)) is not None]
+        both = {e.url for e in self.engines if capable(e, COMMIT_AND_RESUME, CommitsAndResumes) is not None}
         together = not rest and len(both) == len(self.engines)
+        committed: list[str] = []
         try:
-            versions = ({e.url: e.commit_and_resume() for e in both} if together
-                        else {e.url: e.commit_update() for e in self.engines})
-            wrong = {u: v for u, v in versions.items() if v != version}
-            if wrong:
-                raise UpdateError("commit", f"engines report weight versions {wrong}, expected {version!r}",
-                                  self._urls())
+            prepared = self._prepare_commits(version)
+            for e in sorted(self.engines, key=lambda e: e.url in prepared):  # the prepared ones last
+                reported = (implementing(e, COMMIT_AND_RESUME, CommitsAndResumes).commit_and_resume() if together
+                            else e.commit_update())
+                committed.append(e.url)
+                if reported != version:
+                    raise UpdateError("commit", f"engine {e.url} reports weight version {reported!r}, expected "
+                                      f"{version!r}", self._urls())
             for e in self.engines if rest else ():
                 _memory(e).resume_memory(rest)
         except Exception as exc:  # noqa: BLE001 — shared with every rank
-            return _as_update_error("commit", exc, self._urls()), False
+            return _committed_on(_as_update_error("commit", exc, self._urls()), committed, self._urls()), False
         seconds["commit"] = time.perf_counter() - t
         seconds["resume"] = 0.0  # with the commit, where ``together``
         return None, together
+
+    def _prepare_commits(self, version: str) -> set[str]:
+        """Rank 0, updating several engines: the first phase of the commit (:data:`PREPARE_COMMIT`) on each that
+        takes it, before any engine commits: what a commit could fail on fails here, while every session can
+        still be aborted (the engines put their last committed weights back). The URLs of the engines prepared
+        (committed last: an engine that cannot prepare commits while they are still restorable)."""
+        if len(self.engines) < 2:
+            return set()
+        preparing = [p for e in self.engines if (p := capable(e, PREPARE_COMMIT, PreparesCommits)) is not None]
+        wrong = {p.url: v for p in preparing if (v := p.prepare_commit()) != version}
+        if wrong:
+            raise UpdateError("commit", f"engines would serve weight versions {wrong}, expected {version!r}; none "
+                              "committed", self._urls())
+        return {p.url for p in preparing}
 
     def _resume(self, seconds: dict[str, float]) -> None:
         """Rank 0: generation resumes on every engine (best effort: the update is committed)."""

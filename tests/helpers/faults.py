@@ -12,6 +12,8 @@ Faults, as ``KIND`` or ``KIND@N``:
 - ``stall@K``: the worker hangs at bucket K;
 - ``skip_join@R``: engine rank R says it joined the weight-update group and does not;
 - ``stall_commit``: the worker hangs when the update is committed;
+- ``fail_commit``: the worker fails the commit, in its first phase where the trainer asks for one (what a
+  device error surfacing at the end of an update, or a failed exchange of vocabulary pieces, does);
 - ``corrupt_delta@K``: the first delta payload of bucket K (changed words, not a dense bucket; resharded: of one
   trainer rank's part) has its last
   value changed as it arrives (with ``checksums=True`` the transfer's own checksum catches it first).
@@ -63,7 +65,16 @@ class FaultyWorker(Worker):
     def _can_take_writes(self, programs) -> bool:
         return False  # the trainer sends buckets (where the fault strikes), it does not write into the weights
 
+    def prepare_session(self):
+        self._fail_commit()
+        return super().prepare_session()
+
+    def _fail_commit(self) -> None:
+        if self.fault == "fail_commit":
+            raise RuntimeError("the device reported an error at the end of the update (test fault)")
+
     def commit_session(self):
+        self._fail_commit()
         if self.fault == "stall_commit":
             time.sleep(3600)
         return super().commit_session()

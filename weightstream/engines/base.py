@@ -43,6 +43,9 @@ BROADCAST_AHEAD = "broadcast_ahead"
 IPC_AHEAD = "ipc_ahead"
 COMMIT_AND_RESUME = "commit_and_resume"  # commits an update and resumes generation in one request
 PAUSE_AND_BEGIN = "pause_and_begin"  # pauses generation and opens an update session in one request
+# a commit in two phases: ``prepare_commit`` does whatever the commit could fail on and keeps the session
+# restorable, so that a trainer updating several engines commits none of them until every one has prepared
+PREPARE_COMMIT = "prepare_commit"
 # applies delta buckets (:mod:`weightstream.streaming.delta`) to the bytes of each bucket it holds from the last
 # committed update, and reports what it holds and the checksum of what it applied
 DELTA = "delta"
@@ -285,6 +288,13 @@ class CommitsAndResumes(EngineAdapter, Protocol):
 
 
 @runtime_checkable
+class PreparesCommits(EngineAdapter, Protocol):
+    """:data:`PREPARE_COMMIT`: the first phase of a commit; returns the version the commit will serve."""
+
+    def prepare_commit(self) -> str | None: ...
+
+
+@runtime_checkable
 class PausesAndBegins(EngineAdapter, Protocol):
     """:data:`PAUSE_AND_BEGIN`: pauses generation and opens an update session in one request."""
 
@@ -319,7 +329,8 @@ class DeltaEngine(EngineAdapter, Protocol):
 CAPABILITY_PROTOCOLS: dict[str, type] = {
     BROADCAST: BroadcastEngine, P2P: P2PEngine, RESHARD: ReshardEngine, IPC: IPCEngine, RELEASE_MEMORY: MemoryEngine,
     BROADCAST_AHEAD: BroadcastAheadEngine, IPC_AHEAD: IPCAheadEngine,
-    COMMIT_AND_RESUME: CommitsAndResumes, PAUSE_AND_BEGIN: PausesAndBegins, DELTA: DeltaEngine,
+    COMMIT_AND_RESUME: CommitsAndResumes, PAUSE_AND_BEGIN: PausesAndBegins, PREPARE_COMMIT: PreparesCommits,
+    DELTA: DeltaEngine,
 }
 
 _P = TypeVar("_P")

@@ -12,6 +12,7 @@ from weightstream.engines.base import (
     IPC_AHEAD,
     P2P,
     PAUSE_AND_BEGIN,
+    PREPARE_COMMIT,
     RELEASE_MEMORY,
     RESHARD,
     ROLLBACK,
@@ -46,21 +47,28 @@ class ReferenceEngine(SGLangEngine):
     def capabilities(self, server_info: dict) -> frozenset[str]:
         declared = server_info.get("capabilities") or (BROADCAST, IPC, IPC_AHEAD, P2P, RESHARD, ROLLBACK,
                                                          RELEASE_MEMORY)
-        # Its routes take a commit with a resume, and a pause with a begin, in one request each.
-        return frozenset(declared) | {COMMIT_AND_RESUME, PAUSE_AND_BEGIN}
+        # Its routes take a commit with a resume, and a pause with a begin, in one request each; and a commit's
+        # first phase on its own.
+        return frozenset(declared) | {COMMIT_AND_RESUME, PAUSE_AND_BEGIN, PREPARE_COMMIT}
 
     def commit_update(self) -> str | None:
         """One request: the reference engine's ``/end_weight_update`` answers with the weight version it
         now serves (it keeps no KV cache to flush)."""
         return self._end({}, "end_weight_update")
 
+    def prepare_commit(self) -> str | None:
+        """The first phase of a commit (``/weightstream/prepare_weight_update``): the version the commit will
+        serve; the session stays open and restorable."""
+        reply = self.post("/weightstream/prepare_weight_update", {}, step="prepare_weight_update")
+        return None if reply.get("weight_version") is None else str(reply["weight_version"])
+
     def commit_and_resume(self) -> str | None:
         """:meth:`commit_update`, then generation resumes, in the same request (``{"resume": true}``)."""
         return self._end({"resume": True}, "end_weight_update (and continue_generation)")
 
     def _end(self, body: dict, step: str) -> str | None:
-        self._session = False
         reply = self.post("/end_weight_update", body, step=step)
+        self._session = False  # a commit that failed leaves the session to abort (the engine may hold it open)
         return None if reply.get("weight_version") is None else str(reply["weight_version"])
 
     def pause_and_begin(self, mode: str, version: str | None, timeout_s: float | None = None) -> None:

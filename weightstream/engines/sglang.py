@@ -94,8 +94,8 @@ class SGLangEngine(HTTPEngine):
         self._session = True
 
     def commit_update(self) -> str | None:
-        self._session = False
         self.post("/end_weight_update", {}, step="end_weight_update")
+        self._session = False  # a commit that failed is ended again by the abort
         self.post("/flush_cache", {}, step="flush_cache")  # cached KV entries were computed with the old weights
         return self.weight_version()
 

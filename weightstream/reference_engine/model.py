@@ -283,12 +283,20 @@ class ShardedCausalLM:
     def _session_loaded(self) -> set[str]:
         return set().union(*self._loaded_in_session)
 
-    def commit_session(self) -> None:
+    def prepare_session(self) -> None:
+        """What could still fail at a commit, done now, undoable: every stale tensor must have been loaded, and
+        the vocabulary pieces are exchanged (into parameters the backup already covers). After it, the commit
+        only drops the backup; an abort still puts the last committed weights back."""
         missing = self.stale - self._session_loaded() if self.stale else set()
         if missing:
             raise RuntimeError(f"{len(missing)} tensors {self.stale_why} and this update did not load them "
                                f"(e.g. {sorted(missing)[:3]}); the update is not committed")
         self.exchange_vocab_pieces()
+
+    def commit_session(self) -> None:
+        """Prepare (:meth:`prepare_session`, once more where it ran: nothing is pending then), then drop the
+        backup."""
+        self.prepare_session()
         self.backup = None
         self.stale = set()
 

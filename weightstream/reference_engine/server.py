@@ -9,7 +9,9 @@ holding its shard) and serves, on loopback by default:
   ``/update_weight_version``, ``/flush_cache``, ``/generate``, ``/model_info``, ``/get_server_info``, ``/health``;
 - weightstream's additions: ``/weightstream/update_weights_from_p2p`` (per-rank buckets by send/recv, or a
   resharded bucket's pieces from several trainer ranks), ``/weightstream/layout`` (how it splits each tensor),
-  the ``*_ahead`` routes (every bucket's metadata in one request), ``/weightstream/logits``, and two fields:
+  the ``*_ahead`` routes (every bucket's metadata in one request), ``/weightstream/logits``,
+  ``/weightstream/prepare_weight_update`` (a commit's first phase, where a trainer commits several engines all
+  or none) and ``/weightstream/abort_weight_update``, and two fields:
   ``pause`` in ``/begin_weight_update`` and ``resume`` in ``/end_weight_update`` (one request each instead
   of two).
 
@@ -406,14 +408,29 @@ class Engine:
             self.session_timeout_s = float(timeout_s) if timeout_s else self.command_timeout_s
             self.last_activity = time.monotonic()
 
+    def prepare_session(self) -> str:
+        """The first phase of a commit across several engines (the trainer commits none of them until every one
+        has prepared): whatever the commit could still fail on happens now, and the session stays open and
+        restorable (an abort puts the last committed weights back). Returns the version a commit will serve."""
+        with self.session_lock:
+            self._check_committable()
+            self.call("prepare_session")
+            self.last_activity = time.monotonic()
+            return self.pending_version if self.pending_version is not None else self.weight_version
+
+    def _check_committable(self) -> None:
+        """A session can be prepared or committed: it is open and nothing in it failed (one that failed is
+        aborted here, and the failure raised)."""
+        if not self.session_open:
+            raise EngineFailure("no weight update session is open")
+        if self.session_failed:
+            failed = self.session_failed
+            self._abort_locked()
+            raise EngineFailure(f"the session failed and was not committed: {failed}; {self.after_abort()}")
+
     def commit_session(self) -> str:
         with self.session_lock:
-            if not self.session_open:
-                raise EngineFailure("no weight update session is open")
-            if self.session_failed:
-                failed = self.session_failed
-                self._abort_locked()
-                raise EngineFailure(f"the session failed and was not committed: {failed}; {self.after_abort()}")
+            self._check_committable()
             self.call("commit_session")
             self.session_open = False
             self.weights_released = False
@@ -708,6 +725,7 @@ class EngineServer(ThreadingHTTPServer):
             ("POST", "/weightstream/prepare_ipc_ahead"): self.prepare_ipc_ahead,
             ("POST", "/begin_weight_update"): self.begin,
             ("POST", "/end_weight_update"): self.end,
+            ("POST", "/weightstream/prepare_weight_update"): self.prepare_commit,
             ("POST", "/weightstream/abort_weight_update"): self.abort,
             ("POST", "/pause_generation"): self.pause,
             ("POST", "/continue_generation"): self.resume,
@@ -950,6 +968,12 @@ class EngineServer(ThreadingHTTPServer):
         if b.get("resume"):
             self.resume(b)
         return 200, {"success": True, "message": message, "weight_version": self.engine.weight_version}
+
+    def prepare_commit(self, b):
+        """The first phase of a commit across engines (:meth:`Engine.prepare_session`): the version the commit
+        will serve."""
+        version = self.engine.prepare_session()
+        return 200, {"success": True, "message": "prepared to commit; still restorable", "weight_version": version}
 
     def abort(self, b):
         return 200, {"success": True, "message": self.engine.abort_session("asked by the trainer")}

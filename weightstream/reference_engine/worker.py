@@ -913,6 +913,16 @@ class Worker:
         self.in_session = True
         return "ok"
 
+    def prepare_session(self):
+        """The first phase of a commit across engines: what could still fail is done (the model's
+        :meth:`prepare_session`; on a GPU the device finishes, so an error of its queued work shows now), and
+        the session stays open, restorable, until committed or aborted."""
+        with self.clock("commit"):
+            self.model.prepare_session()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        return "ok"
+
     def commit_session(self):
         with self.clock("commit"):
             self.model.commit_session()
@@ -1001,7 +1011,8 @@ class Worker:
             "update_distributed_ahead": self.update_distributed_ahead, "update_tensor": self.update_tensor,
             "update_ipc_ahead": self.update_ipc_ahead, "prepare_ipc_ahead": self.prepare_ipc_ahead,
             "update_p2p": self.update_p2p, "release_ipc": self.release_ipc, "begin_session": self.begin_session,
-            "commit_session": self.commit_session, "abort_session": self.abort_session,
+            "prepare_session": self.prepare_session, "commit_session": self.commit_session,
+            "abort_session": self.abort_session,
             "release_memory": self.release_memory, "resume_memory": self.resume_memory, "memory": self.memory,
             "logits": self.logits, "generate": self.generate, "delta_checksums": self.delta_checksums,
             "update_phases": self.update_phases,
