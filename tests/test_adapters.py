@@ -38,7 +38,8 @@ SPEC = model_spec(preset_config("tiny-qwen3"))
     ({BROADCAST, IPC, P2P, ROLLBACK}, 2, 1, "auto", "p2p"),
     ({BROADCAST, IPC}, 2, 1, "auto", "broadcast"),  # SGLang: no per-rank buckets
     ({BROADCAST, IPC, P2P}, 1, 1, "auto", "broadcast"),  # engine TP 1 != trainer TP 2
-    ({BROADCAST, IPC, P2P}, 2, 2, "p2p", "broadcast"),  # two engines: fall back
+    ({BROADCAST, IPC, P2P}, 2, 2, "p2p", "p2p"),  # two engines at the trainer's TP: each from its replica
+    ({BROADCAST, IPC, P2P}, 1, 2, "p2p", "broadcast"),  # two engines of another TP: fall back
     ({IPC}, 2, 1, "ipc", "ipc"),
 ])
 def test_transport_is_chosen_from_declared_capabilities(caps, tp, engines, requested, expected):

@@ -6,6 +6,7 @@ sent again in full. A Megatron-Core trainer at TP 2 (its gathered buckets sent b
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import contextmanager
 
 import pytest
@@ -172,6 +173,25 @@ def test_megatron_trainer_delta_updates(sources, engine_dir, trainer_tp, engine_
     assert all(0 < r.delta.wire_bytes < r.bytes / 2 for r in reports[1:]), [r.summary() for r in reports]
     assert all(r.delta is None for res in results[1:] for r in res["reports"])  # rank 0 decides and checks
     assert_held(held, results[0]["tensors"])
+
+
+@pytest.mark.parametrize("engines", [2, 3])
+def test_several_engines_by_p2p_delta_updates(sources, engine_dir, engines):
+    """A Megatron-Core trainer of two data-parallel replicas (TP 1) into several engines at its TP by P2P: engine
+    j's buckets come from replica j % 2 (with 3 engines, replica 0 sends each bucket to two), each replica's rank
+    encoding against its own snapshot; every engine checked against the replica that sent to it, every update,
+    and each holds the trainer's tensors bit for bit."""
+    case = Case(sources["tiny-qwen3"], Layout(1), dtype="bfloat16", bucket_bytes=SMALL)
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(engine(engine_dir)) for _ in range(engines)]
+        results = launch(2, run_delta_updates, case, [s.url for s in servers], 4, LR)
+        held = [s.engine.call("held_weights") for s in servers]
+    reports = results[0]["reports"]
+    assert all(r.transport == "p2p" and r.reason.startswith(f"{engines} engines at the trainer's TP 1")
+               for r in reports), reports[0].reason
+    assert [(r.delta.full, r.delta.checked) for r in reports] == [(True, True)] + [(False, True)] * 3
+    for ranks in held:
+        assert_held(ranks, results[0]["tensors"])
 
 
 def test_resharded_moe_ep2_delta_updates(tmp_path):

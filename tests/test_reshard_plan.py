@@ -12,6 +12,7 @@ from weightstream.engines.base import BROADCAST, IPC, P2P, RESHARD
 from weightstream.errors import ConversionError
 from weightstream.models.presets import preset_config
 from weightstream.reference_engine.pieces import assemble
+from weightstream.sinks.p2p import served_by
 from weightstream.sinks.reshard import _packed, pick_senders
 from weightstream.sources.topology import Topology
 from weightstream.streaming.bucket import Bucket, Shard, TensorMeta, view_tensor
@@ -177,8 +178,8 @@ MOE, DEEPSEEK = model_spec(preset_config("tiny-qwen3-moe")), model_spec(preset_c
 class Declared(ReferenceEngine):
     """An adapter whose engine declares ``info`` without being asked over HTTP (the choice is pure)."""
 
-    def __init__(self, info: EngineInfo):
-        super().__init__("http://e")
+    def __init__(self, info: EngineInfo, url: str = "http://e"):
+        super().__init__(url)
         self._info = info
 
 
@@ -256,7 +257,7 @@ def test_auto_reshards_into_an_engine_that_declares_its_layout_and_says_why_not_
     kind, reason = choose({BROADCAST, IPC, P2P, RESHARD}, 1)
     assert kind == "p2p" and reason.startswith("engine TP 1, trainer TP 2 EP 2: ") and "resharded P2P" in reason
     kind, reason = choose({BROADCAST, IPC, P2P, RESHARD}, 1, plain=False)  # block FP8
-    assert kind == "broadcast" and "engine TP 1 != trainer TP 2 (resharding sends unquantized weights: not block FP8)" \
+    assert kind == "broadcast" and " TP 1 != trainer TP 2 (resharding sends unquantized weights: not block FP8)" \
         in reason
     kind, reason = choose({BROADCAST, IPC, P2P}, 1)
     assert kind == "broadcast" and "(the x engine does not declare its layout: no resharding)" in reason
@@ -278,3 +279,26 @@ def test_deepseek_v3_at_tp2_is_resharded_or_broadcast_never_sent_as_row_shards()
     engine1 = Declared(EngineInfo("x", tp_size=1, capabilities=frozenset({BROADCAST, P2P})))
     assert kind == "broadcast"  # engine TP 2 != trainer TP 1, and no resharding for block FP8
     assert choose_transport("auto", [engine1], Topology(tp_size=1), spec, colocated=False, plain=False)[0] == "p2p"
+
+
+def test_several_engines_take_p2p_at_the_trainers_tp_each_from_its_own_replica():
+    """Several engines at the trainer's TP: P2P, engine j sent by data-parallel replica j % dp (every engine served
+    once, the replicas sharing them); one of another TP sends them all by broadcast, saying why (resharding serves
+    one engine)."""
+    spec = model_spec(preset_config("tiny-qwen3"))
+    caps = frozenset({BROADCAST, IPC, P2P, RESHARD})
+    tp2 = Topology(tp_size=2, dp_size=2)
+
+    def engines(*tps):
+        return [Declared(EngineInfo("x", tp_size=t, capabilities=caps), f"http://e{j}") for j, t in enumerate(tps)]
+
+    kind, reason = choose_transport("auto", engines(2, 2, 2), tp2, spec, colocated=False)
+    assert kind == "p2p" and reason.startswith("3 engines at the trainer's TP 2, PP 1: ") and "mod 2" in reason
+    kind, reason = choose_transport("auto", engines(2, 1), tp2, spec, colocated=False)
+    assert kind == "broadcast" and "engine http://e1 TP 1 != trainer TP 2 (resharding serves one engine; 2 given)" \
+        in reason
+    for n, dp in ((1, 1), (3, 1), (2, 2), (5, 2), (2, 4)):
+        served = [served_by(n, dp, d) for d in range(dp)]
+        assert sorted(j for js in served for j in js) == list(range(n))
+        assert max(map(len, served)) - min(map(len, served)) <= 1
+    assert served_by(5, 2, 0) == [0, 2, 4] and served_by(5, 2, 1) == [1, 3] and served_by(2, 4, 3) == []

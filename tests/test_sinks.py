@@ -21,7 +21,7 @@ pytestmark = pytest.mark.unit  # in-process, no peer processes: the fast subset
 
 def test_all_sinks_share_the_interface(tmp_path):
     engine = ReferenceEngine("http://127.0.0.1:9")
-    sinks = [BroadcastSink([engine]), P2PSink(engine, Topology()), IPCSink(engine),
+    sinks = [BroadcastSink([engine]), P2PSink([engine], Topology()), IPCSink(engine),
              SafetensorsSink(tmp_path, preset_config("tiny-qwen3"))]
     assert [s.name for s in sinks] == ["broadcast", "p2p", "ipc", "safetensors"]
     assert all(isinstance(s, Sink) for s in sinks)

@@ -34,7 +34,7 @@ class _Known(ReferenceEngine):
 
 def test_broadcast_and_p2p_hand_one_group_over_only_where_it_is_the_same():
     one = _Known("http://127.0.0.1:9", 1)
-    broadcast, p2p = BroadcastSink([one]), P2PSink(one, Topology())  # this trainer: one rank, TP 1
+    broadcast, p2p = BroadcastSink([one]), P2PSink([one], Topology())  # this trainer: one rank, TP 1
     group, pool = object(), object()
     broadcast.group, broadcast._pool = group, pool
     assert broadcast.layout() == p2p.layout() and broadcast.hand_over(p2p)
@@ -43,7 +43,7 @@ def test_broadcast_and_p2p_hand_one_group_over_only_where_it_is_the_same():
     assert p2p.hand_over(back) and back.group is group and p2p.group is None
     for other in (BroadcastSink([one, _Known("http://127.0.0.1:10", 1)]), BroadcastSink([_Known(one.url, 2)])):
         other.group = group
-        target = P2PSink(one, Topology())
+        target = P2PSink([one], Topology())
         assert not other.hand_over(target) and target.group is None and other.group is group
 
 

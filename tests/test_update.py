@@ -93,7 +93,8 @@ def test_two_engines_through_one_broadcast_group(sources, engine_dir):
                             [{"transport": "auto", "bucket_bytes": SMALL}]))
         la, lb = ReferenceEngine(a.url).logits(INPUT_IDS), ReferenceEngine(b.url).logits(INPUT_IDS)
         versions = ReferenceEngine(a.url).weight_version(), ReferenceEngine(b.url).weight_version()
-    assert rep.transport == "broadcast" and "2 engines" in rep.reason and rep.metadata_ahead
+    assert rep.transport == "broadcast" and rep.metadata_ahead
+    assert f"engine {a.url} TP 1 != trainer TP 2 (resharding serves one engine; 2 given)" in rep.reason
     ref = hf_logits(src, INPUT_IDS)
     assert_logits_close(la, ref)
     assert_logits_close(lb, ref)
@@ -115,7 +116,8 @@ def test_p2p_without_any_gather_and_fallback(sources, engine_dir):
     for rank_results in results:
         assert rank_results[0]["report"].gathers == 0  # no all-gather ran on any trainer rank
     assert fallback.transport == "broadcast"
-    assert fallback.reason.startswith("fell back from p2p") and "2 engines (P2P serves one)" in fallback.reason
+    assert fallback.reason.startswith("fell back from p2p")
+    assert f"engine {one.url} TP 1 != trainer TP 2 (resharding serves one engine; 2 given)" in fallback.reason
     ref = hf_logits(src, INPUT_IDS)
     assert_logits_close(l2, ref)
     assert_logits_close(l1, ref)

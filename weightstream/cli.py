@@ -208,8 +208,9 @@ def _bench_transport_args(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--snapshot", choices=["device", "host"], default="device",
                        help="where the sender keeps the bytes it computes deltas against (default device)")
     bench.add_argument("--replicas", type=int, default=1,
-                       help="--transport broadcast: engines updated at once, each of --engine-tp ranks, through one "
-                            "group with every engine rank (default 1)")
+                       help="engines updated at once, each of --engine-tp ranks: by broadcast, through one group with "
+                            "every engine rank from one trainer; by p2p, from a trainer of as many data-parallel "
+                            "replicas, engine j's buckets sent by replica j (default 1)")
     bench.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="(default bfloat16)")
     bench.add_argument("--repeats", type=int, default=3, help="warm runs after the cold one (default 3)")
     bench.add_argument("--plot", default=None, metavar="F.png", help="bar chart of ours vs ceiling (needs matplotlib)")

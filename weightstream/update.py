@@ -179,6 +179,9 @@ def choose_transport(requested: str, engines: Sequence[EngineAdapter], topo: Top
     if not failed and reshard:
         return "p2p", (f"engine TP {infos[0].tp_size}, trainer TP {topo.tp_size} EP {topo.ep_size}: each trainer rank "
                        "sends each engine rank the rows and columns of its shards that it needs (resharded P2P)")
+    if not failed and len(engines) > 1:
+        return "p2p", (f"{len(engines)} engines at the trainer's TP {topo.tp_size}, PP 1: each engine's TP rank r gets "
+                       f"its shards from TP rank r of data-parallel replica (its index mod {topo.dp_size})")
     if not failed:
         return "p2p", "engine TP equals trainer TP, engine PP 1: each TP rank sends its own shards"
     reason = "P2P preconditions failed: " + "; ".join(failed)
@@ -205,15 +208,14 @@ def _p2p_problems(engines: Sequence[EngineAdapter], infos: Sequence[EngineInfo],
     failed = []
     if not p2p_source:
         failed.append("the source has no TP ranks that send their own shards (P2P sends from Megatron's TP ranks)")
-    if len(engines) != 1:
-        failed.append(f"{len(engines)} engines (P2P serves one)")
-    for e, i in zip(engines[:1], infos[:1], strict=True):
+    for e, i in zip(engines, infos, strict=True):
         if not i.can(P2P):
             failed.append(f"engine {e.url} ({i.engine}) does not receive per-rank buckets")
         if i.tp_size != topo.tp_size and not reshard:
-            failed.append(f"engine TP {i.tp_size} != trainer TP {topo.tp_size}" + _why_not_reshard(i))
+            failed.append(f"engine {e.url} TP {i.tp_size} != trainer TP {topo.tp_size}"
+                          + _why_not_reshard(i, len(engines)))
         if i.pp_size != 1:
-            failed.append(f"engine PP {i.pp_size} != 1")
+            failed.append(f"engine {e.url} PP {i.pp_size} != 1")
     if reshard:
         return failed
     if topo.ep_size > 1:
@@ -231,15 +233,17 @@ def _p2p_problems(engines: Sequence[EngineAdapter], infos: Sequence[EngineInfo],
 
 
 def reshards(engines: Sequence[EngineAdapter], plain: bool) -> bool:
-    """Whether P2P into ``engines`` is resharded: the first declares its layout (:data:`RESHARD`) and the update is
-    ``plain`` (unquantized)."""
-    return plain and bool(engines) and engines[0].info().can(RESHARD)
+    """Whether P2P into ``engines`` is resharded: one engine, which declares its layout (:data:`RESHARD`), and the
+    update is ``plain`` (unquantized). Several engines take P2P at the trainer's TP (each from its own replica)."""
+    return plain and len(engines) == 1 and engines[0].info().can(RESHARD)
 
 
-def _why_not_reshard(info: EngineInfo) -> str:
+def _why_not_reshard(info: EngineInfo, engines: int) -> str:
     """Why an engine of another TP is not resharded into."""
     if not info.can(RESHARD):
         return f" (the {info.engine} engine does not declare its layout: no resharding)"
+    if engines > 1:
+        return f" (resharding serves one engine; {engines} given)"
     return " (resharding sends unquantized weights: not block FP8)"
 
 
@@ -395,7 +399,7 @@ class WeightSync:
                                master_port=self.master_port, backend=self.backend, timeout_s=self.timeout_s,
                                checksums=self.checksums, delta=self.delta.snapshot if self.delta else None)
         if kind == "p2p":
-            return P2PSink(self.engines[0], topology, master_address=self.master_address,
+            return P2PSink(self.engines, topology, master_address=self.master_address,
                            master_port=self.master_port, backend=self.backend, timeout_s=self.timeout_s,
                            checksums=self.checksums, delta=self.delta.snapshot if self.delta else None)
         return BroadcastSink(self.engines, master_address=self.master_address, master_port=self.master_port,
@@ -433,7 +437,7 @@ class WeightSync:
         if opened is not None:
             err = self._transfer(*opened, err, report, seconds)
         failure, mismatch = _first_error(err), None
-        if failure is None and opened is not None and isinstance(opened[0], (IPCSink, ReshardSink)):
+        if failure is None and opened is not None:
             opened[0].share_digests()  # every rank: the check below needs what each engine rank's senders sent
         if failure is None and _rank() == 0:
             failure, mismatch = self._check_delta(report, seconds)

@@ -38,12 +38,12 @@ class HFAdamTrainer:
         return self.model.state_dict()
 
 
-def run_delta_updates(case: Case, url: str, steps: int, lr: float, transport: str = "auto") -> dict:
+def run_delta_updates(case: Case, url: str | list[str], steps: int, lr: float, transport: str = "auto") -> dict:
     """Build the trainer (its weights in ``case.dtype``), keep fp32 master copies with Adam over them, and per
     step: one Adam step (the gradient of each master seeded by the step, the same on every rank, so that what
     Megatron replicates over TP stays equal), the masters copied into the model, one update of a kept
-    ``WeightSync(delta=True)``. Returns every update's report and, on rank 0, the HF tensors the trainer
-    streams after the last step."""
+    ``WeightSync(delta=True)`` into the engine(s) at ``url``. Returns every update's report and, on rank 0, the
+    HF tensors the trainer streams after the last step."""
     from weightstream.update import WeightSync
 
     cfg, chunks = _build(case)
@@ -51,7 +51,8 @@ def run_delta_updates(case: Case, url: str, steps: int, lr: float, transport: st
     masters = [p.detach().float().clone() for p in params]
     opt = torch.optim.Adam(masters, lr=lr)
     reports = []
-    with WeightSync([url], delta=True, bucket_bytes=case.bucket_bytes, transport=transport) as sync:
+    urls = [url] if isinstance(url, str) else url
+    with WeightSync(urls, delta=True, bucket_bytes=case.bucket_bytes, transport=transport) as sync:
         for step in range(steps):
             if step:
                 gen = torch.Generator().manual_seed(step)

@@ -530,10 +530,12 @@ def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_byte
                   direct: bool = True, quantize: BlockFP8 | None = None, replicas: int = 1) -> BenchResult:
     from weightstream.launch import launch
 
-    devices = _engine_devices(engine_device, transport, tp * ep, engine_tp, replicas)
+    # P2P into several engines: the trainer has a data-parallel replica per engine, each sending to its own.
+    trainer_ranks = tp * ep * (replicas if transport == "p2p" else 1)
+    devices = _engine_devices(engine_device, transport, trainer_ranks, engine_tp, replicas)
     with serving(cfg, devices, engine_tp, dtype, rollback) as (tmp, urls):
-        ranks = launch(tp * ep, update_job, tmp, urls if replicas > 1 else urls[0], transport, bucket_bytes, dtype,
-                       repeats, False, ahead, tp, ep, prepare, direct, quantize, backend=backend, timeout_s=600)
+        ranks = launch(trainer_ranks, update_job, tmp, urls if replicas > 1 else urls[0], transport, bucket_bytes,
+                       dtype, repeats, False, ahead, tp, ep, prepare, direct, quantize, backend=backend, timeout_s=600)
         r = ranks[0]
         checks = [_engine_check(url, r, dtype, quantize is not None) for url in urls]
     res.check = "; ".join(c if replicas == 1 else f"engine {k}: {c}" for k, (c, _) in enumerate(checks))

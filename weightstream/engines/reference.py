@@ -73,11 +73,20 @@ class ReferenceEngine(SGLangEngine):
 
     def pause_and_begin(self, mode: str, version: str | None, timeout_s: float | None = None) -> None:
         """Pause generation and open the session in one request (``/begin_weight_update`` with ``pause``)."""
+        self._begin({"pause": mode}, version, timeout_s, "pause_generation and begin_weight_update")
+
+    def begin_update(self, version: str | None, timeout_s: float | None = None) -> None:
+        """Open a versioned session: the version is the engine's from the start, so that the buckets may come
+        from trainer ranks other than the one that opened it (P2P from several data-parallel replicas)."""
+        self._begin({}, version, timeout_s, "begin_weight_update")
+
+    def _begin(self, body: dict, version: str | None, timeout_s: float | None, step: str) -> None:
         self._version = version
-        body: dict = {"pause": mode}
         if timeout_s:
             body["timeout_s"] = timeout_s
-        self.post("/begin_weight_update", body, step="pause_generation and begin_weight_update")
+        if version is not None:
+            body["weight_version"] = version
+        self.post("/begin_weight_update", body, step=step)
         self._session = True
 
     def abort_update(self, timeout_s: float | None = None) -> None:

@@ -140,7 +140,8 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "/weightstream/update_weights_from_p2p": {
         "ranks": ((list,), True), "group_name": ((str,), False), "weight_version": (_OPT_STR, False),
     },
-    "/begin_weight_update": {"timeout_s": (_NUMBER + (type(None),), False), "pause": ((str,), False)},
+    "/begin_weight_update": {"timeout_s": (_NUMBER + (type(None),), False), "pause": ((str,), False),
+                             "weight_version": (_OPT_STR, False)},
     "/end_weight_update": {"resume": ((bool,), False)},
     "/pause_generation": {"mode": ((str,), False)},
     "/update_weight_version": {"new_version": ((str,), True)},
@@ -960,6 +961,8 @@ class EngineServer(ThreadingHTTPServer):
         if b.get("pause"):
             self.pause(b)
         self.engine.begin_session(b.get("timeout_s"))
+        if b.get("weight_version") is not None:  # what the commit will serve, unless a bucket says otherwise
+            self.engine.pending_version = str(b["weight_version"])
         return 200, {"success": True, "message": "weight update session opened"}
 
     def end(self, b):

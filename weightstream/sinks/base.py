@@ -6,7 +6,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
+
+import torch
 
 from weightstream.common.bounds import Deadline, cleanup_budget
 from weightstream.errors import UpdateError
@@ -37,6 +40,8 @@ class Sink(Protocol):
       ``disconnect``; ``open`` connects where not yet connected;
     - per update: ``open(stream)``, ``send(bucket)`` per bucket, then ``close()`` — or ``abort()`` after a
       failure (what is in flight is dropped and the connection torn down within the cleanup budget);
+    - ``share_digests()``, on every rank after a delta-mode update went through everywhere: what each engine rank
+      must report reaches trainer rank 0 (``Snapshot.expected``; nothing to do where rank 0 sent it all);
     - ``delivery()``: how the last update went;
     - ``disconnect(seconds)``: leave for good (the engines keep their weights)."""
 
@@ -53,6 +58,8 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
     def abort(self) -> None: ...
+
+    def share_digests(self) -> None: ...
 
     def delivery(self) -> Delivery: ...
 
@@ -76,6 +83,19 @@ def _failures(futures: list[Future], deadline: Deadline) -> list[BaseException]:
 def future_errors(futures: list[Future], deadline: Deadline) -> list[str]:
     """Wait for every future (all within one deadline); the text of each one that failed."""
     return [str(e) for e in _failures(futures, deadline)]
+
+
+class Sends:
+    """The sends of one bucket (and the buffers they read, kept alive until then), waited on together within one
+    bound."""
+
+    def __init__(self, works: list[Any], buffers: list[torch.Tensor]):
+        self.works, self.buffers = works, buffers
+
+    def wait(self, timeout: timedelta) -> None:
+        deadline = Deadline(timeout.total_seconds())
+        for w in self.works:
+            w.wait(deadline.timedelta())
 
 
 class InFlight:
@@ -180,6 +200,9 @@ class PipelinedSink:
 
     def delivery(self) -> Delivery:
         return Delivery(formed_group=self.formed > self._formed_before)
+
+    def share_digests(self) -> None:
+        """Nothing: the sender is trainer rank 0 (a broadcast)."""
 
     def layout(self) -> GroupLayout | None:
         """The group this sink forms, as this process sees it; None where this rank forms none."""

@@ -132,8 +132,8 @@ class DeltaTracker:
         for e in engines:
             checks: DeltaChecks = implementing(e, DELTA, DeltaEngine).delta_checks()
             self.instances[e.url] = checks.instance
-            # what engine rank r must report: the one snapshot's (broadcast), or its trainer rank's (P2P)
-            ours = self.snapshot.ranks or [self.snapshot.digests] * e.info().tp_size
+            # what engine rank r must report: the one snapshot's (broadcast), or its senders' (per-rank senders)
+            ours = self.snapshot.expected.get(e.url) or [self.snapshot.digests] * e.info().tp_size
             missing = sorted({i for rank in ours for i in rank} - set(checks.buckets))
             if missing:
                 problems.append(f"engine {e.url} applied no bytes of buckets {missing[:8]}")

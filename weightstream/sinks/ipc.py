@@ -481,7 +481,7 @@ class IPCSink:
 
     def share_digests(self) -> None:
         """A delta-mode update, on every rank once every rank's buckets went through: engine rank r applied the
-        bytes of trainer rank r, whose checksums (its snapshot's) go to rank 0's snapshot (``Snapshot.ranks``),
+        bytes of trainer rank r, whose checksums (its snapshot's) go to rank 0's snapshot (``Snapshot.expected``),
         which checks each engine rank against them. The ranks build the same tensors, but a bucket's bytes
         between its tensors (alignment) are each rank's own."""
         if not self._delta_active():
@@ -489,7 +489,7 @@ class IPCSink:
         snapshot = self._snapshot()
         everyone = self._gather(snapshot.digests if self.rank < self.engine_tp else None)
         if self.rank == 0:
-            snapshot.ranks = everyone[: self.engine_tp]
+            snapshot.expected = {self.engine.url: everyone[: self.engine_tp]}
 
     def _keep_lease(self) -> None:
         """This update's channel becomes the lease, in place of the last one."""

@@ -1,24 +1,29 @@
 """``P2PSink``: per-rank delivery. With ``mode="per_rank"`` trainer TP rank r sends its bucket straight
-to engine TP rank r (send/recv), so no gather happens anywhere. The group holds the trainer's TP
-ranks of the first pipeline stage and data-parallel replica (group ranks 0..tp-1) and the engine's
-ranks (tp..2tp-1). At TP 1 that is the group a broadcast to the same engine forms: a sink switching
-between the two hands the group over rather than forming it again."""
+to engine TP rank r (send/recv), so no gather happens anywhere.
+
+Several engines (replicas of one model, each at the trainer's TP): engine j is served by the trainer's
+data-parallel replica ``j % dp`` (its first pipeline stage), so that the replicas share the sending. Each replica
+forms one group with the engines it serves: its TP ranks (group ranks 0..tp-1), then each engine's ranks
+(``tp (1 + i)`` onwards for its i-th engine), and each TP rank sends each bucket to its rank in every one of them.
+With one engine and TP 1 that is the group a broadcast to the same engine forms: a sink switching between the
+two hands the group over rather than forming it again."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from weightstream.common.processes import free_port
 from weightstream.engines.base import P2P, EngineAdapter, GroupSpec, P2PEngine, RankBucket, implementing
 from weightstream.errors import UpdateError
-from weightstream.sinks.base import InFlight, PipelinedSink
+from weightstream.sinks.base import InFlight, PipelinedSink, Sends
 from weightstream.sinks.broadcast import default_backend
 from weightstream.sources.topology import Topology
 from weightstream.streaming.bucket import Bucket
-from weightstream.streaming.delta import Snapshot
+from weightstream.streaming.delta import Key, Snapshot
 from weightstream.wire.groups import GroupLayout, init_custom_process_group
 from weightstream.wire.handles import checksum
 
@@ -27,60 +32,81 @@ if TYPE_CHECKING:
     from weightstream.streaming.stream import BucketStream
 
 
+def served_by(engines: int, dp_size: int, dp_rank: int) -> list[int]:
+    """The engines (their indices) data-parallel replica ``dp_rank`` of ``dp_size`` sends to: engine j goes to
+    replica ``j % dp_size``."""
+    return [j for j in range(engines) if j % dp_size == dp_rank]
+
+
 class P2PSink(PipelinedSink):
     name = "p2p"
 
-    def __init__(self, engine: EngineAdapter, topology: Topology, *, master_address: str = "127.0.0.1",
+    def __init__(self, engines: Sequence[EngineAdapter], topology: Topology, *, master_address: str = "127.0.0.1",
                  master_port: int | None = None, backend: str | None = None, timeout_s: float = 60.0,
                  checksums: bool = False, delta: Snapshot | None = None):
         """``topology``: this trainer rank's coordinates (the source's): the ranks of the first pipeline stage
-        and data-parallel replica send, TP rank r to the engine's TP rank r. ``delta``: this rank's snapshot of
-        the bytes its engine rank holds; each bucket then goes out as it encodes it (the engine must declare
-        ``delta``), and :meth:`close` gathers every TP rank's checksums of its new bytes for the check."""
-        self.engine = implementing(engine, P2P, P2PEngine)
+        of data-parallel replica d send to engines d, d + dp, ..., TP rank r to each one's TP rank r. ``delta``:
+        this rank's snapshot of the bytes its engine ranks hold (the same on each of its engines); each bucket
+        then goes out as it encodes it (the engines must declare ``delta``), and :meth:`close` gathers every TP
+        rank's checksums of its new bytes for the check (:meth:`share_digests`: to trainer rank 0)."""
+        if not engines:
+            raise ValueError("P2PSink needs an engine")
+        self.all_engines = [implementing(e, P2P, P2PEngine) for e in engines]
+        self.engines = [self.all_engines[j] for j in served_by(len(engines), topology.dp_size, topology.dp_rank)]
         self.master_address = master_address
         self.master_port = master_port
         self.backend = backend or default_backend()
         self.timeout_s = timeout_s
         self.checksums = checksums
-        self.sender = topology.pp_rank == 0 and topology.dp_rank == 0
+        self.sender = topology.pp_rank == 0 and bool(self.engines)
         self.tp_rank, self.tp, self.tp_group = topology.tp_rank, topology.tp_size, topology.tp_group
+        self.world_group = topology.world_group
         self.poster = self.sender and self.tp_rank == 0
         self.group = None
         self.stream: BucketStream | None = None
         self.delta = delta
         self._pool: ThreadPoolExecutor | None = None
-        self._inflight = InFlight(timeout_s, [engine.url])
+        self._inflight = InFlight(timeout_s, [e.url for e in self.engines])
+
+    @property
+    def group_name(self) -> str:
+        return self.all_engines[0].group_name
+
+    def _offset(self, i: int) -> int:
+        """The group rank of this replica's i-th engine's TP rank 0."""
+        return self.tp * (1 + i)
 
     def layout(self) -> GroupLayout | None:
-        """Trainer TP rank r is rank r, the engine's TP rank r is rank ``tp + r``: at TP 1 the very group a
-        broadcast to the same engine forms (:meth:`PipelinedSink.hand_over`)."""
+        """Trainer TP rank r is rank r, the i-th engine's TP rank r is rank ``tp (1 + i) + r``: with one engine at TP
+        1 the very group a broadcast to the same engine forms (:meth:`PipelinedSink.hand_over`)."""
         if not self.sender:
             return None
-        return GroupLayout(self.master_address, self.backend, self.engine.group_name, self.timeout_s, 2 * self.tp,
-                           self.tp_rank, ((self.engine.url, self.tp),))
+        return GroupLayout(self.master_address, self.backend, self.group_name, self.timeout_s,
+                           self._offset(len(self.engines)), self.tp_rank,
+                           tuple((e.url, self._offset(i)) for i, e in enumerate(self.engines)))
 
     def connect(self) -> None:
         if self.group is not None or not self.sender:
             return
-        # The TCP store lives on TP rank 0; everyone needs its port.
+        # The TCP store lives on the replica's TP rank 0; everyone needs its port.
         port = [self.master_port or (free_port() if self.poster else 0)]
         if self.tp > 1:
             dist.broadcast_object_list(port, group=self.tp_group, group_src=0)
+        world = self._offset(len(self.engines))
         posts = []
         if self.poster:
-            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ws-p2p")
-            posts.append(self._pool.submit(self.engine.join_group, GroupSpec(
-                self.master_address, port[0], self.tp, 2 * self.tp, self.backend, self.timeout_s,
-                self.engine.group_name)))
+            self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.engines)), thread_name_prefix="ws-p2p")
+            posts = [self._pool.submit(e.join_group, GroupSpec(
+                self.master_address, port[0], self._offset(i), world, self.backend, self.timeout_s, self.group_name))
+                for i, e in enumerate(self.engines)]
         self._join(posts, lambda: init_custom_process_group(
-            self.backend, f"tcp://{self.master_address}:{port[0]}", 2 * self.tp, self.tp_rank,
-            self.engine.group_name, self.timeout_s,
-        ), [self.engine.url])
+            self.backend, f"tcp://{self.master_address}:{port[0]}", world, self.tp_rank, self.group_name,
+            self.timeout_s,
+        ), [e.url for e in self.engines])
 
     def disconnect(self, seconds: float | None = None) -> None:
         if self.sender:
-            self._leave([self.engine] if self.poster else [], self.timeout_s if seconds is None else seconds)
+            self._leave(self.engines if self.poster else [], self.timeout_s if seconds is None else seconds)
 
     def open(self, stream) -> None:
         if stream.mode != "per_rank":
@@ -120,9 +146,10 @@ class P2PSink(PipelinedSink):
                 encoded = headers[r]
                 nbytes = max((m.offset + m.nbytes for m in metas), default=0) if encoded is None else encoded.nbytes
                 ranks.append(RankBucket(r, tuple(metas), nbytes, digests[r] if self.checksums else None, encoded))
-            posts.append(self._engine_pool().submit(self.engine.receive_p2p, bucket.index, ranks))
-        work = dist.isend(bucket.buffer, group=self.group, group_dst=self.tp + self.tp_rank)
-        self._inflight.start(bucket, work, posts)
+            posts = [self._engine_pool().submit(e.receive_p2p, bucket.index, ranks) for e in self.engines]
+        works = [dist.isend(bucket.buffer, group=self.group, group_dst=self._offset(i) + self.tp_rank)
+                 for i in range(len(self.engines))]
+        self._inflight.start(bucket, Sends(works, [bucket.buffer]), posts)
 
     def _finish_inflight(self) -> UpdateError | None:
         """Finish the bucket in flight; its failure, kept to raise once the TP ranks have met."""
@@ -133,9 +160,9 @@ class P2PSink(PipelinedSink):
         return None
 
     def close(self) -> None:
-        """Finish the bucket in flight; in a delta update, every TP rank's checksums of its buckets' new bytes go
-        to the snapshot of each (``Snapshot.ranks``: what engine rank r must report), the TP ranks meeting
-        whether or not one of them failed."""
+        """Finish the bucket in flight; in a delta update, every TP rank's checksums of its buckets' new bytes are
+        gathered on the replica's TP ranks (what rank r of each of its engines must report, for
+        :meth:`share_digests`), the TP ranks meeting whether or not one of them failed."""
         if not self.sender:
             return
         if self.delta is None or not self.delta.active:
@@ -146,7 +173,23 @@ class P2PSink(PipelinedSink):
         if self.tp > 1:
             everyone = [None] * self.tp
             dist.all_gather_object(everyone, (self.delta.digests, failure), group=self.tp_group)
-        self.delta.ranks = [d for d, _ in everyone]
+        self._sent_digests = [d for d, _ in everyone]
         failure = next((f for _, f in everyone if f is not None), None)
         if failure is not None:
             raise failure
+
+    _sent_digests: list[dict[Key, str]] = []
+
+    def share_digests(self) -> None:
+        """A delta-mode update, on every rank once every rank's buckets went through: what each engine's ranks
+        must report (the checksums of its replica's TP ranks) reaches trainer rank 0's snapshot
+        (``Snapshot.expected``), which checks every engine against them."""
+        if self.delta is None or not self.delta.active:
+            return
+        mine = {e.url: self._sent_digests for e in self.engines} if self.poster else {}
+        everyone: list[Any] = [mine]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.world_group) > 1:
+            everyone = [None] * dist.get_world_size(self.world_group)
+            dist.all_gather_object(everyone, mine, group=self.world_group)
+        if not dist.is_initialized() or dist.get_rank(self.world_group) == 0:
+            self.delta.expected = {url: ranks for sent in everyone for url, ranks in sent.items()}

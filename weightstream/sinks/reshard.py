@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,7 +29,7 @@ import torch.distributed as dist
 from weightstream.common.processes import free_port
 from weightstream.engines.base import RESHARD, EngineAdapter, GroupSpec, RankBucket, ReshardEngine, implementing
 from weightstream.errors import UpdateError
-from weightstream.sinks.base import Delivery, InFlight, PipelinedSink
+from weightstream.sinks.base import Delivery, InFlight, PipelinedSink, Sends
 from weightstream.sinks.broadcast import default_backend
 from weightstream.sources.topology import Topology
 from weightstream.streaming.bucket import Bucket, typed_buffer, view_tensor
@@ -65,17 +64,6 @@ def pick_senders(coords: list[tuple[int, int, int, int, int]]) -> tuple[int, ...
         if key not in best or (dp, rank) < best[key]:
             best[key] = (dp, rank)
     return tuple(best[k][1] for k in sorted(best))
-
-
-class _Sent:
-    """The sends of one bucket (and the buffers they read), waited on together."""
-
-    def __init__(self, works: list[Any], buffers: list[torch.Tensor]):
-        self.works, self.buffers = works, buffers
-
-    def wait(self, timeout: timedelta) -> None:
-        for w in self.works:
-            w.wait(timeout)
 
 
 class ReshardSink(PipelinedSink):
@@ -245,7 +233,7 @@ class ReshardSink(PipelinedSink):
         n = len(roster.senders)
         works = [dist.isend(b, group=self.group, group_dst=n + r.engine_rank) for r, b in zip(mine, buffers,
                                                                                              strict=True)]
-        self._inflight.start(bucket, _Sent(works, buffers), posts)
+        self._inflight.start(bucket, Sends(works, buffers), posts)
 
     def _told(self, index: int, digests: dict[tuple[int, int], str],
               headers: dict[tuple[int, int], DeltaHeader]) -> list[RankBucket]:
@@ -268,14 +256,15 @@ class ReshardSink(PipelinedSink):
     def share_digests(self) -> None:
         """A delta-mode update, on every rank once every rank's buckets went through: the checksums of each
         sender's routes (its snapshot's) go to trainer rank 0's snapshot as what each engine rank must report per
-        bucket (``Snapshot.ranks``): those of the routes to it, joined in sender order."""
+        bucket (``Snapshot.expected``): those of the routes to it, joined in sender order."""
         snapshot = self._active_snapshot()
         if snapshot is None:
             return
         roster = self._roster()
         everyone = self._gather(snapshot.digests if roster.me is not None else None)
         if self._world()[0] == 0:
-            snapshot.ranks = expected_digests([everyone[r] for r in roster.senders], roster.layout.size)
+            snapshot.expected = {self.engine.url: expected_digests([everyone[r] for r in roster.senders],
+                                                                   roster.layout.size)}
 
 
 def _encode(snapshot: Snapshot, bucket: Bucket, route: Route, new: torch.Tensor,

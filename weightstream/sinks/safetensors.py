@@ -160,6 +160,9 @@ class SafetensorsSink:
     def delivery(self) -> Delivery:
         return Delivery()
 
+    def share_digests(self) -> None:
+        """Nothing: a checkpoint on disk takes no deltas."""
+
     def open(self, stream: BucketStream) -> None:
         if stream.mode != "full":
             raise ValueError("a checkpoint holds whole tensors: it needs a full stream")

@@ -18,7 +18,8 @@ class Topology:
     ep_rank: int = 0
     etp_size: int = 1
     etp_rank: int = 0
-    dp_rank: int = 0  # data-parallel replica (with context parallelism): the first one sends per-rank buckets
+    dp_rank: int = 0  # data-parallel replica (with context parallelism): each holds every shard of the model
+    dp_size: int = 1  # data-parallel replicas: P2P into several engines has engine j's buckets sent by replica j % dp
     tp_group: Any = None
     pp_group: Any = None
     ep_group: Any = None
@@ -63,6 +64,7 @@ class Topology:
             etp_size=ps.get_expert_tensor_parallel_world_size(),
             etp_rank=ps.get_expert_tensor_parallel_rank(),
             dp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
+            dp_size=ps.get_data_parallel_world_size(with_context_parallel=True),
             tp_group=ps.get_tensor_model_parallel_group(),
             pp_group=ps.get_pipeline_model_parallel_group(),
             ep_group=ps.get_expert_model_parallel_group(),

@@ -240,8 +240,9 @@ class Snapshot:
         self.active = False  # the buckets of the update under way go through :meth:`encode`
         self.digests: dict[Key, str] = {}
         self.headers: dict[Key, DeltaHeader] = {}
-        # per-rank mode: the checksums each engine rank must report (its trainer rank's ``digests``)
-        self.ranks: list[dict[Key, str]] | None = None
+        # per-rank senders (P2P, IPC, resharded): per engine URL, the checksums each of its ranks must report (its
+        # senders' ``digests``); empty: every rank reports this snapshot's ``digests`` (a broadcast)
+        self.expected: dict[str, list[dict[Key, str]]] = {}
 
     @property
     def nbytes(self) -> int:
@@ -250,7 +251,7 @@ class Snapshot:
     def begin(self, full: bool, active: bool = True) -> None:
         self.active = active
         self.full = full or not self.held
-        self.digests, self.headers, self.ranks = {}, {}, None
+        self.digests, self.headers, self.expected = {}, {}, {}
         if self.full:
             self.held = {}
 
