@@ -54,7 +54,7 @@ from weightstream.sinks.reshard import ReshardSink
 from weightstream.sources import as_source
 from weightstream.sources.base import Source
 from weightstream.sources.topology import Topology
-from weightstream.streaming.delta import Snapshot
+from weightstream.streaming.delta import Snapshot, warm_kernels
 from weightstream.streaming.stream import DEFAULT_BUCKET_BYTES, BucketStream, Mode, stream_hf_weights
 from weightstream.wire.handles import gpu_uuid
 
@@ -649,7 +649,8 @@ class WeightSync:
         """What an update needs before its first bytes, done now: call it on every trainer rank once the model
         and the engines are up (before training starts, say). The engines are asked what they are, the
         transport is chosen, the stream's plan (table, buckets, copy programs, the kept buffers and the batched
-        copies into them; on a GPU the copy kernel compiled) is made and kept, and the
+        copies into them; on a GPU the copy kernel compiled, and with ``delta`` the word kernels) is made and kept,
+        and the
         group to the engines is formed (broadcast, P2P); the first :meth:`update` then costs about what a
         later one does. The engines keep serving meanwhile (nothing is paused). Returns the transport; raises
         on every rank what the first update would have raised."""
@@ -662,6 +663,9 @@ class WeightSync:
             sink = self._make_sink(decision.transport, job.source.topology)
             sink.prepare(stream)  # IPC: the engine learns the plan and maps the kept buffers (first: on the CPU,
             stream.prepare_copies()  # sharing a buffer moves it into shared memory); then the copies into them
+            if self.delta is not None:  # the word kernels compiled, for the first delta (on a GPU)
+                warm_kernels(stream.device, {min(4, m.dtype.itemsize) for i in range(len(stream))
+                                             for m in stream.bucket_metas(i)})
             sink.connect()
         except BaseException as exc:  # noqa: BLE001
             err = _as_update_error("group", exc, self._urls())

@@ -5,7 +5,8 @@ The trainer is the preset's Megatron-Core model in bf16 with fp32 master weights
 memory with ``masters="host"`` where the device cannot hold them and Adam's state), Adam over the masters, the
 masters copied into the model after each step; each step's gradient is that of the model's own language-model
 loss on a random batch (forward and backward through Megatron). One ``WeightSync(delta=True)`` into a reference
-engine makes, in order: the first update (full, cold); ``repeats`` full updates of the same weights, warm
+engine makes, in order: ``prepare()`` (the plan, the group, on a GPU the copy and word kernels compiled: timed
+apart), the first update (full, cold); ``repeats`` full updates of the same weights, warm
 (forced full); then per learning rate, ``steps`` times: one optimizer step, one update (deltas). Each update's
 report gives the share of words changed, the bytes on the wire, its encodings, its time and phases, and the
 check of its bytes (every engine rank's checksum of every bucket against the trainer's). The row's check: every
@@ -69,6 +70,7 @@ class DeltaBenchResult:
     bytes: int = 0  # of a full update
     buckets: int = 0
     snapshot_bytes: int = 0  # what the sender kept to compute deltas
+    prepare_s: float = 0.0  # WeightSync.prepare() before the first update
     updates: list[DeltaStep] = field(default_factory=list)
     ceiling_s: float = 0.0
     ceiling: str = ""
@@ -107,6 +109,7 @@ class DeltaBenchResult:
             f"(best warm; ceiling {self.ceiling_s * 1e3:.1f} ms: {self.ceiling}; "
             f"ratio {self.full_s / self.ceiling_s if self.ceiling_s else float('nan'):.2f}x)",
             f"  snapshot          {self.snapshot_bytes / 1e6:9.1f} MB kept by the sender",
+            f"  prepare()         {self.prepare_s * 1e3:9.1f} ms before the first update",
         ]
         for lr, steps in self.rows():
             for k, u in enumerate(steps):
@@ -202,6 +205,7 @@ def delta_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype: 
     with WeightSync([url], transport=transport, bucket_bytes=bucket_bytes, timeout_s=300, delta=True,
                     snapshot=snapshot, reuse_buffers=True) as sync:
         tracker = _tracker(sync.delta)
+        ((prepare_s, _),), _ = _timed(device, 1, lambda: sync.prepare(chunks, cfg))
         update(None)
         for _ in range(repeats):
             tracker.force_full("a full update of the same weights, timed to compare with")
@@ -216,7 +220,7 @@ def delta_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype: 
         logits = megatron_logits(chunks, torch.tensor(IDS), cfg.vocab_size).float().cpu()
     except Exception as exc:  # noqa: BLE001 -- the row reports it and fails
         logits = f"the Megatron model's own forward failed: {type(exc).__name__}: {exc}"
-    return {"device": str(device), "updates": updates, "logits": logits}
+    return {"device": str(device), "updates": updates, "logits": logits, "prepare_s": prepare_s}
 
 
 def _tracker(tracker: DeltaTracker | None) -> DeltaTracker:
@@ -253,6 +257,7 @@ def run_delta_bench(preset: str, transport: str, *, tiny: bool = False, dtype: s
         r = ranks[0]
         text, ok = logits_check(url, r["logits"], dtype)
     res.device = f"trainer {r['device']}, engine {devices[0]}"
+    res.prepare_s = r["prepare_s"]
     res.updates = [DeltaStep(**{k: u[k] for k in DeltaStep.__dataclass_fields__}) for u in r["updates"]]
     last = r["updates"][-1]
     res.bytes, res.buckets, res.snapshot_bytes = last["bytes"], last["buckets"], last["snapshot_bytes"]

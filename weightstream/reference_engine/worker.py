@@ -45,7 +45,7 @@ from weightstream.streaming.bucket import (
     view_tensor,
 )
 from weightstream.streaming.copies import batched_copy, warm_kernel
-from weightstream.streaming.delta import DeltaHeader, Key, apply
+from weightstream.streaming.delta import DeltaHeader, Key, apply, warm_kernels
 from weightstream.wire.channel import Channel, ChannelError, fd_peer
 from weightstream.wire.frames import (
     BucketLayout,
@@ -266,6 +266,7 @@ class Worker:
         # open session applied; ``delta_changed``: the open session changed them (an abort leaves them unknown:
         # they are dropped).
         self.delta_held: dict[Key, tuple[tuple[TensorMeta, ...], torch.Tensor]] = {}
+        self.warmed_words: set[int] = set()  # word sizes the delta kernels were compiled for (on a GPU)
         self.delta_digests: dict[Key, str] = {}
         self.delta_changed = False
         self._load_initial(model_dir)
@@ -362,6 +363,9 @@ class Worker:
         self.delta_changed = True
         if header.encoding == "dense":
             raw = received
+            if header.word not in self.warmed_words:  # the first delta of these words then finds them compiled
+                warm_kernels(self.device, (header.word,))
+                self.warmed_words.add(header.word)
         else:
             raw = held[1]  # type: ignore[index]  # held is checked above
             apply(raw.narrow(0, 0, header.total), header, payload)

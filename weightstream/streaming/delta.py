@@ -175,6 +175,23 @@ def encode_into(new: Tensor, held: Tensor, word: int, allowed: Iterable[Encoding
     return header, payload
 
 
+def warm_kernels(device: torch.device, words: Iterable[int] = (2,)) -> None:
+    """Compile the word kernels on ``device`` before the first delta needs them (each first launch costs about
+    2.4 s in all on an H100): per word size, an encoding as positions and one as a bitmap, both applied, and a
+    checksum. Nothing where the kernels are not used."""
+    if not word_kernels.available(device):
+        return
+    n = 1 << 14  # words; a multiple of 16, as a bucket's count usually is (Triton compiles per such property)
+    for word in words:
+        held = torch.zeros(n * word, dtype=torch.uint8, device=device)
+        for changed in (1, n // 2):  # few words (positions + values), then many (a bitmap + values)
+            new = held.clone()
+            new.view(_WORD_DTYPES[word])[:changed] = 1
+            header, payload = encode_into(new, held.clone(), word)
+            apply(held.clone(), header, payload)
+        word_kernels.checksum_sums(held.view(torch.int32))
+
+
 def apply(held: Tensor, header: DeltaHeader, payload: Tensor) -> Tensor:
     """Write ``payload`` (encoded by :func:`encode` against bytes equal to ``held``) into ``held`` (flat uint8,
     changed in place) and return it: then exactly the sender's new bytes. Raises ``ValueError`` where the
