@@ -38,6 +38,9 @@ SINGLE_DTYPE = "single_dtype"  # every bucket must hold tensors of one dtype (th
 # takes the metadata of every bucket of an update in one request, then receives the broadcasts back to back
 # (no HTTP round trip between two buckets on the wire)
 BROADCAST_AHEAD = "broadcast_ahead"
+# takes what each of its ranks receives in every per-rank (P2P) bucket of an update in one request, then receives
+# them back to back (no HTTP round trip between two buckets on the wire)
+P2P_AHEAD = "p2p_ahead"
 # takes the metadata of every bucket of a colocated update in one request, then per bucket one small frame on
 # a control channel per TP rank (a kept buffer's handle is opened once; CUDA events instead of synchronising)
 IPC_AHEAD = "ipc_ahead"
@@ -263,6 +266,14 @@ class BroadcastAheadEngine(EngineAdapter, Protocol):
 
 
 @runtime_checkable
+class P2PAheadEngine(EngineAdapter, Protocol):
+    """:data:`P2P_AHEAD`: per bucket of an update, what each engine rank receives (one :class:`RankBucket` per rank),
+    all in one request; then the buckets are sent back to back."""
+
+    def receive_p2p_ahead(self, buckets: Sequence[Sequence[RankBucket]], timeout_s: float) -> None: ...
+
+
+@runtime_checkable
 class IPCAheadEngine(EngineAdapter, Protocol):
     """:data:`IPC_AHEAD`: a colocated update's plan announced once, then one small frame per bucket on a
     control channel per TP rank (:mod:`weightstream.wire`)."""
@@ -328,7 +339,7 @@ class DeltaEngine(EngineAdapter, Protocol):
 # What an adapter implements for each capability its engine may declare.
 CAPABILITY_PROTOCOLS: dict[str, type] = {
     BROADCAST: BroadcastEngine, P2P: P2PEngine, RESHARD: ReshardEngine, IPC: IPCEngine, RELEASE_MEMORY: MemoryEngine,
-    BROADCAST_AHEAD: BroadcastAheadEngine, IPC_AHEAD: IPCAheadEngine,
+    BROADCAST_AHEAD: BroadcastAheadEngine, IPC_AHEAD: IPCAheadEngine, P2P_AHEAD: P2PAheadEngine,
     COMMIT_AND_RESUME: CommitsAndResumes, PAUSE_AND_BEGIN: PausesAndBegins, PREPARE_COMMIT: PreparesCommits,
     DELTA: DeltaEngine,
 }

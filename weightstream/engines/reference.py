@@ -166,6 +166,16 @@ class ReferenceEngine(SGLangEngine):
         return DeltaChecks(str(reply["instance"]), None if base is None else str(base),
                            {int(k): tuple(str(d) for d in v) for k, v in reply["buckets"].items()})
 
+    def receive_p2p_ahead(self, buckets: Sequence[Sequence[RankBucket]], timeout_s: float) -> None:
+        """What each engine rank receives in every per-rank bucket of this update, in order, before the first is
+        sent; the engine receives them back to back and answers once all are loaded (or once one failed: it still
+        receives the rest, so that the sends complete, and loads none of them)."""
+        self.post("/weightstream/update_weights_from_p2p_ahead", {
+            "group_name": self.group_name, "weight_version": self._version,
+            "buckets": [[{"src": r.src, "metas": [_meta_json(m) for m in r.metas], "nbytes": r.nbytes}
+                         for r in ranks] for ranks in buckets],
+        }, step=f"update_weights_from_p2p_ahead ({len(buckets)} buckets)", timeout_s=timeout_s)
+
     def receive_p2p(self, index: int, ranks: Sequence[RankBucket]) -> None:
         """Metadata of what each engine rank receives by send/recv in this bucket."""
         self.post("/weightstream/update_weights_from_p2p", {

@@ -66,6 +66,7 @@ MAX_BODY_BYTES = 64 << 20
 BULK_ROUTES = frozenset({
     "/update_weights_from_distributed", "/weightstream/update_weights_from_distributed_ahead",
     "/update_weights_from_tensor", "/weightstream/update_weights_from_p2p",
+    "/weightstream/update_weights_from_p2p_ahead",
 })
 
 
@@ -139,6 +140,9 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     },
     "/weightstream/update_weights_from_p2p": {
         "ranks": ((list,), True), "group_name": ((str,), False), "weight_version": (_OPT_STR, False),
+    },
+    "/weightstream/update_weights_from_p2p_ahead": {
+        "buckets": ((list,), True), "group_name": ((str,), False), "weight_version": (_OPT_STR, False),
     },
     "/begin_weight_update": {"timeout_s": (_NUMBER + (type(None),), False), "pause": ((str,), False),
                              "weight_version": (_OPT_STR, False)},
@@ -722,6 +726,7 @@ class EngineServer(ThreadingHTTPServer):
             ("POST", "/update_weights_from_tensor"): self.update_tensor,
             ("POST", "/weightstream/update_weights_from_ipc_ahead"): self.update_ipc_ahead,
             ("POST", "/weightstream/update_weights_from_p2p"): self.update_p2p,
+            ("POST", "/weightstream/update_weights_from_p2p_ahead"): self.update_p2p_ahead,
             ("POST", "/weightstream/release_ipc_buffers"): self.release_ipc,
             ("POST", "/weightstream/prepare_ipc_ahead"): self.prepare_ipc_ahead,
             ("POST", "/begin_weight_update"): self.begin,
@@ -800,7 +805,7 @@ class EngineServer(ThreadingHTTPServer):
             "hostname": socket.gethostname(), "pid": os.getpid(), "dtype": e.dtype,
             "quantization_config": e.quantization_config,
             "capabilities": ["broadcast", "ipc", "ipc_ahead", "p2p", "reshard", "release_memory"]
-            + (["rollback"] if e.rollback else []) + ["broadcast_ahead", "delta"],
+            + (["rollback"] if e.rollback else []) + ["broadcast_ahead", "p2p_ahead", "delta"],
             "instance": e.instance, "delta_base": e.delta_base,
             "update_session_open": e.session_open,
             "update_session_loaded": e.session_loaded,  # tensors loaded in the open session so far
@@ -934,6 +939,25 @@ class EngineServer(ThreadingHTTPServer):
         per_rank = [{"group_name": group, "src": int(r["src"]), "metas": r["metas"], "nbytes": int(r["nbytes"]),
                      "expected_checksum": r.get("checksum"), "delta": r.get("delta")} for r in ranks]
         return self._guarded(lambda: self.engine.call("update_p2p", per_rank=per_rank), b)
+
+    def update_p2p_ahead(self, b):
+        """Every per-rank bucket of an update: per bucket, one entry per engine rank (``src``, ``metas``,
+        ``nbytes``); each rank receives its buckets back to back."""
+        self._in_session("update_weights_from_p2p_ahead")
+        buckets = b["buckets"]
+        problems = [f"bucket {i}: {len(x) if isinstance(x, list) else 'no'} entries, the engine has {self.engine.tp} "
+                    "ranks" for i, x in enumerate(buckets) if not isinstance(x, list) or len(x) != self.engine.tp]
+        problems += [f"bucket {i} rank {r}: needs 'src' (int), 'metas' (list) and 'nbytes' (int)"
+                     for i, x in enumerate(buckets) if isinstance(x, list) for r, e in enumerate(x)
+                     if not (isinstance(e, dict) and isinstance(e.get("src"), int) and isinstance(e.get("metas"), list)
+                             and isinstance(e.get("nbytes"), int))]
+        if problems:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, "bad P2P buckets: " + "; ".join(problems[:8]))
+        group = b.get("group_name", "weight_update_group")
+        per_rank = [{"group_name": group, "buckets": [{"src": x[r]["src"], "metas": x[r]["metas"],
+                                                       "nbytes": x[r]["nbytes"]} for x in buckets]}
+                    for r in range(self.engine.tp)]
+        return self._guarded(lambda: self.engine.call("update_p2p_ahead", per_rank=per_rank), b)
 
     def _update_p2p_pieces(self, b):
         """A resharded bucket: each entry names the engine rank it is for (``rank``) and the trainer rank it

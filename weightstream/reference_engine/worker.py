@@ -194,14 +194,17 @@ class _Pipeline:
         self.loaded = [torch.cuda.Event(), torch.cuda.Event()]
         self.main = torch.cuda.current_stream(worker.device)
 
-    def receive(self, i: int, nbytes: int, group) -> torch.Tensor:
+    def receive(self, i: int, nbytes: int, group, src: int | None = None) -> torch.Tensor:
+        """Bucket ``i``'s ``nbytes``: broadcast from group rank 0, or sent by group rank ``src``."""
         if not self.cuda:
             raw = typed_buffer(nbytes, self.worker.device)
+        else:
+            raw = self.worker.receive_buffers[i % 2]
+            self.main.wait_event(self.loaded[i % 2])  # bucket i - 2 was loaded out of this buffer
+        if src is None:  # after it, on a GPU: this stream has the bytes
             dist.broadcast(raw.narrow(0, 0, nbytes), group=group, group_src=0)
-            return raw
-        raw = self.worker.receive_buffers[i % 2]
-        self.main.wait_event(self.loaded[i % 2])  # bucket i - 2 was loaded out of this buffer
-        dist.broadcast(raw.narrow(0, 0, nbytes), group=group, group_src=0)  # after it: this stream has the bytes
+        else:
+            dist.recv(raw.narrow(0, 0, nbytes), group=group, group_src=src)
         return raw
 
     @contextmanager
@@ -407,13 +410,34 @@ class Worker:
         (the sender broadcasts them all) but not loaded; the failure is raised at the end, naming the bucket."""
         if load_format != "flattened_bucket":
             raise ValueError(f"load_format {load_format!r}: buckets sent ahead are flattened buckets")
-        group = self._group(group_name)
         programs = [self._dense_program(b["names"], b["dtypes"], b["shapes"]) for b in buckets]
-        pipe = _Pipeline(self, max((p.total for p in programs), default=0))
+        return self._receive_ahead(self._group(group_name), programs, [(p.total, None) for p in programs])
+
+    def update_p2p_ahead(self, group_name, buckets):
+        """Every per-rank bucket of an update, each sent by its trainer rank (``src``), received back to back (as
+        :meth:`update_distributed_ahead`)."""
+        programs = [self._p2p_program(tuple(_wire_meta(m) for m in b["metas"]), int(b["nbytes"])) for b in buckets]
+        return self._receive_ahead(self._group(group_name), programs,
+                                   [(int(b["nbytes"]), int(b["src"])) for b in buckets])
+
+    def _p2p_program(self, metas: tuple[TensorMeta, ...], nbytes: int) -> SimpleNamespace:
+        """A per-rank bucket's program (kept, by its metadata), of ``nbytes`` on the wire."""
+        program = self.programs.get(("p2p", metas))
+        if program is None:
+            program = self.programs[("p2p", metas)] = self._program(list(metas))
+        if program.total > nbytes:
+            raise ValueError(f"a per-rank bucket of {nbytes} bytes whose tensors take {program.total}")
+        return program
+
+    def _receive_ahead(self, group, programs: list, wire: list[tuple[int, int | None]]):
+        """``programs``' buckets received back to back (``wire``: each one's bytes, and the group rank that sends it,
+        None: broadcast from rank 0) while the last is loaded; after a failure the rest are still received but not
+        loaded, and the failure raised at the end."""
+        pipe = _Pipeline(self, max((n for n, _ in wire), default=0))
         loaded, failure = 0, None
         for i, program in enumerate(programs):
             with self.clock("receive"):
-                raw = pipe.receive(i, program.total, group)
+                raw = pipe.receive(i, wire[i][0], group, wire[i][1])
             if failure is not None:
                 continue
             try:
@@ -1013,6 +1037,7 @@ class Worker:
             "init_group": self.init_group, "destroy_group": self.destroy_group,
             "destroy_all_groups": self.destroy_all_groups, "update_distributed": self.update_distributed,
             "update_distributed_ahead": self.update_distributed_ahead, "update_tensor": self.update_tensor,
+            "update_p2p_ahead": self.update_p2p_ahead,
             "update_ipc_ahead": self.update_ipc_ahead, "prepare_ipc_ahead": self.prepare_ipc_ahead,
             "update_p2p": self.update_p2p, "release_ipc": self.release_ipc, "begin_session": self.begin_session,
             "prepare_session": self.prepare_session, "commit_session": self.commit_session,

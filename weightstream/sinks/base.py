@@ -166,6 +166,35 @@ class PipelinedSink:
         if problems:
             raise UpdateError("group", " | ".join(problems), engines)
 
+    _ahead: list[Future] = []  # the engines' replies to the metadata of every bucket, sent ahead
+    _ahead_bound: float = 0.0
+
+    def _post_ahead(self, calls: Sequence[Callable[[float], Any]], buckets: int) -> None:
+        """Tell each engine (``calls``, each given the bound of its answer) what every one of the ``buckets`` holds,
+        before the first goes out; each answers once it has loaded the last: bounded by the whole update."""
+        self._ahead_bound = self.timeout_s * (1 + buckets / 8)
+        self._ahead = [self._engine_pool().submit(call, self._ahead_bound) for call in calls]
+
+    def _finish_ahead(self) -> None:
+        """Finish the bucket in flight; a transfer that failed while the engines had the metadata ahead is
+        reported with what the engines answered, where they already did (a dead engine says so)."""
+        try:
+            self._inflight.finish()
+        except UpdateError as exc:
+            said = [str(f.exception()) for f in self._ahead if f.done() and f.exception() is not None]
+            if said:
+                raise UpdateError(exc.phase, f"{exc.detail} | the engines said: {' | '.join(said)}",
+                                  exc.engines) from None
+            raise
+
+    def _close_ahead(self, engines: Sequence[str]) -> None:
+        """Every engine's answer to the metadata sent ahead (each bounded), its failures raised as one error."""
+        ahead, self._ahead = self._ahead, []
+        if ahead:
+            problems = future_errors(ahead, Deadline(self._ahead_bound + 2.0))
+            if problems:
+                raise UpdateError("buckets", " | ".join(problems), engines)
+
     def _engine_pool(self) -> ThreadPoolExecutor:
         """The threads that talk to the engines: made by ``connect`` (or handed over with the group)."""
         if self._pool is None:
@@ -223,6 +252,8 @@ class PipelinedSink:
             self._inflight.finish()
 
     def abort(self) -> None:
-        """After a failure: drop the bucket in flight and leave the group within the cleanup budget."""
+        """After a failure: drop the bucket in flight (and the answers awaited to metadata sent ahead) and leave the
+        group within the cleanup budget."""
+        self._ahead = []
         self._inflight.drop()
         self.disconnect(cleanup_budget(self.timeout_s))

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from weightstream.common.bounds import Deadline
 from weightstream.common.processes import free_port
 from weightstream.engines.base import (
     BROADCAST,
@@ -23,8 +23,7 @@ from weightstream.engines.base import (
     capable,
     implementing,
 )
-from weightstream.errors import UpdateError
-from weightstream.sinks.base import Delivery, InFlight, PipelinedSink, future_errors
+from weightstream.sinks.base import Delivery, InFlight, PipelinedSink
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.delta import Snapshot
 from weightstream.wire.groups import GroupLayout, init_custom_process_group
@@ -113,23 +112,8 @@ class BroadcastSink(PipelinedSink):
         ahead = [a for e in self.engines if (a := capable(e, BROADCAST_AHEAD, BroadcastAheadEngine)) is not None]
         if len(ahead) == len(self.engines):
             metas = [stream.bucket_metas(i) for i in range(len(stream))]
-            # The engine answers once it has loaded the last bucket: bounded by the whole update's bytes.
-            bound = self.timeout_s * (1 + len(metas) / 8)
-            self._ahead = [self._engine_pool().submit(e.receive_broadcast_ahead, metas, bound) for e in ahead]
-            self._ahead_bound = bound
+            self._post_ahead([partial(e.receive_broadcast_ahead, metas) for e in ahead], len(metas))
             self.ahead_used = True
-
-    def _finish(self) -> None:
-        """Finish the bucket in flight; a transfer that failed while the engines had the metadata ahead is
-        reported with what the engines answered, where they already did (a dead engine says so)."""
-        try:
-            self._inflight.finish()
-        except UpdateError as exc:
-            said = [str(f.exception()) for f in self._ahead if f.done() and f.exception() is not None]
-            if said:
-                raise UpdateError(exc.phase, f"{exc.detail} | the engines said: {' | '.join(said)}",
-                                  exc.engines) from None
-            raise
 
     def delivery(self) -> Delivery:
         return Delivery(metadata_ahead=self.ahead_used, formed_group=self.formed > self._formed_before)
@@ -137,7 +121,7 @@ class BroadcastSink(PipelinedSink):
     def send(self, bucket: Bucket) -> None:
         if not self.sender:
             return
-        self._finish()
+        self._finish_ahead()
         if self.delta is not None and self.delta.active:
             header, payload = self.delta.encode(bucket.index, bucket.buffer, bucket.word)
             bucket = Bucket(bucket.index, payload, bucket.metas, delta=header)
@@ -150,13 +134,5 @@ class BroadcastSink(PipelinedSink):
     def close(self) -> None:
         if not self.sender:
             return
-        self._finish()
-        ahead, self._ahead = self._ahead, []
-        if ahead:
-            problems = future_errors(ahead, Deadline(self._ahead_bound + 2.0))
-            if problems:
-                raise UpdateError("buckets", " | ".join(problems), [e.url for e in self.engines])
-
-    def abort(self) -> None:
-        self._ahead = []
-        super().abort()
+        self._finish_ahead()
+        self._close_ahead([e.url for e in self.engines])

@@ -12,18 +12,30 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from weightstream.common.processes import free_port
-from weightstream.engines.base import P2P, EngineAdapter, GroupSpec, P2PEngine, RankBucket, implementing
+from weightstream.engines.base import (
+    P2P,
+    P2P_AHEAD,
+    EngineAdapter,
+    GroupSpec,
+    P2PAheadEngine,
+    P2PEngine,
+    RankBucket,
+    capable,
+    implementing,
+)
 from weightstream.errors import UpdateError
-from weightstream.sinks.base import InFlight, PipelinedSink, Sends
+from weightstream.sinks.base import Delivery, InFlight, PipelinedSink, Sends
 from weightstream.sinks.broadcast import default_backend
 from weightstream.sources.topology import Topology
-from weightstream.streaming.bucket import Bucket
-from weightstream.streaming.delta import Key, Snapshot
+from weightstream.streaming.bucket import Bucket, TensorMeta
+from weightstream.streaming.delta import DeltaHeader, Key, Snapshot
 from weightstream.wire.groups import GroupLayout, init_custom_process_group
 from weightstream.wire.handles import checksum
 
@@ -64,6 +76,7 @@ class P2PSink(PipelinedSink):
         self.poster = self.sender and self.tp_rank == 0
         self.group = None
         self.stream: BucketStream | None = None
+        self.ahead_used = False  # the last update told the engines of every bucket ahead (P2P_AHEAD)
         self.delta = delta
         self._pool: ThreadPoolExecutor | None = None
         self._inflight = InFlight(timeout_s, [e.url for e in self.engines])
@@ -109,11 +122,39 @@ class P2PSink(PipelinedSink):
             self._leave(self.engines if self.poster else [], self.timeout_s if seconds is None else seconds)
 
     def open(self, stream) -> None:
+        """Connect; where every engine of this replica takes it (and neither checksums nor deltas are asked for),
+        the poster tells them what each of their ranks receives in every bucket now: the buckets then go on the
+        wire back to back, with no request between two."""
         if stream.mode != "per_rank":
             raise ValueError("P2PSink needs a per_rank stream")
         self.stream = stream
         self._begin_update()
         self.connect()
+        self._ahead = []
+        self.ahead_used = False
+        if not self.sender or self.checksums or (self.delta is not None and self.delta.active) or not len(stream):
+            return
+        ahead = [a for e in self.engines if (a := capable(e, P2P_AHEAD, P2PAheadEngine)) is not None]
+        if len(ahead) == len(self.engines):
+            self.ahead_used = True
+            if self.poster:
+                buckets = [self._told(i, stream.bucket_metas(i), [None] * self.tp, [None] * self.tp)
+                           for i in range(len(stream))]
+                self._post_ahead([partial(e.receive_p2p_ahead, buckets) for e in ahead], len(buckets))
+
+    def _told(self, index: int, mine: Sequence[TensorMeta], digests: Sequence[str | None],
+              headers: Sequence[DeltaHeader | None]) -> list[RankBucket]:
+        """What engine rank r receives in bucket ``index``: trainer TP rank r's bucket (``mine`` on this rank)."""
+        ranks = []
+        for r in range(self.tp):
+            metas = mine if r == self.tp_rank else self._opened().metas_for_rank(index, r)
+            header = headers[r]
+            nbytes = max((m.offset + m.nbytes for m in metas), default=0) if header is None else header.nbytes
+            ranks.append(RankBucket(r, tuple(metas), nbytes, digests[r], header))
+        return ranks
+
+    def delivery(self) -> Delivery:
+        return replace(super().delivery(), metadata_ahead=self.ahead_used)
 
     def _opened(self) -> BucketStream:
         if self.stream is None:
@@ -139,13 +180,8 @@ class P2PSink(PipelinedSink):
         if failure is not None:
             raise failure
         posts = []
-        if self.poster:
-            ranks = []
-            for r in range(self.tp):
-                metas = bucket.metas if r == self.tp_rank else self._opened().metas_for_rank(bucket.index, r)
-                encoded = headers[r]
-                nbytes = max((m.offset + m.nbytes for m in metas), default=0) if encoded is None else encoded.nbytes
-                ranks.append(RankBucket(r, tuple(metas), nbytes, digests[r] if self.checksums else None, encoded))
+        if self.poster and not self.ahead_used:
+            ranks = self._told(bucket.index, bucket.metas, digests if self.checksums else [None] * self.tp, headers)
             posts = [self._engine_pool().submit(e.receive_p2p, bucket.index, ranks) for e in self.engines]
         works = [dist.isend(bucket.buffer, group=self.group, group_dst=self._offset(i) + self.tp_rank)
                  for i in range(len(self.engines))]
@@ -154,7 +190,7 @@ class P2PSink(PipelinedSink):
     def _finish_inflight(self) -> UpdateError | None:
         """Finish the bucket in flight; its failure, kept to raise once the TP ranks have met."""
         try:
-            self._inflight.finish()
+            self._finish_ahead()
         except UpdateError as exc:
             return exc
         return None
@@ -166,7 +202,8 @@ class P2PSink(PipelinedSink):
         if not self.sender:
             return
         if self.delta is None or not self.delta.active:
-            self._inflight.finish()
+            self._finish_ahead()
+            self._close_ahead([e.url for e in self.engines])
             return
         failure = self._finish_inflight()
         everyone: list = [(self.delta.digests, failure)]
