@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 
+import pytest
 import torch
 
 from tests.conftest import hf_logits
@@ -21,34 +22,41 @@ T = 6.0  # timeout_s of each wait
 BOUND = 1.2 * T + 5  # what a failed update may take, from its failing wait to every rank raising
 
 
-def test_a_failing_replica_makes_the_update_commit_on_none(tmp_path):
-    """Three replicas (TP 1, TP 2, and a TP 1 one whose bytes arrive corrupted): the update fails at that bucket on
-    every trainer rank within its bound, and the two good replicas put their weights back (same version, same
-    logits, bit for bit). The next update to the good ones commits on both."""
+@pytest.mark.parametrize("transport,layout,tps,reason", [
+    ("broadcast", Layout(2, 1), (1, 2), "(resharding serves one engine; 2 given)"),
+    ("p2p", Layout(1), (1, 1), "2 engines at the trainer's TP 1"),
+])
+def test_a_failing_replica_makes_the_update_commit_on_none(tmp_path, transport, layout, tps, reason):
+    """Three replicas, the third of which gets corrupted bytes: the update fails at that bucket on every trainer
+    rank within its bound, and the two good replicas put their weights back (same version, same logits, bit for
+    bit). The next update to the good ones commits on both, each serving the trainer's weights (logits equal to
+    HF's). By broadcast: a trainer at TP 2 into engines at TP 1, TP 2 and TP 1 (one group with every engine rank).
+    By P2P: a trainer of two data-parallel replicas into engines at its TP 1, engine j from replica j % 2 (the
+    corrupted one is replica 0's second; replica 1, which saw nothing wrong, fails too); each replica tells its
+    engines of every bucket in one request, then sends them back to back."""
     cfg = preset_config("tiny-qwen3")
     src = save_random_checkpoint(cfg, tmp_path / "src", seed=61)
     eng_dir = save_random_checkpoint(cfg, tmp_path / "eng", seed=62)
     opts = {"transport": "auto", "bucket_bytes": SMALL, "checksums": True, "timeout_s": T}
     with ExitStack() as stack:
-        one = stack.enter_context(engine(eng_dir, tp=1))
-        two = stack.enter_context(engine(eng_dir, tp=2))
+        one, two = (stack.enter_context(engine(eng_dir, tp=tp)) for tp in tps)
         bad = stack.enter_context(engine(eng_dir, tp=1, fault="corrupt@1"))
         good = [ReferenceEngine(one.url), ReferenceEngine(two.url)]
         before = [(e.weight_version(), e.logits(INPUT_IDS)) for e in good]
-        failed = launch(2, run_timed_updates, Case(src, Layout(2, 1)),
+        failed = launch(2, run_timed_updates, Case(src, layout),
                         [([one.url, two.url, bad.url], {**opts, "weight_version": "v1"})])
         after_failure = [(e.weight_version(), e.logits(INPUT_IDS)) for e in good]
-        done = launch(2, run_timed_updates, Case(src, Layout(2, 1)),
-                      [([one.url, two.url], {**opts, "weight_version": "v2"})])
+        done = launch(2, run_timed_updates, Case(src, layout),
+                      [([one.url, two.url], {**opts, "checksums": False, "weight_version": "v2"})])
         served = [(e.weight_version(), e.logits(INPUT_IDS)) for e in good]
     for (attempt,) in failed:
         assert attempt.get("type") == "UpdateError" and attempt["phase"] == "bucket 1", attempt
-        assert "arrived corrupted" in attempt["error"] and bad.url in attempt["error"]
+        assert "arrived corrupted" in attempt["error"] and bad.url in attempt["error"], attempt
         assert attempt["seconds"] <= BOUND, attempt["seconds"]
     for (version, logits), (v0, l0) in zip(after_failure, before, strict=True):
         assert version == v0 != "v1" and torch.equal(logits, l0)  # committed on none: each put its weights back
-    (report,) = (r["report"] for (r,) in done[:1])
-    assert report.transport == "broadcast" and "(resharding serves one engine; 2 given)" in report.reason
+    reports = [r["report"] for (r,) in done]
+    assert reports[0].transport == transport and reason in reports[0].reason and reports[0].metadata_ahead, reports
     ref = hf_logits(src, INPUT_IDS)
     for version, logits in served:
         assert version == "v2"
@@ -81,40 +89,3 @@ def test_a_replica_failing_its_commit_leaves_every_replica_as_it_was(tmp_path):
         assert attempt["seconds"] <= BOUND, attempt["seconds"]
     for (version, logits), (v0, l0) in zip([*after, after_alone], [*before, before[2]], strict=True):
         assert version == v0 != "v1" and torch.equal(logits, l0)
-
-
-def test_several_engines_by_p2p_from_their_own_replicas_all_or_none(tmp_path):
-    """A trainer of two data-parallel replicas (TP 1) updates engines by P2P, engine j from replica j % 2. Into
-    three, the third of which (replica 0's second) gets corrupted bytes: the update fails at that bucket on every
-    rank within its bound (replica 1, which saw nothing wrong, too) and the other two put their weights back. Then
-    into the two good ones: each gets its buckets from its own replica (told of every bucket in one request, then
-    sent them back to back), and both serve the trainer's weights (logits equal to HF's)."""
-    cfg = preset_config("tiny-qwen3")
-    src = save_random_checkpoint(cfg, tmp_path / "src", seed=65)
-    eng_dir = save_random_checkpoint(cfg, tmp_path / "eng", seed=66)
-    opts = {"transport": "p2p", "bucket_bytes": SMALL, "checksums": True, "timeout_s": T}
-    with ExitStack() as stack:
-        one = stack.enter_context(engine(eng_dir, tp=1))
-        two = stack.enter_context(engine(eng_dir, tp=1))
-        bad = stack.enter_context(engine(eng_dir, tp=1, fault="corrupt@1"))
-        good = [ReferenceEngine(one.url), ReferenceEngine(two.url)]
-        before = [(e.weight_version(), e.logits(INPUT_IDS)) for e in good]
-        failed = launch(2, run_timed_updates, Case(src, Layout(1)),
-                        [([one.url, two.url, bad.url], {**opts, "weight_version": "v1"})])
-        after_failure = [(e.weight_version(), e.logits(INPUT_IDS)) for e in good]
-        done = launch(2, run_timed_updates, Case(src, Layout(1)),
-                      [([one.url, two.url], {**opts, "checksums": False, "weight_version": "v2"})])
-        served = [(e.weight_version(), e.logits(INPUT_IDS)) for e in good]
-    for (attempt,) in failed:
-        assert attempt.get("type") == "UpdateError" and attempt["phase"] == "bucket 1", attempt
-        assert "arrived corrupted" in attempt["error"] and bad.url in attempt["error"], attempt
-        assert attempt["seconds"] <= BOUND, attempt["seconds"]
-    for (version, logits), (v0, l0) in zip(after_failure, before, strict=True):
-        assert version == v0 != "v1" and torch.equal(logits, l0)
-    reports = [r["report"] for (r,) in done]
-    assert all(r.transport == "p2p" and r.reason.startswith("2 engines at the trainer's TP 1") for r in reports)
-    assert all(r.metadata_ahead for r in reports)  # each replica told its engine of every bucket in one request
-    ref = hf_logits(src, INPUT_IDS)
-    for version, logits in served:
-        assert version == "v2"
-        assert_logits_close(logits, ref)
