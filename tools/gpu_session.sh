@@ -8,6 +8,8 @@
 #   ratio to raw of the FP8 bytes against the bf16 row's), and the engine's side of each (its phases print too):
 #   qwen3-8b:broadcast qwen3-8b:broadcast:"--quantize fp8-block" qwen3-8b:p2p qwen3-8b:p2p:"--quantize fp8-block"
 #   qwen3-30b-a3b:broadcast qwen3-30b-a3b:broadcast:"--quantize fp8-block" qwen3-30b-a3b:broadcast:--prepare
+# Several engines by P2P from the trainer's replicas against one broadcast (nvidia-h200-x4: two trainer replicas on
+#   GPUs 0-1, two engines on GPUs 2-3): qwen3-8b:p2p:"--replicas 2" qwen3-8b:broadcast:"--replicas 2".
 # Delta updates on real Adam steps (issue 22's goal row, two GPUs): bash tools/gpu_run.sh bench --delta --transport
 #   broadcast --preset qwen3-4b --lr 1e-6,1e-5 --steps 3 (one GPU: --transport ipc; qwen3-8b needs --masters host and
 #   more host memory than 128 GiB holds with Adam's state).
