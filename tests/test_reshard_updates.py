@@ -62,6 +62,7 @@ def test_resharded_p2p_between_tp_sizes(dense, trainer_tp, engine_tp):
     assert f"engine TP {engine_tp}, trainer TP {trainer_tp}" in rep.reason
     assert all(r.gathers == 0 for r in reports)  # no all-gather on any trainer rank
     assert rep.tensors == 47
+    assert rep.metadata_ahead  # every bucket's routes told in one request, then the buckets back to back
     assert torch.equal(logits, _served(src, engine_tp))
     assert_logits_close(logits, hf_logits(src, INPUT_IDS))
 

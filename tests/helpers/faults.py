@@ -1,9 +1,9 @@
 """The reference engine with a fault injected into its workers, from the tests' side. Each worker process runs a
 :class:`FaultyWorker` (the engine's own :class:`~weightstream.reference_engine.worker.Worker`, some of whose
 commands misbehave as the fault says: the server takes the worker processes' entry as a parameter), and the
-engine does not declare ``broadcast_ahead`` (a trainer then sends one request per bucket, and the engine takes
-each bucket on its own). Every bucket goes through the path where the fault strikes: none is copied in a batch,
-none is written by the trainer straight into the engine's weights.
+engine does not declare ``broadcast_ahead`` nor ``p2p_ahead`` (a trainer then sends one request per bucket, and
+the engine takes each bucket on its own). Every bucket goes through the path where the fault strikes: none is
+copied in a batch, none is written by the trainer straight into the engine's weights.
 
 Faults, as ``KIND`` or ``KIND@N``:
 
@@ -130,13 +130,15 @@ def faulty_entry(fault: str) -> Callable[..., None]:
     return partial(faulty_worker_main, fault)
 
 
-def hide_broadcast_ahead(server: EngineServer) -> None:
-    """The engine's server info without ``broadcast_ahead``: a trainer sends its buckets one request each."""
+def hide_ahead(server: EngineServer) -> None:
+    """The engine's server info without ``broadcast_ahead`` and ``p2p_ahead``: a trainer sends its buckets one
+    request each."""
     info = server.routes[INFO_ROUTE]
 
     def without(body):
         status, reply = info(body)
-        return status, {**reply, "capabilities": [c for c in reply["capabilities"] if c != "broadcast_ahead"]}
+        return status, {**reply, "capabilities": [c for c in reply["capabilities"]
+                                                  if c not in ("broadcast_ahead", "p2p_ahead")]}
 
     server.routes[INFO_ROUTE] = without
 
@@ -144,7 +146,7 @@ def hide_broadcast_ahead(server: EngineServer) -> None:
 def serve_with_fault(model_dir: str, tp: int, fault: str, **kwargs) -> EngineServer:
     """:func:`~weightstream.reference_engine.server.serve` with ``fault`` injected into its workers."""
     server = serve(model_dir, tp, worker=faulty_entry(fault), **kwargs)
-    hide_broadcast_ahead(server)
+    hide_ahead(server)
     return server
 
 
@@ -157,7 +159,7 @@ def main(argv: list[str]) -> int:
 
     def faulty_serve(*a, **kw) -> EngineServer:
         server = real(*a, worker=faulty_entry(fault), **kw)
-        hide_broadcast_ahead(server)
+        hide_ahead(server)
         return server
 
     server_module.serve = faulty_serve  # what the engine command starts (it imports serve when it runs)

@@ -172,8 +172,8 @@ class ReferenceEngine(SGLangEngine):
         receives the rest, so that the sends complete, and loads none of them)."""
         self.post("/weightstream/update_weights_from_p2p_ahead", {
             "group_name": self.group_name, "weight_version": self._version,
-            "buckets": [[{"src": r.src, "metas": [_meta_json(m) for m in r.metas], "nbytes": r.nbytes}
-                         for r in ranks] for ranks in buckets],
+            "buckets": [[{"src": r.src, "metas": [_meta_json(m) for m in r.metas], "nbytes": r.nbytes,
+                          **({} if r.rank is None else {"rank": r.rank})} for r in ranks] for ranks in buckets],
         }, step=f"update_weights_from_p2p_ahead ({len(buckets)} buckets)", timeout_s=timeout_s)
 
     def receive_p2p(self, index: int, ranks: Sequence[RankBucket]) -> None:

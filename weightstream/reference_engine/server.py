@@ -942,9 +942,16 @@ class EngineServer(ThreadingHTTPServer):
 
     def update_p2p_ahead(self, b):
         """Every per-rank bucket of an update: per bucket, one entry per engine rank (``src``, ``metas``,
-        ``nbytes``); each rank receives its buckets back to back."""
+        ``nbytes``), or, resharded, entries that each name the engine rank they are for (``rank``: see
+        :meth:`_update_p2p_pieces`); each rank receives its buckets back to back."""
         self._in_session("update_weights_from_p2p_ahead")
         buckets = b["buckets"]
+        if any(isinstance(x, list) and any(isinstance(e, dict) and "rank" in e for e in x) for x in buckets):
+            group = b.get("group_name", "weight_update_group")
+            per_bucket = [self._parts_per_rank(x if isinstance(x, list) else []) for x in buckets]
+            per_rank = [{"group_name": group, "buckets": [parts[r] for parts in per_bucket]}
+                        for r in range(self.engine.tp)]
+            return self._guarded(lambda: self.engine.call("update_p2p_pieces_ahead", per_rank=per_rank), b)
         problems = [f"bucket {i}: {len(x) if isinstance(x, list) else 'no'} entries, the engine has {self.engine.tp} "
                     "ranks" for i, x in enumerate(buckets) if not isinstance(x, list) or len(x) != self.engine.tp]
         problems += [f"bucket {i} rank {r}: needs 'src' (int), 'metas' (list) and 'nbytes' (int)"
@@ -963,18 +970,23 @@ class EngineServer(ThreadingHTTPServer):
         """A resharded bucket: each entry names the engine rank it is for (``rank``) and the trainer rank it
         comes from (``src``); an engine rank may hear several trainer ranks, or none."""
         group = b.get("group_name", "weight_update_group")
-        problems = [f"part {k}: {p}" for k, r in enumerate(b["ranks"]) for p in delta_problems(r.get("delta"))]
+        per_rank = [{"group_name": group, "parts": p} for p in self._parts_per_rank(b["ranks"])]
+        return self._guarded(lambda: self.engine.call("update_p2p_pieces", per_rank=per_rank), b)
+
+    def _parts_per_rank(self, entries: list) -> list[list[dict]]:
+        """A resharded bucket's entries (each ``rank``, ``src``, ``metas``, ``nbytes``, optional ``checksum`` and
+        ``delta``) as the parts each engine rank receives; every problem in one error."""
+        problems = [f"part {k}: {p}" for k, r in enumerate(entries) for p in delta_problems(r.get("delta"))]
         if problems:
             raise BadRequest(HTTPStatus.BAD_REQUEST, "bad delta headers: " + "; ".join(problems))
         parts: list[list[dict]] = [[] for _ in range(self.engine.tp)]
-        for r in b["ranks"]:
+        for r in entries:
             rank = r.get("rank")
             if not isinstance(rank, int) or not 0 <= rank < self.engine.tp:
                 raise EngineFailure(f"a part for engine rank {rank!r}; the engine has ranks 0..{self.engine.tp - 1}")
             parts[rank].append({"src": int(r["src"]), "metas": r["metas"], "nbytes": int(r["nbytes"]),
                                 "checksum": r.get("checksum"), "delta": r.get("delta")})
-        per_rank = [{"group_name": group, "parts": p} for p in parts]
-        return self._guarded(lambda: self.engine.call("update_p2p_pieces", per_rank=per_rank), b)
+        return parts
 
     def layout(self, b):
         """How the engine splits the checkpoint's tensors over its ranks (weightstream's resharding reads it)."""

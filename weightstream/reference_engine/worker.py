@@ -807,24 +807,28 @@ class Worker:
         with self.clock("load"):
             return self._apply(Bucket(self.bucket_count, buffer, metas), expected_checksum)
 
-    def update_p2p_pieces(self, group_name, parts):
+    def update_p2p_pieces(self, group_name, parts, load: bool = True):
         """A resharded per-rank bucket: ``parts`` from several trainer ranks (each ``src``, ``metas``, ``nbytes``,
         ``checksum``), every piece placed in its whole tensor; received together, checked to tile this rank's
         part of each tensor exactly, put together and loaded, or refused whole (nothing loaded), naming every
-        problem."""
+        problem. ``load`` False: received and dropped (after a failure, so that the sends complete)."""
         group = self._group(group_name)
         buffers = [torch.empty(int(p["nbytes"]), dtype=torch.uint8, device=self.device) for p in parts]
         with self.clock("receive"):
             works = [dist.irecv(b, group=group, group_src=int(p["src"])) for b, p in zip(buffers, parts, strict=True)]
             for w in works:
-                w.wait()
+                if w is not None:
+                    w.wait()
         index = self.bucket_count
         self.bucket_count += 1
+        if not load:
+            return None
         layouts = [tuple(map(_wire_meta, p["metas"])) for p in parts]
         if any(p.get("delta") is not None for p in parts):
             with self.clock("apply delta"):
                 buffers = self._pieces_from_deltas(parts, layouts, buffers)
-        problems, pieces = [], []
+        problems: list[str] = []
+        pieces: list[tuple[TensorMeta, torch.Tensor]] = []
         for buffer, part, layout in zip(buffers, parts, layouts, strict=True):
             if (part.get("delta") is None and part.get("checksum") is not None
                     and checksum(buffer) != part["checksum"]):
@@ -836,6 +840,21 @@ class Worker:
             raise ValueError(f"bucket {index} refused, nothing of it loaded: " + "; ".join(problems))
         with self.clock("load"):
             return self._load(weights)
+
+    def update_p2p_pieces_ahead(self, group_name, buckets):
+        """Every resharded bucket of an update (per bucket, this rank's parts as :meth:`update_p2p_pieces` takes
+        them), one after the other with no request between. After a failure the rest are still received (the
+        trainer sends them all) but not loaded; the failure is raised at the end, naming the bucket."""
+        loaded, failure = 0, None
+        for parts in buckets:
+            try:
+                done = self.update_p2p_pieces(group_name, parts, load=failure is None)
+                loaded += int(done["loaded"]) if done else 0
+            except Exception as exc:  # noqa: BLE001 -- the rest is drained, then this is raised
+                failure = failure or str(exc)
+        if failure is not None:
+            raise RuntimeError(failure)
+        return {"loaded": loaded}
 
     def _pieces_from_deltas(self, parts: list[dict], layouts: list[tuple[TensorMeta, ...]],
                             payloads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -1037,7 +1056,7 @@ class Worker:
             "init_group": self.init_group, "destroy_group": self.destroy_group,
             "destroy_all_groups": self.destroy_all_groups, "update_distributed": self.update_distributed,
             "update_distributed_ahead": self.update_distributed_ahead, "update_tensor": self.update_tensor,
-            "update_p2p_ahead": self.update_p2p_ahead,
+            "update_p2p_ahead": self.update_p2p_ahead, "update_p2p_pieces_ahead": self.update_p2p_pieces_ahead,
             "update_ipc_ahead": self.update_ipc_ahead, "prepare_ipc_ahead": self.prepare_ipc_ahead,
             "update_p2p": self.update_p2p, "release_ipc": self.release_ipc, "begin_session": self.begin_session,
             "prepare_session": self.prepare_session, "commit_session": self.commit_session,

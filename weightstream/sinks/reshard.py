@@ -21,13 +21,24 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from weightstream.common.processes import free_port
-from weightstream.engines.base import RESHARD, EngineAdapter, GroupSpec, RankBucket, ReshardEngine, implementing
+from weightstream.engines.base import (
+    P2P_AHEAD,
+    RESHARD,
+    EngineAdapter,
+    GroupSpec,
+    P2PAheadEngine,
+    RankBucket,
+    ReshardEngine,
+    capable,
+    implementing,
+)
 from weightstream.errors import UpdateError
 from weightstream.sinks.base import Delivery, InFlight, PipelinedSink, Sends
 from weightstream.sinks.broadcast import default_backend
@@ -80,6 +91,7 @@ class ReshardSink(PipelinedSink):
         self.backend = backend or default_backend()
         self.timeout_s, self.checksums = timeout_s, checksums
         self.sender = False  # known once the roster is (_roster)
+        self.ahead_used = False  # the last update told the engine of every bucket ahead (P2P_AHEAD)
         self.group = None
         self.roster: Roster | None = None
         self.routes: list[list[Route]] = []  # per bucket, every route (the poster tells the engine of them all)
@@ -146,9 +158,6 @@ class ReshardSink(PipelinedSink):
         self.tensors = len({m.name for s in senders for bucket in s for m in bucket})
         self._planned_for = key
 
-    def delivery(self) -> Delivery:
-        return replace(super().delivery(), tensors=self.tensors)
-
     # -- the group -------------------------------------------------------------------------
 
     def layout(self) -> GroupLayout | None:
@@ -190,11 +199,30 @@ class ReshardSink(PipelinedSink):
             self._leave([self.engine] if self.roster.me == 0 else [], self.timeout_s if seconds is None else seconds)
 
     def open(self, stream: BucketStream) -> None:
+        """Plan and connect; where the engine takes it (``p2p_ahead``) and neither checksums nor deltas are asked
+        for, sender 0 tells it of every bucket's routes now: the buckets then go on the wire back to back."""
         if stream.mode != "per_rank":
             raise ValueError("ReshardSink needs a per_rank stream")
         self._begin_update()
         self._plan(stream)
         self.connect()
+        self._ahead = []
+        ahead = capable(self.engine, P2P_AHEAD, P2PAheadEngine)
+        self.ahead_used = (self.sender and ahead is not None and not self.checksums
+                           and self._active_snapshot() is None and len(stream) > 0)
+        if self.ahead_used and ahead is not None and self._roster().me == 0:
+            # every route names its engine rank (an identity bucket too: its one piece per rank tiles the part)
+            buckets = [[RankBucket(r.sender, r.metas, r.nbytes, None, None, rank=r.engine_rank) for r in routes]
+                       for routes in self.routes]
+            self._post_ahead([partial(ahead.receive_p2p_ahead, buckets)], len(buckets))
+
+    def delivery(self) -> Delivery:
+        return replace(super().delivery(), tensors=self.tensors, metadata_ahead=self.ahead_used)
+
+    def close(self) -> None:
+        if self.sender:
+            self._finish_ahead()
+            self._close_ahead([self.engine.url])
 
     # -- the buckets -----------------------------------------------------------------------
 
@@ -202,7 +230,7 @@ class ReshardSink(PipelinedSink):
         failure: UpdateError | None = None
         if self.sender:
             try:
-                self._inflight.finish()
+                self._finish_ahead()
             except UpdateError as exc:
                 failure = exc
         roster = self._roster()
@@ -227,7 +255,7 @@ class ReshardSink(PipelinedSink):
         if not self.sender:
             return
         posts = []
-        if roster.me == 0:
+        if roster.me == 0 and not self.ahead_used:
             told = self._told(bucket.index, digests, headers)
             posts.append(self._engine_pool().submit(self.engine.receive_p2p, bucket.index, told))
         n = len(roster.senders)
