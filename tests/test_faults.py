@@ -44,6 +44,7 @@ def test_each_fault_ends_within_its_bound_and_names_its_phase(tmp_path):
         stalls_commit = stack.enter_context(engine(eng_dir, fault="stall_commit"))
         corrupts = stack.enter_context(engine(eng_dir, fault="corrupt@1"))
         corrupts_p2p = stack.enter_context(engine(eng_dir, tp=2, fault="corrupt@1"))
+        stalls_ahead = stack.enter_context(engine(eng_dir, fault="stall@2", ahead=True))
         targets = [
             ([silent_url], opts),
             ([half_joins.url], opts),
@@ -52,6 +53,8 @@ def test_each_fault_ends_within_its_bound_and_names_its_phase(tmp_path):
             ([corrupts.url], {**opts, "checksums": True}),
             # P2P: only trainer TP rank 0 hears the engine; rank 1 must not be left waiting for it.
             ([corrupts_p2p.url], {**opts, "transport": "p2p", "checksums": True}),
+            # Resharded (TP 2 into TP 1), every bucket's routes told ahead: no request per bucket to time out.
+            ([stalls_ahead.url], {**opts, "transport": "p2p"}),
         ]
         results = launch(2, run_timed_updates, Case(src, Layout(2, 1)), targets)
         # The engines that could answer serve their last committed weights again, at once.
@@ -66,6 +69,7 @@ def test_each_fault_ends_within_its_bound_and_names_its_phase(tmp_path):
         (stalls_commit.url, "commit", "no answer within 6 s"),
         (corrupts.url, "bucket 1", "arrived corrupted"),
         (corrupts_p2p.url, "bucket 1", "arrived corrupted"),
+        (stalls_ahead.url, "bucket 2", "for send operation to complete"),
     ]
     for rank_results in results:
         for got, (url, phase, detail) in zip(rank_results, expected, strict=True):

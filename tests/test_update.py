@@ -35,11 +35,11 @@ def engine_dir(tmp_path_factory) -> str:
 
 @contextmanager
 def engine(model_dir: str, tp: int = 1, fault: str | None = None, api_key: str | None = None,
-           rollback: bool = True):
+           rollback: bool = True, ahead: bool = False):
     """A reference engine serving ``model_dir`` at TP ``tp``; ``fault``: one of :mod:`tests.helpers.faults`'s,
-    injected into its workers."""
+    injected into its workers (``ahead``: the faulty engine still takes buckets sent ahead)."""
     if fault:
-        server = serve_with_fault(model_dir, tp, fault, api_key=api_key, rollback=rollback)
+        server = serve_with_fault(model_dir, tp, fault, ahead=ahead, api_key=api_key, rollback=rollback)
     else:
         server = serve(model_dir, tp, api_key=api_key, rollback=rollback)
     try:

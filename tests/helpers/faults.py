@@ -62,6 +62,11 @@ class FaultyWorker(Worker):
         self._strike(self.bucket_count, bucket.buffer)
         return super()._apply(bucket, expected_checksum, foreign)
 
+    def update_p2p_pieces(self, group_name, parts, load: bool = True):
+        """A resharded bucket (sent ahead or not): ``die`` and ``stall`` strike before its pieces are received."""
+        self._strike(self.bucket_count, torch.empty(0, dtype=torch.uint8))
+        return super().update_p2p_pieces(group_name, parts, load)
+
     def _can_take_writes(self, programs) -> bool:
         return False  # the trainer sends buckets (where the fault strikes), it does not write into the weights
 
@@ -143,10 +148,12 @@ def hide_ahead(server: EngineServer) -> None:
     server.routes[INFO_ROUTE] = without
 
 
-def serve_with_fault(model_dir: str, tp: int, fault: str, **kwargs) -> EngineServer:
-    """:func:`~weightstream.reference_engine.server.serve` with ``fault`` injected into its workers."""
+def serve_with_fault(model_dir: str, tp: int, fault: str, ahead: bool = False, **kwargs) -> EngineServer:
+    """:func:`~weightstream.reference_engine.server.serve` with ``fault`` injected into its workers; ``ahead``: it
+    still declares ``broadcast_ahead`` and ``p2p_ahead`` (faults then strike where each path loads)."""
     server = serve(model_dir, tp, worker=faulty_entry(fault), **kwargs)
-    hide_ahead(server)
+    if not ahead:
+        hide_ahead(server)
     return server
 
 
