@@ -113,6 +113,7 @@ def test_p2p_without_any_gather_and_fallback(sources, engine_dir):
                                  [{"transport": "p2p", "bucket_bytes": SMALL}]))
         l1 = ReferenceEngine(one.url).logits(INPUT_IDS)
     assert p2p.transport == "p2p" and p2p.mode == "per_rank"
+    assert p2p.metadata_ahead  # the same layout on both sides: plain per-rank buckets, every one told ahead
     for rank_results in results:
         assert rank_results[0]["report"].gathers == 0  # no all-gather ran on any trainer rank
     assert fallback.transport == "broadcast"

@@ -211,10 +211,18 @@ class ReshardSink(PipelinedSink):
         self.ahead_used = (self.sender and ahead is not None and not self.checksums
                            and self._active_snapshot() is None and len(stream) > 0)
         if self.ahead_used and ahead is not None and self._roster().me == 0:
-            # every route names its engine rank (an identity bucket too: its one piece per rank tiles the part)
-            buckets = [[RankBucket(r.sender, r.metas, r.nbytes, None, None, rank=r.engine_rank) for r in routes]
-                       for routes in self.routes]
-            self._post_ahead([partial(ahead.receive_p2p_ahead, buckets)], len(buckets))
+            self._post_ahead([partial(ahead.receive_p2p_ahead, self._ahead_buckets())], len(self.routes))
+
+    def _ahead_buckets(self) -> list[list[RankBucket]]:
+        """What the engine is told ahead: where every bucket is trainer rank r's to engine rank r (the layouts are
+        the same), plain per-rank buckets, which the engine receives while it loads the last (batched copies);
+        else every route as pieces naming its engine rank (an identity bucket's one piece per rank tiles its
+        part)."""
+        if all(self.identity):
+            return [[RankBucket(r.sender, r.metas, r.nbytes, None, None)
+                     for r in sorted(routes, key=lambda r: r.engine_rank)] for routes in self.routes]
+        return [[RankBucket(r.sender, r.metas, r.nbytes, None, None, rank=r.engine_rank) for r in routes]
+                for routes in self.routes]
 
     def delivery(self) -> Delivery:
         return replace(super().delivery(), tensors=self.tensors, metadata_ahead=self.ahead_used)
