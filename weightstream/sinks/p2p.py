@@ -73,7 +73,9 @@ class P2PSink(PipelinedSink):
         self.sender = topology.pp_rank == 0 and bool(self.engines)
         self.tp_rank, self.tp, self.tp_group = topology.tp_rank, topology.tp_size, topology.tp_group
         self.world_group = topology.world_group
+        self.replica = topology.dp_rank
         self.poster = self.sender and self.tp_rank == 0
+        self._sent_digests: list[dict[Key, str]] = []  # a delta update's, of this replica's TP ranks (close)
         self.group = None
         self.stream: BucketStream | None = None
         self.ahead_used = False  # the last update told the engines of every bucket ahead (P2P_AHEAD)
@@ -101,8 +103,9 @@ class P2PSink(PipelinedSink):
     def connect(self) -> None:
         if self.group is not None or not self.sender:
             return
-        # The TCP store lives on the replica's TP rank 0; everyone needs its port.
-        port = [self.master_port or (free_port() if self.poster else 0)]
+        # The TCP store lives on the replica's TP rank 0; everyone needs its port (a port given: replica d's is
+        # that port + d, so that replicas on one host do not clash).
+        port = [self.master_port + self.replica if self.master_port else (free_port() if self.poster else 0)]
         if self.tp > 1:
             dist.broadcast_object_list(port, group=self.tp_group, group_src=0)
         world = self._offset(len(self.engines))
@@ -214,8 +217,6 @@ class P2PSink(PipelinedSink):
         failure = next((f for _, f in everyone if f is not None), None)
         if failure is not None:
             raise failure
-
-    _sent_digests: list[dict[Key, str]] = []
 
     def share_digests(self) -> None:
         """A delta-mode update, on every rank once every rank's buckets went through: what each engine's ranks
