@@ -382,6 +382,25 @@ def test_reads_during_an_update_see_the_committed_weights_or_are_refused(server)
     assert request(url, "POST", "/continue_generation", {})[0] == 200
 
 
+def test_p2p_buckets_told_ahead_are_checked_whole_before_anything_is_received(server):
+    """Every malformed entry of ``/weightstream/update_weights_from_p2p_ahead`` named in one 400, plain or resharded
+    alike; the session stays open and nothing is loaded."""
+    url = server.url
+    meta = {"name": "model.norm.weight", "dtype": "float32", "shape": [4], "offset": 0}
+    assert request(url, "POST", "/begin_weight_update", {"timeout_s": 60})[0] == 200
+    try:
+        status, reply = request(url, "POST", "/weightstream/update_weights_from_p2p_ahead", {"buckets": [
+            [{"src": 0, "metas": [meta], "nbytes": 16}], "x", [{"src": "0", "metas": [], "nbytes": 16, "rank": 0}]]})
+        assert status == 400, reply
+        assert reply["message"].endswith("bad P2P buckets: bucket 1: not a list of entries; bucket 2: entry 0: needs "
+                                         "'src' (int), 'metas' (list) and 'nbytes' (int)"), reply
+        status, reply = request(url, "POST", "/weightstream/update_weights_from_p2p_ahead", {"buckets": [[]]})
+        assert status == 400 and reply["message"].endswith("bucket 0: 0 entries, the engine has 1 ranks"), reply
+        assert server.engine.session_open and server.engine.session_loaded == 0
+    finally:
+        assert request(url, "POST", "/weightstream/abort_weight_update", {})[0] == 200
+
+
 # -- D18: authentication and where the engine listens ----------------------------------------------------
 
 

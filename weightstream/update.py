@@ -54,7 +54,8 @@ from weightstream.sinks.reshard import ReshardSink
 from weightstream.sources import as_source
 from weightstream.sources.base import Source
 from weightstream.sources.topology import Topology
-from weightstream.streaming.delta import Snapshot, warm_kernels
+from weightstream.streaming.bucket import extent
+from weightstream.streaming.delta import Snapshot, warm_kernels, word_size
 from weightstream.streaming.stream import DEFAULT_BUCKET_BYTES, BucketStream, Mode, stream_hf_weights
 from weightstream.wire.handles import gpu_uuid
 
@@ -605,8 +606,7 @@ class WeightSync:
         comes between)."""
         t = time.perf_counter()
         rest = [tag for tag in self.released if tag != "weights"]
-        both = {e.url for e in self.engines if capable(e, COMMIT_AND_RESUME, CommitsAndResumes) is not None}
-        together = not rest and len(both) == len(self.engines)
+        together = not rest and all(capable(e, COMMIT_AND_RESUME, CommitsAndResumes) is not None for e in self.engines)
         committed: list[str] = []
         try:
             prepared = self._prepare_commits(version)
@@ -650,8 +650,7 @@ class WeightSync:
         and the engines are up (before training starts, say). The engines are asked what they are, the
         transport is chosen, the stream's plan (table, buckets, copy programs, the kept buffers and the batched
         copies into them; on a GPU the copy kernel compiled, and with ``delta`` the word kernels) is made and kept,
-        and the
-        group to the engines is formed (broadcast, P2P); the first :meth:`update` then costs about what a
+        and the group to the engines is formed (broadcast, P2P); the first :meth:`update` then costs about what a
         later one does. The engines keep serving meanwhile (nothing is paused). Returns the transport; raises
         on every rank what the first update would have raised."""
         job = _Job.of(model_chunks, hf_config)
@@ -664,8 +663,8 @@ class WeightSync:
             sink.prepare(stream)  # IPC: the engine learns the plan and maps the kept buffers (first: on the CPU,
             stream.prepare_copies()  # sharing a buffer moves it into shared memory); then the copies into them
             if self.delta is not None:  # the word kernels compiled, for the first delta (on a GPU)
-                warm_kernels(stream.device, {min(4, m.dtype.itemsize) for i in range(len(stream))
-                                             for m in stream.bucket_metas(i)})
+                warm_kernels(stream.device, {word_size(extent(ms), (m.dtype.itemsize for m in ms))
+                                             for ms in map(stream.bucket_metas, range(len(stream)))})
             sink.connect()
         except BaseException as exc:  # noqa: BLE001
             err = _as_update_error("group", exc, self._urls())

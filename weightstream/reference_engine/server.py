@@ -697,6 +697,14 @@ class _Handler(BaseHTTPRequestHandler):
         self._reply(status, reply)
 
 
+def _entry_problems(entries: list) -> list[str]:
+    """What is wrong with a per-rank bucket's entries: each must give ``src`` (int), ``metas`` (list) and
+    ``nbytes`` (int)."""
+    return [f"entry {k}: needs 'src' (int), 'metas' (list) and 'nbytes' (int)" for k, e in enumerate(entries)
+            if not (isinstance(e, dict) and isinstance(e.get("src"), int) and isinstance(e.get("metas"), list)
+                    and isinstance(e.get("nbytes"), int))]
+
+
 class EngineServer(ThreadingHTTPServer):
     """The engine's HTTP face: one thread per connection, at most ``limits.max_connections`` of them."""
 
@@ -946,21 +954,20 @@ class EngineServer(ThreadingHTTPServer):
         :meth:`_update_p2p_pieces`); each rank receives its buckets back to back."""
         self._in_session("update_weights_from_p2p_ahead")
         buckets = b["buckets"]
-        if any(isinstance(x, list) and any(isinstance(e, dict) and "rank" in e for e in x) for x in buckets):
-            group = b.get("group_name", "weight_update_group")
-            per_bucket = [self._parts_per_rank(x if isinstance(x, list) else []) for x in buckets]
-            per_rank = [{"group_name": group, "buckets": [parts[r] for parts in per_bucket]}
-                        for r in range(self.engine.tp)]
-            return self._guarded(lambda: self.engine.call("update_p2p_pieces_ahead", per_rank=per_rank), b)
-        problems = [f"bucket {i}: {len(x) if isinstance(x, list) else 'no'} entries, the engine has {self.engine.tp} "
-                    "ranks" for i, x in enumerate(buckets) if not isinstance(x, list) or len(x) != self.engine.tp]
-        problems += [f"bucket {i} rank {r}: needs 'src' (int), 'metas' (list) and 'nbytes' (int)"
-                     for i, x in enumerate(buckets) if isinstance(x, list) for r, e in enumerate(x)
-                     if not (isinstance(e, dict) and isinstance(e.get("src"), int) and isinstance(e.get("metas"), list)
-                             and isinstance(e.get("nbytes"), int))]
+        problems = [f"bucket {i}: {p}" for i, x in enumerate(buckets)
+                    for p in (_entry_problems(x) if isinstance(x, list) else ["not a list of entries"])]
         if problems:
             raise BadRequest(HTTPStatus.BAD_REQUEST, "bad P2P buckets: " + "; ".join(problems[:8]))
         group = b.get("group_name", "weight_update_group")
+        if any("rank" in e for x in buckets for e in x):
+            per_bucket = [self._parts_per_rank(x) for x in buckets]
+            per_rank = [{"group_name": group, "buckets": [parts[r] for parts in per_bucket]}
+                        for r in range(self.engine.tp)]
+            return self._guarded(lambda: self.engine.call("update_p2p_pieces_ahead", per_rank=per_rank), b)
+        problems = [f"bucket {i}: {len(x)} entries, the engine has {self.engine.tp} ranks"
+                    for i, x in enumerate(buckets) if len(x) != self.engine.tp]
+        if problems:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, "bad P2P buckets: " + "; ".join(problems[:8]))
         per_rank = [{"group_name": group, "buckets": [{"src": x[r]["src"], "metas": x[r]["metas"],
                                                        "nbytes": x[r]["nbytes"]} for x in buckets]}
                     for r in range(self.engine.tp)]

@@ -39,6 +39,7 @@ from weightstream.streaming.bucket import (
     Bucket,
     Shard,
     TensorMeta,
+    extent,
     typed_buffer,
     typed_runs,
     typed_views,
@@ -162,11 +163,6 @@ def _wire_meta(m: dict) -> TensorMeta:
     """A tensor of a per-rank bucket as a P2P request names it (name, dtype, shape, offset, shard)."""
     return TensorMeta(m["name"], dtype_from_name(m["dtype"]), tuple(m["shape"]), m["offset"],
                       Shard(**m["shard"]) if m.get("shard") else None)
-
-
-def _extent(metas: tuple[TensorMeta, ...]) -> int:
-    """The bytes of a bucket laid out as ``metas``: to the end of its last tensor."""
-    return max((m.offset + m.nbytes for m in metas), default=0)
 
 
 def _metas(layout: BucketLayout) -> list[TensorMeta]:
@@ -794,7 +790,7 @@ class Worker:
         metas = tuple(_wire_meta(m) for m in metas)
         if delta is not None:  # a delta of this rank's bucket: its new bytes, then loaded as a received bucket
             header, index = DeltaHeader.from_json(delta), int(delta["index"])
-            total = _extent(metas)
+            total = extent(metas)
             with self.clock("receive"):
                 received = self._receive_delta(group, header, index, src)
             with self.clock("apply delta"):
@@ -867,7 +863,7 @@ class Worker:
         if len(indices) != 1:
             raise ValueError(f"the parts of one resharded bucket name buckets {sorted(indices)}")
         index = indices.pop()
-        return [self._delta_bytes((index, int(part["src"])), layout, _extent(layout), DeltaHeader.from_json(delta),
+        return [self._delta_bytes((index, int(part["src"])), layout, extent(layout), DeltaHeader.from_json(delta),
                                   payload, part.get("checksum"))
                 for part, layout, delta, payload in zip(parts, layouts, deltas, payloads, strict=True)]
 

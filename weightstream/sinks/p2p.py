@@ -34,7 +34,7 @@ from weightstream.errors import UpdateError
 from weightstream.sinks.base import Delivery, InFlight, PipelinedSink, Sends
 from weightstream.sinks.broadcast import default_backend
 from weightstream.sources.topology import Topology
-from weightstream.streaming.bucket import Bucket, TensorMeta
+from weightstream.streaming.bucket import Bucket, TensorMeta, extent
 from weightstream.streaming.delta import DeltaHeader, Key, Snapshot
 from weightstream.wire.groups import GroupLayout, init_custom_process_group
 from weightstream.wire.handles import checksum
@@ -152,7 +152,7 @@ class P2PSink(PipelinedSink):
         for r in range(self.tp):
             metas = mine if r == self.tp_rank else self._opened().metas_for_rank(index, r)
             header = headers[r]
-            nbytes = max((m.offset + m.nbytes for m in metas), default=0) if header is None else header.nbytes
+            nbytes = extent(metas) if header is None else header.nbytes
             ranks.append(RankBucket(r, tuple(metas), nbytes, digests[r], header))
         return ranks
 

@@ -45,6 +45,11 @@ class TensorMeta:
         return self.numel * self.dtype.itemsize
 
 
+def extent(metas: Iterable[TensorMeta]) -> int:
+    """The bytes of a bucket laid out as ``metas``: to the end of its last tensor."""
+    return max((m.offset + m.nbytes for m in metas), default=0)
+
+
 def view_tensor(buffer: Tensor, meta: TensorMeta) -> Tensor:
     """The tensor ``meta`` describes, as a view into ``buffer`` (a flat uint8 tensor)."""
     return buffer.narrow(0, meta.offset, meta.nbytes).view(meta.dtype).view(meta.shape)

@@ -24,7 +24,7 @@ import torch
 
 from weightstream.common.layout import ALIGN, layout
 from weightstream.errors import ConversionError
-from weightstream.streaming.bucket import Shard, TensorMeta
+from weightstream.streaming.bucket import Shard, TensorMeta, extent
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,8 +152,7 @@ def _route(sender: int, engine_rank: int, pieces: list[Piece], metas: Sequence[T
     if whole:
         placed = tuple(TensorMeta(m.name, m.dtype, m.shape, m.offset, p.dest)
                        for m, p in zip(metas, pieces, strict=True))
-        nbytes = max((m.offset + m.nbytes for m in metas), default=0)
-        return Route(sender, engine_rank, tuple(pieces), placed, nbytes, True)
+        return Route(sender, engine_rank, tuple(pieces), placed, extent(metas), True)
     sizes = [[_nbytes(p)] for p in pieces]
     offsets, end = layout(sizes, align)
     placed = tuple(TensorMeta(p.name, p.dtype, p.shape, off, p.dest) for p, (off,) in zip(pieces, offsets, strict=True))
