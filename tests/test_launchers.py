@@ -114,6 +114,29 @@ def test_torchrun_trainer_sends_deltas(tmp_path, transport, engine_tp):
     assert second["changed"] > 0
 
 
+def test_torchrun_trainer_of_two_replicas_updates_two_engines_by_p2p(tmp_path):
+    """A torchrun job of two data-parallel replicas (TP 1) into two engines by P2P, with deltas: engine j gets its
+    buckets from replica j (each replica's rank encoding against its own snapshot, each engine checked against
+    it); both engines' logits equal HF's after each update."""
+    import torch
+
+    cfg = preset_config("tiny-qwen3")
+    src = save_random_checkpoint(cfg, tmp_path / "src", seed=39)
+    eng_dir = save_random_checkpoint(cfg, tmp_path / "eng", seed=40)
+    out = tmp_path / "out"
+    out.mkdir()
+    with engine(eng_dir) as one, engine(eng_dir) as two:
+        _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+              SCRIPT, "--src", src, "--engine", one.url, "--engine", two.url, "--transport", "p2p", "--out", str(out),
+              "--delta"])
+    _check(src, out, "p2p", torchrun=True)
+    reports = json.loads((out / "reports.json").read_text())
+    assert all(r["reason"].startswith("2 engines at the trainer's TP 1") for r in reports), reports
+    assert [(r["delta"]["full"], r["delta"]["checked"]) for r in reports] == [(True, True), (False, True)], reports
+    for step, ref in ((0, src), (1, str(out / "step1"))):
+        assert_logits_close(torch.load(out / f"logits{step}_1.pt"), hf_logits(ref, INPUT_IDS))
+
+
 def test_plain_single_process_trainer(tmp_path):
     cfg = preset_config("tiny-qwen3")
     src = save_random_checkpoint(cfg, tmp_path / "src", seed=33)

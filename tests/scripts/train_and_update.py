@@ -1,6 +1,7 @@
 """A trainer as users write one: started by ``torchrun`` (or as a plain process), it builds a
-Megatron-Core model, then updates a running engine twice with ``weightstream.update_weights``,
-changing its weights in between. Rank 0 records the engine's logits after each update.
+Megatron-Core model, then updates running engines (``--engine`` once per engine) twice with
+``weightstream.update_weights``, changing its weights in between. Rank 0 records each engine's logits after
+each update.
 
     torchrun --nproc_per_node 2 train_and_update.py --src DIR --engine URL --transport broadcast --tp 2 --out DIR
 """
@@ -20,7 +21,7 @@ INPUT_IDS = [[3, 14, 159, 265, 358, 979, 323, 846, 26, 433], [999, 0, 1, 2, 500,
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--src", required=True)
-    ap.add_argument("--engine", required=True)
+    ap.add_argument("--engine", required=True, action="append", help="an engine's URL (again for several engines)")
     ap.add_argument("--transport", default="auto")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
@@ -49,7 +50,7 @@ def main() -> None:
     with CheckpointReader(args.src) as reader:
         load_hf_weights(chunks, args.src, reader)
 
-    sync = ws.WeightSync([args.engine], transport=args.transport, timeout_s=60, bucket_bytes=100_000,
+    sync = ws.WeightSync(args.engine, transport=args.transport, timeout_s=60, bucket_bytes=100_000,
                          delta=True) if args.delta else None
     reports = []
     for step in range(2):
@@ -67,7 +68,9 @@ def main() -> None:
                                        weight_version=f"step-{step}", timeout_s=60, bucket_bytes=100_000,
                                        quantize=quantize)
         if dist.get_rank() == 0:
-            torch.save(ReferenceEngine(args.engine).logits(INPUT_IDS), os.path.join(args.out, f"logits{step}.pt"))
+            for k, url in enumerate(args.engine):  # the first engine's as logits{step}.pt, the others' _k after it
+                torch.save(ReferenceEngine(url).logits(INPUT_IDS),
+                           os.path.join(args.out, f"logits{step}{f'_{k}' if k else ''}.pt"))
             reports.append({"transport": report.transport, "reason": report.reason, "tensors": report.tensors,
                             "ahead": report.metadata_ahead, "direct": report.direct,
                             "version": report.weight_version,
