@@ -16,7 +16,7 @@ import torch
 
 from tests.conftest import hf_logits
 from tests.helpers.checks import assert_logits_close
-from tests.helpers.faults import serve_with_fault
+from tests.helpers.faults import hide_capabilities, serve_with_fault
 from tests.helpers.workers import INPUT_IDS, Case, run_prepared_update, run_update
 from weightstream.engines import EngineError, ReferenceEngine
 from weightstream.jobs import Layout
@@ -326,4 +326,27 @@ def test_prepare_makes_the_plan_and_the_group_before_the_first_update(sources, e
         assert [(m["ipc_buffers_opened"], m["ipc_buffers_held"]) for m in after_prepare] == [(opened, opened)]
         assert [(m["ipc_buffers_opened"], m["ipc_buffers_held"]) for m in after_update] == [(opened, opened)]
         assert [m["direct_updates"] for m in after_update] == [1 if transport == "ipc" else 0]
+    assert_logits_close(logits, hf_logits(src, INPUT_IDS))
+
+
+@pytest.mark.parametrize("transport,engine_tp,warm", [("broadcast", 1, True), ("broadcast", 1, False),
+                                                       ("p2p", 2, True), ("p2p", 1, True)])
+def test_prepare_makes_the_groups_first_transfer_where_the_engine_takes_it(sources, engine_dir, transport, engine_tp,
+                                                                           warm):
+    """prepare() forms the group and, where the engine declares ``warm_group``, runs its first, tiny transfer with
+    it (NCCL makes a group's connections on first use): a broadcast, or a byte from each trainer rank to each
+    engine rank (P2P from a TP 2 trainer into TP 2, and resharded into TP 1). An engine that does not declare it is
+    sent nothing extra (it would take the byte for its first bucket); either way the update is exact."""
+    src = sources["tiny-qwen3"]
+    with engine(engine_dir, tp=engine_tp) as server:
+        if not warm:
+            hide_capabilities(server, ("warm_group",))
+        results = launch(2, run_prepared_update, Case(src, Layout(2, 1)), server.url,
+                         {"transport": transport, "bucket_bytes": SMALL, "checksums": True})
+        logits = ReferenceEngine(server.url).logits(INPUT_IDS)
+    after_prepare, after_update = results[0]["engine_memory"]
+    assert [m["groups_warmed"] for m in after_prepare] == [int(warm)] * engine_tp
+    assert [m["groups_warmed"] for m in after_update] == [int(warm)] * engine_tp  # the update formed no other
+    for r in results:
+        assert r["prepared"] == transport and r["group_ready"] and r["report"].weight_version == "1"
     assert_logits_close(logits, hf_logits(src, INPUT_IDS))

@@ -4,20 +4,24 @@
 # Block FP8 (flags are one word, so quote them): qwen3-8b:stream:"--reuse-buffers --quantize fp8-block",
 #   qwen3-8b:ipc:"--quantize fp8-block", qwen3-30b-a3b:ipc:"--no-rollback --quantize fp8-block" (H200: the 30B trainer
 #   and its engine on one GPU); the same rows without --quantize for the bf16 update they are compared with.
-# On two GPUs (nvidia-h200-x2; not lent so far): the same rows by wire, bf16 then FP8, whose bytes halve (issue 19's
+# On two GPUs (nvidia-h200-x2; lent for two calls on 2026-11-24, before the trainer stopped waiting on the host per
+#   bucket, the engine kept its copies out of its receive buffers and prepare() warmed the group: run these again):
+#   ROW_TIMEOUT=160 ... qwen3-8b:broadcast:--prepare qwen3-8b:p2p:--prepare (and each with "--prepare --quantize
+#   fp8-block"); ROW_TIMEOUT=200 ... qwen3-30b-a3b:broadcast:--prepare qwen3-30b-a3b:broadcast:"--prepare --quantize
+#   fp8-block". The same rows by wire, bf16 then FP8, whose bytes halve (issue 19's
 #   ratio to raw of the FP8 bytes against the bf16 row's), and the engine's side of each (its phases print too):
 #   qwen3-8b:broadcast qwen3-8b:broadcast:"--quantize fp8-block" qwen3-8b:p2p qwen3-8b:p2p:"--quantize fp8-block"
 #   qwen3-30b-a3b:broadcast qwen3-30b-a3b:broadcast:"--quantize fp8-block" qwen3-30b-a3b:broadcast:--prepare
 # Several engines by P2P from the trainer's replicas against one broadcast (nvidia-h200-x4: two trainer replicas on
 #   GPUs 0-1, two engines on GPUs 2-3): qwen3-8b:p2p:"--replicas 2" qwen3-8b:broadcast:"--replicas 2".
 # Delta updates on real Adam steps (issue 22's goal row, two GPUs): bash tools/gpu_run.sh bench --delta --transport
-#   broadcast --preset qwen3-4b --lr 1e-6,1e-5 --steps 3 (one GPU: --transport ipc; qwen3-8b needs --masters host and
-#   more host memory than 128 GiB holds with Adam's state).
+#   broadcast --preset qwen3-4b --lr 1e-6,1e-5 --steps 3 (one GPU: --transport ipc; qwen3-8b needs --masters host,
+#   whose Adam steps over 8 B fp32 masters on the host outran a 185 s row bound on the H200 x2: give it 400 s alone).
 # The block-FP8 kernel alone (bits against the whole-tensor arithmetic, speed against a device copy): the word fp8-kernel.
 # The delta word kernels (bits against the torch operations, then each step per 512 MiB bucket): the word word-kernels;
 #   delta updates on real Adam steps on an 80 GB GPU: bash tools/gpu_run.sh bench --delta --transport ipc --preset
 #   qwen3-1.7b --masters device --snapshot device --lr 1e-6 --steps 3 (WEIGHTSTREAM_DELTA_KERNEL=0: the torch path).
-# JSON of every row and the raw output go to $OUT (or ./gpu-out).
+# JSON of every row and the raw output go to $OUT (or ./gpu-out); ROW_TIMEOUT (seconds, default 400) bounds each row.
 set -uo pipefail
 OUT="${OUT:-gpu-out}"; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
@@ -39,7 +43,7 @@ for row in "$@"; do
   name="${transport}_${preset}${flags:+_${flags//[- ]/}}"
   echo "== $row"
   start=$(date +%s)
-  timeout 400 bash tools/gpu_run.sh bench --preset "$preset" --transport "$transport" $flags --repeats 4 \
+  timeout "${ROW_TIMEOUT:-400}" bash tools/gpu_run.sh bench --preset "$preset" --transport "$transport" $flags --repeats 4 \
     --json "$OUT/$name.json" 2>&1 | grep -v -i "warn" | tail -14
   echo "   ($(( $(date +%s) - start )) s)"
 done

@@ -650,9 +650,12 @@ class WeightSync:
         and the engines are up (before training starts, say). The engines are asked what they are, the
         transport is chosen, the stream's plan (table, buckets, copy programs, the kept buffers and the batched
         copies into them; on a GPU the copy kernel compiled, and with ``delta`` the word kernels) is made and kept,
-        and the group to the engines is formed (broadcast, P2P); the first :meth:`update` then costs about what a
-        later one does. The engines keep serving meanwhile (nothing is paused). Returns the transport; raises
-        on every rank what the first update would have raised."""
+        by broadcast or P2P every bucket is packed once (sending nothing: what a first pack compiles is compiled),
+        and the group to the engines is formed and, where they take it, its connections made by a first, tiny
+        transfer; the first :meth:`update` then costs about what a later one does (by IPC, where the trainer may
+        write straight into the engine's weights, nothing is packed outside an update). The engines keep serving
+        meanwhile (nothing is paused). Returns the transport; raises on every rank what the first update would have
+        raised."""
         job = _Job.of(model_chunks, hf_config)
         decision = self._decide(job, None, {})
         err: BaseException | None = None
@@ -665,7 +668,9 @@ class WeightSync:
             if self.delta is not None:  # the word kernels compiled, for the first delta (on a GPU)
                 warm_kernels(stream.device, {word_size(extent(ms), (m.dtype.itemsize for m in ms))
                                              for ms in map(stream.bucket_metas, range(len(stream)))})
-            sink.connect()
+            if decision.transport != "ipc":  # (IPC may write into the engine's weights, on some ranks only)
+                stream.rehearse()  # every bucket packed once (on a GPU, the block-FP8 kernel compiled), none sent
+            sink.connect()  # (and the group's first transfer made, where the engines take it)
         except BaseException as exc:  # noqa: BLE001
             err = _as_update_error("group", exc, self._urls())
         failure = _first_error(err)

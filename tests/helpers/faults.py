@@ -47,11 +47,12 @@ class FaultyWorker(Worker):
 
     fault = ""
 
-    def init_group(self, master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s):
+    def init_group(self, master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s,
+                   warm: str = "", warm_senders: int = 1):
         if self.fault == f"skip_join@{self.rank}":
             return f"rank {rank_offset + self.rank} skipped joining {group_name} (test fault)"
         return super().init_group(master_address, master_port, rank_offset, world_size, group_name, backend,
-                                  timeout_s)
+                                  timeout_s, warm, warm_senders)
 
     def _load_dense(self, program, raw, expected_checksum, kept: bool = False):
         """Every bucket through :meth:`_apply`, where the fault strikes (never the batched copies)."""
@@ -138,12 +139,17 @@ def faulty_entry(fault: str) -> Callable[..., None]:
 def hide_ahead(server: EngineServer) -> None:
     """The engine's server info without ``broadcast_ahead`` and ``p2p_ahead``: a trainer sends its buckets one
     request each."""
+    hide_capabilities(server, ("broadcast_ahead", "p2p_ahead"))
+
+
+def hide_capabilities(server: EngineServer, hidden: tuple[str, ...]) -> None:
+    """The engine's server info without the capabilities ``hidden`` (a trainer then treats it as an engine that
+    lacks them)."""
     info = server.routes[INFO_ROUTE]
 
     def without(body):
         status, reply = info(body)
-        return status, {**reply, "capabilities": [c for c in reply["capabilities"]
-                                                  if c not in ("broadcast_ahead", "p2p_ahead")]}
+        return status, {**reply, "capabilities": [c for c in reply["capabilities"] if c not in hidden]}
 
     server.routes[INFO_ROUTE] = without
 

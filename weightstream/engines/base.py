@@ -52,6 +52,9 @@ PREPARE_COMMIT = "prepare_commit"
 # applies delta buckets (:mod:`weightstream.streaming.delta`) to the bytes of each bucket it holds from the last
 # committed update, and reports what it holds and the checksum of what it applied
 DELTA = "delta"
+# runs a tiny transfer of the group's kind (``GroupSpec.warm``) right after joining a group, as the trainer does, so
+# that the first update does not pay for the group's connections (NCCL makes them on a group's first use)
+WARM_GROUP = "warm_group"
 
 
 class EngineError(WeightstreamError):
@@ -165,6 +168,11 @@ class GroupSpec:
     backend: str
     timeout_s: float
     group_name: str
+    # The first transfer every member runs on forming the group (:func:`weightstream.wire.groups.warm_group`:
+    # "broadcast", or "sends" from each of the first ``warm_senders`` ranks to every other); "" for none. Given only
+    # where every engine of the group declares :data:`WARM_GROUP`.
+    warm: str = ""
+    warm_senders: int = 1
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ of an aborted session, and logits for checking."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from weightstream.engines.base import (
     BROADCAST,
@@ -17,6 +18,7 @@ from weightstream.engines.base import (
     RESHARD,
     ROLLBACK,
     DeltaChecks,
+    GroupSpec,
     RankBucket,
 )
 from weightstream.engines.sglang import SGLangEngine
@@ -50,6 +52,14 @@ class ReferenceEngine(SGLangEngine):
         # Its routes take a commit with a resume, and a pause with a begin, in one request each; and a commit's
         # first phase on its own.
         return frozenset(declared) | {COMMIT_AND_RESUME, PAUSE_AND_BEGIN, PREPARE_COMMIT}
+
+    @staticmethod
+    def _join_body(spec: GroupSpec) -> dict[str, Any]:
+        """SGLang's fields, and the group's first transfer (``weightstream_warm``) where the trainer asks for one."""
+        body = SGLangEngine._join_body(spec)
+        if spec.warm:
+            body.update(weightstream_warm=spec.warm, weightstream_warm_senders=spec.warm_senders)
+        return body
 
     def commit_update(self) -> str | None:
         """One request: the reference engine's ``/end_weight_update`` answers with the weight version it

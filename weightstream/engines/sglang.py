@@ -109,13 +109,16 @@ class SGLangEngine(HTTPEngine):
     # -- the group -------------------------------------------------------------------------------
 
     def join_group(self, spec: GroupSpec) -> None:
-        self.post("/init_weights_update_group", {
-            "master_address": spec.master_address, "master_port": spec.master_port,
-            "rank_offset": spec.rank_offset, "world_size": spec.world_size, "group_name": spec.group_name,
-            "backend": spec.backend, "timeout_s": spec.timeout_s,
-        }, step="init_weights_update_group", timeout_s=spec.timeout_s + 2.0)
+        self.post("/init_weights_update_group", self._join_body(spec), step="init_weights_update_group",
+                  timeout_s=spec.timeout_s + 2.0)
         # SGLang ignores timeout_s (its side of the rendezvous waits by torch's default); the reference
         # engine gives up at it. Either way this trainer stops waiting at its own bound.
+
+    @staticmethod
+    def _join_body(spec: GroupSpec) -> dict[str, Any]:
+        return {"master_address": spec.master_address, "master_port": spec.master_port,
+                "rank_offset": spec.rank_offset, "world_size": spec.world_size, "group_name": spec.group_name,
+                "backend": spec.backend, "timeout_s": spec.timeout_s}
 
     def leave_group(self, timeout_s: float | None = None) -> None:
         self.post("/destroy_weights_update_group", {"group_name": self.group_name},

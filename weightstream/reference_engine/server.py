@@ -115,7 +115,8 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "/init_weights_update_group": {
         "master_address": ((str,), True), "master_port": ((int,), True), "rank_offset": ((int,), True),
         "world_size": ((int,), True), "group_name": ((str,), False), "backend": ((str,), False),
-        "timeout_s": (_NUMBER, False),
+        "timeout_s": (_NUMBER, False), "weightstream_warm": ((str,), False),
+        "weightstream_warm_senders": ((int,), False),
     },
     "/destroy_weights_update_group": {"group_name": ((str,), False)},
     "/update_weights_from_distributed": {
@@ -813,7 +814,7 @@ class EngineServer(ThreadingHTTPServer):
             "hostname": socket.gethostname(), "pid": os.getpid(), "dtype": e.dtype,
             "quantization_config": e.quantization_config,
             "capabilities": ["broadcast", "ipc", "ipc_ahead", "p2p", "reshard", "release_memory"]
-            + (["rollback"] if e.rollback else []) + ["broadcast_ahead", "p2p_ahead", "delta"],
+            + (["rollback"] if e.rollback else []) + ["broadcast_ahead", "p2p_ahead", "delta", "warm_group"],
             "instance": e.instance, "delta_base": e.delta_base,
             "update_session_open": e.session_open,
             "update_session_loaded": e.session_loaded,  # tensors loaded in the open session so far
@@ -826,7 +827,8 @@ class EngineServer(ThreadingHTTPServer):
             "init_group", wait_s=timeout_s + 5.0, master_address=b["master_address"],
             master_port=int(b["master_port"]), rank_offset=int(b["rank_offset"]), world_size=int(b["world_size"]),
             group_name=b.get("group_name", "weight_update_group"), backend=b.get("backend", "nccl"),
-            timeout_s=timeout_s,
+            timeout_s=timeout_s, warm=b.get("weightstream_warm", ""),
+            warm_senders=int(b.get("weightstream_warm_senders", 1)),
         )
         return 200, {"success": True, "message": " | ".join(msgs)}
 

@@ -70,7 +70,7 @@ from weightstream.wire.frames import (
     WritesDone,
     expect,
 )
-from weightstream.wire.groups import destroy_group, init_custom_process_group, tcp_store
+from weightstream.wire.groups import destroy_group, init_custom_process_group, tcp_store, warm_group
 from weightstream.wire.handles import ShmGrant, checksum, dumps_b64, loads_b64, map_fd, share_fd
 
 F = TypeVar("F", bound=Frame)
@@ -235,6 +235,7 @@ class Worker:
         self.config = AutoConfig.from_pretrained(model_dir)
         self.model = ShardedCausalLM(self.config, rank, size, dist.group.WORLD, device, dtype)
         self.groups: dict[str, Any] = {}
+        self.groups_warmed = 0  # groups whose first transfer ran as they were joined (GroupSpec.warm)
         self.bucket_count = 0
         # The last IPC buffers received from a trainer, kept mapped: a trainer that packs into the same few
         # buffers sends the same CUDA IPC handles, which torch then resolves from its cache without opening
@@ -293,14 +294,25 @@ class Worker:
 
     # -- commands ----------------------------------------------------------------------------
 
-    def init_group(self, master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s):
+    def init_group(self, master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s,
+                   warm: str = "", warm_senders: int = 1):
+        """Join the group; ``warm``: then run its first, tiny transfer with the trainer (see ``warm_group``)."""
         if group_name in self.groups:
             raise RuntimeError(f"group {group_name!r} already exists")
-        self.groups[group_name] = init_custom_process_group(
+        group = init_custom_process_group(
             backend, f"tcp://{master_address}:{master_port}", world_size, rank_offset + self.rank, group_name,
             timedelta(seconds=timeout_s),
         )
-        return f"rank {rank_offset + self.rank} of {world_size} joined {group_name}"
+        if warm:
+            try:
+                device = self.device if backend == "nccl" else torch.device("cpu")
+                warm_group(group, warm, warm_senders, device, timeout_s)
+            except BaseException:
+                destroy_group(group)
+                raise
+        self.groups[group_name] = group
+        self.groups_warmed += bool(warm)
+        return f"rank {rank_offset + self.rank} of {world_size} joined {group_name}{' (warmed)' if warm else ''}"
 
     def destroy_group(self, group_name):
         destroy_group(self.groups.pop(group_name, None))
@@ -437,8 +449,8 @@ class Worker:
             if failure is not None:
                 continue
             try:
-                with self.clock("load"), pipe.loading(i):
-                    loaded += self._load_dense(program, raw, None)["loaded"]
+                with self.clock("load"), pipe.loading(i):  # (on a GPU, out of a kept buffer: copies made once)
+                    loaded += self._load_dense(program, raw, None, kept=pipe.cuda)["loaded"]
             except Exception as exc:  # noqa: BLE001 -- the rest is drained, then this is raised
                 failure = f"bucket {i}: {exc}"
         with self.clock("device finish"):
@@ -1037,7 +1049,8 @@ class Worker:
         cuda = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
         return {"rss_bytes": rss, "cuda_allocated_bytes": cuda, "ipc_buffers_opened": self.ipc_opened,
                 "ipc_buffers_held": len(self.ipc_kept), "direct_updates": self.direct_updates,
-                "ipc_lease": self.ipc_lease is not None, "fds": len(os.listdir("/proc/self/fd"))}
+                "ipc_lease": self.ipc_lease is not None, "fds": len(os.listdir("/proc/self/fd")),
+                "groups_warmed": self.groups_warmed}
 
     def logits(self, input_ids):
         out = self.model.logits(torch.tensor(input_ids))

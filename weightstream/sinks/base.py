@@ -12,10 +12,11 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from weightstream.common.bounds import Deadline, cleanup_budget
+from weightstream.engines.base import WARM_GROUP, EngineAdapter
 from weightstream.errors import UpdateError
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.stream import BucketStream
-from weightstream.wire.groups import GroupLayout, destroy_group
+from weightstream.wire.groups import GroupLayout, destroy_group, wait_works, warm_device, warm_group
 
 
 @dataclass(frozen=True)
@@ -86,50 +87,87 @@ def future_errors(futures: list[Future], deadline: Deadline) -> list[str]:
 
 
 class Sends:
-    """The sends of one bucket (and the buffers they read, kept alive until then), waited on together within one
-    bound."""
+    """The collectives that carry one bucket (and the buffers they read, kept alive until they are done).
 
-    def __init__(self, works: list[Any], buffers: list[torch.Tensor]):
+    On a GPU the trainer need not wait for them on the host to reuse a buffer: :meth:`order` makes the current
+    stream (where the next buckets are packed) wait for them on the device, and the host checks them later
+    (:meth:`wait`), so the next bucket goes on the wire behind this one with no gap. On a CPU (gloo) the host
+    waits for them before a buffer is reused."""
+
+    def __init__(self, works: list[Any], buffers: list[torch.Tensor], backend: str):
         self.works, self.buffers = works, buffers
+        # NCCL's collectives run on a stream of the device (gloo's, even of GPU tensors, on the host)
+        self.on_device = backend == "nccl" and bool(buffers) and buffers[0].is_cuda
+        self.ordered = False
+
+    def order(self) -> None:
+        """On a GPU: what is packed from now on into the buffers these read comes after them, in stream order (the
+        current stream waits for them on the device; nothing waits on the host)."""
+        if self.on_device and not self.ordered:
+            for w in self.works:
+                w.wait()  # (no timeout: the current stream waits for the collective on the device)
+        self.ordered = True
+
+    def done(self) -> bool:
+        return all(w.is_completed() for w in self.works)
 
     def wait(self, timeout: timedelta) -> None:
-        deadline = Deadline(timeout.total_seconds())
-        for w in self.works:
-            w.wait(deadline.timedelta())
+        """Until every collective has finished, on the host, within ``timeout``."""
+        wait_works(self.works, self.on_device, timeout)
 
 
 class InFlight:
-    """One bucket on the wire: its collective and the engines' HTTP replies. Kept until the next
-    bucket is ready (so packing overlaps the transfer), then finished: the bucket is only released
-    once the transfer has completed and every engine has answered. Both waits share one bound,
-    counted from when the bucket went out; a failure is raised as the failure of that bucket."""
+    """The buckets on the wire: each one's collectives and the engines' HTTP replies, kept until they are
+    done, so that packing overlaps the transfer. When the next bucket starts (:meth:`advance`), the newest is
+    ordered before the buffers are reused (:meth:`Sends.order`) and, on a GPU, the one before it is finished on
+    the host: the wire always has the next bucket queued behind the one it carries. A bucket's waits share one
+    bound, counted from when it went out; a failure is raised as the failure of that bucket."""
+
+    DEPTH = 2  # buckets kept on the wire at once on a GPU (one on a CPU, where the host waits for each)
 
     def __init__(self, timeout_s: float, engines: Sequence[str] = ()):
         self.timeout_s = timeout_s
         self.engines = list(engines)
-        self._entry: tuple[Bucket, Any, list[Future], Deadline] | None = None
+        self._entries: list[tuple[Bucket, Sends, list[Future], Deadline]] = []
 
-    def start(self, bucket: Bucket, work: Any, posts: list[Future]) -> None:
-        if self._entry is not None:
-            raise RuntimeError("finish() the bucket in flight before starting the next one")
-        self._entry = (bucket, work, posts, Deadline(self.timeout_s))
+    def start(self, bucket: Bucket, sends: Sends, posts: list[Future]) -> None:
+        if len(self._entries) >= self.DEPTH or (self._entries and not self._entries[-1][1].ordered):
+            raise RuntimeError("advance() before starting the next bucket")
+        self._entries.append((bucket, sends, posts, Deadline(self.timeout_s)))
+
+    def advance(self) -> None:
+        """Before the next bucket is packed and sent: on a GPU the newest is ordered before its buffers are reused
+        and the one before it finished; on a CPU every one is finished."""
+        if not self._entries:
+            return
+        newest = self._entries[-1][1]
+        if not newest.on_device:
+            self._retire(len(self._entries))
+            return
+        newest.order()
+        self._retire(len(self._entries) - (self.DEPTH - 1))
 
     def finish(self) -> None:
-        if self._entry is None:
-            return
-        bucket, work, posts, deadline = self._entry
-        self._entry = None
-        problems = []
-        try:
-            work.wait(deadline.timedelta())
-        except Exception as exc:  # noqa: BLE001 — reported with what the engines said
-            problems.append(f"transfer: {exc}")
-        problems += future_errors(posts, deadline)
-        if problems:
-            raise UpdateError(f"bucket {bucket.index}", " | ".join(problems), self.engines)
+        """Every bucket on the wire finished (each within its bound)."""
+        self._retire(len(self._entries))
+
+    def _retire(self, count: int) -> None:
+        """The ``count`` oldest buckets finished, in order; the first failure raised (the rest dropped)."""
+        while count > 0 and self._entries:
+            bucket, sends, posts, deadline = self._entries.pop(0)
+            count -= 1
+            problems = []
+            try:
+                sends.wait(deadline.timedelta())
+            except Exception as exc:  # noqa: BLE001 — reported with what the engines said
+                problems.append(f"transfer: {exc}")
+            problems += future_errors(posts, deadline)
+            if problems:
+                self._entries = []
+                raise UpdateError(f"bucket {bucket.index}", " | ".join(problems), self.engines)
 
     def drop(self) -> None:
-        self._entry = None
+        self._entries = []
 
 
 class PipelinedSink:
@@ -140,6 +178,7 @@ class PipelinedSink:
     sender: bool
     group: Any = None
     timeout_s: float
+    backend: str
     _pool: ThreadPoolExecutor | None = None
     _inflight: InFlight
     formed: int = 0  # groups this sink has formed
@@ -166,6 +205,25 @@ class PipelinedSink:
         if problems:
             raise UpdateError("group", " | ".join(problems), engines)
 
+    @staticmethod
+    def _warming(engines: Sequence[EngineAdapter], how: str) -> str:
+        """``how`` the group's first transfer goes where every one of ``engines`` declares :data:`WARM_GROUP` (they
+        are told it in their :class:`GroupSpec`), else "" (none: an engine that does not expect it would take it
+        for a bucket)."""
+        return how if all(e.info().can(WARM_GROUP) for e in engines) else ""
+
+    def _form(self, create: Callable[[], Any], how: str, senders: int = 1) -> Any:
+        """``create`` the group, then run its first, tiny transfer (:func:`warm_group`) with the engines, ``how``
+        :meth:`_warming` says."""
+        group = create()
+        if how:
+            try:
+                warm_group(group, how, senders, warm_device(self.backend), self.timeout_s)
+            except BaseException:
+                destroy_group(group)
+                raise
+        return group
+
     _ahead: list[Future] = []  # the engines' replies to the metadata of every bucket, sent ahead
     _ahead_bound: float = 0.0
 
@@ -175,11 +233,15 @@ class PipelinedSink:
         self._ahead_bound = self.timeout_s * (1 + buckets / 8)
         self._ahead = [self._engine_pool().submit(call, self._ahead_bound) for call in calls]
 
-    def _finish_ahead(self) -> None:
-        """Finish the bucket in flight; a transfer that failed while the engines had the metadata ahead is
-        reported with what the engines answered, where they already did (a dead engine says so)."""
+    def _finish_ahead(self, every: bool = True) -> None:
+        """Finish the buckets in flight (``every``; else :meth:`InFlight.advance`, before the next bucket); a
+        transfer that failed while the engines had the metadata ahead is reported with what the engines
+        answered, where they already did (a dead engine says so)."""
         try:
-            self._inflight.finish()
+            if every:
+                self._inflight.finish()
+            else:
+                self._inflight.advance()
         except UpdateError as exc:
             said = [str(f.exception()) for f in self._ahead if f.done() and f.exception() is not None]
             if said:

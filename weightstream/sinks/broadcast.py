@@ -23,10 +23,10 @@ from weightstream.engines.base import (
     capable,
     implementing,
 )
-from weightstream.sinks.base import Delivery, InFlight, PipelinedSink
+from weightstream.sinks.base import Delivery, InFlight, PipelinedSink, Sends
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.delta import Snapshot
-from weightstream.wire.groups import GroupLayout, init_custom_process_group
+from weightstream.wire.groups import WARM_BROADCAST, GroupLayout, init_custom_process_group
 from weightstream.wire.handles import checksum
 
 
@@ -84,14 +84,15 @@ class BroadcastSink(PipelinedSink):
         port = self.master_port or free_port()
         offsets, world = self._ranks()
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.engines)), thread_name_prefix="ws-broadcast")
+        warm = self._warming(self.engines, WARM_BROADCAST)
         posts = [
             self._pool.submit(e.join_group, GroupSpec(self.master_address, port, off, world, self.backend,
-                                                      self.timeout_s, e.group_name))
+                                                      self.timeout_s, e.group_name, warm))
             for e, off in zip(self.engines, offsets, strict=True)
         ]
-        self._join(posts, lambda: init_custom_process_group(
+        self._join(posts, lambda: self._form(lambda: init_custom_process_group(
             self.backend, f"tcp://{self.master_address}:{port}", world, 0, self.engines[0].group_name, self.timeout_s,
-        ), [e.url for e in self.engines])
+        ), warm), [e.url for e in self.engines])
 
     def disconnect(self, seconds: float | None = None) -> None:
         if self.sender:
@@ -121,7 +122,7 @@ class BroadcastSink(PipelinedSink):
     def send(self, bucket: Bucket) -> None:
         if not self.sender:
             return
-        self._finish_ahead()
+        self._finish_ahead(every=False)
         if self.delta is not None and self.delta.active:
             header, payload = self.delta.encode(bucket.index, bucket.buffer, bucket.word)
             bucket = Bucket(bucket.index, payload, bucket.metas, delta=header)
@@ -129,7 +130,7 @@ class BroadcastSink(PipelinedSink):
         posts = [] if self._ahead else [self._engine_pool().submit(e.receive_broadcast, bucket, digest)
                                         for e in self.engines]
         work = dist.broadcast(bucket.buffer, group=self.group, group_src=0, async_op=True)
-        self._inflight.start(bucket, work, posts)
+        self._inflight.start(bucket, Sends([work], [bucket.buffer], self.backend), posts)
 
     def close(self) -> None:
         if not self.sender:

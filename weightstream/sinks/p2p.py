@@ -36,7 +36,7 @@ from weightstream.sinks.broadcast import default_backend
 from weightstream.sources.topology import Topology
 from weightstream.streaming.bucket import Bucket, TensorMeta, extent
 from weightstream.streaming.delta import DeltaHeader, Key, Snapshot
-from weightstream.wire.groups import GroupLayout, init_custom_process_group
+from weightstream.wire.groups import WARM_SENDS, GroupLayout, init_custom_process_group
 from weightstream.wire.handles import checksum
 
 if TYPE_CHECKING:
@@ -110,15 +110,16 @@ class P2PSink(PipelinedSink):
             dist.broadcast_object_list(port, group=self.tp_group, group_src=0)
         world = self._offset(len(self.engines))
         posts = []
+        warm = self._warming(self.engines, WARM_SENDS)  # (every TP rank asks the same engines)
         if self.poster:
             self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.engines)), thread_name_prefix="ws-p2p")
             posts = [self._pool.submit(e.join_group, GroupSpec(
-                self.master_address, port[0], self._offset(i), world, self.backend, self.timeout_s, self.group_name))
-                for i, e in enumerate(self.engines)]
-        self._join(posts, lambda: init_custom_process_group(
+                self.master_address, port[0], self._offset(i), world, self.backend, self.timeout_s, self.group_name,
+                warm, self.tp)) for i, e in enumerate(self.engines)]
+        self._join(posts, lambda: self._form(lambda: init_custom_process_group(
             self.backend, f"tcp://{self.master_address}:{port[0]}", world, self.tp_rank, self.group_name,
             self.timeout_s,
-        ), [e.url for e in self.engines])
+        ), warm, self.tp), [e.url for e in self.engines])
 
     def disconnect(self, seconds: float | None = None) -> None:
         if self.sender:
@@ -167,7 +168,7 @@ class P2PSink(PipelinedSink):
     def send(self, bucket: Bucket) -> None:
         if not self.sender:
             return
-        failure = self._finish_inflight()
+        failure = self._finish_inflight(every=False)
         if self.delta is not None and self.delta.active:
             header, payload = self.delta.encode(bucket.index, bucket.buffer, bucket.word)
             bucket = Bucket(bucket.index, payload, bucket.metas, delta=header)
@@ -188,12 +189,13 @@ class P2PSink(PipelinedSink):
             posts = [self._engine_pool().submit(e.receive_p2p, bucket.index, ranks) for e in self.engines]
         works = [dist.isend(bucket.buffer, group=self.group, group_dst=self._offset(i) + self.tp_rank)
                  for i in range(len(self.engines))]
-        self._inflight.start(bucket, Sends(works, [bucket.buffer]), posts)
+        self._inflight.start(bucket, Sends(works, [bucket.buffer], self.backend), posts)
 
-    def _finish_inflight(self) -> UpdateError | None:
-        """Finish the bucket in flight; its failure, kept to raise once the TP ranks have met."""
+    def _finish_inflight(self, every: bool = True) -> UpdateError | None:
+        """Finish the buckets in flight (``every``; else as the next bucket starts); a failure, kept to raise once
+        the TP ranks have met."""
         try:
-            self._finish_ahead()
+            self._finish_ahead(every)
         except UpdateError as exc:
             return exc
         return None

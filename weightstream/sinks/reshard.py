@@ -46,7 +46,7 @@ from weightstream.sources.topology import Topology
 from weightstream.streaming.bucket import Bucket, typed_buffer, view_tensor
 from weightstream.streaming.delta import DeltaHeader, Key, Snapshot, word_size
 from weightstream.streaming.reshard import EngineLayout, Route, is_identity, plan_bucket
-from weightstream.wire.groups import GroupLayout, init_custom_process_group
+from weightstream.wire.groups import WARM_SENDS, GroupLayout, init_custom_process_group
 from weightstream.wire.handles import checksum
 
 if TYPE_CHECKING:
@@ -186,13 +186,15 @@ class ReshardSink(PipelinedSink):
             return
         n, world = len(roster.senders), len(roster.senders) + roster.layout.size
         posts = []
+        warm = self._warming([self.engine], WARM_SENDS)  # (every sender asks the same engine)
         if me == 0:
             self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ws-reshard")
             posts.append(self._pool.submit(self.engine.join_group, GroupSpec(
-                self.master_address, roster.port, n, world, self.backend, self.timeout_s, self.engine.group_name)))
-        self._join(posts, lambda: init_custom_process_group(
+                self.master_address, roster.port, n, world, self.backend, self.timeout_s, self.engine.group_name,
+                warm, n)))
+        self._join(posts, lambda: self._form(lambda: init_custom_process_group(
             self.backend, f"tcp://{self.master_address}:{roster.port}", world, me, self.engine.group_name,
-            self.timeout_s), [self.engine.url])
+            self.timeout_s), warm, n), [self.engine.url])
 
     def disconnect(self, seconds: float | None = None) -> None:
         if self.sender and self.roster is not None:
@@ -237,7 +239,7 @@ class ReshardSink(PipelinedSink):
         failure: UpdateError | None = None
         if self.sender:
             try:
-                self._finish_ahead()
+                self._finish_ahead(every=False)
             except UpdateError as exc:
                 failure = exc
         roster = self._roster()
@@ -268,7 +270,7 @@ class ReshardSink(PipelinedSink):
         n = len(roster.senders)
         works = [dist.isend(b, group=self.group, group_dst=n + r.engine_rank) for r, b in zip(mine, buffers,
                                                                                              strict=True)]
-        self._inflight.start(bucket, Sends(works, buffers), posts)
+        self._inflight.start(bucket, Sends(works, buffers, self.backend), posts)
 
     def _told(self, index: int, digests: dict[tuple[int, int], str],
               headers: dict[tuple[int, int], DeltaHeader]) -> list[RankBucket]:

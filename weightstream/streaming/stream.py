@@ -294,6 +294,16 @@ class BucketStream(Iterator[Bucket]):
             return
         warm_kernel(self.device)
 
+    def rehearse(self) -> None:
+        """Pack every bucket once and deliver none (the next update packs them again): what a first pack compiles
+        or touches for the first time (on a GPU, the block-FP8 kernel's variants; the allocator's blocks) is then
+        done. Every rank of the stream rehearses together (the gathers need each). Not where the stream writes
+        straight into an engine's weights (:meth:`write_into`), which only an update may change."""
+        if self._into is not None:
+            raise RuntimeError("a stream that writes into an engine's weights is not rehearsed")
+        for _ in self:
+            pass
+
     def can_write_into(self) -> bool:
         """Whether this rank makes every tensor of every bucket itself, whole (a full stream of a source with
         no pipeline or expert parallelism to share over, kept plan): then :meth:`write_into` applies."""

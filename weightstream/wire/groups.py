@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, cast
 from urllib.parse import urlparse
 
+import torch
 import torch.distributed as dist
+
+from weightstream.common.bounds import Deadline
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import GroupName
@@ -110,6 +114,53 @@ def init_custom_process_group(
         ) from exc
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+POLL_S = 50e-6  # how often the host looks whether a transfer on a GPU has finished
+
+# How a group's first, tiny transfer goes (:func:`warm_group`): one broadcast from rank 0, or a send from each of the
+# first ``senders`` ranks to every other rank.
+WARM_BROADCAST = "broadcast"
+WARM_SENDS = "sends"
+
+
+def wait_works(works: list, on_device: bool, timeout: timedelta) -> None:
+    """Until every one of ``works`` (a process group's) has finished, on the host, within ``timeout``. On a GPU the
+    finish is polled finely: a wait given a timeout by the process group sleeps a millisecond at a time, which
+    leaves the wire idle between buckets."""
+    deadline = Deadline(timeout.total_seconds())
+    if on_device:
+        while not all(w.is_completed() for w in works):
+            if deadline.expired:
+                raise TimeoutError(f"the transfer did not finish within {deadline.seconds:.1f} s")
+            time.sleep(POLL_S)
+    for w in works:
+        w.wait(deadline.timedelta())  # (on a GPU, finished: raises what it failed with, if anything)
+
+
+def warm_device(backend: str) -> torch.device:
+    """Where a group of ``backend`` moves its tensors from this process: the current GPU for NCCL, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def warm_group(group, how: str, senders: int, device: torch.device, timeout_s: float) -> None:
+    """The group's first transfer, one byte (``how``: :data:`WARM_BROADCAST` or :data:`WARM_SENDS`), run by every
+    member right after forming it: NCCL makes a group's communicator and its connections on first use, which
+    would otherwise fall on the first update (hundreds of milliseconds). Bounded by ``timeout_s``."""
+    one = torch.zeros(1, dtype=torch.uint8, device=device)
+    if how == WARM_BROADCAST:
+        works = [dist.broadcast(one, group=group, group_src=0, async_op=True)]
+    elif how == WARM_SENDS:
+        rank, world = group.rank(), group.size()  # (its own ranks: the default world maps no custom group)
+        peers = range(senders, world) if rank < senders else range(senders)
+        # one by one, as the buckets go (a batch of them would use other connections); every rank in the same order
+        if rank < senders:
+            works = [dist.isend(one, group=group, group_dst=p) for p in peers]
+        else:
+            works = [dist.irecv(torch.zeros_like(one), group=group, group_src=p) for p in peers]
+    else:
+        raise ValueError(f"a group is warmed by {WARM_BROADCAST!r} or {WARM_SENDS!r}, not {how!r}")
+    wait_works(works, device.type == "cuda", timedelta(seconds=timeout_s))
 
 
 def destroy_group(group) -> None:
