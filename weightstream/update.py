@@ -668,6 +668,7 @@ class WeightSync:
             if self.delta is not None:  # the word kernels compiled, for the first delta (on a GPU)
                 warm_kernels(stream.device, {word_size(extent(ms), (m.dtype.itemsize for m in ms))
                                              for ms in map(stream.bucket_metas, range(len(stream)))})
+            stream.warm_casts()  # on a GPU with block FP8, the cast kernel compiled (whatever the transport)
             if decision.transport != "ipc":  # (IPC may write into the engine's weights, on some ranks only)
                 stream.rehearse()  # every bucket packed once (on a GPU, the block-FP8 kernel compiled), none sent
             sink.connect()  # (and the group's first transfer made, where the engines take it)

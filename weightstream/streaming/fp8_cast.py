@@ -133,15 +133,7 @@ class BlockCast:
                          for (dtype, aligned), group in groups.items()]
 
     def _aligned(self, job: CastJob) -> bool:
-        """Whether ``job`` takes the kernel's fast form: whole blocks (of powers of two) that each lie in one run
-        of rows one stride apart, rows contiguous, and the addresses of source and values and the row strides
-        multiples of 16 (vector loads and stores, no division per row)."""
-        (rows, cols), (outer, inner_rows, inner, step) = job.values.shape, _layout(job)
-        br, bc = self.fp8.block
-        return (br == _pow2(br) and bc == _pow2(bc) and rows % br == 0 and cols % bc == 0 and cols % 16 == 0
-                and inner_rows % br == 0
-                and step == 1 and outer % 16 == 0 and inner % 16 == 0 and job.source.data_ptr() % 16 == 0
-                and job.values.data_ptr() % 16 == 0)
+        return takes_aligned(job.source, tuple(job.values.shape), job.values.data_ptr(), self.fp8)
 
     def _tables(self, jobs: list[CastJob], aligned: bool) -> tuple[Tensor, Tensor, Tensor, int]:
         """The jobs' table (addresses, row strides and columns divided by 16 when ``aligned``), each block's job,
@@ -173,6 +165,34 @@ class BlockCast:
                                        ALIGNED=aligned, STEP=self.step, num_warps=self.num_warps)
 
 
+def takes_aligned(source: Tensor, shape: tuple[int, ...], values_at: int, fp8: BlockFP8) -> bool:
+    """Whether quantizing ``source`` into values of ``shape`` at address ``values_at`` takes the kernel's fast form:
+    whole blocks (of powers of two) that each lie in one run of rows one stride apart, rows contiguous, and the
+    addresses of source and values and the row strides multiples of 16 (vector loads and stores, no division per
+    row)."""
+    (rows, cols), (outer, inner_rows, inner, step) = shape, _layout_of(source)
+    br, bc = fp8.block
+    return (br == _pow2(br) and bc == _pow2(bc) and rows % br == 0 and cols % bc == 0 and cols % 16 == 0
+            and inner_rows % br == 0
+            and step == 1 and outer % 16 == 0 and inner % 16 == 0 and source.data_ptr() % 16 == 0
+            and values_at % 16 == 0)
+
+
+def warm_kernel(forms: set[tuple[torch.dtype, bool]], fp8: BlockFP8, device: torch.device) -> None:
+    """Compile the kernel's variants for ``forms`` (each a source dtype, and whether it takes the fast form:
+    :func:`takes_aligned`) on ``device``, by quantizing one small tensor of each form (a first launch of a
+    variant compiles it, a second or more)."""
+    if not available(device):
+        return
+    br, bc = fp8.block
+    for dtype, aligned in sorted(forms, key=str):
+        rows, cols = (br, bc) if aligned else (br + 1, bc + 1)  # (a partial block: the general form)
+        source = torch.ones(rows, cols, dtype=dtype, device=device)
+        values = torch.empty(rows, cols, dtype=FP8, device=device)
+        scales = torch.empty(fp8.scale_shape((rows, cols)), dtype=torch.float32, device=device)
+        BlockCast([CastJob(source, values, scales)], fp8)()
+
+
 def row_layout(t: Tensor) -> tuple[int, int, int, int] | None:
     """The rows of ``t`` (its dimensions but the last, flattened) as ``(outer stride, inner rows, inner stride,
     column stride)``: row ``r`` starts at ``(r // inner rows) * outer stride + (r % inner rows) * inner stride``.
@@ -197,9 +217,13 @@ def row_layout(t: Tensor) -> tuple[int, int, int, int] | None:
 
 
 def _layout(job: CastJob) -> tuple[int, int, int, int]:
-    layout = row_layout(job.source)
+    return _layout_of(job.source)
+
+
+def _layout_of(source: Tensor) -> tuple[int, int, int, int]:
+    layout = row_layout(source)
     if layout is None:
-        raise ValueError(f"a source of shape {tuple(job.source.shape)} and strides {job.source.stride()} has rows "
+        raise ValueError(f"a source of shape {tuple(source.shape)} and strides {source.stride()} has rows "
                          "that take more than two strides")
     return layout
 

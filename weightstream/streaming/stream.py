@@ -69,7 +69,8 @@ from weightstream.streaming.bucket import (
     view_tensor,
 )
 from weightstream.streaming.copies import batched_copy, warm_kernel
-from weightstream.streaming.fp8_cast import CastJob, row_layout
+from weightstream.streaming.fp8_cast import CastJob, row_layout, takes_aligned
+from weightstream.streaming.fp8_cast import warm_kernel as warm_cast_kernel
 from weightstream.streaming.plan import BucketPlan, plan_buckets
 from weightstream.streaming.quantize import Quantization, QuantizeBatch, block_cast, convert_quantized
 
@@ -293,6 +294,16 @@ class BucketStream(Iterator[Bucket]):
         else:
             return
         warm_kernel(self.device)
+
+    def warm_casts(self) -> None:
+        """With block FP8 on a GPU: the cast kernel compiled in the forms this plan's batched casts take (what the
+        first pack would compile, a second or more), packing nothing."""
+        if self.quantization is None:
+            return
+        fp8 = self.quantization.fp8
+        forms = {(view.dtype, takes_aligned(view, meta.shape, meta.offset, fp8))
+                 for bp in self.plan for view, meta, _ in self._program_for(bp.index).casts}
+        warm_cast_kernel(forms, fp8, self.device)
 
     def rehearse(self) -> None:
         """Pack every bucket once and deliver none (the next update packs them again): what a first pack compiles
