@@ -164,6 +164,53 @@ def test_moe_trainer_updates_an_fp8_engine(tmp_path):
     assert (entry["logits"] - before).abs().max() > 1e-2 and entry["report"].tensors > 100
 
 
+@pytest.mark.parametrize("preset,layout,engine_tp", [("tiny-qwen3", Layout(2, 1), 1), ("tiny-qwen3", Layout(1, 1), 2),
+                                                     ("tiny-qwen3-moe", Layout(1, 1, ep=2), 2)])
+def test_block_fp8_resharded_p2p_into_an_engine_of_another_layout(preset, layout, engine_tp, tmp_path):
+    """Block FP8 by resharded P2P (``auto``): each trainer rank's float8 values and scales, quantized in its own
+    blocks, which are the whole tensor's, sent to the engine ranks that hold them; trainer TP 2 into TP 1, TP 1 into
+    TP 2, and a MoE trainer of EP 2 into TP 2 (each expert split over the engine's ranks). The engine's logits then
+    equal, bit for bit, those of an engine of its TP started on the FP8 checkpoint the trainer writes."""
+    src = save_random_checkpoint(preset_config(preset), tmp_path / "src", seed=51)
+    start = _fp8_checkpoint(preset, tmp_path / "start", seed=52)["fp8"]
+    with engines((start, engine_tp)) as (server,):
+        before = _logits(server)
+        (entry,) = _updated(launch(layout.tp * layout.ep, run_fp8_updates, Case(src, layout, quantize=SMALL),
+                                   [(server.url, {"transport": "auto"})], str(tmp_path / "saved")))
+    report = entry["report"]
+    assert report.transport == "p2p" and "resharded P2P" in report.reason and report.gathers == 0
+    with engines((tmp_path / "saved", engine_tp)) as (ref,):
+        assert torch.equal(entry["logits"], _logits(ref))
+    assert (entry["logits"] - before).abs().max() > 1e-2
+
+
+def test_block_fp8_off_the_engines_block_grid_is_refused_before_any_bytes(dense_dirs, sources, tmp_path):
+    """Blocks of 32 × 32 where an engine at TP 2 holds 48 rows of each MLP projection (96 over 2 ranks): its ranks
+    hold those dequantized, which resharded pieces cannot give them. Resharded P2P fails before any bytes move,
+    naming every such weight and the way out (broadcast), and the engine serves what it had; a broadcast of the
+    same update then serves what the engine started on the trainer's checkpoint does."""
+    big = BlockFP8(block=(32, 32))
+    cfg = preset_config("tiny-qwen3")
+    save_hf_checkpoint(random_hf_model(cfg, seed=61, dtype=torch.float32), cfg, tmp_path / "start", quantize=big)
+    case = Case(sources["tiny-qwen3"], Layout(1, 1), quantize=big)
+    with engines((tmp_path / "start", 2)) as (server,):
+        before = _logits(server)
+        ((refused,),) = launch(1, run_fp8_updates, case, [(server.url, {"transport": "p2p"})], str(tmp_path / "a"))
+        assert torch.equal(_logits(server), before) and ReferenceEngine(server.url).weight_version() == "default"
+        ((sent,),) = launch(1, run_fp8_updates, case, [(server.url, {"transport": "broadcast"})],
+                            str(tmp_path / "saved"))
+    assert "block FP8 cannot be resharded into this engine's layout" in refused["error"]
+    for layer in range(cfg.num_hidden_layers):
+        for proj, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
+            assert (f"model.layers.{layer}.mlp.{proj}.weight: 96 along dim {dim} over 2 engine ranks is not in whole "
+                    "blocks of 32") in refused["error"]
+    assert "q_proj" not in refused["error"] and "transport='broadcast'" in refused["error"]
+    assert "error" not in sent and sent["report"].transport == "broadcast"
+    with engines((tmp_path / "saved", 2)) as (ref,):
+        assert torch.equal(sent["logits"], _logits(ref))
+    assert (sent["logits"] - before).abs().max() > 1e-2
+
+
 def test_an_fp8_engine_started_without_weights_knows_its_fp8_weights_from_the_family(dense_dirs, tmp_path):
     """Only config.json on disk: which weights the model holds in FP8 comes from the family's declaration
     (Converter.fp8), so an unquantized norm is taken and an unquantized projection refused."""

@@ -250,35 +250,30 @@ def test_auto_reshards_into_an_engine_that_declares_its_layout_and_says_why_not_
     spec = MOE
     ep2 = Topology(tp_size=2, ep_size=2, etp_size=1)
 
-    def choose(caps, engine_tp, plain=True):
+    def choose(caps, engine_tp):
         engine = Declared(EngineInfo("x", tp_size=engine_tp, capabilities=frozenset(caps)))
-        return choose_transport("auto", [engine], ep2, spec, colocated=False, plain=plain)
+        return choose_transport("auto", [engine], ep2, spec, colocated=False)
 
-    kind, reason = choose({BROADCAST, IPC, P2P, RESHARD}, 1)
+    kind, reason = choose({BROADCAST, IPC, P2P, RESHARD}, 1)  # (bf16 or block FP8 alike)
     assert kind == "p2p" and reason.startswith("engine TP 1, trainer TP 2 EP 2: ") and "resharded P2P" in reason
-    kind, reason = choose({BROADCAST, IPC, P2P, RESHARD}, 1, plain=False)  # block FP8
-    assert kind == "broadcast" and " TP 1 != trainer TP 2 (resharding sends unquantized weights: not block FP8)" \
-        in reason
     kind, reason = choose({BROADCAST, IPC, P2P}, 1)
     assert kind == "broadcast" and "(the x engine does not declare its layout: no resharding)" in reason
 
 
 def test_deepseek_v3_at_tp2_is_resharded_or_broadcast_never_sent_as_row_shards():
     """Megatron's local spec splits MLA's down projections over TP, engines hold them whole: P2P per rank would carry
-    row shards the engine refuses. An engine that declares its layout gets them resharded (assembled whole); an
-    update resharding does not send (block FP8, deltas) goes by broadcast, saying why."""
+    row shards the engine refuses. An engine that declares its layout gets them resharded (assembled whole); one
+    that does not, by broadcast, saying why."""
 
     spec = DEEPSEEK
     engine = Declared(EngineInfo("x", tp_size=2, capabilities=frozenset({BROADCAST, P2P, RESHARD})))
     kind, reason = choose_transport("auto", [engine], Topology(tp_size=2, etp_size=2), spec, colocated=False)
     assert kind == "p2p" and "resharded P2P" in reason
-    kind, reason = choose_transport("auto", [engine], Topology(tp_size=2, etp_size=2), spec, colocated=False,
-                                    plain=False)
+    undeclared = Declared(EngineInfo("x", tp_size=2, capabilities=frozenset({BROADCAST, P2P})))
+    kind, reason = choose_transport("auto", [undeclared], Topology(tp_size=2, etp_size=2), spec, colocated=False)
     assert kind == "broadcast" and "deepseek_v3 family has tensors a TP rank holds split or whole" in reason
-    kind, _ = choose_transport("auto", [engine], Topology(tp_size=1), spec, colocated=False, plain=False)
     engine1 = Declared(EngineInfo("x", tp_size=1, capabilities=frozenset({BROADCAST, P2P})))
-    assert kind == "broadcast"  # engine TP 2 != trainer TP 1, and no resharding for block FP8
-    assert choose_transport("auto", [engine1], Topology(tp_size=1), spec, colocated=False, plain=False)[0] == "p2p"
+    assert choose_transport("auto", [engine1], Topology(tp_size=1), spec, colocated=False)[0] == "p2p"
 
 
 def test_several_engines_take_p2p_at_the_trainers_tp_each_from_its_own_replica():

@@ -161,9 +161,8 @@ class Decision:
 
 
 def choose_transport(requested: str, engines: Sequence[EngineAdapter], topo: Topology, spec: ModelSpec,
-                     colocated: bool | None, *, p2p_source: bool = True, plain: bool = True) -> tuple[str, str]:
-    """(transport, why), from what the engines declare they can do. Only rank 0 calls it (it asks the engines).
-    ``plain``: the update sends unquantized buckets (no block FP8), which resharding takes."""
+                     colocated: bool | None, *, p2p_source: bool = True) -> tuple[str, str]:
+    """(transport, why), from what the engines declare they can do. Only rank 0 calls it (it asks the engines)."""
     if requested not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {requested!r}")
     infos = [e.info() for e in engines]
@@ -175,7 +174,7 @@ def choose_transport(requested: str, engines: Sequence[EngineAdapter], topo: Top
         shared = any(_local_gpu_uuids() & set(i.gpu_uuids) for i in infos)
         if colocated or (colocated is None and shared):
             return "ipc", "the engine shares this trainer's GPU (colocated)"
-    reshard = reshards(engines, plain)
+    reshard = reshards(engines)
     failed = _p2p_problems(engines, infos, topo, spec, p2p_source, reshard)
     if not failed and reshard:
         return "p2p", (f"engine TP {infos[0].tp_size}, trainer TP {topo.tp_size} EP {topo.ep_size}: each trainer rank "
@@ -233,19 +232,19 @@ def _p2p_problems(engines: Sequence[EngineAdapter], infos: Sequence[EngineInfo],
     return failed
 
 
-def reshards(engines: Sequence[EngineAdapter], plain: bool) -> bool:
-    """Whether P2P into ``engines`` is resharded: one engine, which declares its layout (:data:`RESHARD`), and the
-    update is ``plain`` (unquantized). Several engines take P2P at the trainer's TP (each from its own replica)."""
-    return plain and len(engines) == 1 and engines[0].info().can(RESHARD)
+def reshards(engines: Sequence[EngineAdapter]) -> bool:
+    """Whether P2P into ``engines`` is resharded: one engine, which declares its layout (:data:`RESHARD`); bf16 or
+    block FP8 (each shard quantized in its own blocks, which are the whole tensor's where the trainer's and the
+    engine's shards both fall on block boundaries: the trainer's stream and the engine's own layout check that).
+    Several engines take P2P at the trainer's TP (each from its own replica)."""
+    return len(engines) == 1 and engines[0].info().can(RESHARD)
 
 
 def _why_not_reshard(info: EngineInfo, engines: int) -> str:
     """Why an engine of another TP is not resharded into."""
     if not info.can(RESHARD):
         return f" (the {info.engine} engine does not declare its layout: no resharding)"
-    if engines > 1:
-        return f" (resharding serves one engine; {engines} given)"
-    return " (resharding sends unquantized weights: not block FP8)"
+    return f" (resharding serves one engine; {engines} given)"
 
 
 def _pause_and_begin(engine: EngineAdapter, mode: str, version: str, timeout_s: float) -> None:
@@ -386,10 +385,6 @@ class WeightSync:
         self.sinks[kind] = sink
         return sink
 
-    def _resharding_takes(self) -> bool:
-        """Whether this sync's updates are what resharded P2P sends: unquantized (deltas or not)."""
-        return self.quantize is None
-
     def _new_sink(self, kind: str, topology: Topology) -> Sink:
         if kind == "ipc":
             return IPCSink(self.engines[0], checksums=self.checksums, timeout_s=self.timeout_s,
@@ -514,11 +509,10 @@ class WeightSync:
             t = time.perf_counter()
             try:
                 kind, reason = choose_transport(self.transport, self.engines, job.source.topology, job.spec,
-                                                self.colocated, p2p_source=job.source.per_rank_senders,
-                                                plain=self._resharding_takes())
+                                                self.colocated, p2p_source=job.source.per_rank_senders)
                 _check_formats(self.engines, self.quantize)
                 decided = Decision(kind, reason, any(e.info().can(SINGLE_DTYPE) for e in self.engines),
-                                   kind == "p2p" and reshards(self.engines, self._resharding_takes()))
+                                   kind == "p2p" and reshards(self.engines))
                 if version is not None:
                     self._pause(version)
             except Exception as exc:  # noqa: BLE001 — shared with every rank below

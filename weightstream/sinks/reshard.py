@@ -45,7 +45,7 @@ from weightstream.sinks.broadcast import default_backend
 from weightstream.sources.topology import Topology
 from weightstream.streaming.bucket import Bucket, typed_buffer, view_tensor
 from weightstream.streaming.delta import DeltaHeader, Key, Snapshot, word_size
-from weightstream.streaming.reshard import EngineLayout, Route, is_identity, plan_bucket
+from weightstream.streaming.reshard import EngineLayout, Route, is_identity, off_grid, plan_bucket
 from weightstream.wire.groups import WARM_SENDS, GroupLayout, init_custom_process_group
 from weightstream.wire.handles import checksum
 
@@ -153,6 +153,11 @@ class ReshardSink(PipelinedSink):
         metas = [stream.bucket_metas(i) for i in range(len(stream))] if roster.me is not None else None
         everyone = self._gather(metas)
         senders = [everyone[r] for r in roster.senders]
+        if stream.quantization is not None:
+            wrong = off_grid(senders, roster.layout, stream.quantization.fp8.block)
+            if wrong:
+                raise ValueError(f"block FP8 cannot be resharded into this engine's layout: {'; '.join(wrong)} (its "
+                                 "ranks hold such parts dequantized; transport='broadcast' sends the tensors whole)")
         self.routes = [plan_bucket([s[i] for s in senders], roster.layout, stream.align) for i in range(len(stream))]
         self.identity = [is_identity(r, len(senders)) and roster.layout.size == len(senders) for r in self.routes]
         self.tensors = len({m.name for s in senders for bucket in s for m in bucket})

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weightstream.common.layout import ALIGN, layout
+from weightstream.converters.fp8 import FP8
 from weightstream.errors import ConversionError
 from weightstream.streaming.bucket import Shard, TensorMeta, extent
 
@@ -220,3 +221,23 @@ def is_identity(routes: Sequence[Route], senders: int) -> bool:
     """Whether the routes are trainer rank r sending its whole bucket to engine rank r, and nothing else (the
     per-rank bucket as it is: what an engine of the trainer's TP takes)."""
     return len(routes) == senders and all(r.whole_bucket and r.sender == r.engine_rank for r in routes)
+
+
+def off_grid(senders: Sequence[Sequence[Sequence[TensorMeta]]], layout: EngineLayout,
+             block: tuple[int, int]) -> list[str]:
+    """The block-FP8 weights (float8 values) among the senders' buckets whose part on an engine rank would not fall
+    on the block grid (``block``: rows, columns): each engine rank must hold whole blocks, with their scales, for its
+    part to be the same values and scales as the whole tensor's (an engine holds such a part dequantized, which
+    resharded pieces cannot give it). One line per weight; nothing where every part falls on the grid."""
+    problems: dict[str, str] = {}
+    for bucket in (b for s in senders for b in s):
+        for meta in bucket:
+            dim = layout.dims.get(meta.name)
+            if meta.dtype != FP8 or dim is None or layout.size == 1 or meta.name in problems:
+                continue
+            whole = full_shape(meta)
+            along = block[1] if dim == len(whole) - 1 else block[0]
+            if whole[dim] % layout.size or (whole[dim] // layout.size) % along:
+                problems[meta.name] = (f"{meta.name}: {whole[dim]} along dim {dim} over {layout.size} engine ranks "
+                                       f"is not in whole blocks of {along}")
+    return list(problems.values())
