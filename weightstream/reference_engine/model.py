@@ -30,7 +30,7 @@ from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8, dequantize_
 from weightstream.converters.mapping import Converter
 from weightstream.converters.registry import get_converter, known_model_types, model_spec
 from weightstream.models.spec import ModelSpec
-from weightstream.streaming.bucket import Shard
+from weightstream.streaming.bucket import Shard, TensorMeta
 
 Weight = tuple[str, Tensor, Shard | None]  # what load_weights takes: a name, a tensor, its placement
 
@@ -486,6 +486,37 @@ class ShardedCausalLM:
             if not param.is_contiguous():
                 return None
             out.append(param.view(-1))
+        return out
+
+    def piece_targets(self, metas: Sequence[TensorMeta]) -> list[Tensor] | None:
+        """For a resharded bucket whose pieces (checked to tile this rank's parts: ``piece_problems``) each load by a
+        plain copy: the view of this rank's parameter each piece fills (all of it, or the rows or columns it is
+        placed at), in order. None where any piece needs more (another dtype, a vocabulary tensor, a tensor held in
+        block FP8 or its scale, a piece placed on another dim than the rank's part), which then goes through
+        :func:`~weightstream.reference_engine.pieces.assemble` and :meth:`load_weights`."""
+        out = []
+        for m in metas:
+            entry = self.params.get(m.name)
+            if (entry is None or m.name in VOCAB or self._held_fp8(m.name) or m.name.endswith(SCALE_SUFFIX)
+                    or entry[0].dtype != m.dtype):
+                return None
+            param, dim = entry
+            split = dim is not None and self.size > 1
+            if m.shard is None:
+                if split or tuple(param.shape) != tuple(m.shape):
+                    return None
+                out.append(param)
+                continue
+            on = m.shard.dim
+            if (split and on != dim) or on >= param.dim():
+                return None
+            start = m.shard.start - (self.rank * param.shape[on] if split else 0)
+            if start < 0 or start + m.shard.length > param.shape[on]:
+                return None
+            view = param.narrow(on, start, m.shard.length)
+            if tuple(view.shape) != tuple(m.shape):
+                return None
+            out.append(view)
         return out
 
     @torch.no_grad()

@@ -48,28 +48,43 @@ def _shape_problem(meta: TensorMeta, whole: tuple[int, ...]) -> str | None:
     return None
 
 
-def assemble(pieces: Sequence[tuple[TensorMeta, Tensor]], params: dict[str, tuple[Tensor, int | None]], rank: int,
-             size: int) -> tuple[list[Weight], list[str]]:
-    """The tensors this rank loads from ``pieces`` (each placed in the whole tensor by its ``meta.shard``):
-    per name this rank's part, with its placement; or nothing and every problem (a tensor this rank does not
-    hold, a piece of the wrong shape, rows missing or given twice)."""
-    by_name: dict[str, list[tuple[TensorMeta, Tensor]]] = {}
-    for meta, t in pieces:
-        by_name.setdefault(meta.name, []).append((meta, t))
+def piece_problems(metas: Sequence[TensorMeta], params: dict[str, tuple[Tensor, int | None]], rank: int,
+                   size: int) -> list[str]:
+    """What is wrong with a resharded bucket's pieces (``metas``, each placed in its whole tensor by its ``shard``) on
+    this rank: a tensor it does not hold, a piece of the wrong shape, rows missing or given twice; nothing where they
+    tile this rank's part of each tensor exactly."""
+    by_name: dict[str, list[TensorMeta]] = {}
+    for meta in metas:
+        by_name.setdefault(meta.name, []).append(meta)
     problems: list[str] = []
-    plans: list[tuple[str, Shard | None, tuple[int, ...]]] = []
     for name, got in by_name.items():
         want = wanted(params, rank, size, name)
         if want is None:
             problems.append(f"{name}: the model has no such tensor")
             continue
         part, whole = want
-        problems += [p for m, _ in got if (p := _shape_problem(m, whole)) is not None]
-        problems += tiling_problems(name, [m.shard for m, _ in got], part, whole, "the senders")
-        plans.append((name, part, whole))
+        problems += [p for m in got if (p := _shape_problem(m, whole)) is not None]
+        problems += tiling_problems(name, [m.shard for m in got], part, whole, "the senders")
+    return problems
+
+
+def assemble(pieces: Sequence[tuple[TensorMeta, Tensor]], params: dict[str, tuple[Tensor, int | None]], rank: int,
+             size: int) -> tuple[list[Weight], list[str]]:
+    """The tensors this rank loads from ``pieces`` (each placed in the whole tensor by its ``meta.shard``):
+    per name this rank's part, with its placement; or nothing and every problem (:func:`piece_problems`)."""
+    problems = piece_problems([m for m, _ in pieces], params, rank, size)
     if problems:
         return [], problems
-    return [(name, _put_together(by_name[name], part, whole), part) for name, part, whole in plans], []
+    by_name: dict[str, list[tuple[TensorMeta, Tensor]]] = {}
+    for meta, t in pieces:
+        by_name.setdefault(meta.name, []).append((meta, t))
+    out: list[Weight] = []
+    for name, got in by_name.items():
+        want = wanted(params, rank, size, name)
+        assert want is not None  # (checked above)
+        part, whole = want
+        out.append((name, _put_together(got, part, whole), part))
+    return out, []
 
 
 def _put_together(got: list[tuple[TensorMeta, Tensor]], part: Shard | None, whole: tuple[int, ...]) -> Tensor:

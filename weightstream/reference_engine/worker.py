@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, replace
 from datetime import timedelta
+from functools import partial
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for
 from types import SimpleNamespace
@@ -33,7 +34,7 @@ from weightstream.common.processes import die_with_parent
 from weightstream.converters.fp8 import block_fp8_of
 from weightstream.converters.registry import get_converter
 from weightstream.models.spec import dtype_from_name, dtype_name
-from weightstream.reference_engine.pieces import assemble, engine_layout
+from weightstream.reference_engine.pieces import assemble, engine_layout, piece_problems
 from weightstream.reference_engine.schema import unknown_dtypes
 from weightstream.streaming.bucket import (
     Bucket,
@@ -842,12 +843,32 @@ class Worker:
                     and checksum(buffer) != part["checksum"]):
                 problems.append(f"the bytes from trainer rank {part['src']} arrived corrupted (checksum)")
             pieces.extend((meta, view_tensor(buffer, meta)) for meta in layout)
-        weights, more = assemble(pieces, self.model.params, self.rank, self.size) if not problems else ([], [])
-        problems += more
         if problems:
             raise ValueError(f"bucket {index} refused, nothing of it loaded: " + "; ".join(problems))
-        with self.clock("load"):
+        with self.clock("load"):  # (putting the pieces together included)
+            program = self._pieces_program(tuple(layouts))
+            if program is not None:  # every piece copied straight into its place in the parameters, in one call
+                copy = partial(torch._foreach_copy_, program.dests, [t for _, t in pieces])
+                return self._report(self.model.load_flat(program.names, program.targets, [copy]))
+            weights, problems = assemble(pieces, self.model.params, self.rank, self.size)
+            if problems:
+                raise ValueError(f"bucket {index} refused, nothing of it loaded: " + "; ".join(problems))
             return self._load(weights)
+
+    def _pieces_program(self, layouts: tuple[tuple[TensorMeta, ...], ...]) -> SimpleNamespace | None:
+        """A resharded bucket's pieces (``layouts``: per trainer rank's part) loaded by plain copies, where they tile
+        this rank's parts and each loads by one (:meth:`ShardedCausalLM.piece_targets`): the tensors' names, their
+        parameters (kept as backups) and the view each piece fills; None: they go through ``assemble``. Made once
+        per layout (kept with the programs, dropped when the weights move)."""
+        key = ("pieces", layouts)
+        if key not in self.programs:
+            metas = [m for layout in layouts for m in layout]
+            dests = (None if piece_problems(metas, self.model.params, self.rank, self.size)
+                     else self.model.piece_targets(metas))
+            names = list(dict.fromkeys(m.name for m in metas))
+            self.programs[key] = None if dests is None else SimpleNamespace(
+                names=names, targets=[[self.model.params[n][0] for n in names]], dests=dests)
+        return self.programs[key]
 
     def update_p2p_pieces_ahead(self, group_name, buckets):
         """Every resharded bucket of an update (per bucket, this rank's parts as :meth:`update_p2p_pieces` takes
