@@ -316,10 +316,14 @@ def _run_updates(sync: WeightSync, trainer: _Trainer, probe: _Probe, schedule: _
 
 
 def _measure_growth(report: SoakReport, warmup: int) -> None:
-    """The growth of every sampled figure from the end of the warm-up, and over the second half, to the end."""
+    """The growth of every sampled figure from the end of the warm-up, and over the second half, to the end: the
+    end is the lesser of the last two samples (a descriptor or thread that happens to be open at one sample, a
+    request being served, is not growth; a leak, which grows with the updates between two samples, shows in
+    both)."""
     base = next((s for s in report.samples if s["update"] >= warmup), None)
     if base is not None and report.samples:
-        last = report.samples[-1]
+        ends = report.samples[-2:]
+        last = {k: min(s[k] for s in ends) for k in ends[-1]}
         report.growth = {k: last[k] - base[k] for k in base if k != "update"}
         mid = next(s for s in report.samples if s["update"] >= report.updates // 2)
         report.growth_second_half = {k: last[k] - mid[k] for k in mid if k != "update"}
