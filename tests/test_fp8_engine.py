@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.helpers.checks import INPUT_IDS
-from tests.helpers.fp8_workers import run_fp8_updates
+from tests.helpers.fp8_workers import run_fp8_delta_updates, run_fp8_updates
 from tests.helpers.workers import Case
 from weightstream.common.hf_files import CheckpointReader
 from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8, dequantize_block_fp8
@@ -182,6 +182,23 @@ def test_block_fp8_resharded_p2p_into_an_engine_of_another_layout(preset, layout
     with engines((tmp_path / "saved", engine_tp)) as (ref,):
         assert torch.equal(entry["logits"], _logits(ref))
     assert (entry["logits"] - before).abs().max() > 1e-2
+
+
+def test_block_fp8_deltas_by_resharded_p2p(sources, dense_dirs, tmp_path):
+    """Block-FP8 delta updates on Adam steps, a trainer at TP 2 into an FP8 engine at TP 1 (resharded P2P): the
+    first update full, the next two deltas of the float8 values and scales, each checked (the engine's checksums of
+    what it applied equal the trainer's); the engine then serves, bit for bit, what an engine started on the
+    trainer's FP8 checkpoint does."""
+    with engines((dense_dirs["fp8"], 1)) as (server,):
+        (result, _) = launch(2, run_fp8_delta_updates, Case(sources["tiny-qwen3"], Layout(2, 1), quantize=SMALL),
+                             server.url, 3, str(tmp_path / "saved"))
+    reports = result["reports"]
+    assert all(r.transport == "p2p" and "resharded P2P" in r.reason for r in reports)
+    deltas = [r.delta for r in reports]
+    assert [d.full for d in deltas] == [True, False, False] and all(d.checked and d.mismatch is None for d in deltas)
+    assert all(0 < d.changed < d.words and d.wire_bytes < d.snapshot_bytes for d in deltas[1:])
+    with engines((tmp_path / "saved", 1)) as (ref,):
+        assert torch.equal(result["logits"], _logits(ref))
 
 
 def test_block_fp8_off_the_engines_block_grid_is_refused_before_any_bytes(dense_dirs, sources, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from tests.helpers.checks import INPUT_IDS
@@ -34,3 +35,32 @@ def run_fp8_updates(case: Case, steps: list[tuple[str, dict]], save_to: str) -> 
         out.append(entry)
     save_hf_checkpoint(chunks, cfg, save_to, bucket_bytes=case.bucket_bytes, quantize=case.quantize)
     return out
+
+
+def run_fp8_delta_updates(case: Case, url: str, steps: int, save_to: str) -> dict:
+    """Block-FP8 delta updates: fp32 masters with Adam over them; per step one Adam step (each master's gradient
+    seeded by the step, the same on every rank), the masters copied into the model, one update of a kept
+    ``WeightSync(delta=True, quantize=case.quantize)``. Returns the reports and, on rank 0, the engine's logits after
+    the last; the trainer then writes its weights as the block-FP8 checkpoint ``save_to``."""
+    from weightstream.engines import ReferenceEngine
+    from weightstream.update import WeightSync
+
+    cfg, chunks = _build(case)
+    params = [p for c in chunks for p in c.parameters()]
+    masters = [p.detach().float().clone() for p in params]
+    opt = torch.optim.Adam(masters, lr=1e-3)
+    reports = []
+    with WeightSync([url], delta=True, quantize=case.quantize, bucket_bytes=case.bucket_bytes) as sync:
+        for step in range(steps):
+            if step:
+                gen = torch.Generator().manual_seed(step)
+                for m in masters:
+                    m.grad = torch.randn(m.shape, generator=gen)
+                opt.step()
+                with torch.no_grad():
+                    for p, m in zip(params, masters, strict=True):
+                        p.copy_(m)
+            reports.append(sync.update(chunks, cfg, weight_version=f"v{step}"))
+    logits = ReferenceEngine(url).logits(INPUT_IDS) if dist.get_rank() == 0 else None
+    save_hf_checkpoint(chunks, cfg, save_to, bucket_bytes=case.bucket_bytes, quantize=case.quantize)
+    return {"reports": reports, "logits": logits}
