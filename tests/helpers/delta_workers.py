@@ -38,6 +38,26 @@ class HFAdamTrainer:
         return self.model.state_dict()
 
 
+class SeededAdam:
+    """Adam over fp32 master copies of ``chunks``' parameters, each step's gradient of every master seeded by the
+    step (the same on every rank, so that what Megatron replicates over TP stays equal), the masters copied into
+    the model after it."""
+
+    def __init__(self, chunks, lr: float):
+        self.params = [p for c in chunks for p in c.parameters()]
+        self.masters = [p.detach().float().clone() for p in self.params]
+        self.opt = torch.optim.Adam(self.masters, lr=lr)
+
+    def step(self, step: int) -> None:
+        gen = torch.Generator().manual_seed(step)
+        for m in self.masters:
+            m.grad = torch.randn(m.shape, generator=gen)
+        self.opt.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters, strict=True):
+                p.copy_(m)
+
+
 def run_delta_updates(case: Case, url: str | list[str], steps: int, lr: float, transport: str = "auto") -> dict:
     """Build the trainer (its weights in ``case.dtype``), keep fp32 master copies with Adam over them, and per
     step: one Adam step (the gradient of each master seeded by the step, the same on every rank, so that what
@@ -47,21 +67,13 @@ def run_delta_updates(case: Case, url: str | list[str], steps: int, lr: float, t
     from weightstream.update import WeightSync
 
     cfg, chunks = _build(case)
-    params = [p for c in chunks for p in c.parameters()]
-    masters = [p.detach().float().clone() for p in params]
-    opt = torch.optim.Adam(masters, lr=lr)
+    adam = SeededAdam(chunks, lr)
     reports = []
     urls = [url] if isinstance(url, str) else url
     with WeightSync(urls, delta=True, bucket_bytes=case.bucket_bytes, transport=transport) as sync:
         for step in range(steps):
             if step:
-                gen = torch.Generator().manual_seed(step)
-                for m in masters:
-                    m.grad = torch.randn(m.shape, generator=gen)
-                opt.step()
-                with torch.no_grad():
-                    for p, m in zip(params, masters, strict=True):
-                        p.copy_(m)
+                adam.step(step)
             reports.append(sync.update(chunks, cfg, weight_version=f"v{step}"))
     tensors = {n: t.clone() for b in stream_hf_weights(chunks, cfg, bucket_bytes=case.bucket_bytes)
                for n, t in b.named_tensors()}

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from tests.helpers.checks import INPUT_IDS
+from tests.helpers.delta_workers import SeededAdam
 from tests.helpers.workers import Case, _build
 from weightstream.sinks.safetensors import save_hf_checkpoint
 
@@ -46,20 +46,12 @@ def run_fp8_delta_updates(case: Case, url: str, steps: int, save_to: str) -> dic
     from weightstream.update import WeightSync
 
     cfg, chunks = _build(case)
-    params = [p for c in chunks for p in c.parameters()]
-    masters = [p.detach().float().clone() for p in params]
-    opt = torch.optim.Adam(masters, lr=1e-3)
+    adam = SeededAdam(chunks, lr=1e-3)
     reports = []
     with WeightSync([url], delta=True, quantize=case.quantize, bucket_bytes=case.bucket_bytes) as sync:
         for step in range(steps):
             if step:
-                gen = torch.Generator().manual_seed(step)
-                for m in masters:
-                    m.grad = torch.randn(m.shape, generator=gen)
-                opt.step()
-                with torch.no_grad():
-                    for p, m in zip(params, masters, strict=True):
-                        p.copy_(m)
+                adam.step(step)
             reports.append(sync.update(chunks, cfg, weight_version=f"v{step}"))
     logits = ReferenceEngine(url).logits(INPUT_IDS) if dist.get_rank() == 0 else None
     save_hf_checkpoint(chunks, cfg, save_to, bucket_bytes=case.bucket_bytes, quantize=case.quantize)
