@@ -71,7 +71,7 @@ from weightstream.wire.frames import (
     WritesDone,
     expect,
 )
-from weightstream.wire.groups import destroy_group, init_custom_process_group, tcp_store, warm_group
+from weightstream.wire.groups import destroy_group, init_custom_process_group, tcp_store, warm_device, warm_group
 from weightstream.wire.handles import ShmGrant, checksum, dumps_b64, loads_b64, map_fd, share_fd
 
 F = TypeVar("F", bound=Frame)
@@ -306,8 +306,7 @@ class Worker:
         )
         if warm:
             try:
-                device = self.device if backend == "nccl" else torch.device("cpu")
-                warm_group(group, warm, warm_senders, device, timeout_s)
+                warm_group(group, warm, warm_senders, warm_device(backend, self.device), timeout_s)
             except BaseException:
                 destroy_group(group)
                 raise

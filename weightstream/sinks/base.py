@@ -108,9 +108,6 @@ class Sends:
                 w.wait()  # (no timeout: the current stream waits for the collective on the device)
         self.ordered = True
 
-    def done(self) -> bool:
-        return all(w.is_completed() for w in self.works)
-
     def wait(self, timeout: timedelta) -> None:
         """Until every collective has finished, on the host, within ``timeout``."""
         wait_works(self.works, self.on_device, timeout)

@@ -144,7 +144,7 @@ class BlockCast:
         for job in jobs:
             grid = self.fp8.scale_shape(tuple(job.values.shape))
             _check(job, grid)
-            outer, inner_rows, inner, step = _layout(job)
+            outer, inner_rows, inner, step = _layout(job.source)
             n, m = job.values.shape
             rows.append([job.source.data_ptr() // unit, outer // unit, inner // unit, step, inner_rows, n, m // unit,
                          job.values.data_ptr() // unit, job.scales.data_ptr(), grid[1]])
@@ -170,7 +170,7 @@ def takes_aligned(source: Tensor, shape: tuple[int, ...], values_at: int, fp8: B
     whole blocks (of powers of two) that each lie in one run of rows one stride apart, rows contiguous, and the
     addresses of source and values and the row strides multiples of 16 (vector loads and stores, no division per
     row)."""
-    (rows, cols), (outer, inner_rows, inner, step) = shape, _layout_of(source)
+    (rows, cols), (outer, inner_rows, inner, step) = shape, _layout(source)
     br, bc = fp8.block
     return (br == _pow2(br) and bc == _pow2(bc) and rows % br == 0 and cols % bc == 0 and cols % 16 == 0
             and inner_rows % br == 0
@@ -216,11 +216,7 @@ def row_layout(t: Tensor) -> tuple[int, int, int, int] | None:
     return outer, inner_rows, inner, step
 
 
-def _layout(job: CastJob) -> tuple[int, int, int, int]:
-    return _layout_of(job.source)
-
-
-def _layout_of(source: Tensor) -> tuple[int, int, int, int]:
+def _layout(source: Tensor) -> tuple[int, int, int, int]:
     layout = row_layout(source)
     if layout is None:
         raise ValueError(f"a source of shape {tuple(source.shape)} and strides {source.stride()} has rows "

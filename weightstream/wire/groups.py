@@ -138,9 +138,12 @@ def wait_works(works: list, on_device: bool, timeout: timedelta) -> None:
         w.wait(deadline.timedelta())  # (on a GPU, finished: raises what it failed with, if anything)
 
 
-def warm_device(backend: str) -> torch.device:
-    """Where a group of ``backend`` moves its tensors from this process: the current GPU for NCCL, else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+def warm_device(backend: str, gpu: torch.device | None = None) -> torch.device:
+    """Where a group of ``backend`` moves its tensors from this process: for NCCL ``gpu`` (default: the current
+    GPU), else the CPU."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    return gpu if gpu is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def warm_group(group, how: str, senders: int, device: torch.device, timeout_s: float) -> None:
