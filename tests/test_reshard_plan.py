@@ -297,3 +297,90 @@ def test_several_engines_take_p2p_at_the_trainers_tp_each_from_its_own_replica()
         assert sorted(j for js in served for j in js) == list(range(n))
         assert max(map(len, served)) - min(map(len, served)) <= 1
     assert served_by(5, 2, 0) == [0, 2, 4] and served_by(5, 2, 1) == [1, 3] and served_by(2, 4, 3) == []
+
+
+# Four routed experts, as HF names them: gate and up (6, 4), down (4, 6); an engine at EP 2 holds experts 0 and 1 on
+# rank 0, 2 and 3 on rank 1, each whole (attention still split as DIMS says).
+EXPERT_SHAPES = {f"e{x}.{p}.weight": ((4, 6) if p == "down" else (6, 4))
+                 for x in range(4) for p in ("gate", "up", "down")}
+EXPERT_DIMS = {n: (1 if ".down." in n else 0) for n in EXPERT_SHAPES}  # Megatron's split at expert-TP > 1
+OWNERS = {n: int(n[1]) // 2 for n in EXPERT_SHAPES}
+EP_ENGINE = EngineLayout(2, DIMS, OWNERS)
+
+
+def _metas(held: list[tuple[str, tuple[int, ...], Shard | None]]) -> list[TensorMeta]:
+    offsets, _ = layout([[4 * _numel(s)] for _, s, _ in held])
+    return [TensorMeta(n, F32, s, off, shard) for (n, s, shard), (off,) in zip(held, offsets, strict=True)]
+
+
+def moe_bucket(tp: int, ep: int, rank: int) -> list[TensorMeta]:
+    """The bucket trainer rank ``rank`` (TP ``tp`` x EP ``ep``, one of them 1) yields per rank: its shards of q and o
+    and the norm whole (as :func:`trainer_bucket`), and its experts (EP: its own, whole; TP: a slice of each)."""
+    tp_rank, ep_rank = rank % tp, rank // tp
+    held = [(m.name, m.shape, m.shard) for m in trainer_bucket(tp, tp_rank)]
+    mine = range(ep_rank * 4 // ep, (ep_rank + 1) * 4 // ep)
+    for name, shape in EXPERT_SHAPES.items():
+        if int(name[1]) not in mine:
+            continue
+        dim = EXPERT_DIMS[name]
+        if tp == 1:
+            held.append((name, shape, None))
+            continue
+        n = shape[dim] // tp
+        local = list(shape)
+        local[dim] = n
+        held.append((name, tuple(local), Shard(dim, tp_rank * n, n, shape[dim])))
+    return _metas(held)
+
+
+def _part_bytes(name: str, rank: int) -> int:
+    """What engine rank ``rank`` of :data:`EP_ENGINE` holds of ``name``, in bytes (0: none of it)."""
+    shape = {**SHAPES, **EXPERT_SHAPES}[name]
+    if rank not in EP_ENGINE.ranks(name):
+        return 0
+    part = EP_ENGINE.part(name, shape, rank)
+    return 4 * (_numel(shape) if part is None else _numel(shape) // part.full * part.length)
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 1)])
+def test_every_expert_goes_to_its_owner_alone(tp, ep):
+    """Trainer EP 2 (each rank its experts whole) and TP 2 (each rank a slice of every expert) into an engine at TP 2
+    with EP 2: every piece of an expert goes to the engine rank that owns it, none to another; and the bytes each
+    engine rank receives are exactly those of what it holds (its half of q and o, the norm, its experts whole)."""
+    senders = [moe_bucket(tp, ep, r) for r in range(tp * ep)]
+    plan = plan_bucket(senders, EP_ENGINE)
+    got: dict[int, int] = {0: 0, 1: 0}
+    for route in plan:
+        for meta in route.metas:
+            assert meta.name not in OWNERS or OWNERS[meta.name] == route.engine_rank, (meta.name, route.engine_rank)
+            got[route.engine_rank] += meta.nbytes
+    names = list(SHAPES) + list(EXPERT_SHAPES)
+    assert got == {e: sum(_part_bytes(n, e) for n in names) for e in (0, 1)}
+    assert sum(_part_bytes(n, 0) for n in EXPERT_SHAPES) == sum(_part_bytes(n, 1) for n in EXPERT_SHAPES) == 6 * 96
+    for e in (0, 1):  # each engine rank's pieces tile exactly what it holds
+        pieces = [(m, torch.zeros(m.shape)) for r in plan if r.engine_rank == e for m in r.metas]
+        held = {**_params(e, 2), **{n: (torch.zeros(s), None) for n, s in EXPERT_SHAPES.items() if OWNERS[n] == e}}
+        theirs = {n: r for n, r in OWNERS.items() if r != e}
+        weights, problems = assemble(pieces, held, e, 2, elsewhere=theirs)
+        assert problems == [] and {n for n, _, _ in weights} == set(held)
+
+
+def test_an_expert_sent_to_a_rank_that_does_not_own_it_is_refused():
+    """The engine rank names the owner of an expert a piece of which reaches it; an unknown name stays unknown."""
+    held = {**_params(0, 2), **{n: (torch.zeros(s), None) for n, s in EXPERT_SHAPES.items() if OWNERS[n] == 0}}
+    theirs = {n: r for n, r in OWNERS.items() if r != 0}
+    pieces = [(TensorMeta("e2.up.weight", F32, (6, 4), 0), torch.zeros(6, 4)),
+              (TensorMeta("e9.up.weight", F32, (6, 4), 0), torch.zeros(6, 4))]
+    weights, problems = assemble(pieces, held, 0, 2, elsewhere=theirs)
+    assert weights == [] and problems == ["e2.up.weight: held by engine rank 1 alone, not by this rank (0)",
+                                          "e9.up.weight: the model has no such tensor"]
+
+
+def test_an_engine_layout_that_cannot_be_is_refused():
+    with pytest.raises(ValueError) as err:
+        EngineLayout(2, {"q.weight": 0}, {"q.weight": 1, "e0.up.weight": 2})
+    assert str(err.value) == ("an engine layout of 2 ranks that cannot be: e0.up.weight: owned by engine rank 2, "
+                              "outside 0..1; q.weight: split on dim 0 and owned by engine rank 1 alone")
+    assert EP_ENGINE.ranks("e3.down.weight") == range(1, 2) and EP_ENGINE.ranks("q.weight") == range(2)
+    with pytest.raises(ValueError, match="e3.down.weight: held by engine rank 1 alone, not by rank 0"):
+        EP_ENGINE.part("e3.down.weight", (4, 6), 0)

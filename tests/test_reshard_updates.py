@@ -4,46 +4,62 @@ bit for bit what an engine started on the trainer's checkpoint serves, and the H
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
+
 import pytest
 import torch
 
 from tests.conftest import hf_logits
 from tests.helpers.checks import assert_logits_close
+from tests.helpers.fp8_workers import run_fp8_updates
 from tests.helpers.workers import INPUT_IDS, Case, run_update
+from weightstream.common.hf_files import CheckpointReader
 from weightstream.engines import ReferenceEngine
 from weightstream.jobs import Layout
 from weightstream.launch import launch
 from weightstream.models.presets import preset_config, save_random_checkpoint
 from weightstream.reference_engine.server import serve, stop
+from weightstream.wire.handles import checksum
 
 SMALL = 120_000  # bytes per bucket: the tiny models travel in several buckets
 
 
-def _served(model_dir: str, tp: int) -> torch.Tensor:
-    """The logits of an engine of TP ``tp`` started on ``model_dir`` (what an update must make it serve)."""
-    server = serve(model_dir, tp)
+def _served(model_dir: str, tp: int, ep: int = 1) -> torch.Tensor:
+    """The logits of an engine of TP ``tp`` (and EP ``ep``) started on ``model_dir`` (what an update must make it
+    serve)."""
+    server = serve(model_dir, tp, ep=ep)
     try:
         return ReferenceEngine(server.url).logits(INPUT_IDS)
     finally:
         stop(server)
 
 
-def _update(src: str, engine_dir: str, layout: Layout, engine_tp: int, **options) -> tuple[list, torch.Tensor]:
-    """One ``auto`` update of an engine of TP ``engine_tp`` (started on other weights) from a trainer of
-    ``layout``: every rank's report, and the engine's logits after it."""
-    server = serve(engine_dir, engine_tp)
+def _update(src: str, engine_dir: str, layout: Layout, engine_tp: int, engine_ep: int = 1,
+            **options) -> tuple[list, torch.Tensor]:
+    """One ``auto`` update of an engine of TP ``engine_tp`` and EP ``engine_ep`` (started on other weights) from a
+    trainer of ``layout``: every rank's report, and the engine's logits after it."""
+    reports, after, _ = _update_and_read(src, engine_dir, layout, engine_tp, engine_ep, (), **options)
+    return reports, after
+
+
+def _update_and_read(src: str, engine_dir: str, layout: Layout, engine_tp: int, engine_ep: int,
+                     names: Sequence[str], **options) -> tuple[list, torch.Tensor, list[dict[str, str]]]:
+    """:func:`_update`, and after it the checksums of what each engine rank holds of ``names``."""
+    server = serve(engine_dir, engine_tp, ep=engine_ep)
     try:
         before = ReferenceEngine(server.url).logits(INPUT_IDS)
         results = launch(layout.tp * layout.pp * layout.ep, run_update, Case(src, layout), [server.url],
                          [{"transport": "auto", "bucket_bytes": SMALL, **options}])
         after = ReferenceEngine(server.url).logits(INPUT_IDS)
+        held = ReferenceEngine(server.url).weight_checksums(names) if names else []
     finally:
         stop(server)
     for rank_results in results:
         for r in rank_results:
             assert "error" not in r, r["error"]
     assert (after - before).abs().max() > 1e-2  # the update changed what it serves
-    return [rank_results[0]["report"] for rank_results in results], after
+    return [rank_results[0]["report"] for rank_results in results], after, held
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +124,70 @@ def test_deepseek_v3_mla_down_projections_assembled_at_equal_tp(tmp_path):
     assert all(r.gathers == 0 for r in reports)
     assert torch.equal(logits, _served(src, 2))
     assert_logits_close(logits, hf_logits(src, INPUT_IDS))
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> tuple[str, str]:
+    root = tmp_path_factory.mktemp("reshard_moe")
+    cfg = preset_config("tiny-qwen3-moe")
+    return save_random_checkpoint(cfg, root / "src", seed=41), save_random_checkpoint(cfg, root / "eng", seed=42)
+
+
+def _experts(model_dir: str) -> dict[str, str]:
+    """The checksum of each routed expert's tensor in the checkpoint ``model_dir`` (the bytes an engine rank that
+    holds the expert must hold)."""
+    with CheckpointReader(model_dir) as reader:
+        return {n: checksum(reader.get(n).contiguous().reshape(-1).view(torch.uint8))
+                for n in reader.keys() if ".mlp.experts." in n}
+
+
+def assert_experts_held_by_owners(held: list[dict[str, str]], want: dict[str, str], ep: int) -> None:
+    """Engine rank r of EP ``ep`` holds exactly experts [r·E/ep, (r+1)·E/ep) of every layer, each bit for bit."""
+    experts = 1 + max(int(n.split(".mlp.experts.")[1].split(".")[0]) for n in want)
+    for rank, got in enumerate(held):
+        mine = {n for n in want if int(n.split(".mlp.experts.")[1].split(".")[0]) * ep // experts == rank}
+        assert set(got) == mine, rank
+        assert got == {n: want[n] for n in mine}, rank
+
+
+@pytest.mark.parametrize("layout", [Layout(1, 1, ep=2), Layout(2, 1)], ids=["trainer-ep2", "trainer-tp2"])
+def test_resharded_p2p_into_an_engine_with_expert_parallelism(moe, layout):
+    """Qwen3-MoE into an engine at TP 2 with EP 2 (each rank its four experts whole, attention split): from a trainer
+    at EP 2 (each EP rank sends its experts to the engine rank that owns them) and at TP 2 (each TP rank sends its
+    slice of every expert to the expert's owner). Each engine rank then holds exactly its experts, bit for bit the
+    trainer's, and serves what an EP engine started on the trainer's checkpoint serves, the HF model's logits."""
+    src, engine_dir = moe
+    want = _experts(src)
+    reports, logits, held = _update_and_read(src, engine_dir, layout, 2, 2, list(want))
+    rep = reports[0]
+    assert rep.transport == "p2p" and "resharded P2P" in rep.reason and "engine TP 2 EP 2" in rep.reason
+    assert rep.tensors == 135 and all(r.gathers == 0 for r in reports)
+    assert_experts_held_by_owners(held, want, 2)
+    assert torch.equal(logits, _served(src, 2, ep=2))
+    assert_logits_close(logits, hf_logits(src, INPUT_IDS))
+
+
+def test_broadcast_and_ipc_into_an_engine_with_expert_parallelism(moe, tmp_path):
+    """A trainer at TP 2 broadcasts (and, colocated, hands by IPC) whole buckets to engines at TP 2 with EP 2: each
+    engine rank loads its experts and passes over the others'; each then holds exactly its experts, bit for bit, and
+    serves what an EP engine started on the trainer's checkpoint serves."""
+    src, engine_dir = moe
+    want = _experts(src)
+    servers = [serve(engine_dir, 2, ep=2), serve(engine_dir, 2, ep=2)]
+    try:
+        before = ReferenceEngine(servers[0].url).logits(INPUT_IDS)
+        results = launch(2, run_fp8_updates, Case(src, Layout(2, 1), bucket_bytes=SMALL),
+                         [(servers[0].url, {"transport": "broadcast"}), (servers[1].url, {"transport": "ipc"})],
+                         str(Path(tmp_path, "saved")))
+        held = [ReferenceEngine(s.url).weight_checksums(list(want)) for s in servers]
+    finally:
+        for s in servers:
+            stop(s)
+    steps = results[0]
+    assert [e.get("error") for e in steps] == [None, None]
+    assert [e["report"].transport for e in steps] == ["broadcast", "ipc"]
+    served = _served(src, 2, ep=2)
+    for entry, ranks in zip(steps, held, strict=True):
+        assert_experts_held_by_owners(ranks, want, 2)
+        assert torch.equal(entry["logits"], served)
+    assert (served - before).abs().max() > 1e-2

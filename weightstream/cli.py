@@ -251,6 +251,9 @@ def _add_engine(sub: _Subparsers, presets: list[str]) -> None:
     )
     engine.add_argument("--model", required=True, help="HF model directory (config.json; weights optional)")
     engine.add_argument("--tp", type=int, default=1, help="engine tensor-parallel size (default 1)")
+    engine.add_argument("--ep", type=int, default=1,
+                        help="expert parallelism over the TP ranks: 1, or the same as --tp (each rank holds its "
+                             "routed experts whole, as SGLang's --ep-size; default 1)")
     engine.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     engine.add_argument("--port", type=int, default=30000, help="port (default 30000; 0 picks a free one)")
     key = engine.add_mutually_exclusive_group()
@@ -641,6 +644,8 @@ def cmd_engine(args: argparse.Namespace) -> int:
     from weightstream.reference_engine.server import ServerLimits, serve, stop
 
     problem = _engine_model_problem(args.model)
+    if problem is None and args.ep not in (1, args.tp):
+        problem = f"--ep {args.ep}: expert parallelism runs over the engine's TP ranks (--ep 1 or {args.tp})"
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -656,8 +661,9 @@ def cmd_engine(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server = serve(args.model, args.tp, args.host, args.port, api_key, args.device, args.dtype,
-                   rollback=not args.no_rollback, limits=limits)
-    print(f"weightstream engine: {args.model} (TP {args.tp}) serving on {server.url}", flush=True)
+                   rollback=not args.no_rollback, limits=limits, ep=args.ep)
+    ep = f" EP {args.ep}" if args.ep > 1 else ""
+    print(f"weightstream engine: {args.model} (TP {args.tp}{ep}) serving on {server.url}", flush=True)
     code = 0
     while not done.wait(0.2):
         if not server.engine.alive():

@@ -177,8 +177,10 @@ def choose_transport(requested: str, engines: Sequence[EngineAdapter], topo: Top
     reshard = reshards(engines)
     failed = _p2p_problems(engines, infos, topo, spec, p2p_source, reshard)
     if not failed and reshard:
-        return "p2p", (f"engine TP {infos[0].tp_size}, trainer TP {topo.tp_size} EP {topo.ep_size}: each trainer rank "
-                       "sends each engine rank the rows and columns of its shards that it needs (resharded P2P)")
+        engine_ep = f" EP {infos[0].ep_size}" if infos[0].ep_size > 1 else ""
+        return "p2p", (f"engine TP {infos[0].tp_size}{engine_ep}, trainer TP {topo.tp_size} EP {topo.ep_size}: each "
+                       "trainer rank sends each engine rank the rows and columns of its shards that it needs "
+                       "(resharded P2P)")
     if not failed and len(engines) > 1:
         return "p2p", (f"{len(engines)} engines at the trainer's TP {topo.tp_size}, PP 1: each engine's TP rank r gets "
                        f"its shards from TP rank r of data-parallel replica (its index mod {topo.dp_size})")

@@ -197,9 +197,18 @@ class ReferenceEngine(SGLangEngine):
         }, step=f"update_weights_from_p2p (bucket {index})")
 
     def layout(self) -> EngineLayout:
-        """How the engine splits each checkpoint tensor over its TP ranks (``/weightstream/layout``)."""
+        """How the engine holds each checkpoint tensor over its TP ranks (``/weightstream/layout``): the dim each
+        split tensor is split on, and the one rank that holds each tensor one rank holds alone (its experts, where
+        it runs expert parallelism; an engine that names none holds none so)."""
         reply = self.get("/weightstream/layout", step="layout")
-        return EngineLayout(int(reply["tp_size"]), {str(k): int(v) for k, v in reply["dims"].items()})
+        return EngineLayout(int(reply["tp_size"]), {str(k): int(v) for k, v in reply["dims"].items()},
+                            {str(k): int(v) for k, v in (reply.get("owners") or {}).items()})
+
+    def weight_checksums(self, names: Sequence[str]) -> list[dict[str, str]]:
+        """Per engine rank, the checksum (:func:`~weightstream.wire.handles.checksum`) of the bytes it holds of each
+        of ``names`` that it holds (``/weightstream/weight_checksums``; its part of a split tensor)."""
+        reply = self.post("/weightstream/weight_checksums", {"names": list(names)}, step="weight_checksums")
+        return [{str(k): str(v) for k, v in rank.items()} for rank in reply["ranks"]]
 
     def logits(self, input_ids: list[list[int]]):
         import base64

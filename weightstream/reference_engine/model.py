@@ -6,6 +6,15 @@ the norms whole, and — as some engines do — the embedding and lm_head whole.
 takes HF checkpoint names with whole tensors (narrowed to this rank's shard here) or with
 per-rank shards (checked to be exactly this rank's).
 
+With expert parallelism (``ep`` = the engine's TP size), routed experts held fused are not split: rank r holds
+experts ``[r·E/ep, (r+1)·E/ep)`` whole and allocates only those (the fused parameters are ``(E/ep, 2I, H)`` and
+``(E/ep, H, I)``); its parameter table names only its own experts, and :attr:`ShardedCausalLM.elsewhere` names the
+owner of every other. Before each experts forward the router's choices are made this rank's
+(:func:`_local_routing`: another rank's expert becomes transformers' expert-parallel sentinel, which its experts
+forward skips), and the experts' output is all-reduced over the group as under TP. Attention, dense MLPs and
+shared experts stay TP-split. A whole tensor another rank owns, in a bucket of whole tensors (broadcast, IPC), is
+passed over; a name no rank holds is still an error.
+
 A block-FP8 model (its checkpoint's ``quantization_config``) holds its FP8 projections as engines do: the
 float8 values ``X.weight`` and their float32 ``X.weight_scale_inv``, loaded as they arrive (from the checkpoint, or
 in the same bucket of an update, a colocated trainer writing straight into them), dequantized to the engine's dtype
@@ -19,6 +28,7 @@ import math
 import re
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -154,10 +164,23 @@ class Float8Experts:
             self.held = None
 
 
-def _split(n: int, size: int, what: str) -> int:
+def _split(n: int, size: int, what: str, kind: str = "TP") -> int:
     if n % size:
-        raise ValueError(f"{what}: {n} is not divisible by engine TP {size}")
+        raise ValueError(f"{what}: {n} is not divisible by engine {kind} {size}")
     return n // size
+
+
+def _local_routing(first: int, local: int, module: nn.Module, args: tuple) -> tuple:
+    """A forward pre-hook of fused experts held under expert parallelism (this rank's ``local`` experts, the first
+    of them global expert ``first``): the router's expert indices as this rank's, any other rank's expert as
+    ``local`` (transformers' expert-parallel sentinel, one past the experts held: skipped by its experts forward)
+    with a routing weight of 0."""
+    if len(args) != 3:
+        raise TypeError(f"{type(module).__name__}: expert parallelism takes the experts' forward as (hidden states, "
+                        f"expert indices, routing weights), positionally; got {len(args)} positional arguments")
+    hidden, index, weights = args
+    mine = (index >= first) & (index < first + local)
+    return hidden, torch.where(mine, index - first, local), weights.masked_fill(~mine, 0)
 
 
 @dataclass
@@ -167,9 +190,11 @@ class LoadReport:
 
 
 class ShardedCausalLM:
-    """A transformers model whose projections are split over ``size`` ranks (this is ``rank``)."""
+    """A transformers model whose projections are split over ``size`` ranks (this is ``rank``); ``ep``: 1 (routed
+    experts split like the dense MLP), or ``size`` (expert parallelism: each rank holds its experts whole)."""
 
-    def __init__(self, config, rank: int, size: int, group, device: torch.device, dtype: torch.dtype = torch.float32):
+    def __init__(self, config, rank: int, size: int, group, device: torch.device, dtype: torch.dtype = torch.float32,
+                 ep: int = 1):
         from transformers import AutoModelForCausalLM
 
         if config.num_key_value_heads % size or config.num_attention_heads % size:
@@ -177,7 +202,9 @@ class ShardedCausalLM:
                 f"engine TP {size} must divide the attention heads ({config.num_attention_heads}) "
                 f"and KV heads ({config.num_key_value_heads})"
             )
-        self.config, self.rank, self.size, self.group = config, rank, size, group
+        if ep not in (1, size):
+            raise ValueError(f"engine EP {ep}: expert parallelism runs over the engine's TP group (EP 1 or {size})")
+        self.config, self.rank, self.size, self.group, self.ep = config, rank, size, group, ep
         # The family's declaration of how transformers holds the model, where it holds it otherwise than the
         # checkpoint names it (None: the names are the checkpoint's).
         self.memory: Converter | None = None
@@ -201,7 +228,7 @@ class ShardedCausalLM:
                 setattr(model.get_submodule(parent_name), attr, type(module)(module.config).to(device))
         model.eval()
         self.model = model
-        self.params = self._param_table()
+        self.params, self.elsewhere = self._tables()
         self.backup: dict[str, Tensor] | None = None  # during a session: what each touched tensor held before
         self.device = device
         self.released_bytes = 0
@@ -245,7 +272,7 @@ class ShardedCausalLM:
             parent_name, _, attr = name.rpartition(".")
             setattr(self.model.get_submodule(parent_name), attr, Float8Linear(module, fp8))
             self.stored_fp8.add(weight)
-        self.params = self._param_table()
+        self.params, self.elsewhere = self._tables()
         if self.device.type == "cuda":  # the unquantized weights just dropped: give their memory back to the device
             torch.cuda.empty_cache()
 
@@ -253,15 +280,17 @@ class ShardedCausalLM:
         """Fused routed experts held in FP8 whose rank's part falls on the block grid: ``gate_up_proj`` and
         ``down_proj`` in float8, with the scales of each expert's gate, up and down (:class:`Float8Experts`)."""
         gate_up, down = module.get_parameter("gate_up_proj"), module.get_parameter("down_proj")
-        experts, two_inter, hidden = gate_up.shape
+        local, two_inter, hidden = gate_up.shape
         inter = two_inter // 2
-        names = self._expert_names(name, experts)
+        names = self._expert_names(name, local * self.ep)
         if not all(self._held_fp8(n) for n in names[0] + names[1]):
             return
-        if self.size > 1 and (inter % fp8.block[0] or inter % fp8.block[1]):
+        # Split over the ranks (EP 1), each rank's part of an expert must be whole blocks; under EP it is the expert.
+        if self.ep == 1 and self.size > 1 and (inter % fp8.block[0] or inter % fp8.block[1]):
             return
         Float8Experts(fp8).attach(module, gate_up, down)
-        self.stored_fp8.update(names[0] + names[1])
+        mine = self._own_experts(local)
+        self.stored_fp8.update(n for x in mine for n in (names[0][2 * x], names[0][2 * x + 1], names[1][x]))
 
     def _on_blocks(self, param: Tensor, dim: int | None, fp8: BlockFP8) -> bool:
         """Whether this rank's part of a weight (``param``, split on ``dim``) is whole blocks of the whole weight."""
@@ -400,13 +429,17 @@ class ShardedCausalLM:
 
     def _shard_experts(self, experts: nn.Module) -> None:
         """Routed experts held fused (transformers 5: ``gate_up_proj`` (E, 2I, H), ``down_proj`` (E, H, I)):
-        keep this rank's I-slice of every expert; the partial sums are all-reduced after the block."""
+        keep this rank's I-slice of every expert (EP 1), or this rank's experts whole (:meth:`_hold_own_experts`);
+        the partial sums are all-reduced after the block."""
         gate_up, down = experts.get_parameter("gate_up_proj"), experts.get_parameter("down_proj")
         e, two_i, h = gate_up.shape
-        inter = _split(two_i // 2, self.size, "expert intermediate size")
         dtype = gate_up.dtype
-        experts.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inter, h, dtype=dtype, device=gate_up.device))
-        experts.down_proj = nn.Parameter(torch.empty(e, h, inter, dtype=dtype, device=down.device))
+        if self.ep > 1:
+            self._hold_own_experts(experts, _split(e, self.ep, "routed experts", "EP"))
+        else:
+            inter = _split(two_i // 2, self.size, "expert intermediate size")
+            experts.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inter, h, dtype=dtype, device=gate_up.device))
+            experts.down_proj = nn.Parameter(torch.empty(e, h, inter, dtype=dtype, device=down.device))
         group = self.group
 
         def reduce_output(module, args, output):
@@ -416,22 +449,63 @@ class ShardedCausalLM:
 
         experts.register_forward_hook(reduce_output)
 
-    def _param_table(self) -> dict[str, tuple[Tensor, int | None]]:
-        """checkpoint name -> (parameter or a view of one, split dim or None)."""
+    def _hold_own_experts(self, experts: nn.Module, local: int) -> None:
+        """Expert parallelism: this rank's ``local`` experts, whole, are all the fused parameters hold (the others
+        are not allocated); the router's choices are made this rank's before each forward (:func:`_local_routing`)."""
+        gate_up, down = experts.get_parameter("gate_up_proj"), experts.get_parameter("down_proj")
+        experts.gate_up_proj = nn.Parameter(torch.empty(local, *gate_up.shape[1:], dtype=gate_up.dtype,
+                                                        device=gate_up.device))
+        experts.down_proj = nn.Parameter(torch.empty(local, *down.shape[1:], dtype=down.dtype, device=down.device))
+        # (torch types a module's attributes as tensors and modules: these two are transformers' plain ones)
+        experts.num_experts = local  # type: ignore[assignment]
+        # transformers' own flag for experts held under EP: its batched and grouped forwards then mask the sentinel
+        experts._is_expert_parallel = True  # type: ignore[assignment]
+        experts.register_forward_pre_hook(partial(_local_routing, self.rank * local, local))
+
+    def _own_experts(self, local: int) -> range:
+        """The global indices of the experts this rank holds, of fused experts holding ``local``."""
+        first = self.rank * local if self.ep > 1 else 0
+        return range(first, first + local)
+
+    def _expert_table(self, name: str, module: nn.Module) -> tuple[dict[str, tuple[Tensor, int | None]],
+                                                                     dict[str, int]]:
+        """Fused experts ``name``: the checkpoint names of this rank's experts -> (a view of the fused parameter,
+        split dim or None), and those of the experts other ranks hold -> their owner (under EP; else none)."""
+        own = dict(module.named_parameters(recurse=False))
+        fused_gate_up, fused_down = own["gate_up_proj"].data, own["down_proj"].data
+        local, inter = fused_gate_up.shape[0], fused_down.shape[2]
+        gate_up, down = self._expert_names(name, local * self.ep)
+        fp8 = "gate_scale_inv" in own  # held in block FP8 (Float8Experts)
+        rows, cols = (0, 1) if self.ep == 1 else (None, None)
         table: dict[str, tuple[Tensor, int | None]] = {}
+        elsewhere: dict[str, int] = {}
+        mine = self._own_experts(local)
+        for x in range(local * self.ep):
+            names = (gate_up[2 * x], gate_up[2 * x + 1], down[x])
+            if x not in mine:
+                scales = tuple(n + SCALE_SUFFIX for n in names) if fp8 else ()
+                elsewhere.update(dict.fromkeys(names + scales, x // local))
+                continue
+            j = x - mine.start
+            table[names[0]] = (fused_gate_up[j, :inter], rows)
+            table[names[1]] = (fused_gate_up[j, inter:], rows)
+            table[names[2]] = (fused_down[j], cols)
+            if fp8:
+                table[names[0] + SCALE_SUFFIX] = (own["gate_scale_inv"].data[j], rows)
+                table[names[1] + SCALE_SUFFIX] = (own["up_scale_inv"].data[j], rows)
+                table[names[2] + SCALE_SUFFIX] = (own["down_scale_inv"].data[j], cols)
+        return table, elsewhere
+
+    def _tables(self) -> tuple[dict[str, tuple[Tensor, int | None]], dict[str, int]]:
+        """checkpoint name -> (parameter or a view of one, split dim or None); and, under expert parallelism, the
+        checkpoint names of the experts other ranks hold -> their owner."""
+        table: dict[str, tuple[Tensor, int | None]] = {}
+        elsewhere: dict[str, int] = {}
         for name, module in self.model.named_modules():
             if _is_fused_experts(module):
-                inter = module.down_proj.shape[2]
-                gate_up, down = self._expert_names(name, module.gate_up_proj.shape[0])
-                own = dict(module.named_parameters(recurse=False))
-                for x in range(module.gate_up_proj.shape[0]):
-                    table[gate_up[2 * x]] = (module.gate_up_proj.data[x, :inter], 0)
-                    table[gate_up[2 * x + 1]] = (module.gate_up_proj.data[x, inter:], 0)
-                    table[down[x]] = (module.down_proj.data[x], 1)
-                    if "gate_scale_inv" in own:  # held in block FP8 (Float8Experts)
-                        table[gate_up[2 * x] + SCALE_SUFFIX] = (own["gate_scale_inv"].data[x], 0)
-                        table[gate_up[2 * x + 1] + SCALE_SUFFIX] = (own["up_scale_inv"].data[x], 0)
-                        table[down[x] + SCALE_SUFFIX] = (own["down_scale_inv"].data[x], 1)
+                mine, theirs = self._expert_table(name, module)
+                table.update(mine)
+                elsewhere.update(theirs)
         for name, p in self.model.named_parameters(remove_duplicate=False):
             if name.endswith(("experts.gate_up_proj", "experts.down_proj") + EXPERT_SCALES):
                 continue
@@ -447,7 +521,18 @@ class ShardedCausalLM:
         for name, _ in self.model.named_parameters(remove_duplicate=False):
             if name not in first:
                 table.pop(self._checkpoint_names(name.replace(".linear.", "."))[0], None)
-        return table
+        return table, elsewhere
+
+    def owners(self) -> dict[str, int]:
+        """The tensors one rank holds alone (experts under expert parallelism: every rank's, this one's included),
+        checkpoint name -> that rank; none without expert parallelism."""
+        out: dict[str, int] = {}
+        for name, module in self.model.named_modules():
+            if self.ep > 1 and _is_fused_experts(module):
+                mine, theirs = self._expert_table(name, module)
+                out.update(dict.fromkeys(mine, self.rank))
+                out.update(theirs)
+        return out
 
     def _checkpoint_names(self, name: str) -> tuple[str, ...]:
         """The checkpoint names of the tensor transformers holds as ``name``, as the family declares them
@@ -554,12 +639,14 @@ class ShardedCausalLM:
     def load_weights(self, weights: Iterable[Weight]) -> LoadReport:
         """Copy tensors in. Whole tensors are narrowed to this rank's part; shards must be this rank's.
         Vocabulary row pieces (per-rank embedding/lm_head) are placed by row; the caller completes them
-        with :meth:`exchange_vocab_pieces`. Block-FP8 pairs are dequantized first (:meth:`_dequantized`);
-        where any is wrong, nothing of ``weights`` is loaded."""
-        weights, fp8_problems = self._dequantized(list(weights))
+        with :meth:`exchange_vocab_pieces`. Whole tensors another rank holds alone are passed over
+        (:meth:`_others_passed_over`). Block-FP8 pairs are dequantized first (:meth:`_dequantized`); where any is
+        wrong, nothing of ``weights`` is loaded."""
+        weights, problems = self._others_passed_over(list(weights))
+        weights, fp8_problems = self._dequantized(weights)
         if fp8_problems:
-            return LoadReport([], fp8_problems)
-        loaded, problems = [], []
+            return LoadReport([], problems + fp8_problems)
+        loaded: list[str] = []
         # Checked one by one, copied together: one _foreach_copy_ for the backups of the tensors this
         # session touches first, one for the new values.
         names: list[str] = []
@@ -589,6 +676,21 @@ class ShardedCausalLM:
         if dst:
             torch._foreach_copy_(dst, src)
         return LoadReport(loaded, problems)
+
+    def _others_passed_over(self, weights: list[Weight]) -> tuple[list[Weight], list[str]]:
+        """``weights`` less the whole tensors another rank holds alone (under expert parallelism a bucket of whole
+        tensors carries every rank's experts: each rank takes its own), and a problem for each shard of one."""
+        if not self.elsewhere:
+            return weights, []
+        kept: list[Weight] = []
+        problems: list[str] = []
+        for name, tensor, shard in weights:
+            owner = self.elsewhere.get(name)
+            if owner is None:
+                kept.append((name, tensor, shard))
+            elif shard is not None:
+                problems.append(f"{name}: a shard {shard} of a tensor engine rank {owner} holds alone, whole")
+        return kept, problems
 
     def _dequantized(self, weights: list[Weight]) -> tuple[list[Weight], list[str]]:
         """``weights`` with each block-FP8 pair (``X.weight`` in float8, ``X.weight_scale_inv``) as ``X.weight``

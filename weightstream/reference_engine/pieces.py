@@ -1,10 +1,12 @@
 """A resharded bucket on one engine rank: pieces of its tensors from several trainer ranks, checked to tile this
 rank's part of each exactly (:func:`~weightstream.streaming.reshard.tiling_problems`) and put together, or
-refused whole with every problem named."""
+refused whole with every problem named. A tensor another rank holds alone (``elsewhere``: an expert under expert
+parallelism, by its owner) is no part of this rank's: a piece of it is refused, naming its owner."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 import torch
 from torch import Tensor
@@ -13,12 +15,14 @@ from weightstream.streaming.bucket import Shard, TensorMeta
 from weightstream.streaming.reshard import EngineLayout, tiling_problems
 
 Weight = tuple[str, Tensor, Shard | None]
+NOBODY_ELSE: Mapping[str, int] = MappingProxyType({})  # every tensor is held (or split) by every rank
 
 
-def engine_layout(params: dict[str, tuple[Tensor, int | None]], size: int) -> EngineLayout:
+def engine_layout(params: dict[str, tuple[Tensor, int | None]], size: int,
+                  owners: Mapping[str, int] = NOBODY_ELSE) -> EngineLayout:
     """The layout an engine of ``size`` ranks declares from its table of parameters (checkpoint name ->
-    (this rank's tensor, the dim it is split on or None))."""
-    return EngineLayout(size, {name: dim for name, (_, dim) in params.items() if dim is not None})
+    (this rank's tensor, the dim it is split on or None)) and the owner of each tensor one rank holds alone."""
+    return EngineLayout(size, {name: dim for name, (_, dim) in params.items() if dim is not None}, dict(owners))
 
 
 def wanted(params: dict[str, tuple[Tensor, int | None]], rank: int, size: int,
@@ -49,10 +53,10 @@ def _shape_problem(meta: TensorMeta, whole: tuple[int, ...]) -> str | None:
 
 
 def piece_problems(metas: Sequence[TensorMeta], params: dict[str, tuple[Tensor, int | None]], rank: int,
-                   size: int) -> list[str]:
+                   size: int, *, elsewhere: Mapping[str, int] = NOBODY_ELSE) -> list[str]:
     """What is wrong with a resharded bucket's pieces (``metas``, each placed in its whole tensor by its ``shard``) on
-    this rank: a tensor it does not hold, a piece of the wrong shape, rows missing or given twice; nothing where they
-    tile this rank's part of each tensor exactly."""
+    this rank: a tensor it does not hold (another rank's alone: ``elsewhere``, by owner), a piece of the wrong shape,
+    rows missing or given twice; nothing where they tile this rank's part of each tensor exactly."""
     by_name: dict[str, list[TensorMeta]] = {}
     for meta in metas:
         by_name.setdefault(meta.name, []).append(meta)
@@ -60,7 +64,9 @@ def piece_problems(metas: Sequence[TensorMeta], params: dict[str, tuple[Tensor, 
     for name, got in by_name.items():
         want = wanted(params, rank, size, name)
         if want is None:
-            problems.append(f"{name}: the model has no such tensor")
+            owner = elsewhere.get(name)
+            problems.append(f"{name}: the model has no such tensor" if owner is None else
+                            f"{name}: held by engine rank {owner} alone, not by this rank ({rank})")
             continue
         part, whole = want
         problems += [p for m in got if (p := _shape_problem(m, whole)) is not None]
@@ -69,10 +75,10 @@ def piece_problems(metas: Sequence[TensorMeta], params: dict[str, tuple[Tensor, 
 
 
 def assemble(pieces: Sequence[tuple[TensorMeta, Tensor]], params: dict[str, tuple[Tensor, int | None]], rank: int,
-             size: int) -> tuple[list[Weight], list[str]]:
+             size: int, *, elsewhere: Mapping[str, int] = NOBODY_ELSE) -> tuple[list[Weight], list[str]]:
     """The tensors this rank loads from ``pieces`` (each placed in the whole tensor by its ``meta.shard``):
     per name this rank's part, with its placement; or nothing and every problem (:func:`piece_problems`)."""
-    problems = piece_problems([m for m, _ in pieces], params, rank, size)
+    problems = piece_problems([m for m, _ in pieces], params, rank, size, elsewhere=elsewhere)
     if problems:
         return [], problems
     by_name: dict[str, list[tuple[TensorMeta, Tensor]]] = {}

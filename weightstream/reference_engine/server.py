@@ -8,7 +8,9 @@ holding its shard) and serves, on loopback by default:
   ``/pause_generation``, ``/continue_generation``, ``/begin_weight_update``, ``/end_weight_update``,
   ``/update_weight_version``, ``/flush_cache``, ``/generate``, ``/model_info``, ``/get_server_info``, ``/health``;
 - weightstream's additions: ``/weightstream/update_weights_from_p2p`` (per-rank buckets by send/recv, or a
-  resharded bucket's pieces from several trainer ranks), ``/weightstream/layout`` (how it splits each tensor),
+  resharded bucket's pieces from several trainer ranks), ``/weightstream/layout`` (how it splits each tensor,
+  and which rank holds each expert under expert parallelism), ``/weightstream/weight_checksums`` (per rank, of
+  the bytes it holds of the tensors named),
   the ``*_ahead`` routes (every bucket's metadata in one request), ``/weightstream/logits``,
   ``/weightstream/prepare_weight_update`` (a commit's first phase, where a trainer commits several engines all
   or none) and ``/weightstream/abort_weight_update``, and two fields:
@@ -152,6 +154,7 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "/update_weight_version": {"new_version": ((str,), True)},
     "/generate": {"input_ids": ((list,), True), "sampling_params": ((dict, type(None)), False)},
     "/weightstream/logits": {"input_ids": ((list,), True)},
+    "/weightstream/weight_checksums": {"names": ((list,), True)},
     "/release_memory_occupation": {"tags": ((list, type(None)), False)},
     "/resume_memory_occupation": {"tags": ((list, type(None)), False)},
 }
@@ -213,6 +216,8 @@ def check_body(path: str, body: dict) -> None:
             problems.append(rows)
         elif path == "/weightstream/logits" and len({len(r) for r in rows}) != 1:
             problems.append("the rows of input_ids must have one length")
+    if not problems and path == "/weightstream/weight_checksums" and not all(isinstance(n, str) for n in body["names"]):
+        problems.append("names must be a list of tensor names")
     if problems:
         raise BadRequest(HTTPStatus.BAD_REQUEST, f"bad request to {path}: " + "; ".join(problems))
 
@@ -267,12 +272,16 @@ class Engine:
 
     def __init__(self, model_dir: str, tp: int = 1, *, device: str | None = None, dtype: str = "float32",
                  command_timeout_s: float = 300.0, start_timeout_s: float = 300.0, rollback: bool = True,
-                 host: str = "127.0.0.1", worker: Callable[..., None] = worker_main):
+                 host: str = "127.0.0.1", worker: Callable[..., None] = worker_main, ep: int = 1):
         """``host``: the address the HTTP server is bound to; the workers' gloo listeners go on its interface.
         ``worker``: each worker process's entry, called with :func:`~weightstream.reference_engine.worker.
-        worker_main`'s arguments (it must be importable in a fresh interpreter)."""
+        worker_main`'s arguments (it must be importable in a fresh interpreter). ``ep``: expert parallelism over
+        the TP group (1, or ``tp``: each rank holds its routed experts whole, as SGLang's ``--ep-size`` and vLLM's
+        ``--enable-expert-parallel`` do)."""
+        if ep not in (1, tp):
+            raise ValueError(f"engine EP {ep}: expert parallelism runs over the engine's TP group (EP 1 or {tp})")
         self.model_dir = os.path.abspath(model_dir)
-        self.tp = tp
+        self.tp, self.ep = tp, ep
         self.rollback = rollback  # keep what a session overwrites, to put it back if the session is aborted
         self._read_config()
         self.dtype = dtype
@@ -328,7 +337,7 @@ class Engine:
             parent, child = ctx.Pipe()
             proc = start_process(ctx, worker,
                                  (rank, self.tp, self.model_dir, port, self.backend, self.devices[rank], self.dtype,
-                                  child, self.rollback, interface), daemon=True)
+                                  child, self.rollback, interface, self.ep), daemon=True)
             self.conns.append(parent)
             self.procs.append(proc)
         deadline = time.monotonic() + start_timeout_s
@@ -754,6 +763,7 @@ class EngineServer(ThreadingHTTPServer):
             ("GET", "/weightstream/delta_checksums"): self.delta_checksums,
             ("GET", "/weightstream/update_phases"): self.update_phases,
             ("GET", "/weightstream/layout"): self.layout,
+            ("POST", "/weightstream/weight_checksums"): self.weight_checksums,
         }
 
     def handle_error(self, request, client_address) -> None:
@@ -809,7 +819,8 @@ class EngineServer(ThreadingHTTPServer):
     def server_info(self, body):
         e = self.engine
         return 200, {
-            "engine": ENGINE_NAME, "tp_size": e.tp, "pp_size": 1, "dp_size": 1, "model_path": e.model_dir,
+            "engine": ENGINE_NAME, "tp_size": e.tp, "ep_size": e.ep, "pp_size": 1, "dp_size": 1,
+            "model_path": e.model_dir,
             "weight_version": e.weight_version, "device": e.devices[0].split(":")[0], "gpu_uuids": e.gpu_uuids(),
             "hostname": socket.gethostname(), "pid": os.getpid(), "dtype": e.dtype,
             "quantization_config": e.quantization_config,
@@ -998,8 +1009,16 @@ class EngineServer(ThreadingHTTPServer):
         return parts
 
     def layout(self, b):
-        """How the engine splits the checkpoint's tensors over its ranks (weightstream's resharding reads it)."""
-        return 200, {"tp_size": self.engine.tp, "dims": self.engine.call("layout")[0]}
+        """How the engine holds the checkpoint's tensors over its ranks (weightstream's resharding reads it): the dim
+        each split tensor is split on, and the rank that holds each tensor one rank holds alone (experts under EP)."""
+        declared = self.engine.call("layout")[0]
+        return 200, {"tp_size": self.engine.tp, "ep_size": self.engine.ep, "dims": declared["dims"],
+                     "owners": declared["owners"]}
+
+    def weight_checksums(self, b):
+        """Per rank, the checksum of the bytes it holds of each of ``names`` (those it holds; its part of a split
+        tensor): what a check of an update compares with the trainer's tensors."""
+        return 200, {"ranks": self.engine.call("weight_checksums", names=b["names"], committed=True)}
 
     def begin(self, b):
         """``pause`` (a mode): pause generation first, as ``/pause_generation`` does (one request for both)."""
@@ -1128,13 +1147,14 @@ class EngineServer(ThreadingHTTPServer):
 
 def serve(model_dir: str, tp: int = 1, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
           device: str | None = None, dtype: str = "float32", rollback: bool = True,
-          limits: ServerLimits = ServerLimits(), worker: Callable[..., None] = worker_main) -> EngineServer:
+          limits: ServerLimits = ServerLimits(), worker: Callable[..., None] = worker_main,
+          ep: int = 1) -> EngineServer:
     """Start an engine and its HTTP server (serving in a background thread); returns the server.
     ``rollback=False``: no copy of the weights is kept during an update (as SGLang keeps none); an aborted
     update then leaves the engine refusing to serve until a complete update has loaded every tensor.
     ``limits``: what one client may hold or ask (:class:`ServerLimits`). ``worker``: each worker process's
-    entry (:class:`Engine`)."""
-    engine = Engine(model_dir, tp, device=device, dtype=dtype, rollback=rollback, host=host, worker=worker)
+    entry (:class:`Engine`). ``ep``: expert parallelism over the TP group (:class:`Engine`)."""
+    engine = Engine(model_dir, tp, device=device, dtype=dtype, rollback=rollback, host=host, worker=worker, ep=ep)
     try:
         server = EngineServer(engine, host, port, api_key, limits)
     except BaseException:

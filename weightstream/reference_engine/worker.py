@@ -223,7 +223,8 @@ class _Pipeline:
 
 
 class Worker:
-    def __init__(self, rank: int, size: int, model_dir: str, device: torch.device, dtype: torch.dtype):
+    def __init__(self, rank: int, size: int, model_dir: str, device: torch.device, dtype: torch.dtype, ep: int = 1):
+        """``ep``: the engine's expert parallelism (1, or ``size``: each rank holds its routed experts whole)."""
         from transformers import AutoConfig
 
         from weightstream.reference_engine.model import ShardedCausalLM
@@ -234,7 +235,7 @@ class Worker:
         self.in_session = False
         self.last_phases: dict[str, float] = {}
         self.config = AutoConfig.from_pretrained(model_dir)
-        self.model = ShardedCausalLM(self.config, rank, size, dist.group.WORLD, device, dtype)
+        self.model = ShardedCausalLM(self.config, rank, size, dist.group.WORLD, device, dtype, ep)
         self.groups: dict[str, Any] = {}
         self.groups_warmed = 0  # groups whose first transfer ran as they were joined (GroupSpec.warm)
         self.bucket_count = 0
@@ -849,7 +850,8 @@ class Worker:
             if program is not None:  # every piece copied straight into its place in the parameters, in one call
                 copy = partial(torch._foreach_copy_, program.dests, [t for _, t in pieces])
                 return self._report(self.model.load_flat(program.names, program.targets, [copy]))
-            weights, problems = assemble(pieces, self.model.params, self.rank, self.size)
+            weights, problems = assemble(pieces, self.model.params, self.rank, self.size,
+                                         elsewhere=self.model.elsewhere)
             if problems:
                 raise ValueError(f"bucket {index} refused, nothing of it loaded: " + "; ".join(problems))
             return self._load(weights)
@@ -862,7 +864,8 @@ class Worker:
         key = ("pieces", layouts)
         if key not in self.programs:
             metas = [m for layout in layouts for m in layout]
-            dests = (None if piece_problems(metas, self.model.params, self.rank, self.size)
+            dests = (None if piece_problems(metas, self.model.params, self.rank, self.size,
+                                            elsewhere=self.model.elsewhere)
                      else self.model.piece_targets(metas))
             names = list(dict.fromkeys(m.name for m in metas))
             self.programs[key] = None if dests is None else SimpleNamespace(
@@ -899,9 +902,18 @@ class Worker:
                                   payload, part.get("checksum"))
                 for part, layout, delta, payload in zip(parts, layouts, deltas, payloads, strict=True)]
 
-    def layout(self):
-        """How this rank holds the checkpoint's tensors: the dim each is split on (those held whole omitted)."""
-        return dict(engine_layout(self.model.params, self.size).dims)
+    def layout(self) -> dict[str, dict[str, int | None] | dict[str, int]]:
+        """How this rank holds the checkpoint's tensors: ``dims``, the dim each is split on (those held whole
+        omitted), and ``owners``, the one rank that holds each tensor held by one rank alone (experts under expert
+        parallelism)."""
+        declared = engine_layout(self.model.params, self.size, self.model.owners())
+        return {"dims": dict(declared.dims), "owners": dict(declared.owners)}
+
+    def weight_checksums(self, names: list[str]) -> dict[str, str]:
+        """The checksum (:func:`~weightstream.wire.handles.checksum`) of the bytes this rank holds of each of
+        ``names`` it holds (its part of a split tensor); the names it does not hold are left out."""
+        held = {n: self.model.params[n][0] for n in names if n in self.model.params}
+        return {n: checksum(t.contiguous().reshape(-1).view(torch.uint8)) for n, t in held.items()}
 
     def update_tensor(self, payload, load_format, expected_checksum):
         """SGLang's ``/update_weights_from_tensor`` payload, unpickled through the allow-list: named shared
@@ -1094,6 +1106,7 @@ class Worker:
             "logits": self.logits, "generate": self.generate, "delta_checksums": self.delta_checksums,
             "update_phases": self.update_phases,
             "update_p2p_pieces": self.update_p2p_pieces, "layout": self.layout,
+            "weight_checksums": self.weight_checksums,
             "forget_delta": self.forget_delta,
         }
 
@@ -1122,10 +1135,10 @@ def _loopback_store(port: int, rank: int, size: int, timeout: timedelta) -> dist
 
 
 def worker_main(rank, size, model_dir, port, backend, device, dtype, conn, rollback=True,
-                gloo_interface: str | None = None, worker_type: type[Worker] = Worker) -> None:
+                gloo_interface: str | None = None, ep: int = 1, worker_type: type[Worker] = Worker) -> None:
     """``gloo_interface``: where gloo's listeners go (``GLOO_SOCKET_IFNAME``, unless the user set it): the
-    interface of the engine's HTTP address. ``worker_type``: the :class:`Worker` (or a subclass of it) that
-    serves the commands."""
+    interface of the engine's HTTP address. ``ep``: the engine's expert parallelism (:class:`Worker`).
+    ``worker_type``: the :class:`Worker` (or a subclass of it) that serves the commands."""
     die_with_parent()  # the kernel ends this worker when the engine's main process dies, however it dies
     _fixed_mmap_threshold()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server decides
@@ -1139,7 +1152,7 @@ def worker_main(rank, size, model_dir, port, backend, device, dtype, conn, rollb
         timeout = timedelta(seconds=120)
         store = _loopback_store(port, rank, size, timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
-        worker = worker_type(rank, size, model_dir, torch.device(device), dtype_from_name(dtype))
+        worker = worker_type(rank, size, model_dir, torch.device(device), dtype_from_name(dtype), ep)
         worker.model.rollback = rollback
         conn.send((True, "ready"))
     except BaseException:  # noqa: BLE001

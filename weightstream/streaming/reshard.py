@@ -2,8 +2,9 @@
 
 A per-rank stream yields, on every sending trainer rank, its own shards of the HF tensors (each a
 :class:`Shard` of the whole, or the whole tensor where the rank holds it whole). An engine declares how it
-splits the HF tensors over its ranks (:class:`EngineLayout`: its size, and for each tensor the dim it splits,
-or none where every rank holds it whole). The plan of one bucket (:func:`plan_bucket`) gives, for each pair
+splits the HF tensors over its ranks (:class:`EngineLayout`: its size, for each tensor the dim it splits, or
+none where every rank holds it whole, and the one rank that holds a tensor whole where no other holds it: an
+expert under expert parallelism). The plan of one bucket (:func:`plan_bucket`) gives, for each pair
 (trainer rank, engine rank) that has anything to say, the pieces: the part of a tensor the trainer rank holds
 that the engine rank needs (where it lies in the trainer's tensor, and where in the whole). Where several
 trainer ranks hold the same part (a norm on every TP rank, a dense tensor on every EP rank), engine rank e
@@ -31,14 +32,34 @@ from weightstream.streaming.bucket import Shard, TensorMeta, extent
 @dataclass(frozen=True, slots=True)
 class EngineLayout:
     """How an engine holds the HF tensors over its ``size`` ranks: ``dims[name]`` is the dim the tensor is
-    split on, rank e holding the e-th of ``size`` equal parts; a tensor it does not name (or names with None)
-    is held whole by every rank."""
+    split on, rank e holding the e-th of ``size`` equal parts; ``owners[name]`` the one rank that holds the
+    tensor, whole (an expert under expert parallelism: rank e holds experts ``[e·E/ep, (e+1)·E/ep)``); a tensor
+    it names in neither (or names with a dim of None) is held whole by every rank."""
 
     size: int
     dims: Mapping[str, int | None] = field(default_factory=dict)
+    owners: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        problems = [f"{name}: owned by engine rank {rank}, outside 0..{self.size - 1}"
+                    for name, rank in self.owners.items() if not 0 <= rank < self.size]
+        problems += [f"{name}: split on dim {self.dims[name]} and owned by engine rank {rank} alone"
+                     for name, rank in self.owners.items() if self.dims.get(name) is not None]
+        if problems:
+            raise ValueError(f"an engine layout of {self.size} ranks that cannot be: " + "; ".join(sorted(problems)))
+
+    def ranks(self, name: str) -> range:
+        """The engine ranks that hold ``name`` (or a part of it): its owner, or every rank."""
+        owner = self.owners.get(name)
+        return range(self.size) if owner is None else range(owner, owner + 1)
 
     def part(self, name: str, full_shape: Sequence[int], rank: int) -> Shard | None:
-        """Engine rank ``rank``'s part of ``name`` (whole: None)."""
+        """Engine rank ``rank``'s part of ``name`` (whole: None); ValueError where another rank owns it."""
+        owner = self.owners.get(name)
+        if owner is not None:
+            if owner != rank:
+                raise ValueError(f"{name}: held by engine rank {owner} alone, not by rank {rank}")
+            return None
         dim = self.dims.get(name)
         if dim is None or self.size == 1:
             return None
@@ -130,7 +151,7 @@ def plan_bucket(senders: Sequence[Sequence[TensorMeta]], engine: EngineLayout, a
     problems += coverage_problems(senders)
     picked: dict[tuple[int, int], list[Piece]] = {}
     for (name, _), holders in _holders(senders).items():
-        for e in range(engine.size):
+        for e in engine.ranks(name):  # an owned tensor (an expert under EP) goes to its owner alone
             s, k = holders[e % len(holders)]
             meta = senders[s][k]
             try:
