@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.helpers.checks import INPUT_IDS
+from tests.helpers.checks import INPUT_IDS, assert_experts_held_by_owners, expert_checksums
 from tests.helpers.fp8_workers import run_fp8_delta_updates, run_fp8_updates
 from tests.helpers.workers import Case
 from weightstream.common.hf_files import CheckpointReader
@@ -295,3 +295,37 @@ def test_the_engine_holds_float8_values_and_scales_as_loaded(preset, tmp_path):
             if size == 1:
                 ids = torch.tensor(INPUT_IDS)
                 assert torch.equal(model.logits(ids), plain.logits(ids))
+
+
+def test_block_fp8_experts_into_an_engine_with_expert_parallelism(tmp_path):
+    """Block FP8 into an FP8 engine at TP 2 with EP 2, whose ranks hold their experts whole (always on the block
+    grid): a MoE trainer at EP 2 by resharded P2P (each expert's float8 values and scales to its owner alone) and by
+    broadcast (each rank takes its own experts). Each engine rank then holds its experts' float8 values and scales,
+    bit for bit those of the FP8 checkpoint the trainer writes, and none of the others'; and serves what an EP
+    engine started on that checkpoint serves."""
+    src = save_random_checkpoint(preset_config("tiny-qwen3-moe"), tmp_path / "src", seed=51)
+    start = _fp8_checkpoint("tiny-qwen3-moe", tmp_path / "start", seed=52)["fp8"]
+    servers = [serve(start, 2, ep=2), serve(start, 2, ep=2)]
+    try:
+        before = _logits(servers[0])
+        steps = [(servers[0].url, {"transport": "auto"}), (servers[1].url, {"transport": "broadcast"})]
+        (p2p, bcast), _ = launch(2, run_fp8_updates, Case(src, Layout(1, 1, ep=2), quantize=SMALL), steps,
+                                 str(tmp_path / "saved"))
+        want = expert_checksums(tmp_path / "saved")
+        held = [ReferenceEngine(s.url).weight_checksums(list(want)) for s in servers]
+    finally:
+        for s in servers:
+            stop(s)
+    assert p2p.get("error") is None and bcast.get("error") is None, (p2p.get("error"), bcast.get("error"))
+    assert p2p["report"].transport == "p2p" and "resharded P2P" in p2p["report"].reason
+    assert bcast["report"].transport == "broadcast"
+    assert any(n.endswith(SCALE_SUFFIX) for n in want) and any(not n.endswith(SCALE_SUFFIX) for n in want)
+    for ranks in held:
+        assert_experts_held_by_owners(ranks, want, 2)
+    ref = serve(str(tmp_path / "saved"), 2, ep=2)
+    try:
+        served = _logits(ref)
+    finally:
+        stop(ref)
+    assert torch.equal(p2p["logits"], served) and torch.equal(bcast["logits"], served)
+    assert (served - before).abs().max() > 1e-2

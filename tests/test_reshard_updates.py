@@ -11,16 +11,14 @@ import pytest
 import torch
 
 from tests.conftest import hf_logits
-from tests.helpers.checks import assert_logits_close
+from tests.helpers.checks import assert_experts_held_by_owners, assert_logits_close, expert_checksums
 from tests.helpers.fp8_workers import run_fp8_updates
 from tests.helpers.workers import INPUT_IDS, Case, run_update
-from weightstream.common.hf_files import CheckpointReader
 from weightstream.engines import ReferenceEngine
 from weightstream.jobs import Layout
 from weightstream.launch import launch
 from weightstream.models.presets import preset_config, save_random_checkpoint
 from weightstream.reference_engine.server import serve, stop
-from weightstream.wire.handles import checksum
 
 SMALL = 120_000  # bytes per bucket: the tiny models travel in several buckets
 
@@ -133,23 +131,6 @@ def moe(tmp_path_factory) -> tuple[str, str]:
     return save_random_checkpoint(cfg, root / "src", seed=41), save_random_checkpoint(cfg, root / "eng", seed=42)
 
 
-def _experts(model_dir: str) -> dict[str, str]:
-    """The checksum of each routed expert's tensor in the checkpoint ``model_dir`` (the bytes an engine rank that
-    holds the expert must hold)."""
-    with CheckpointReader(model_dir) as reader:
-        return {n: checksum(reader.get(n).contiguous().reshape(-1).view(torch.uint8))
-                for n in reader.keys() if ".mlp.experts." in n}
-
-
-def assert_experts_held_by_owners(held: list[dict[str, str]], want: dict[str, str], ep: int) -> None:
-    """Engine rank r of EP ``ep`` holds exactly experts [r·E/ep, (r+1)·E/ep) of every layer, each bit for bit."""
-    experts = 1 + max(int(n.split(".mlp.experts.")[1].split(".")[0]) for n in want)
-    for rank, got in enumerate(held):
-        mine = {n for n in want if int(n.split(".mlp.experts.")[1].split(".")[0]) * ep // experts == rank}
-        assert set(got) == mine, rank
-        assert got == {n: want[n] for n in mine}, rank
-
-
 @pytest.mark.parametrize("layout", [Layout(1, 1, ep=2), Layout(2, 1)], ids=["trainer-ep2", "trainer-tp2"])
 def test_resharded_p2p_into_an_engine_with_expert_parallelism(moe, layout):
     """Qwen3-MoE into an engine at TP 2 with EP 2 (each rank its four experts whole, attention split): from a trainer
@@ -157,7 +138,7 @@ def test_resharded_p2p_into_an_engine_with_expert_parallelism(moe, layout):
     slice of every expert to the expert's owner). Each engine rank then holds exactly its experts, bit for bit the
     trainer's, and serves what an EP engine started on the trainer's checkpoint serves, the HF model's logits."""
     src, engine_dir = moe
-    want = _experts(src)
+    want = expert_checksums(src)
     reports, logits, held = _update_and_read(src, engine_dir, layout, 2, 2, list(want))
     rep = reports[0]
     assert rep.transport == "p2p" and "resharded P2P" in rep.reason and "engine TP 2 EP 2" in rep.reason
@@ -172,7 +153,7 @@ def test_broadcast_and_ipc_into_an_engine_with_expert_parallelism(moe, tmp_path)
     engine rank loads its experts and passes over the others'; each then holds exactly its experts, bit for bit, and
     serves what an EP engine started on the trainer's checkpoint serves."""
     src, engine_dir = moe
-    want = _experts(src)
+    want = expert_checksums(src)
     servers = [serve(engine_dir, 2, ep=2), serve(engine_dir, 2, ep=2)]
     try:
         before = ReferenceEngine(servers[0].url).logits(INPUT_IDS)

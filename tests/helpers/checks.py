@@ -121,6 +121,31 @@ def assert_per_rank_experts(results: list[dict], src: str, num_experts: int, ep:
             _assert_assembles(name, list(pieces[name].values()), truth.get(name))
 
 
+def expert_checksums(model_dir) -> dict[str, str]:
+    """The checksum of each routed expert's tensor in the checkpoint ``model_dir`` (float8 values and scales included,
+    where it is block FP8): the bytes an engine rank that holds the expert must hold."""
+    from weightstream.wire.handles import checksum
+
+    with CheckpointReader(model_dir) as reader:
+        return {n: checksum(reader.get(n).contiguous().reshape(-1).view(torch.uint8))
+                for n in reader.keys() if ".mlp.experts." in n}
+
+
+def _expert_index(name: str) -> int:
+    return int(name.split(".mlp.experts.")[1].split(".")[0])
+
+
+def assert_experts_held_by_owners(held: list[dict[str, str]], want: dict[str, str], ep: int) -> None:
+    """``held``: per engine rank, the checksums of what it holds of the experts (``weight_checksums``). Rank r of EP
+    ``ep`` holds exactly experts [r·E/ep, (r+1)·E/ep) of every layer, each bit for bit ``want``."""
+    experts = 1 + max(_expert_index(n) for n in want)
+    assert len(held) == ep
+    for rank, got in enumerate(held):
+        mine = {n for n in want if _expert_index(n) * ep // experts == rank}
+        assert set(got) == mine, rank
+        assert got == {n: want[n] for n in mine}, rank
+
+
 def assert_logits_close(megatron: torch.Tensor, hf: torch.Tensor, atol: float = 1e-5) -> None:
     assert megatron.shape == hf.shape
     diff = (megatron - hf).abs().max().item()
