@@ -14,6 +14,7 @@ from tests.conftest import hf_logits
 from tests.helpers.checks import assert_experts_held_by_owners, assert_logits_close, expert_checksums
 from tests.helpers.fp8_workers import run_fp8_updates
 from tests.helpers.workers import INPUT_IDS, Case, run_update
+from weightstream.common.hf_files import CheckpointReader
 from weightstream.engines import ReferenceEngine
 from weightstream.jobs import Layout
 from weightstream.launch import launch
@@ -172,3 +173,28 @@ def test_broadcast_and_ipc_into_an_engine_with_expert_parallelism(moe, tmp_path)
         assert_experts_held_by_owners(ranks, want, 2)
         assert torch.equal(entry["logits"], served)
     assert (served - before).abs().max() > 1e-2
+
+
+def test_an_expert_parallel_rank_takes_its_experts_and_refuses_what_nobody_holds(moe):
+    """An engine rank at EP 2 (its model alone, no group): from whole tensors it loads its own experts and passes over
+    those rank 1 owns; a shard of one of those, and a name no rank holds, are refused, each named."""
+    from transformers import AutoConfig
+
+    from weightstream.reference_engine.model import ShardedCausalLM
+    from weightstream.streaming.bucket import Shard
+
+    src, _ = moe
+    model = ShardedCausalLM(AutoConfig.from_pretrained(src), 0, 2, None, torch.device("cpu"), ep=2)
+    with CheckpointReader(src) as reader:
+        whole = {n: reader.get(n) for n in reader.keys()}
+    mine, theirs = "model.layers.1.mlp.experts.3.down_proj.weight", "model.layers.1.mlp.experts.4.down_proj.weight"
+    assert model.elsewhere[theirs] == 1 and theirs not in model.params and mine in model.params
+    report = model.load_weights((n, t, None) for n, t in whole.items())
+    assert report.problems == [] and mine in report.loaded and theirs not in report.loaded
+    assert torch.equal(model.params[mine][0], whole[mine])
+    assert model.owners() == {**dict.fromkeys((n for n in whole if ".mlp.experts." in n and n not in model.elsewhere),
+                                              0), **model.elsewhere}
+    half = whole[theirs][:, :16]
+    report = model.load_weights([(theirs, half, Shard(1, 0, 16, 32)), ("model.layers.9.mlp.gate.weight", half, None)])
+    assert report.problems == [f"{theirs}: a shard Shard(dim=1, start=0, length=16, full=32) of a tensor engine rank 1 "
+                               "holds alone, whole", "model.layers.9.mlp.gate.weight: the model has no such tensor"]
