@@ -278,8 +278,8 @@ def test_deepseek_v3_at_tp2_is_resharded_or_broadcast_never_sent_as_row_shards()
 
 def test_several_engines_take_p2p_at_the_trainers_tp_each_from_its_own_replica():
     """Several engines at the trainer's TP: P2P, engine j sent by data-parallel replica j % dp (every engine served
-    once, the replicas sharing them); one of another TP sends them all by broadcast, saying why (resharding serves
-    one engine)."""
+    once, the replicas sharing them); one of another TP, or MoE engines with expert parallelism (whole experts, where
+    per-rank buckets carry TP shards of them), are sent by broadcast, saying why (resharding serves one engine)."""
     spec = model_spec(preset_config("tiny-qwen3"))
     caps = frozenset({BROADCAST, IPC, P2P, RESHARD})
     tp2 = Topology(tp_size=2, dp_size=2)
@@ -292,6 +292,10 @@ def test_several_engines_take_p2p_at_the_trainers_tp_each_from_its_own_replica()
     kind, reason = choose_transport("auto", engines(2, 1), tp2, spec, colocated=False)
     assert kind == "broadcast" and "engine http://e1 TP 1 != trainer TP 2 (resharding serves one engine; 2 given)" \
         in reason
+    moe = [Declared(EngineInfo("x", tp_size=2, ep_size=2, capabilities=caps), f"http://m{j}") for j in range(2)]
+    kind, reason = choose_transport("auto", moe, Topology(tp_size=2, dp_size=2, etp_size=2), MOE, colocated=False)
+    assert kind == "broadcast" and ("engine http://m1 EP 2 holds whole experts, which per-rank buckets carry as TP "
+                                    "shards (resharding serves one engine; 2 given)") in reason
     for n, dp in ((1, 1), (3, 1), (2, 2), (5, 2), (2, 4)):
         served = [served_by(n, dp, d) for d in range(dp)]
         assert sorted(j for js in served for j in js) == list(range(n))

@@ -218,6 +218,9 @@ def _p2p_problems(engines: Sequence[EngineAdapter], infos: Sequence[EngineInfo],
                           + _why_not_reshard(i, len(engines)))
         if i.pp_size != 1:
             failed.append(f"engine {e.url} PP {i.pp_size} != 1")
+        if i.ep_size > 1 and spec.is_moe and not reshard:
+            failed.append(f"engine {e.url} EP {i.ep_size} holds whole experts, which per-rank buckets carry as TP "
+                          "shards" + _why_not_reshard(i, len(engines)))
     if reshard:
         return failed
     if topo.ep_size > 1:
