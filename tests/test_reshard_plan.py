@@ -27,18 +27,19 @@ SHAPES = {"q.weight": (8, 4), "o.weight": (4, 8), "norm.weight": (4,)}
 DIMS = {"q.weight": 0, "o.weight": 1}
 
 
+def _held(name: str, shape: tuple[int, ...], dim: int | None, tp: int, rank: int):
+    """``name`` as TP rank ``rank`` of ``tp`` holds it: whole (no split dim, or TP 1), or its shard along ``dim``."""
+    if dim is None or tp == 1:
+        return name, shape, None
+    n = shape[dim] // tp
+    local = list(shape)
+    local[dim] = n
+    return name, tuple(local), Shard(dim, rank * n, n, shape[dim])
+
+
 def trainer_bucket(tp: int, rank: int) -> list[TensorMeta]:
     """The bucket a trainer TP rank yields per rank: its shard of q and o, the norm whole."""
-    out = []
-    for name, shape in SHAPES.items():
-        dim = DIMS.get(name)
-        if dim is None or tp == 1:
-            out.append((name, shape, None))
-            continue
-        n = shape[dim] // tp
-        local = list(shape)
-        local[dim] = n
-        out.append((name, tuple(local), Shard(dim, rank * n, n, shape[dim])))
+    out = [_held(name, shape, DIMS.get(name), tp, rank) for name, shape in SHAPES.items()]
     offsets, _ = layout([[4 * _numel(s)] for _, s, _ in out])
     return [TensorMeta(name, F32, shape, off, shard) for (name, shape, shard), (off,) in zip(out, offsets, strict=True)]
 
@@ -326,14 +327,7 @@ def moe_bucket(tp: int, ep: int, rank: int) -> list[TensorMeta]:
     for name, shape in EXPERT_SHAPES.items():
         if int(name[1]) not in mine:
             continue
-        dim = EXPERT_DIMS[name]
-        if tp == 1:
-            held.append((name, shape, None))
-            continue
-        n = shape[dim] // tp
-        local = list(shape)
-        local[dim] = n
-        held.append((name, tuple(local), Shard(dim, tp_rank * n, n, shape[dim])))
+        held.append(_held(name, shape, EXPERT_DIMS[name], tp, tp_rank))
     return _metas(held)
 
 

@@ -3,32 +3,19 @@ warps per program, for the checksum's sums, the comparison (``compare_pack``) an
 of changed words (``move``), against a device copy of the same bytes. Every shape's results are checked
 against the shipped shape's, bit for bit.
 
-``python tools/word_kernel_sweep.py [--mib 512] [--changed 0.05]``
+``python3 tools/word_kernel_sweep.py [--mib 512] [--changed 0.05]`` (best of 5 runs each)
 """
 
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
+from gpu_delta_ops import _ms
 
 from weightstream.common import word_kernels as wk
-
-
-def _ms(fn: Callable[[], object], runs: int = 7) -> float:
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
 
 
 def main() -> None:
