@@ -21,6 +21,10 @@
 # The delta word kernels (bits against the torch operations, then each step per 512 MiB bucket): the word word-kernels;
 #   delta updates on real Adam steps on an 80 GB GPU: bash tools/gpu_run.sh bench --delta --transport ipc --preset
 #   qwen3-1.7b --masters device --snapshot device --lr 1e-6 --steps 3 (WEIGHTSTREAM_DELTA_KERNEL=0: the torch path).
+# The delta encodings against general compressors on real Adam steps (carry the nvidia-nvcomp-cu13 and
+#   nvidia-libnvcomp-cu13 6.0.0.12 wheels in .whl): PYTHONPATH=/tmp/site:$PWD python3 tools/delta_encodings.py --device
+#   cuda --hidden 2048 --layers 8 --steps 3 --bucket-mb 512 --host; the word kernels' launch shapes:
+#   python3 tools/word_kernel_sweep.py --changed 0.05 (and 0.22).
 # JSON of every row and the raw output go to $OUT (or ./gpu-out); ROW_TIMEOUT (seconds, default 400) bounds each row.
 set -uo pipefail
 OUT="${OUT:-gpu-out}"; mkdir -p "$OUT"
