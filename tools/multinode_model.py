@@ -8,23 +8,26 @@ works on one bucket at a time:
 
 - ``pack``: the sender's GPU converts and copies the bucket's tensors into a buffer (the stream), at
   ``pack_factor`` times a device copy of the bytes it reads, plus ``pack_us_per_tensor`` of host work per
-  tensor; P2P packs each route once more (one more device copy); a delta update also compares the bucket with
-  the sender's snapshot (``DELTA_ENCODE_COPIES`` device copies);
+  tensor; resharded P2P packs each route once more (one more device copy); a delta update also encodes the bucket
+  against the sender's snapshot and checksums its new bytes (``DeltaCost``, measured);
 - ``share``: in full mode (broadcast), every trainer rank receives the experts other EP ranks hold: over
   NVLink from GPUs of its node, over the NICs from other trainer nodes;
 - ``wire``: the busiest NIC or NVLink port: the bytes it carries over its achieved rate (``efficiency`` x
   line rate), plus a fixed latency per bucket;
 - ``load``: an engine rank copies its part of the bucket into its weights (one device copy), plus
-  ``engine_ms_per_bucket`` and ``engine_us_per_tensor`` of its own work (a delta is applied first);
+  ``engine_ms_per_bucket`` and ``engine_us_per_tensor`` of its own work (a delta is applied first, and its new
+  bytes checksummed);
 - ``request``: where the trainer sends one HTTP request per bucket and waits for the answer before the next
-  bucket goes out (P2P today; a broadcast of deltas), ``request_ms_per_bucket`` + ``request_us_per_tensor`` per
-  tensor it describes.
+  bucket goes out (a delta update, by broadcast or by P2P; P2P before its routes went ahead),
+  ``request_ms_per_bucket`` + ``request_us_per_tensor`` per tensor it describes.
 
-The sender keeps two buffers (it packs bucket k+1 while k is on the wire). Where the metadata of every bucket
-went ahead, the engine receives bucket k+1 while it loads k and every stage overlaps (``Update.metadata_ahead``:
-a broadcast in the current code); otherwise (the measured broadcast rows, P2P today, a broadcast of deltas) the
-wire, the load and the request of one bucket follow each other and act as one stage. With per-bucket stage
-times t_s:
+The sender keeps two buffers (it packs bucket k+1 while k is on the wire). Where the metadata of every bucket went
+ahead (``Update.metadata_ahead``: a full broadcast, a full P2P) there is no request stage. Where the engine also
+receives bucket k+1 while it loads k (``Update.overlapped``: a full broadcast; P2P into an engine of the trainer's
+layout, as in the measured TP 1 -> TP 1 row) every stage overlaps; otherwise the wire and the load of one bucket
+follow each other and act as one stage (the 2026-11-23 broadcast rows; resharded P2P, whose engine receives a
+bucket's pieces, then loads them), and with the request where there is one (deltas). With per-bucket stage times
+t_s:
 
     T = fixed + sum_s t_s + (B - 1) * max_s t_s
 
@@ -33,12 +36,15 @@ times t_s:
 Across nodes (``predict``): nodes of 8 GPUs, one NIC per GPU or ``nics`` per node; the trainer at Megatron TP 1
 with EP over all its GPUs, PP 1; one engine replica at TP 8 per engine node. Broadcast: trainer rank 0 sends,
 over the one NIC its GPU reaches, to every engine rank (one ring). P2P (the resharded sink): every trainer GPU
-sends each engine rank the slices it needs, over its own NIC.
+sends each engine rank the slices it needs, over its own NIC (into two engine replicas at once: not built, the code
+sends them by broadcast; the rows' notes say so). Not modelled: a delta update's per-bucket gather of the senders'
+delta headers on the trainer (resharded P2P).
 
 Calibration (``fit``): ``pack_factor`` and ``pack_us_per_tensor`` from the two H200 stream rows;
-``engine_ms_per_bucket`` and ``engine_us_per_tensor`` from the two H200 x2 broadcast rows (metadata ahead);
-``request_*`` from the two broadcast rows with one request per bucket. ``checks`` then compares the model with
-the rows not used to fit it.
+``engine_ms_per_bucket`` and ``engine_us_per_tensor`` from the two H200 x2 broadcast rows (metadata ahead, the
+engine loading each bucket before receiving the next); ``request_*`` from the two broadcast rows with one request
+per bucket. ``checks`` then compares the model with the rows not used to fit it. The delta operations are not
+fitted: they are the measured per-bucket figures (``DELTA_*_MS``).
 
     PYTHONPATH=. python tools/multinode_model.py [--nic-gbps 400] [--nics 8 1] [--efficiency 0.8] [--bucket-mb 512]
         [--changed 0.02 0.03] [--presets qwen3-30b-a3b qwen3-235b-a22b] [--json F]
@@ -128,18 +134,53 @@ def _buckets(preset: str, precision: Precision, bucket_bytes: int) -> int:
     return len(plan_buckets(items, bucket_bytes, ALIGN))
 
 
-def delta_fraction(changed: float) -> float:
-    """Wire bytes of a bf16 delta as a fraction of the dense bytes, ``changed`` of the words changed: the sink
-    sends the smallest of ``indices`` (6 bytes per changed word), ``bitmap`` (``words / 8 + 2 * changed``
-    bytes) and dense (``weightstream.streaming.delta.choose``)."""
+# -- what was measured on one host (docs/benchmarks.md) -----------------------------------------------------------
+
+
+# Delta operations per 512 MiB bucket of bf16 words, ms, on an H100 with the word kernels, 5% of the words changed
+# (``python3 tools/gpu_delta_ops.py --changed 0.05 0.22``, 2026-11-25,
+# docs/bench/2026-11-25-delta-encodings/h100_gpu_delta_ops_2048x4.txt): a device copy of the bucket 0.40; encoding
+# into the snapshot (compare, count, pack, the changed words written into the snapshot) 1.60 by bitmap and 1.69 by
+# indices with the copy that restores its inputs, so 1.20 and 1.29 alone; applying 0.94 and 0.66 with the clone of
+# the held bytes, so 0.54 and 0.26 alone; the checksum of the new bytes, which each side computes, 0.32. The model
+# takes them as multiples of that run's device copy. At 2-3% changed fewer words are scattered than at 5%: the
+# apply figures are then an upper bound. ``dense`` (past ~15/16 changed; not measured): the comparison of a bitmap's
+# encoding, nothing to apply.
+DELTA_COPY_MS = 0.40
+DELTA_ENCODE_MS: Mapping[str, float] = {"bitmap": 1.20, "indices": 1.29, "dense": 1.20}
+DELTA_APPLY_MS: Mapping[str, float] = {"bitmap": 0.54, "indices": 0.26, "dense": 0.0}
+DELTA_CHECKSUM_MS = 0.32
+
+
+@dataclass(frozen=True)
+class DeltaCost:
+    """A bf16 delta with ``changed`` of the words changed: the encoding the sink sends (the smallest of
+    ``indices``, 6 bytes per changed word, ``bitmap``, ``words / 8 + 2 * changed`` bytes, and dense:
+    ``weightstream.streaming.delta.choose``), its bytes as a fraction of the dense bytes, and its operations in
+    device copies of the bytes they go over."""
+
+    changed: float
+    encoding: str
+    wire_fraction: float
+
+    @property
+    def sender_copies(self) -> float:
+        """Encoding into the snapshot, and the checksum of the new bytes."""
+        return (DELTA_ENCODE_MS[self.encoding] + DELTA_CHECKSUM_MS) / DELTA_COPY_MS
+
+    @property
+    def engine_copies(self) -> float:
+        """Applying the payload to the bytes held, and the checksum of the new bytes."""
+        return (DELTA_APPLY_MS[self.encoding] + DELTA_CHECKSUM_MS) / DELTA_COPY_MS
+
+
+def delta_cost(changed: float) -> DeltaCost:
     from weightstream.streaming.delta import choose, encoded_bytes
 
     words = 1 << 28  # a 512 MiB bucket of bf16 words
     count = round(changed * words)
-    return encoded_bytes(choose(words, count, 2), words, count, 2) / (2 * words)
-
-
-# -- what was measured on one host (docs/benchmarks.md) -----------------------------------------------------------
+    encoding = choose(words, count, 2)
+    return DeltaCost(changed, encoding, encoded_bytes(encoding, words, count, 2) / (2 * words))
 
 
 @dataclass(frozen=True)
@@ -157,13 +198,19 @@ H200 = Host("H200", 16.381e9 / 7.8e-3 / GB, 16.381e9 / 44.6e-3 / GB)
 H100 = Host("H100", 16.381e9 / 11.1e-3 / GB, H200.nvlink_gbps)
 
 
+# How a measured row ran: a stream alone; IPC (the stream writes into the engine's weights); by wire with the metadata
+# ahead, the engine loading each bucket before it receives the next ("ahead"), or receiving bucket k + 1 while it
+# loads k ("overlapped"); by wire with one request per bucket ("per-bucket").
+RowKind = Literal["stream", "ipc", "ahead", "overlapped", "per-bucket"]
+
+
 @dataclass(frozen=True)
 class Row:
     """One measured row: what ran, where, and its best warm time in ms (the section of docs/benchmarks.md)."""
 
     label: str
     preset: str
-    kind: Literal["stream", "ipc", "broadcast-ahead", "broadcast-per-bucket"]
+    kind: RowKind
     host: Host
     ms: float
     buckets: int | None = None  # as the bench reported it
@@ -176,19 +223,19 @@ FIT_ROWS = {
                      where="2026-11-23 (later), H200 x2"),
     "stream-30b": Row("Qwen3-30B-A3B stream, kept buffers", "qwen3-30b-a3b", "stream", H200, 44.8, 115,
                       where="2026-11-24 (night), H200"),
-    "bcast-8b": Row("Qwen3-8B broadcast GPU0 -> GPU1, metadata ahead", "qwen3-8b", "broadcast-ahead", H200, 76.4,
+    "bcast-8b": Row("Qwen3-8B broadcast GPU0 -> GPU1, metadata ahead", "qwen3-8b", "ahead", H200, 76.4,
                     38, where="2026-11-23, H200 x2"),
-    "bcast-30b": Row("Qwen3-30B-A3B broadcast, metadata ahead", "qwen3-30b-a3b", "broadcast-ahead", H200, 370.0,
+    "bcast-30b": Row("Qwen3-30B-A3B broadcast, metadata ahead", "qwen3-30b-a3b", "ahead", H200, 370.0,
                      115, where="2026-11-23, H200 x2"),
-    "req-8b": Row("Qwen3-8B broadcast, one request per bucket", "qwen3-8b", "broadcast-per-bucket", H200, 95.5, 38,
+    "req-8b": Row("Qwen3-8B broadcast, one request per bucket", "qwen3-8b", "per-bucket", H200, 95.5, 38,
                   where="2026-11-23, H200 x2"),
-    "req-30b": Row("Qwen3-30B-A3B broadcast, one request per bucket", "qwen3-30b-a3b", "broadcast-per-bucket", H200,
+    "req-30b": Row("Qwen3-30B-A3B broadcast, one request per bucket", "qwen3-30b-a3b", "per-bucket", H200,
                    552.0, 115, where="2026-11-23, H200 x2"),
 }
 CHECK_ROWS = (
-    Row("Qwen3-8B broadcast, metadata ahead, kept buffers", "qwen3-8b", "broadcast-ahead", H200, 77.6, 38,
+    Row("Qwen3-8B broadcast, metadata ahead, kept buffers", "qwen3-8b", "ahead", H200, 77.6, 38,
         where="2026-11-23 (later), H200 x2"),
-    Row("Qwen3-30B-A3B broadcast, metadata ahead, kept buffers", "qwen3-30b-a3b", "broadcast-ahead", H200, 422.5, 115,
+    Row("Qwen3-30B-A3B broadcast, metadata ahead, kept buffers", "qwen3-30b-a3b", "ahead", H200, 422.5, 115,
         where="2026-11-23 (later), H200 x2"),
     Row("Qwen3-8B stream, kept buffers", "qwen3-8b", "stream", H100, 13.7, 38, where="2026-11-23 (late), H100"),
     Row("Qwen3-30B-A3B stream, kept buffers", "qwen3-30b-a3b", "stream", H100, 58.6, 115,
@@ -202,16 +249,21 @@ CHECK_ROWS = (
     Row("Qwen3-30B-A3B IPC one copy, no rollback", "qwen3-30b-a3b", "ipc", H200, 63.1, 115, where="2026-11-24, H200"),
     Row("Qwen3-30B-A3B IPC one copy, block FP8, no rollback", "qwen3-30b-a3b", "ipc", H200, 102.8, 115, "fp8",
         where="2026-11-24 (night), H200"),
+    # The engine receiving bucket k + 1 while it loads k; the trainer still waiting for each bucket's transfer before
+    # queuing the next (best of 4 warm, with rollback, code 1c62620).
+    *(Row(label, preset, "overlapped", H200, ms, buckets, precision, where="2026-11-24 (late night), H200 x2")
+      for label, preset, ms, buckets, precision in (
+          ("Qwen3-8B broadcast, receive while loading", "qwen3-8b", 71.0, 38, "bf16"),
+          ("Qwen3-8B P2P TP 1 -> TP 1, receive while loading", "qwen3-8b", 74.1, 38, "bf16"),
+          ("Qwen3-30B-A3B broadcast, receive while loading", "qwen3-30b-a3b", 410.5, 115, "bf16"),
+          ("Qwen3-8B broadcast, receive while loading", "qwen3-8b", 57.3, 17, "fp8"),
+          ("Qwen3-8B P2P TP 1 -> TP 1, receive while loading", "qwen3-8b", 64.4, 17, "fp8"),
+          ("Qwen3-30B-A3B broadcast, receive while loading", "qwen3-30b-a3b", 526.5, 59, "fp8"))),
 )
 
 # Pause + commit + resume of the Qwen3-8B broadcast (1.3 + 1.9 + 0.8 ms, 2026-11-22 phase split): the part of
 # an update that does not depend on its size.
 FIXED_MS = 4.0
-# Not measured on GPUs (docs/delta.md, "Not yet"): comparing a bucket with the snapshot reads both and writes
-# the snapshot (about 1.5 device copies of its bytes); applying one on the engine, about one copy of what it
-# holds. Assumptions.
-DELTA_ENCODE_COPIES = 1.5
-DELTA_APPLY_COPIES = 1.0
 
 
 @dataclass(frozen=True)
@@ -268,7 +320,9 @@ def single_host(row: Row, c: Costs) -> Estimate:
     load = (moved / (row.host.copy_gbps * GB) * 1e3 + c.engine_ms_per_bucket * buckets
             + c.engine_us_per_tensor * tensors / 1e3) / buckets
     stages = {"pack": pack, "wire": wire, "load": load}
-    if row.kind == "broadcast-ahead":  # the engine loaded a bucket before receiving the next (then)
+    if row.kind == "overlapped":  # P2P TP 1 -> TP 1 too: whole per-rank buckets, a broadcast's wire and loads
+        return pipeline(stages, buckets)
+    if row.kind == "ahead":
         return pipeline(stages, buckets, serial=("wire", "load"))
     stages["request"] = c.request_ms_per_bucket + c.request_us_per_tensor * tensors / buckets / 1e3
     return pipeline(stages, buckets, serial=("wire", "load", "request"))
@@ -338,100 +392,137 @@ Transport = Literal["broadcast", "p2p"]
 
 @dataclass(frozen=True)
 class Update:
-    """One update. ``ahead``: every bucket's metadata goes to the engine in one request before the first bucket,
-    and the engine receives bucket k + 1 while it loads k; otherwise one request per bucket, answered once the
-    engine has loaded it. As the code does today (None): a broadcast sends it ahead unless it sends deltas
-    (their headers go per bucket); P2P does not (True for P2P: not built)."""
+    """One update. ``ahead``: every bucket's metadata (P2P: its routes) goes to the engine in one request before the
+    first bucket; otherwise one request per bucket, answered once the engine has loaded it. ``overlap``: the engine
+    receives bucket k + 1 while it loads k. None: as the code does today (``metadata_ahead``, ``overlapped``)."""
 
     transport: Transport
     precision: Precision = "bf16"
     changed: float | None = None  # a delta update: the fraction of bf16 words changed
     bucket_bytes: int = 512 * MIB
     ahead: bool | None = None
+    overlap: bool | None = None
 
     @property
     def metadata_ahead(self) -> bool:
-        if self.ahead is not None:
-            return self.ahead
-        return self.transport == "broadcast" and self.changed is None
+        """Today: a full update, by broadcast or P2P; a delta sends its headers with each bucket."""
+        return self.changed is None if self.ahead is None else self.ahead
+
+    @property
+    def overlapped(self) -> bool:
+        """Today: a full broadcast; the resharded engine receives a bucket's pieces, then loads them."""
+        if self.overlap is not None:
+            return self.overlap
+        return self.metadata_ahead and self.transport == "broadcast"
 
     def label(self) -> str:
-        if self.transport == "broadcast":
-            what = "broadcast"
-        else:
-            what = "P2P, routes ahead (not built)" if self.metadata_ahead else "P2P, a request per bucket"
-        if self.changed is None:
-            return what
-        return f"{what}, delta {self.changed:.0%}" + ("" if self.transport == "broadcast" else " (not built)")
+        what = "broadcast" if self.transport == "broadcast" else "P2P"
+        if self.changed is not None:
+            what += f", delta {self.changed:.0%}"
+        elif self.transport == "p2p":
+            what += ", routes ahead" if self.metadata_ahead else ", a request per bucket (the code before routes ahead)"
+        if self.overlap is not None and self.overlap != replace(self, overlap=None).overlapped:
+            what += ", receiving while loading (not built)" if self.overlap else ", each bucket loaded before the next"
+        return what
+
+
+Stages = tuple[int, dict[str, float], list[str]]  # buckets, seconds per stage over the whole update, notes
 
 
 def predict(preset: str, split: Split, update: Update, cluster: Cluster, c: Costs) -> Estimate:
     m = model_bytes(preset)
-    p = update.precision
-    host, gpus = cluster.host, cluster.gpus
-    copy, nvl, nic = host.copy_gbps * GB, host.nvlink_gbps * GB, cluster.nic_GBps * GB
-    read, moved, tensors = m.total("bf16"), m.total(p), m.count(p)
-    wire_bytes = moved if update.changed is None else moved * delta_fraction(update.changed)
-    ep = split.trainer_nodes * gpus  # trainer: TP 1, EP over every trainer GPU
-    engine_tp, replicas = gpus, split.engine_nodes
-    nics_used = min(cluster.nics, gpus)
-    notes: list[str] = []
-    if update.transport == "broadcast":
-        buckets = m.buckets(p, update.bucket_bytes)
-        experts = m.expert_bytes(p)
-        pack = c.pack_factor * read / copy + c.pack_us_per_tensor * m.tensors * 1e-6
-        if update.changed is not None:
-            pack += DELTA_ENCODE_COPIES * moved / copy
-        # Full mode: every trainer rank receives every expert it does not hold (EP "share").
-        share_nvlink = experts * (gpus - 1) / ep / nvl
-        remote = experts * (split.trainer_nodes - 1) / split.trainer_nodes
-        share_nic = remote / (nics_used * nic)
-        # Rank 0's NIC sends the stream, and its share of the experts its node sends the other trainer nodes.
-        tx = (wire_bytes + remote / nics_used) / nic
-        into_engine_gpu = wire_bytes / nvl  # each engine rank receives every bucket (its node's NVLink ring)
-        wire = max(tx, into_engine_gpu) + cluster.latency_ms * 1e-3 * buckets
-        held = moved if update.changed is not None else 0  # an engine rank applies a delta to the whole bucket
-        load = (moved / engine_tp / copy + DELTA_APPLY_COPIES * held / copy + c.engine_ms_per_bucket * 1e-3 * buckets
-                + c.engine_us_per_tensor * 1e-6 * tensors)
-        stages = {"pack": pack, "share (NVLink)": share_nvlink, "share (NIC)": share_nic, "wire": wire, "load": load}
-        serial: tuple[str, ...] = ()  # metadata ahead: the engine receives k + 1 while it loads k
-        if not update.metadata_ahead:
-            stages["request"] = c.request_ms_per_bucket * 1e-3 * buckets + c.request_us_per_tensor * 1e-6 * tensors
-            serial = ("wire", "load", "request")
-        if update.changed is not None:
-            kept: dict[str, float] = {"trainer rank 0": moved, "each engine rank": moved}
-            weights = {"trainer rank 0": m.expert_bytes("bf16") / ep + m.total("bf16") - m.expert_bytes("bf16"),
-                       "each engine rank": moved / engine_tp}
-            notes.append(_kept(kept, weights, cluster.gpu_gb))
-    else:
-        senders = ep
-        per_sender = moved / senders
-        buckets = max(1, math.ceil(per_sender / update.bucket_bytes))
-        pack = ((c.pack_factor + 1) * read / senders / copy  # + one copy: each route packed into its own buffer
-                + c.pack_us_per_tensor * 1e-6 * m.tensors / senders)
-        if update.changed is not None:
-            pack += DELTA_ENCODE_COPIES * per_sender / copy
-        senders_per_nic = gpus // nics_used
-        tx = replicas * (wire_bytes / senders) * senders_per_nic / nic
-        rx = wire_bytes / engine_tp * senders_per_nic / nic  # each engine rank receives its part, per replica
-        wire = max(tx, rx) + cluster.latency_ms * 1e-3 * buckets
-        part = moved / engine_tp
-        load = (part / copy + (DELTA_APPLY_COPIES * part / copy if update.changed is not None else 0.0)
-                + c.engine_ms_per_bucket * 1e-3 * buckets + c.engine_us_per_tensor * 1e-6 * tensors)
-        stages = {"pack": pack, "wire": wire, "load": load}
-        serial = ()
-        if not update.metadata_ahead:
-            # One request per bucket to each engine, describing every route: each tensor in engine_tp pieces.
-            stages["request"] = (c.request_ms_per_bucket * 1e-3 * buckets
-                                 + c.request_us_per_tensor * 1e-6 * tensors * engine_tp)
-            serial = ("wire", "load", "request")
-        if update.changed is not None:
-            kept = {"each sender": per_sender, "each engine rank": part}
-            weights = {"each sender": m.expert_bytes("bf16") / ep + m.total("bf16") - m.expert_bytes("bf16"),
-                       "each engine rank": part}
-            notes.append(_kept(kept, weights, cluster.gpu_gb))
+    delta = None if update.changed is None else delta_cost(update.changed)
+    build = _broadcast if update.transport == "broadcast" else _p2p
+    buckets, stages, notes = build(m, split, update, cluster, c, delta)
     per_bucket = {k: v * 1e3 / buckets for k, v in stages.items()}
-    return pipeline(per_bucket, buckets, serial=serial, notes=notes)
+    return pipeline(per_bucket, buckets, serial=_serial(update), notes=notes)
+
+
+def _serial(update: Update) -> tuple[str, ...]:
+    """The stages one bucket goes through in turn (``pipeline``): with a request per bucket, the wire, the load and
+    the request; with the metadata ahead, the wire and the load unless the engine receives while it loads."""
+    if not update.metadata_ahead:
+        return ("wire", "load", "request")
+    return () if update.overlapped else ("wire", "load")
+
+
+def _broadcast(m: ModelBytes, split: Split, update: Update, cluster: Cluster, c: Costs,
+               delta: DeltaCost | None) -> Stages:
+    """Trainer rank 0 sends every bucket, over the one NIC its GPU reaches, to every engine rank (one ring)."""
+    p, gpus = update.precision, cluster.gpus
+    copy, nvl, nic = cluster.host.copy_gbps * GB, cluster.host.nvlink_gbps * GB, cluster.nic_GBps * GB
+    moved, tensors = m.total(p), m.count(p)
+    wire_bytes = moved if delta is None else moved * delta.wire_fraction
+    ep, nics_used = split.trainer_nodes * gpus, min(cluster.nics, gpus)
+    buckets = m.buckets(p, update.bucket_bytes)
+    experts = m.expert_bytes(p)
+    pack = _pack(m, c, copy, senders=1, routes=False)
+    # Full mode: every trainer rank receives every expert it does not hold (EP "share").
+    share_nvlink = experts * (gpus - 1) / ep / nvl
+    remote = experts * (split.trainer_nodes - 1) / split.trainer_nodes
+    share_nic = remote / (nics_used * nic)
+    # Rank 0's NIC sends the stream, and its share of the experts its node sends the other trainer nodes.
+    tx = (wire_bytes + remote / nics_used) / nic
+    into_engine_gpu = wire_bytes / nvl  # each engine rank receives every bucket (its node's NVLink ring)
+    wire = max(tx, into_engine_gpu) + cluster.latency_ms * 1e-3 * buckets
+    load = _load(c, moved / gpus, tensors, buckets, copy)
+    notes = []
+    if delta is not None:  # the sender encodes the whole bucket; each engine rank applies it to the whole bucket
+        pack += delta.sender_copies * moved / copy
+        load += delta.engine_copies * moved / copy
+        weights = {"trainer rank 0": m.expert_bytes("bf16") / ep + m.total("bf16") - m.expert_bytes("bf16"),
+                   "each engine rank": moved / gpus}
+        notes.append(_kept({"trainer rank 0": moved, "each engine rank": moved}, weights, cluster.gpu_gb))
+    stages = {"pack": pack, "share (NVLink)": share_nvlink, "share (NIC)": share_nic, "wire": wire, "load": load}
+    if not update.metadata_ahead:
+        stages["request"] = _request(c, buckets, tensors)
+    return buckets, stages, notes
+
+
+def _p2p(m: ModelBytes, split: Split, update: Update, cluster: Cluster, c: Costs, delta: DeltaCost | None) -> Stages:
+    """Resharded P2P: every trainer GPU sends each engine rank the slices it needs, over its own NIC."""
+    p, gpus = update.precision, cluster.gpus
+    copy, nic = cluster.host.copy_gbps * GB, cluster.nic_GBps * GB
+    moved, tensors = m.total(p), m.count(p)
+    wire_bytes = moved if delta is None else moved * delta.wire_fraction
+    senders, engine_tp, replicas = split.trainer_nodes * gpus, gpus, split.engine_nodes
+    per_sender, part = moved / senders, moved / engine_tp
+    buckets = max(1, math.ceil(per_sender / update.bucket_bytes))
+    pack = _pack(m, c, copy, senders=senders, routes=True)
+    senders_per_nic = gpus // min(cluster.nics, gpus)
+    tx = replicas * (wire_bytes / senders) * senders_per_nic / nic
+    rx = wire_bytes / engine_tp * senders_per_nic / nic  # each engine rank receives its part, per replica
+    wire = max(tx, rx) + cluster.latency_ms * 1e-3 * buckets
+    load = _load(c, part, tensors, buckets, copy)
+    notes = []
+    if replicas > 1:
+        notes.append(f"{replicas} engines resharded into at once: not built (the code sends them by broadcast)")
+    if delta is not None:  # each sender encodes its routes; each engine rank applies its part
+        pack += delta.sender_copies * per_sender / copy
+        load += delta.engine_copies * part / copy
+        weights = {"each sender": m.expert_bytes("bf16") / senders + m.total("bf16") - m.expert_bytes("bf16"),
+                   "each engine rank": part}
+        notes.append(_kept({"each sender": per_sender, "each engine rank": part}, weights, cluster.gpu_gb))
+    stages = {"pack": pack, "wire": wire, "load": load}
+    if not update.metadata_ahead:  # to each engine, describing every route: each tensor in engine_tp pieces
+        stages["request"] = _request(c, buckets, tensors * engine_tp)
+    return buckets, stages, notes
+
+
+def _pack(m: ModelBytes, c: Costs, copy: float, senders: int, routes: bool) -> float:
+    """Seconds a sender packs its share of the update; ``routes``: each route then copied into its own buffer."""
+    factor = c.pack_factor + (1.0 if routes else 0.0)
+    return factor * m.total("bf16") / senders / copy + c.pack_us_per_tensor * 1e-6 * m.tensors / senders
+
+
+def _load(c: Costs, part: float, tensors: int, buckets: int, copy: float) -> float:
+    """Seconds an engine rank loads ``part`` bytes of ``tensors`` tensors in ``buckets`` buckets."""
+    return part / copy + c.engine_ms_per_bucket * 1e-3 * buckets + c.engine_us_per_tensor * 1e-6 * tensors
+
+
+def _request(c: Costs, buckets: int, described: int) -> float:
+    """Seconds of one request per bucket, describing ``described`` tensors (or pieces) in all."""
+    return c.request_ms_per_bucket * 1e-3 * buckets + c.request_us_per_tensor * 1e-6 * described
 
 
 def _kept(kept: Mapping[str, float], weights: Mapping[str, float], gpu_gb: float) -> str:
@@ -454,7 +545,9 @@ class Report:
     cluster: dict
     checks: list[dict] = field(default_factory=list)
     bytes: list[dict] = field(default_factory=list)
+    deltas: list[dict] = field(default_factory=list)
     predictions: list[dict] = field(default_factory=list)
+    variants: list[dict] = field(default_factory=list)  # the engine's overlap otherwise than today, against today
 
 
 def checks(c: Costs) -> list[dict]:
@@ -471,25 +564,41 @@ def run(presets: Sequence[str], nics: Sequence[int], cluster: Cluster, changed: 
         bucket_bytes: int) -> Report:
     c = fit()
     report = Report(c, asdict(cluster), checks(c))
-    for preset in presets:
-        m = model_bytes(preset)
-        report.bytes.append({"preset": preset, "params": m.params, "tensors": m.tensors,
-                             "tensors_fp8": m.count("fp8"), "bf16_bytes": m.total("bf16"),
-                             "fp8_bytes": m.total("fp8"), "expert_bf16_bytes": m.expert_bytes("bf16"),
-                             "buckets_bf16": m.buckets("bf16", bucket_bytes)})
+    report.bytes = [_bytes_entry(preset, bucket_bytes) for preset in presets]
+    report.deltas = [{**asdict(d), "sender_copies": d.sender_copies, "engine_copies": d.engine_copies}
+                     for d in map(delta_cost, changed)]
     updates = [Update("broadcast", bucket_bytes=bucket_bytes), Update("p2p", bucket_bytes=bucket_bytes),
-               Update("p2p", bucket_bytes=bucket_bytes, ahead=True)]
+               Update("p2p", bucket_bytes=bucket_bytes, ahead=False)]
     updates += [Update(t, changed=x, bucket_bytes=bucket_bytes) for t in ("broadcast", "p2p") for x in changed]
+    variants = [Update("broadcast", bucket_bytes=bucket_bytes, overlap=False),
+                Update("p2p", bucket_bytes=bucket_bytes, overlap=True)]
+    first = replace(cluster, nics=nics[0])
     for preset in presets:
         for split in (Split(1, 1), Split(2, 2)):
             for up in updates:
-                entry: dict = {"preset": preset, "nodes": split.label(), "update": up.label()}
-                for n in nics:
-                    for p in (("bf16", "fp8") if up.changed is None else ("bf16",)):
-                        est = predict(preset, split, replace(up, precision=p), replace(cluster, nics=n), c)
-                        entry[f"{n}x{cluster.nic_gbps:g}G {p}"] = asdict(est)
-                report.predictions.append(entry)
+                report.predictions.append(_prediction(preset, split, up, nics, cluster, c))
+            for up in variants:
+                ms, today = (predict(preset, split, u, first, c).ms for u in (up, replace(up, overlap=None)))
+                report.variants.append({"preset": preset, "nodes": split.label(), "update": up.label(),
+                                        "nics": nics[0], "ms": ms, "today_ms": today})
     return report
+
+
+def _bytes_entry(preset: str, bucket_bytes: int) -> dict:
+    m = model_bytes(preset)
+    return {"preset": preset, "params": m.params, "tensors": m.tensors, "tensors_fp8": m.count("fp8"),
+            "bf16_bytes": m.total("bf16"), "fp8_bytes": m.total("fp8"), "expert_bf16_bytes": m.expert_bytes("bf16"),
+            "buckets_bf16": m.buckets("bf16", bucket_bytes)}
+
+
+def _prediction(preset: str, split: Split, up: Update, nics: Sequence[int], cluster: Cluster, c: Costs) -> dict:
+    """One row of the table: ``up`` at each NIC count, in bf16 and (not a delta) block FP8."""
+    entry: dict = {"preset": preset, "nodes": split.label(), "update": up.label()}
+    for n in nics:
+        for p in (("bf16", "fp8") if up.changed is None else ("bf16",)):
+            est = predict(preset, split, replace(up, precision=p), replace(cluster, nics=n), c)
+            entry[f"{n}x{cluster.nic_gbps:g}G {p}"] = asdict(est)
+    return entry
 
 
 def markdown(r: Report, nics: Sequence[int], nic_gbps: float) -> str:
@@ -514,6 +623,15 @@ def markdown(r: Report, nics: Sequence[int], nic_gbps: float) -> str:
         first = e[cols[0]]
         bound = first["bound"] + ("; " + "; ".join(first["notes"]) if first["notes"] else "")
         lines.append(f"| {e['preset']} | {e['nodes']} | {e['update']} | " + " | ".join(cells) + f" | {bound} |")
+    lines += ["", "| delta | encoding | on the wire | sender (encode + checksum) | engine rank (apply + checksum) |",
+              "|---|---|---|---|---|"]
+    for d in r.deltas:
+        lines.append(f"| {d['changed']:.0%} changed | {d['encoding']} | {d['wire_fraction']:.2%} of the dense bytes | "
+                     f"{d['sender_copies']:.3g} device copies | {d['engine_copies']:.3g} device copies |")
+    lines += ["", f"| model | nodes | otherwise than today ({nics[0]} x {nic_gbps:g} Gb/s per node, bf16) | time | "
+              "today |", "|---|---|---|---|---|"]
+    for v in r.variants:
+        lines.append(f"| {v['preset']} | {v['nodes']} | {v['update']} | {_ms(v['ms'])} | {_ms(v['today_ms'])} |")
     return "\n".join(lines)
 
 
