@@ -154,3 +154,19 @@ def test_engine_refuses_a_bad_delta_header_naming_every_problem():
         "weightstream_delta.word must be 1, 2 or 4 and divide total 4096",
         "weightstream_delta.count 5000 exceeds the bucket's words"]
     assert delta_problems([1]) == ["field 'weightstream_delta' must be an object"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("encoding,changed", [("dense", 512), ("indices", 3), ("bitmap", 200)])
+def test_header_words_round_trip_and_a_bad_one_names_every_problem(encoding, changed):
+    """A header as it crosses the wire ahead of its payload (``delta_ahead``) reads back as itself and its bucket's
+    index; one that cannot be is refused before its payload is received, every field named."""
+    header = DeltaHeader(encoding, 2, 1024, changed, encoded_bytes(encoding, 512, changed, 2))
+    assert DeltaHeader.from_words(header.as_words(7), 1024, 1024) == (header, 7)
+    with pytest.raises(ValueError) as err:
+        DeltaHeader.from_words([9, 3, 100, 5, 4096, 7], 1024, 1024)
+    assert str(err.value) == ("bad delta header for bucket 7: encoding 9 is none of [0, 1, 2] (dense, indices, "
+                              "bitmap); word of 3 bytes (1, 2 or 4); 100 bucket bytes, its tensors take 1024; a "
+                              "payload of 4096 bytes (at most 1024)")
+    with pytest.raises(ValueError, match="bucket 7: 90 payload bytes, indices of 3 words takes 18"):
+        DeltaHeader.from_words([1, 2, 1024, 3, 90, 7], 1024, 1024)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.helpers.delta_workers import HFAdamTrainer, run_delta_updates
-from tests.helpers.faults import serve_with_fault
+from tests.helpers.faults import hide_capabilities, serve_with_fault
 from tests.helpers.workers import Case
 from weightstream import WeightSync
 from weightstream.jobs import Layout
@@ -32,11 +32,12 @@ def engine_dir(tmp_path_factory) -> str:
 
 
 @contextmanager
-def engine(model_dir: str, fault: str = "none", port: int = 0, tp: int = 1):
+def engine(model_dir: str, fault: str = "none", port: int = 0, tp: int = 1, ahead: bool | None = None):
     """A reference engine holding bf16 weights (so that they compare bit for bit with the trainer's); without a
-    fault it declares all it can (``broadcast_ahead`` too: a delta-mode update must not send its buckets so)."""
+    fault (or with ``ahead``) it declares all it can (``broadcast_ahead``, ``p2p_ahead`` and ``delta_ahead`` too: a
+    delta-mode update then sends every bucket's metadata ahead, and each delta's header on the wire)."""
     server = serve_with_fault(model_dir, tp, fault, dtype="bfloat16", port=port)
-    if fault == "none":
+    if fault == "none" if ahead is None else ahead:
         server.routes[("GET", "/get_server_info")] = server.server_info
     try:
         yield server
@@ -93,6 +94,7 @@ def test_twenty_delta_updates_bit_exact(engine_dir):
             report = _update(sync, trainer, f"v{step}")
             d = report.delta
             assert not d.full and d.checked and d.mismatch is None, report.summary()
+            assert report.metadata_ahead  # every bucket's metadata in one request, each header on the wire
             assert d.reason == f"deltas against version v{step - 1}"
             assert sum(d.encodings.values()) == report.buckets and d.words * 2 == report.bytes
             assert 0 < d.changed < d.words
@@ -131,13 +133,32 @@ def test_full_every_and_restart_force_full_updates(engine_dir):
         sync.close()
 
 
-def test_corrupted_delta_caught_then_full_update(engine_dir):
+def test_an_engine_that_takes_metadata_ahead_but_not_deltas_so_gets_each_bucket_with_its_header(engine_dir):
+    """An engine that declares ``broadcast_ahead`` but not ``delta_ahead``: a delta-mode update's buckets (the first,
+    full, and a delta) each go with their metadata and header (one request per bucket); both checked, the engine's
+    tensors the trainer's bit for bit."""
+    trainer = Trainer(seed=3)
+    with engine(engine_dir) as server, WeightSync([server.url], bucket_bytes=SMALL, delta=True) as sync:
+        hide_capabilities(server, ("delta_ahead",))
+        reports = [_update(sync, trainer, "v1")]
+        trainer.step()
+        reports.append(_update(sync, trainer, "v2"))
+        assert [(r.metadata_ahead, r.delta.full, r.delta.checked) for r in reports] == [(False, True, True),
+                                                                                         (False, False, True)]
+        assert_engine_holds(server, trainer)
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_corrupted_delta_caught_then_full_update(engine_dir, ahead):
+    """A delta payload corrupted as it arrives, with each bucket's metadata sent per bucket or ahead (the header on
+    the wire): the check catches it, and the update goes again in full."""
     trainer = Trainer(seed=2)
-    with engine(engine_dir, fault="corrupt_delta@1") as server, \
+    with engine(engine_dir, fault="corrupt_delta@1", ahead=ahead) as server, \
             WeightSync([server.url], bucket_bytes=SMALL, delta=True) as sync:
         _update(sync, trainer, "v0")
         trainer.step()
         report = _update(sync, trainer, "v1")
+        assert report.metadata_ahead == ahead
         d = report.delta
         assert d.mismatch == (f"engine {server.url}: the bytes it applied of buckets [1] differ from the trainer's "
                               "(checksums)")
@@ -180,7 +201,8 @@ def test_several_engines_by_p2p_delta_updates(sources, engine_dir, engines):
     """A Megatron-Core trainer of two data-parallel replicas (TP 1) into several engines at its TP by P2P: engine
     j's buckets come from replica j % 2 (with 3 engines, replica 0 sends each bucket to two), each replica's rank
     encoding against its own snapshot; every engine checked against the replica that sent to it, every update,
-    and each holds the trainer's tensors bit for bit."""
+    and each holds the trainer's tensors bit for bit. Every bucket's metadata goes ahead, each delta's header on the
+    wire before its payload."""
     case = Case(sources["tiny-qwen3"], Layout(1), dtype="bfloat16", bucket_bytes=SMALL)
     with contextlib.ExitStack() as stack:
         servers = [stack.enter_context(engine(engine_dir)) for _ in range(engines)]
@@ -190,6 +212,7 @@ def test_several_engines_by_p2p_delta_updates(sources, engine_dir, engines):
     assert all(r.transport == "p2p" and r.reason.startswith(f"{engines} engines at the trainer's TP 1")
                for r in reports), reports[0].reason
     assert [(r.delta.full, r.delta.checked) for r in reports] == [(True, True)] + [(False, True)] * 3
+    assert all(r.metadata_ahead for r in reports)  # each delta's header on the wire, before its payload
     for ranks in held:
         assert_held(ranks, results[0]["tensors"])
 

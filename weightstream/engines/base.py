@@ -52,6 +52,10 @@ PREPARE_COMMIT = "prepare_commit"
 # applies delta buckets (:mod:`weightstream.streaming.delta`) to the bytes of each bucket it holds from the last
 # committed update, and reports what it holds and the checksum of what it applied
 DELTA = "delta"
+# with ``broadcast_ahead`` or ``p2p_ahead``, takes a delta-mode update's buckets ahead too: the metadata of every
+# bucket in one request, then per bucket its delta header on the wire (``DeltaHeader.as_words``: six int64 words)
+# right before its payload, from the same sender (no HTTP round trip per bucket)
+DELTA_AHEAD = "delta_ahead"
 # runs a tiny transfer of the group's kind (``GroupSpec.warm``) right after joining a group, as the trainer does, so
 # that the first update does not pay for the group's connections (NCCL makes them on a group's first use)
 WARM_GROUP = "warm_group"
@@ -269,8 +273,10 @@ class MemoryEngine(EngineAdapter, Protocol):
 class BroadcastAheadEngine(EngineAdapter, Protocol):
     """:data:`BROADCAST_AHEAD`: the metadata of every bucket in one request, then the broadcasts back to back."""
 
-    def receive_broadcast_ahead(self, buckets: Sequence[Sequence[TensorMeta]], timeout_s: float) -> None:
-        """The metadata of every bucket of this update, in order, before the first is broadcast."""
+    def receive_broadcast_ahead(self, buckets: Sequence[Sequence[TensorMeta]], timeout_s: float,
+                                delta: bool = False) -> None:
+        """The metadata of every bucket of this update, in order, before the first is broadcast; ``delta``
+        (:data:`DELTA_AHEAD`): each bucket's delta header is broadcast right before its payload."""
 
 
 @runtime_checkable
@@ -278,7 +284,10 @@ class P2PAheadEngine(EngineAdapter, Protocol):
     """:data:`P2P_AHEAD`: per bucket of an update, what each engine rank receives (one :class:`RankBucket` per rank),
     all in one request; then the buckets are sent back to back."""
 
-    def receive_p2p_ahead(self, buckets: Sequence[Sequence[RankBucket]], timeout_s: float) -> None: ...
+    def receive_p2p_ahead(self, buckets: Sequence[Sequence[RankBucket]], timeout_s: float,
+                          delta: bool = False) -> None:
+        """``delta`` (:data:`DELTA_AHEAD`): each rank's bucket comes as its delta header, then its payload, from its
+        ``src``."""
 
 
 @runtime_checkable

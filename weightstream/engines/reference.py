@@ -106,14 +106,17 @@ class ReferenceEngine(SGLangEngine):
         self._session = False
         self.post("/weightstream/abort_weight_update", {}, step="abort_weight_update", timeout_s=timeout_s)
 
-    def receive_broadcast_ahead(self, buckets: Sequence[Sequence[TensorMeta]], timeout_s: float) -> None:
+    def receive_broadcast_ahead(self, buckets: Sequence[Sequence[TensorMeta]], timeout_s: float,
+                                delta: bool = False) -> None:
         """The metadata of every dense bucket of this update, in order, before the first is broadcast; the
         engine receives them back to back and answers once all are loaded (or once one failed: it still
-        receives the rest, so that the broadcasts match, and loads none of them)."""
+        receives the rest, so that the broadcasts match, and loads none of them). ``delta``: each bucket comes as
+        its delta header, then its payload."""
         layouts = [_layout(b) for b in buckets]
         self.post("/weightstream/update_weights_from_distributed_ahead", {
             "group_name": self.group_name, "weight_version": self._version, "load_format": "flattened_bucket",
             "buckets": [{"names": b.names, "dtypes": b.dtypes, "shapes": b.shapes} for b in layouts],
+            "weightstream_delta_mode": delta,
         }, step=f"update_weights_from_distributed_ahead ({len(buckets)} buckets)", timeout_s=timeout_s)
 
     def receive_ipc_ahead(self, plan: str, num_buckets: int, channels: Sequence[str], client: str,
@@ -176,12 +179,14 @@ class ReferenceEngine(SGLangEngine):
         return DeltaChecks(str(reply["instance"]), None if base is None else str(base),
                            {int(k): tuple(str(d) for d in v) for k, v in reply["buckets"].items()})
 
-    def receive_p2p_ahead(self, buckets: Sequence[Sequence[RankBucket]], timeout_s: float) -> None:
+    def receive_p2p_ahead(self, buckets: Sequence[Sequence[RankBucket]], timeout_s: float,
+                          delta: bool = False) -> None:
         """What each engine rank receives in every per-rank bucket of this update, in order, before the first is
         sent; the engine receives them back to back and answers once all are loaded (or once one failed: it still
-        receives the rest, so that the sends complete, and loads none of them)."""
+        receives the rest, so that the sends complete, and loads none of them). ``delta``: each rank's bucket comes
+        as its delta header, then its payload."""
         self.post("/weightstream/update_weights_from_p2p_ahead", {
-            "group_name": self.group_name, "weight_version": self._version,
+            "group_name": self.group_name, "weight_version": self._version, "weightstream_delta_mode": delta,
             "buckets": [[{"src": r.src, "metas": [_meta_json(m) for m in r.metas], "nbytes": r.nbytes,
                           **({} if r.rank is None else {"rank": r.rank})} for r in ranks] for ranks in buckets],
         }, step=f"update_weights_from_p2p_ahead ({len(buckets)} buckets)", timeout_s=timeout_s)

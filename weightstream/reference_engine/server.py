@@ -128,7 +128,7 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     },
     "/weightstream/update_weights_from_distributed_ahead": {
         "buckets": ((list,), True), "group_name": ((str,), False), "load_format": (_OPT_STR, False),
-        "weight_version": (_OPT_STR, False),
+        "weight_version": (_OPT_STR, False), "weightstream_delta_mode": ((bool,), False),
     },
     "/weightstream/update_weights_from_ipc_ahead": {
         "plan": ((str,), True), "num_buckets": ((int,), True), "channels": ((list,), True),
@@ -146,6 +146,7 @@ SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     },
     "/weightstream/update_weights_from_p2p_ahead": {
         "buckets": ((list,), True), "group_name": ((str,), False), "weight_version": (_OPT_STR, False),
+        "weightstream_delta_mode": ((bool,), False),
     },
     "/begin_weight_update": {"timeout_s": (_NUMBER + (type(None),), False), "pause": ((str,), False),
                              "weight_version": (_OPT_STR, False)},
@@ -825,7 +826,8 @@ class EngineServer(ThreadingHTTPServer):
             "hostname": socket.gethostname(), "pid": os.getpid(), "dtype": e.dtype,
             "quantization_config": e.quantization_config,
             "capabilities": ["broadcast", "ipc", "ipc_ahead", "p2p", "reshard", "release_memory"]
-            + (["rollback"] if e.rollback else []) + ["broadcast_ahead", "p2p_ahead", "delta", "warm_group"],
+            + (["rollback"] if e.rollback else [])
+            + ["broadcast_ahead", "p2p_ahead", "delta", "delta_ahead", "warm_group"],
             "instance": e.instance, "delta_base": e.delta_base,
             "update_session_open": e.session_open,
             "update_session_loaded": e.session_loaded,  # tensors loaded in the open session so far
@@ -905,6 +907,7 @@ class EngineServer(ThreadingHTTPServer):
             "update_distributed_ahead", buckets=[{"names": list(x["names"]), "dtypes": list(x["dtypes"]),
                                                   "shapes": [list(s) for s in x["shapes"]]} for x in b["buckets"]],
             group_name=b.get("group_name", "weight_update_group"), load_format=b.get("load_format"),
+            delta=b.get("weightstream_delta_mode") is True,
         ), b)
 
     def update_tensor(self, b):
@@ -972,7 +975,11 @@ class EngineServer(ThreadingHTTPServer):
         if problems:
             raise BadRequest(HTTPStatus.BAD_REQUEST, "bad P2P buckets: " + "; ".join(problems[:8]))
         group = b.get("group_name", "weight_update_group")
+        delta = b.get("weightstream_delta_mode") is True
         if any("rank" in e for x in buckets for e in x):
+            if delta:
+                raise BadRequest(HTTPStatus.BAD_REQUEST, "resharded buckets sent ahead carry no deltas: a resharded "
+                                 "delta-mode update sends each bucket's parts with their headers")
             per_bucket = [self._parts_per_rank(x) for x in buckets]
             per_rank = [{"group_name": group, "buckets": [parts[r] for parts in per_bucket]}
                         for r in range(self.engine.tp)]
@@ -982,7 +989,7 @@ class EngineServer(ThreadingHTTPServer):
         if problems:
             raise BadRequest(HTTPStatus.BAD_REQUEST, "bad P2P buckets: " + "; ".join(problems[:8]))
         per_rank = [{"group_name": group, "buckets": [{"src": x[r]["src"], "metas": x[r]["metas"],
-                                                       "nbytes": x[r]["nbytes"]} for x in buckets]}
+                                                       "nbytes": x[r]["nbytes"]} for x in buckets], "delta": delta}
                     for r in range(self.engine.tp)]
         return self._guarded(lambda: self.engine.call("update_p2p_ahead", per_rank=per_rank), b)
 

@@ -47,7 +47,7 @@ from weightstream.streaming.bucket import (
     view_tensor,
 )
 from weightstream.streaming.copies import batched_copy, warm_kernel
-from weightstream.streaming.delta import DeltaHeader, Key, apply, warm_kernels
+from weightstream.streaming.delta import HEADER_WORDS, DeltaHeader, Key, apply, warm_kernels
 from weightstream.wire.channel import Channel, ChannelError, fd_peer
 from weightstream.wire.frames import (
     BucketLayout,
@@ -414,20 +414,55 @@ class Worker:
         self.delta_held, self.delta_digests = {}, {}
         return f"dropped {dropped} buckets"
 
-    def update_distributed_ahead(self, buckets, group_name, load_format):
+    def update_distributed_ahead(self, buckets, group_name, load_format, delta: bool = False):
         """Every bucket of an update, received back to back. After a failure the rest are still received
-        (the sender broadcasts them all) but not loaded; the failure is raised at the end, naming the bucket."""
+        (the sender broadcasts them all) but not loaded; the failure is raised at the end, naming the bucket.
+        ``delta``: a delta-mode update (:meth:`_receive_deltas_ahead`)."""
         if load_format != "flattened_bucket":
             raise ValueError(f"load_format {load_format!r}: buckets sent ahead are flattened buckets")
         programs = [self._dense_program(b["names"], b["dtypes"], b["shapes"]) for b in buckets]
-        return self._receive_ahead(self._group(group_name), programs, [(p.total, None) for p in programs])
+        receive = self._receive_deltas_ahead if delta else self._receive_ahead
+        return receive(self._group(group_name), programs, [(p.total, None) for p in programs])
 
-    def update_p2p_ahead(self, group_name, buckets):
+    def update_p2p_ahead(self, group_name, buckets, delta: bool = False):
         """Every per-rank bucket of an update, each sent by its trainer rank (``src``), received back to back (as
         :meth:`update_distributed_ahead`)."""
         programs = [self._p2p_program(tuple(_wire_meta(m) for m in b["metas"]), int(b["nbytes"])) for b in buckets]
-        return self._receive_ahead(self._group(group_name), programs,
-                                   [(int(b["nbytes"]), int(b["src"])) for b in buckets])
+        receive = self._receive_deltas_ahead if delta else self._receive_ahead
+        return receive(self._group(group_name), programs, [(int(b["nbytes"]), int(b["src"])) for b in buckets])
+
+    def _receive_deltas_ahead(self, group, programs: list, wire: list[tuple[int, int | None]]):
+        """A delta-mode update's buckets received back to back (``wire``: each one's dense bytes and its sender, as
+        :meth:`_receive_ahead`): per bucket its header (:meth:`DeltaHeader.as_words`), then its payload, applied to
+        the bytes held of the bucket (:meth:`_delta_bytes`) and loaded. After a failure to apply or load, the rest
+        are still received but not loaded, and the failure raised at the end; a header that cannot be read leaves
+        the size of what follows unknown, and is raised at once (the sender's transfers then fail within their
+        bound)."""
+        loaded, failure = 0, None
+        words = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
+        for i, program in enumerate(programs):
+            nbytes, src = wire[i]
+            with self.clock("receive"):
+                if src is None:
+                    dist.broadcast(words, group=group, group_src=0)
+                else:
+                    dist.recv(words, group=group, group_src=src)
+                header, index = DeltaHeader.from_words(words.tolist(), program.total, nbytes)
+                if index != i:
+                    raise ValueError(f"bucket {i} of the update came with the delta header of bucket {index}")
+                received = self._receive_delta(group, header, index, src)
+            if failure is not None:
+                continue
+            try:
+                with self.clock("apply delta"):
+                    raw = self._delta_bytes(index, tuple(program.metas), program.total, header, received, None)
+                with self.clock("load"):
+                    loaded += self._load_dense(program, raw, None)["loaded"]
+            except Exception as exc:  # noqa: BLE001 -- the rest is drained, then this is raised
+                failure = f"bucket {i}: {exc}"
+        if failure is not None:
+            raise RuntimeError(failure)
+        return {"loaded": loaded}
 
     def _p2p_program(self, metas: tuple[TensorMeta, ...], nbytes: int) -> SimpleNamespace:
         """A per-rank bucket's program (kept, by its metadata), of ``nbytes`` on the wire."""

@@ -86,6 +86,14 @@ def future_errors(futures: list[Future], deadline: Deadline) -> list[str]:
     return [str(e) for e in _failures(futures, deadline)]
 
 
+def header_tensor(bucket: Bucket) -> torch.Tensor:
+    """A delta bucket's header as it crosses the wire right before its payload (``DeltaHeader.as_words``, int64), on
+    the payload's device: what an engine that took the update's metadata ahead reads to know the payload."""
+    if bucket.delta is None:
+        raise ValueError(f"bucket {bucket.index} has no delta header")
+    return torch.tensor(bucket.delta.as_words(bucket.index), dtype=torch.int64, device=bucket.buffer.device)
+
+
 class Sends:
     """The collectives that carry one bucket (and the buffers they read, kept alive until they are done).
 

@@ -16,6 +16,7 @@ from weightstream.common.processes import free_port
 from weightstream.engines.base import (
     BROADCAST,
     BROADCAST_AHEAD,
+    DELTA_AHEAD,
     BroadcastAheadEngine,
     BroadcastEngine,
     EngineAdapter,
@@ -23,7 +24,7 @@ from weightstream.engines.base import (
     capable,
     implementing,
 )
-from weightstream.sinks.base import Delivery, InFlight, PipelinedSink, Sends
+from weightstream.sinks.base import Delivery, InFlight, PipelinedSink, Sends, header_tensor
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.delta import Snapshot
 from weightstream.wire.groups import WARM_BROADCAST, GroupLayout, init_custom_process_group
@@ -102,18 +103,20 @@ class BroadcastSink(PipelinedSink):
 
     def open(self, stream) -> None:
         """Connect; where every engine takes the metadata of all buckets ahead (and no per-bucket checksum
-        is asked for), send it now: the buckets then go on the wire back to back."""
+        is asked for; in a delta-mode update, where every engine takes its deltas so too: ``delta_ahead``), send it
+        now: the buckets then go on the wire back to back (each delta payload behind its header)."""
         self._begin_update()
         self.connect()
         self._ahead = []
         self.ahead_used = False
         delta = self.delta is not None and self.delta.active
-        if not self.sender or self.checksums or not self.ahead or delta or not len(stream):
+        if not self.sender or self.checksums or not self.ahead or not len(stream) or (
+                delta and not all(e.info().can(DELTA_AHEAD) for e in self.engines)):
             return
         ahead = [a for e in self.engines if (a := capable(e, BROADCAST_AHEAD, BroadcastAheadEngine)) is not None]
         if len(ahead) == len(self.engines):
             metas = [stream.bucket_metas(i) for i in range(len(stream))]
-            self._post_ahead([partial(e.receive_broadcast_ahead, metas) for e in ahead], len(metas))
+            self._post_ahead([partial(e.receive_broadcast_ahead, metas, delta=delta) for e in ahead], len(metas))
             self.ahead_used = True
 
     def delivery(self) -> Delivery:
@@ -129,8 +132,11 @@ class BroadcastSink(PipelinedSink):
         digest = checksum(bucket.buffer) if self.checksums else None
         posts = [] if self._ahead else [self._engine_pool().submit(e.receive_broadcast, bucket, digest)
                                         for e in self.engines]
-        work = dist.broadcast(bucket.buffer, group=self.group, group_src=0, async_op=True)
-        self._inflight.start(bucket, Sends([work], [bucket.buffer], self.backend), posts)
+        buffers = [bucket.buffer]
+        if self._ahead and bucket.delta is not None:  # its header goes first, on the wire (delta_ahead)
+            buffers.insert(0, header_tensor(bucket))
+        works = [dist.broadcast(b, group=self.group, group_src=0, async_op=True) for b in buffers]
+        self._inflight.start(bucket, Sends(works, buffers, self.backend), posts)
 
     def close(self) -> None:
         if not self.sender:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from weightstream.common.processes import free_port
 from weightstream.engines.base import (
+    DELTA_AHEAD,
     P2P,
     P2P_AHEAD,
     EngineAdapter,
@@ -31,7 +32,7 @@ from weightstream.engines.base import (
     implementing,
 )
 from weightstream.errors import UpdateError
-from weightstream.sinks.base import Delivery, InFlight, PipelinedSink, Sends
+from weightstream.sinks.base import Delivery, InFlight, PipelinedSink, Sends, header_tensor
 from weightstream.sinks.broadcast import default_backend
 from weightstream.sources.topology import Topology
 from weightstream.streaming.bucket import Bucket, TensorMeta, extent
@@ -126,9 +127,10 @@ class P2PSink(PipelinedSink):
             self._leave(self.engines if self.poster else [], self.timeout_s if seconds is None else seconds)
 
     def open(self, stream) -> None:
-        """Connect; where every engine of this replica takes it (and neither checksums nor deltas are asked for),
-        the poster tells them what each of their ranks receives in every bucket now: the buckets then go on the
-        wire back to back, with no request between two."""
+        """Connect; where every engine of this replica takes it (and no checksums are asked for; in a delta-mode
+        update, where every engine takes its deltas so too: ``delta_ahead``), the poster tells them what each of their
+        ranks receives in every bucket now: the buckets then go on the wire back to back, with no request between
+        two (each delta payload behind its header)."""
         if stream.mode != "per_rank":
             raise ValueError("P2PSink needs a per_rank stream")
         self.stream = stream
@@ -136,7 +138,9 @@ class P2PSink(PipelinedSink):
         self.connect()
         self._ahead = []
         self.ahead_used = False
-        if not self.sender or self.checksums or (self.delta is not None and self.delta.active) or not len(stream):
+        delta = self.delta is not None and self.delta.active
+        if not self.sender or self.checksums or not len(stream) or (
+                delta and not all(e.info().can(DELTA_AHEAD) for e in self.engines)):
             return
         ahead = [a for e in self.engines if (a := capable(e, P2P_AHEAD, P2PAheadEngine)) is not None]
         if len(ahead) == len(self.engines):
@@ -144,7 +148,7 @@ class P2PSink(PipelinedSink):
             if self.poster:
                 buckets = [self._told(i, stream.bucket_metas(i), [None] * self.tp, [None] * self.tp)
                            for i in range(len(stream))]
-                self._post_ahead([partial(e.receive_p2p_ahead, buckets) for e in ahead], len(buckets))
+                self._post_ahead([partial(e.receive_p2p_ahead, buckets, delta=delta) for e in ahead], len(buckets))
 
     def _told(self, index: int, mine: Sequence[TensorMeta], digests: Sequence[str | None],
               headers: Sequence[DeltaHeader | None]) -> list[RankBucket]:
@@ -187,9 +191,12 @@ class P2PSink(PipelinedSink):
         if self.poster and not self.ahead_used:
             ranks = self._told(bucket.index, bucket.metas, digests if self.checksums else [None] * self.tp, headers)
             posts = [self._engine_pool().submit(e.receive_p2p, bucket.index, ranks) for e in self.engines]
-        works = [dist.isend(bucket.buffer, group=self.group, group_dst=self._offset(i) + self.tp_rank)
-                 for i in range(len(self.engines))]
-        self._inflight.start(bucket, Sends(works, [bucket.buffer], self.backend), posts)
+        buffers = [bucket.buffer]
+        if self.ahead_used and bucket.delta is not None:  # its header goes first, on the wire (delta_ahead)
+            buffers.insert(0, header_tensor(bucket))
+        works = [dist.isend(b, group=self.group, group_dst=self._offset(i) + self.tp_rank)
+                 for i in range(len(self.engines)) for b in buffers]
+        self._inflight.start(bucket, Sends(works, buffers, self.backend), posts)
 
     def _finish_inflight(self, every: bool = True) -> UpdateError | None:
         """Finish the buckets in flight (``every``; else as the next bucket starts); a failure, kept to raise once

@@ -15,7 +15,7 @@ Pure functions of tensors; they run where the tensors live (the GPU, or the CPU)
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -28,6 +28,7 @@ from weightstream.wire.handles import checksum
 Encoding = Literal["dense", "indices", "bitmap"]
 ENCODINGS: tuple[Encoding, ...] = ("dense", "indices", "bitmap")
 INDEX_BYTES = 4  # a changed word's position in ``indices`` (int32: buckets up to 2**31 words)
+HEADER_WORDS = 6  # a header on the wire (:meth:`DeltaHeader.as_words`): encoding, word, total, count, nbytes, index
 _WORD_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 _GATHER = 0x0102040810204080  # byte k of an int64 times this: into bit 56 + k (see _pack_bits)
@@ -55,6 +56,34 @@ class DeltaHeader:
     def as_json(self) -> dict:
         return {"encoding": self.encoding, "word": self.word, "total": self.total, "count": self.count,
                 "nbytes": self.nbytes}
+
+    def as_words(self, index: int) -> list[int]:
+        """The header of bucket ``index`` as :data:`HEADER_WORDS` integers, as it crosses the wire ahead of its
+        payload where the bucket's metadata went ahead (:meth:`from_words` reads it)."""
+        return [ENCODINGS.index(self.encoding), self.word, self.total, self.count, self.nbytes, index]
+
+    @classmethod
+    def from_words(cls, words: Sequence[int], total: int, limit: int) -> tuple[DeltaHeader, int]:
+        """The header and the bucket index :meth:`as_words` wrote, for a bucket of ``total`` bytes whose payload
+        takes at most ``limit``; raises ``ValueError`` listing every field that cannot be."""
+        code, word, got_total, count, nbytes, index = (int(w) for w in words)
+        problems = []
+        if not 0 <= code < len(ENCODINGS):
+            problems.append(f"encoding {code} is none of {list(range(len(ENCODINGS)))} ({', '.join(ENCODINGS)})")
+        if word not in _WORD_DTYPES:
+            problems.append(f"word of {word} bytes (1, 2 or 4)")
+        if got_total != total:
+            problems.append(f"{got_total} bucket bytes, its tensors take {total}")
+        if not 0 <= nbytes <= limit:
+            problems.append(f"a payload of {nbytes} bytes (at most {limit})")
+        if not problems and not 0 <= count <= total // word:
+            problems.append(f"{count} changed words of {total // word}")
+        if not problems and nbytes != encoded_bytes(ENCODINGS[code], total // word, count, word):
+            problems.append(f"{nbytes} payload bytes, {ENCODINGS[code]} of {count} words takes "
+                            f"{encoded_bytes(ENCODINGS[code], total // word, count, word)}")
+        if problems:
+            raise ValueError(f"bad delta header for bucket {index}: " + "; ".join(problems))
+        return cls(ENCODINGS[code], word, total, count, nbytes), index
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> DeltaHeader:
