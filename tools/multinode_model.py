@@ -405,15 +405,19 @@ class Update:
 
     @property
     def metadata_ahead(self) -> bool:
-        """Today: a full update, by broadcast or P2P; a delta sends its headers with each bucket."""
-        return self.changed is None if self.ahead is None else self.ahead
+        """Today: a full update, by broadcast or P2P; a broadcast delta too (each bucket's header on the wire before
+        its payload: ``delta_ahead``); a resharded P2P delta sends its headers with each bucket's routes."""
+        if self.ahead is not None:
+            return self.ahead
+        return self.changed is None or self.transport == "broadcast"
 
     @property
     def overlapped(self) -> bool:
-        """Today: a full broadcast; the resharded engine receives a bucket's pieces, then loads them."""
+        """Today: a full broadcast; the resharded engine receives a bucket's pieces, then loads them, and an engine
+        taking deltas ahead applies and loads a bucket before it reads the next header."""
         if self.overlap is not None:
             return self.overlap
-        return self.metadata_ahead and self.transport == "broadcast"
+        return self.metadata_ahead and self.transport == "broadcast" and self.changed is None
 
     def label(self) -> str:
         what = "broadcast" if self.transport == "broadcast" else "P2P"
