@@ -181,7 +181,8 @@ def test_megatron_trainer_delta_updates(sources, engine_dir, trainer_tp, engine_
     engine rank): each trainer TP rank encodes its own shards against its own snapshot, engine rank r checked
     against trainer rank r. Resharded P2P (TP 2 into TP 1, TP 1 into TP 2): each trainer rank encodes the bytes
     of each engine rank's rows against its snapshot of those, and each engine rank is checked against the
-    routes that reached it."""
+    routes that reached it. Every bucket's metadata (or routes) goes ahead in one request, and each delta's header
+    on the wire before its payload."""
     case = Case(sources["tiny-qwen3"], Layout(trainer_tp), dtype="bfloat16", bucket_bytes=SMALL)
     with engine(engine_dir, tp=engine_tp) as server:
         results = launch(trainer_tp, run_delta_updates, case, server.url, 6, LR, transport)
@@ -190,6 +191,7 @@ def test_megatron_trainer_delta_updates(sources, engine_dir, trainer_tp, engine_
     assert {r.transport for r in reports} == {"broadcast" if transport == "broadcast" else "p2p"}
     assert all(("resharded P2P" in r.reason) == resharded for r in reports), reports[0].reason
     assert [(r.delta.full, r.delta.checked) for r in reports] == [(True, True)] + [(False, True)] * 5
+    assert all(r.metadata_ahead for r in reports)  # every bucket's routes in one request, each header on the wire
     # rank 0's share: the whole model gathered (broadcast), its own shards (P2P)
     assert all(0 < r.delta.wire_bytes < r.bytes / 2 for r in reports[1:]), [r.summary() for r in reports]
     assert all(r.delta is None for res in results[1:] for r in res["reports"])  # rank 0 decides and checks
@@ -230,6 +232,7 @@ def test_resharded_moe_ep2_delta_updates(tmp_path):
     reports = results[0]["reports"]
     assert all(r.transport == "p2p" and "resharded P2P" in r.reason for r in reports), reports[0].reason
     assert [(r.delta.full, r.delta.checked) for r in reports] == [(True, True), (False, True), (False, True)]
+    assert all(r.metadata_ahead for r in reports)
     assert_held(held, _as_transformers_holds(results[0]["tensors"], src, tmp_path / "streamed"))
 
 
@@ -258,6 +261,7 @@ def test_resharded_corrupted_delta_caught(sources, engine_dir):
         held = server.engine.call("held_weights")
     first, caught, after = (r.delta for r in results[0]["reports"])
     assert "resharded P2P" in results[0]["reports"][1].reason
+    assert all(r.metadata_ahead for r in results[0]["reports"])  # the corrupted part's header came on the wire
     assert (first.full, first.checked, first.mismatch) == (True, True, None)
     assert caught.mismatch == (f"engine {server.url}: the bytes it applied of buckets [1] differ from the trainer's "
                                "(checksums)")

@@ -977,11 +977,8 @@ class EngineServer(ThreadingHTTPServer):
         group = b.get("group_name", "weight_update_group")
         delta = b.get("weightstream_delta_mode") is True
         if any("rank" in e for x in buckets for e in x):
-            if delta:
-                raise BadRequest(HTTPStatus.BAD_REQUEST, "resharded buckets sent ahead carry no deltas: a resharded "
-                                 "delta-mode update sends each bucket's parts with their headers")
             per_bucket = [self._parts_per_rank(x) for x in buckets]
-            per_rank = [{"group_name": group, "buckets": [parts[r] for parts in per_bucket]}
+            per_rank = [{"group_name": group, "buckets": [parts[r] for parts in per_bucket], "delta": delta}
                         for r in range(self.engine.tp)]
             return self._guarded(lambda: self.engine.call("update_p2p_pieces_ahead", per_rank=per_rank), b)
         problems = [f"bucket {i}: {len(x)} entries, the engine has {self.engine.tp} ranks"

@@ -907,12 +907,15 @@ class Worker:
                 names=names, targets=[[self.model.params[n][0] for n in names]], dests=dests)
         return self.programs[key]
 
-    def update_p2p_pieces_ahead(self, group_name, buckets):
+    def update_p2p_pieces_ahead(self, group_name, buckets, delta: bool = False):
         """Every resharded bucket of an update (per bucket, this rank's parts as :meth:`update_p2p_pieces` takes
         them), one after the other with no request between. After a failure the rest are still received (the
-        trainer sends them all) but not loaded; the failure is raised at the end, naming the bucket."""
+        trainer sends them all) but not loaded; the failure is raised at the end, naming the bucket. ``delta``: a
+        delta-mode update, each part's header first on the wire (:meth:`_delta_parts`)."""
         loaded, failure = 0, None
-        for parts in buckets:
+        for i, parts in enumerate(buckets):
+            if delta:
+                parts = self._delta_parts(group_name, i, parts)
             try:
                 done = self.update_p2p_pieces(group_name, parts, load=failure is None)
                 loaded += int(done["loaded"]) if done else 0
@@ -921,6 +924,24 @@ class Worker:
         if failure is not None:
             raise RuntimeError(failure)
         return {"loaded": loaded}
+
+    def _delta_parts(self, group_name, index: int, parts: list[dict]) -> list[dict]:
+        """Resharded bucket ``index``'s parts of a delta-mode update sent ahead: each part's header, read from its
+        sender before its payload (:meth:`DeltaHeader.as_words`), into the part as a per-bucket request carries it
+        (``delta``, and the payload's ``nbytes``). A header that cannot be is raised at once (what follows it is of
+        unknown size; the senders' transfers then fail within their bound)."""
+        group = self._group(group_name)
+        words = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
+        out = []
+        with self.clock("receive"):
+            for part in parts:
+                dist.recv(words, group=group, group_src=int(part["src"]))
+                layout = tuple(map(_wire_meta, part["metas"]))
+                header, got = DeltaHeader.from_words(words.tolist(), extent(layout), int(part["nbytes"]))
+                if got != index:
+                    raise ValueError(f"bucket {index} of the update came with the delta header of bucket {got}")
+                out.append({**part, "nbytes": header.nbytes, "delta": {**header.as_json(), "index": index}})
+        return out
 
     def _pieces_from_deltas(self, parts: list[dict], layouts: list[tuple[TensorMeta, ...]],
                             payloads: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -15,6 +15,7 @@ from weightstream.common.bounds import Deadline, cleanup_budget
 from weightstream.engines.base import WARM_GROUP, EngineAdapter
 from weightstream.errors import UpdateError
 from weightstream.streaming.bucket import Bucket
+from weightstream.streaming.delta import DeltaHeader
 from weightstream.streaming.stream import BucketStream
 from weightstream.wire.groups import GroupLayout, destroy_group, wait_works, warm_device, warm_group
 
@@ -86,12 +87,11 @@ def future_errors(futures: list[Future], deadline: Deadline) -> list[str]:
     return [str(e) for e in _failures(futures, deadline)]
 
 
-def header_tensor(bucket: Bucket) -> torch.Tensor:
-    """A delta bucket's header as it crosses the wire right before its payload (``DeltaHeader.as_words``, int64), on
-    the payload's device: what an engine that took the update's metadata ahead reads to know the payload."""
-    if bucket.delta is None:
-        raise ValueError(f"bucket {bucket.index} has no delta header")
-    return torch.tensor(bucket.delta.as_words(bucket.index), dtype=torch.int64, device=bucket.buffer.device)
+def header_tensor(header: DeltaHeader, index: int, device: torch.device) -> torch.Tensor:
+    """Bucket ``index``'s delta header as it crosses the wire right before its payload (``DeltaHeader.as_words``,
+    int64), on the payload's ``device``: what an engine that took the update's metadata ahead reads to know the
+    payload."""
+    return torch.tensor(header.as_words(index), dtype=torch.int64, device=device)
 
 
 class Sends:

@@ -134,7 +134,7 @@ class BroadcastSink(PipelinedSink):
                                         for e in self.engines]
         buffers = [bucket.buffer]
         if self._ahead and bucket.delta is not None:  # its header goes first, on the wire (delta_ahead)
-            buffers.insert(0, header_tensor(bucket))
+            buffers.insert(0, header_tensor(bucket.delta, bucket.index, bucket.buffer.device))
         works = [dist.broadcast(b, group=self.group, group_src=0, async_op=True) for b in buffers]
         self._inflight.start(bucket, Sends(works, buffers, self.backend), posts)
 

@@ -193,7 +193,7 @@ class P2PSink(PipelinedSink):
             posts = [self._engine_pool().submit(e.receive_p2p, bucket.index, ranks) for e in self.engines]
         buffers = [bucket.buffer]
         if self.ahead_used and bucket.delta is not None:  # its header goes first, on the wire (delta_ahead)
-            buffers.insert(0, header_tensor(bucket))
+            buffers.insert(0, header_tensor(bucket.delta, bucket.index, bucket.buffer.device))
         works = [dist.isend(b, group=self.group, group_dst=self._offset(i) + self.tp_rank)
                  for i in range(len(self.engines)) for b in buffers]
         self._inflight.start(bucket, Sends(works, buffers, self.backend), posts)

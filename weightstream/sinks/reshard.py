@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from weightstream.common.processes import free_port
 from weightstream.engines.base import (
+    DELTA_AHEAD,
     P2P_AHEAD,
     RESHARD,
     EngineAdapter,
@@ -40,7 +41,7 @@ from weightstream.engines.base import (
     implementing,
 )
 from weightstream.errors import UpdateError
-from weightstream.sinks.base import Delivery, InFlight, PipelinedSink, Sends
+from weightstream.sinks.base import Delivery, InFlight, PipelinedSink, Sends, header_tensor
 from weightstream.sinks.broadcast import default_backend
 from weightstream.sources.topology import Topology
 from weightstream.streaming.bucket import Bucket, typed_buffer, view_tensor
@@ -206,8 +207,9 @@ class ReshardSink(PipelinedSink):
             self._leave([self.engine] if self.roster.me == 0 else [], self.timeout_s if seconds is None else seconds)
 
     def open(self, stream: BucketStream) -> None:
-        """Plan and connect; where the engine takes it (``p2p_ahead``) and neither checksums nor deltas are asked
-        for, sender 0 tells it of every bucket's routes now: the buckets then go on the wire back to back."""
+        """Plan and connect; where the engine takes it (``p2p_ahead``; in a delta-mode update ``delta_ahead`` too)
+        and no checksums are asked for, sender 0 tells it of every bucket's routes now: the buckets then go on the
+        wire back to back (each delta payload behind its header, from its sender)."""
         if stream.mode != "per_rank":
             raise ValueError("ReshardSink needs a per_rank stream")
         self._begin_update()
@@ -215,10 +217,12 @@ class ReshardSink(PipelinedSink):
         self.connect()
         self._ahead = []
         ahead = capable(self.engine, P2P_AHEAD, P2PAheadEngine)
-        self.ahead_used = (self.sender and ahead is not None and not self.checksums
-                           and self._active_snapshot() is None and len(stream) > 0)
+        delta = self._active_snapshot() is not None
+        self.ahead_used = (self.sender and ahead is not None and not self.checksums and len(stream) > 0
+                           and (not delta or self.engine.info().can(DELTA_AHEAD)))
         if self.ahead_used and ahead is not None and self._roster().me == 0:
-            self._post_ahead([partial(ahead.receive_p2p_ahead, self._ahead_buckets())], len(self.routes))
+            self._post_ahead([partial(ahead.receive_p2p_ahead, self._ahead_buckets(), delta=delta)],
+                             len(self.routes))
 
     def _ahead_buckets(self) -> list[list[RankBucket]]:
         """What the engine is told ahead: where every bucket is trainer rank r's to engine rank r (the layouts are
@@ -273,9 +277,13 @@ class ReshardSink(PipelinedSink):
             told = self._told(bucket.index, digests, headers)
             posts.append(self._engine_pool().submit(self.engine.receive_p2p, bucket.index, told))
         n = len(roster.senders)
-        works = [dist.isend(b, group=self.group, group_dst=n + r.engine_rank) for r, b in zip(mine, buffers,
-                                                                                             strict=True)]
-        self._inflight.start(bucket, Sends(works, buffers, self.backend), posts)
+        sent = [(r.engine_rank, b) for r, b in zip(mine, buffers, strict=True)]
+        if self.ahead_used and snapshot is not None:  # each route's header first, on the wire (delta_ahead)
+            sent = [pair for r, b in zip(mine, buffers, strict=True) for pair in (
+                (r.engine_rank, header_tensor(headers[(r.sender, r.engine_rank)], bucket.index, b.device)),
+                (r.engine_rank, b))]
+        works = [dist.isend(b, group=self.group, group_dst=n + rank) for rank, b in sent]
+        self._inflight.start(bucket, Sends(works, [b for _, b in sent], self.backend), posts)
 
     def _told(self, index: int, digests: dict[tuple[int, int], str],
               headers: dict[tuple[int, int], DeltaHeader]) -> list[RankBucket]:
