@@ -21,6 +21,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from weightstream.bench.speed import (
@@ -193,6 +194,9 @@ def delta_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype: 
         version = str(len(updates))
         ((seconds, report),), peak = _timed(device, 1, lambda: sync.update(chunks, cfg, weight_version=version))
         d = report.delta
+        if d is None and dist.is_initialized() and dist.get_rank() != 0:  # trainer rank 0 decides and checks
+            updates.append({"bytes": report.bytes, "buckets": report.buckets})
+            return
         if d is None:
             raise RuntimeError("a delta-mode update reported no delta")
         updates.append({"lr": lr, "full": d.full, "reason": d.reason, "seconds": seconds,
