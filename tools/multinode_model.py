@@ -405,11 +405,9 @@ class Update:
 
     @property
     def metadata_ahead(self) -> bool:
-        """Today: a full update, by broadcast or P2P; a broadcast delta too (each bucket's header on the wire before
-        its payload: ``delta_ahead``); a resharded P2P delta sends its headers with each bucket's routes."""
-        if self.ahead is not None:
-            return self.ahead
-        return self.changed is None or self.transport == "broadcast"
+        """Today: every update, by broadcast or P2P, full or delta (a delta's header crosses the wire before its
+        payload: ``delta_ahead``)."""
+        return True if self.ahead is None else self.ahead
 
     @property
     def overlapped(self) -> bool:
