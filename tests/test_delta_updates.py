@@ -198,20 +198,20 @@ def test_megatron_trainer_delta_updates(sources, engine_dir, trainer_tp, engine_
     assert_held(held, results[0]["tensors"])
 
 
-@pytest.mark.parametrize("engines", [2, 3])
-def test_several_engines_by_p2p_delta_updates(sources, engine_dir, engines):
+@pytest.mark.parametrize("engines,tp", [(2, 1), (3, 1), (2, 2)])
+def test_several_engines_by_p2p_delta_updates(sources, engine_dir, engines, tp):
     """A Megatron-Core trainer of two data-parallel replicas (TP 1) into several engines at its TP by P2P: engine
     j's buckets come from replica j % 2 (with 3 engines, replica 0 sends each bucket to two), each replica's rank
-    encoding against its own snapshot; every engine checked against the replica that sent to it, every update,
+    encoding against its own snapshot (at TP 2, one replica: each TP rank its own shards, into two engines at TP 2); every engine checked against the replica that sent to it, every update,
     and each holds the trainer's tensors bit for bit. Every bucket's metadata goes ahead, each delta's header on the
     wire before its payload."""
-    case = Case(sources["tiny-qwen3"], Layout(1), dtype="bfloat16", bucket_bytes=SMALL)
+    case = Case(sources["tiny-qwen3"], Layout(tp), dtype="bfloat16", bucket_bytes=SMALL)
     with contextlib.ExitStack() as stack:
-        servers = [stack.enter_context(engine(engine_dir)) for _ in range(engines)]
+        servers = [stack.enter_context(engine(engine_dir, tp=tp)) for _ in range(engines)]
         results = launch(2, run_delta_updates, case, [s.url for s in servers], 4, LR)
         held = [s.engine.call("held_weights") for s in servers]
     reports = results[0]["reports"]
-    assert all(r.transport == "p2p" and r.reason.startswith(f"{engines} engines at the trainer's TP 1")
+    assert all(r.transport == "p2p" and r.reason.startswith(f"{engines} engines at the trainer's TP {tp}")
                for r in reports), reports[0].reason
     assert [(r.delta.full, r.delta.checked) for r in reports] == [(True, True)] + [(False, True)] * 3
     assert all(r.metadata_ahead for r in reports)  # each delta's header on the wire, before its payload

@@ -178,9 +178,10 @@ class P2PSink(PipelinedSink):
             bucket = Bucket(bucket.index, payload, bucket.metas, delta=header)
         digest = checksum(bucket.buffer) if self.checksums else None
         digests, headers = [digest] * self.tp, [bucket.delta] * self.tp  # gathered below where they differ
-        if (self.checksums or bucket.delta is not None) and self.tp > 1:
-            # The TP ranks meet here for every bucket: a failure seen by one (the poster hears the engine)
-            # is raised by all, so that none is left waiting in this collective for a rank that stopped.
+        if (self.checksums or bucket.delta is not None) and self.tp > 1 and not self.ahead_used:
+            # The TP ranks meet here for every bucket (its checksums and headers go in the poster's request): a
+            # failure seen by one (the poster hears the engine) is raised by all, so that none is left waiting in
+            # this collective for a rank that stopped. Sent ahead (headers on the wire), they meet at close.
             everyone: list = [None] * self.tp
             dist.all_gather_object(everyone, (digest, bucket.delta, failure), group=self.tp_group)
             digests, headers = [d for d, _, _ in everyone], [h for _, h, _ in everyone]
