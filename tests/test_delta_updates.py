@@ -202,9 +202,9 @@ def test_megatron_trainer_delta_updates(sources, engine_dir, trainer_tp, engine_
 def test_several_engines_by_p2p_delta_updates(sources, engine_dir, engines, tp):
     """A Megatron-Core trainer of two data-parallel replicas (TP 1) into several engines at its TP by P2P: engine
     j's buckets come from replica j % 2 (with 3 engines, replica 0 sends each bucket to two), each replica's rank
-    encoding against its own snapshot (at TP 2, one replica: each TP rank its own shards, into two engines at TP 2); every engine checked against the replica that sent to it, every update,
-    and each holds the trainer's tensors bit for bit. Every bucket's metadata goes ahead, each delta's header on the
-    wire before its payload."""
+    encoding against its own snapshot (at TP 2, one replica: each TP rank its own shards, into two engines at TP
+    2); every engine checked against the replica that sent to it, every update, and each holds the trainer's
+    tensors bit for bit. Every bucket's metadata goes ahead, each delta's header on the wire before its payload."""
     case = Case(sources["tiny-qwen3"], Layout(tp), dtype="bfloat16", bucket_bytes=SMALL)
     with contextlib.ExitStack() as stack:
         servers = [stack.enter_context(engine(engine_dir, tp=tp)) for _ in range(engines)]
