@@ -61,11 +61,17 @@ def _config(preset: str):
 
 
 class VLLMServer:
-    def __init__(self, python: str, model_dir: str, log_path: str):
+    def __init__(self, python: str, model_dir: str, log_path: str, tp: int = 1):
+        """``tp`` > 1: vLLM's workers as processes, each bound to a core of its own (vLLM's CPU workers bind one
+        NUMA node each by default; this machine has one)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1",
                    VLLM_PLUGINS="weightstream", PYTHONWARNINGS="ignore")
+        parallel = []
+        if tp > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp))
+            parallel = ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.started = time.monotonic()
@@ -73,7 +79,7 @@ class VLLMServer:
             [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
              "--port", str(self.port), "--skip-tokenizer-init", "--enforce-eager", "--max-model-len", "256",
              "--dtype", "float32", "--weight-transfer-config", json.dumps({"backend": "weightstream"}),
-             "--worker-extension-cls", WORKER_EXTENSION],
+             "--worker-extension-cls", WORKER_EXTENSION, *parallel],
             stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.ready_s = None
 
@@ -276,6 +282,40 @@ def test_vllm_delta_updates(tmp_path):
             trainer.step()
             d = _update(sync, trainer, engine, "v6").delta
             assert (d.full, d.checked, d.reason) == (False, True, "deltas against version v5")
+    finally:
+        server.stop()
+
+
+def test_vllm_delta_updates_at_tp2(tmp_path):
+    """vLLM at TP 2 (two worker processes): each worker keeps the whole buckets and applies every delta itself, then
+    loads its shard through vLLM's own loader; a full update then deltas, each checked against every worker's
+    checksums, vLLM's greedy tokens HF's after each, and its parameters bit for bit those a plain full update of
+    the same weights leaves."""
+    import weightstream as ws
+    from weightstream.models.presets import save_random_checkpoint
+
+    python = _vllm_python()
+    cfg = _config("tiny-qwen3")
+    server = VLLMServer(python, save_random_checkpoint(cfg, tmp_path / "engine", seed=1), str(tmp_path / "vllm.log"),
+                        tp=2)
+    try:
+        server.wait_healthy()
+        engine = VLLMEngine(server.url, timeout_s=120)
+        assert engine.info().tp_size == 2 and {BROADCAST, DELTA} <= engine.info().capabilities
+        trainer = DeltaTrainer(cfg, seed=2)
+        with ws.WeightSync([server.url], transport="broadcast", delta=True, bucket_bytes=SMALL,
+                           timeout_s=120) as sync:
+            first = _update(sync, trainer, engine, "v0").delta
+            assert (first.full, first.checked) == (True, True)
+            for step in (1, 2):
+                trainer.step()
+                d = _update(sync, trainer, engine, f"v{step}").delta
+                assert (d.full, d.checked, d.mismatch) == (False, True, None)
+                assert set(d.encodings) - {"dense"} and 0 < d.wire_bytes < d.words
+            applied = _vllm_weight_checksums(engine)
+        ws.update_weights(trainer.model, cfg, server.url, transport="broadcast", bucket_bytes=SMALL,
+                          weight_version="v2-plain", timeout_s=120)
+        assert _vllm_weight_checksums(engine) == applied
     finally:
         server.stop()
 
