@@ -108,6 +108,7 @@ def test_torchrun_trainer_sends_deltas(tmp_path, transport, engine_tp):
               SCRIPT, "--src", src, "--engine", server.url, "--transport", transport, "--tp", "2", "--out", str(out),
               "--delta"])
     _check(src, out, transport, torchrun=True)
+    assert all(r["ahead"] for r in json.loads((out / "reports.json").read_text()))  # headers on the wire
     first, second = (r["delta"] for r in json.loads((out / "reports.json").read_text()))
     assert (first["full"], first["reason"], first["checked"]) == (True, "the first update", True), first
     assert (second["full"], second["reason"], second["checked"]) == (False, "deltas against version step-0", True)
@@ -133,8 +134,29 @@ def test_torchrun_trainer_of_two_replicas_updates_two_engines_by_p2p(tmp_path):
     reports = json.loads((out / "reports.json").read_text())
     assert all(r["reason"].startswith("2 engines at the trainer's TP 1") for r in reports), reports
     assert [(r["delta"]["full"], r["delta"]["checked"]) for r in reports] == [(True, True), (False, True)], reports
+    assert all(r["ahead"] for r in reports)  # each delta's header on the wire, no request per bucket
     for step, ref in ((0, src), (1, str(out / "step1"))):
         assert_logits_close(torch.load(out / f"logits{step}_1.pt"), hf_logits(ref, INPUT_IDS))
+
+
+def test_torchrun_moe_trainer_into_an_engine_with_expert_parallelism(tmp_path):
+    """A torchrun job training Qwen3-MoE at EP 2 into an engine at TP 2 with expert parallelism, by resharded P2P
+    with deltas: each trainer rank sends each engine rank only the experts it owns; the engine's logits equal HF's
+    after each update."""
+    cfg = preset_config("tiny-qwen3-moe")
+    src = save_random_checkpoint(cfg, tmp_path / "src", seed=41)
+    eng_dir = save_random_checkpoint(cfg, tmp_path / "eng", seed=42)
+    out = tmp_path / "out"
+    out.mkdir()
+    with engine(eng_dir, tp=2, ep=2) as server:
+        _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+              SCRIPT, "--src", src, "--engine", server.url, "--transport", "p2p", "--ep", "2", "--out", str(out),
+              "--delta"])
+    _check(src, out, "p2p", torchrun=True)
+    reports = json.loads((out / "reports.json").read_text())
+    assert all("engine TP 2 EP 2" in r["reason"] and "resharded P2P" in r["reason"] for r in reports), reports
+    assert [(r["delta"]["full"], r["delta"]["checked"]) for r in reports] == [(True, True), (False, True)], reports
+    assert all(r["ahead"] for r in reports)
 
 
 def test_plain_single_process_trainer(tmp_path):

@@ -35,13 +35,14 @@ def engine_dir(tmp_path_factory) -> str:
 
 @contextmanager
 def engine(model_dir: str, tp: int = 1, fault: str | None = None, api_key: str | None = None,
-           rollback: bool = True, ahead: bool = False):
-    """A reference engine serving ``model_dir`` at TP ``tp``; ``fault``: one of :mod:`tests.helpers.faults`'s,
-    injected into its workers (``ahead``: the faulty engine still takes buckets sent ahead)."""
+           rollback: bool = True, ahead: bool = False, ep: int = 1):
+    """A reference engine serving ``model_dir`` at TP ``tp`` (and expert parallelism ``ep``); ``fault``: one of
+    :mod:`tests.helpers.faults`'s, injected into its workers (``ahead``: the faulty engine still takes buckets sent
+    ahead)."""
     if fault:
-        server = serve_with_fault(model_dir, tp, fault, ahead=ahead, api_key=api_key, rollback=rollback)
+        server = serve_with_fault(model_dir, tp, fault, ahead=ahead, api_key=api_key, rollback=rollback, ep=ep)
     else:
-        server = serve(model_dir, tp, api_key=api_key, rollback=rollback)
+        server = serve(model_dir, tp, api_key=api_key, rollback=rollback, ep=ep)
     try:
         yield server
     finally:
