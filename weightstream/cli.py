@@ -641,11 +641,10 @@ def cmd_engine(args: argparse.Namespace) -> int:
     import signal
     import threading
 
+    from weightstream.reference_engine.schema import ep_problem
     from weightstream.reference_engine.server import ServerLimits, serve, stop
 
-    problem = _engine_model_problem(args.model)
-    if problem is None and args.ep not in (1, args.tp):
-        problem = f"--ep {args.ep}: expert parallelism runs over the engine's TP ranks (--ep 1 or {args.tp})"
+    problem = _engine_model_problem(args.model) or ep_problem(args.ep, args.tp)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2

@@ -40,6 +40,7 @@ from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8, dequantize_
 from weightstream.converters.mapping import Converter
 from weightstream.converters.registry import get_converter, known_model_types, model_spec
 from weightstream.models.spec import ModelSpec
+from weightstream.reference_engine.schema import ep_problem
 from weightstream.streaming.bucket import Shard, TensorMeta
 
 Weight = tuple[str, Tensor, Shard | None]  # what load_weights takes: a name, a tensor, its placement
@@ -202,8 +203,8 @@ class ShardedCausalLM:
                 f"engine TP {size} must divide the attention heads ({config.num_attention_heads}) "
                 f"and KV heads ({config.num_key_value_heads})"
             )
-        if ep not in (1, size):
-            raise ValueError(f"engine EP {ep}: expert parallelism runs over the engine's TP group (EP 1 or {size})")
+        if (problem := ep_problem(ep, size)) is not None:
+            raise ValueError(problem)
         self.config, self.rank, self.size, self.group, self.ep = config, rank, size, group, ep
         # The family's declaration of how transformers holds the model, where it holds it otherwise than the
         # checkpoint names it (None: the names are the checkpoint's).

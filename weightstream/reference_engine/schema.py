@@ -146,3 +146,11 @@ def token_rows(ids: Any, *, flat: bool) -> list[list[int]] | str:
     if bad:
         return f"input_ids rows {bad[:5]} hold something other than non-negative integer token ids"
     return ids
+
+
+def ep_problem(ep: int, tp: int) -> str | None:
+    """Why an engine of TP ``tp`` cannot run expert parallelism ``ep`` (None: it can): EP runs over the TP group,
+    each rank holding its routed experts whole, or not at all."""
+    if ep in (1, tp):
+        return None
+    return f"engine EP {ep}: expert parallelism runs over the engine's TP group (EP 1 or {tp})"

@@ -53,6 +53,7 @@ from weightstream.reference_engine.schema import (
     buckets_problems,
     delta_problems,
     duration_problem,
+    ep_problem,
     nesting_exceeds,
     range_problem,
     text_problem,
@@ -279,8 +280,8 @@ class Engine:
         worker_main`'s arguments (it must be importable in a fresh interpreter). ``ep``: expert parallelism over
         the TP group (1, or ``tp``: each rank holds its routed experts whole, as SGLang's ``--ep-size`` and vLLM's
         ``--enable-expert-parallel`` do)."""
-        if ep not in (1, tp):
-            raise ValueError(f"engine EP {ep}: expert parallelism runs over the engine's TP group (EP 1 or {tp})")
+        if (problem := ep_problem(ep, tp)) is not None:
+            raise ValueError(problem)
         self.model_dir = os.path.abspath(model_dir)
         self.tp, self.ep = tp, ep
         self.rollback = rollback  # keep what a session overwrites, to put it back if the session is aborted

@@ -172,6 +172,14 @@ def _metas(layout: BucketLayout) -> list[TensorMeta]:
             for n, d, s, o in zip(layout.names, layout.dtypes, layout.shapes, layout.offsets, strict=True)]
 
 
+def _take(tensor: torch.Tensor, group, src: int | None) -> None:
+    """``tensor`` filled from the wire: broadcast from group rank 0 (``src`` None), or sent by group rank ``src``."""
+    if src is None:
+        dist.broadcast(tensor, group=group, group_src=0)
+    else:
+        dist.recv(tensor, group=group, group_src=src)
+
+
 class _Pipeline:
     """Receiving bucket k + 1 while bucket k is loaded, on a GPU: two receive buffers kept by the worker,
     the loads on a stream of their own, and an event per buffer that the next receive into it waits for
@@ -198,10 +206,7 @@ class _Pipeline:
         else:
             raw = self.worker.receive_buffers[i % 2]
             self.main.wait_event(self.loaded[i % 2])  # bucket i - 2 was loaded out of this buffer
-        if src is None:  # after it, on a GPU: this stream has the bytes
-            dist.broadcast(raw.narrow(0, 0, nbytes), group=group, group_src=0)
-        else:
-            dist.recv(raw.narrow(0, 0, nbytes), group=group, group_src=src)
+        _take(raw.narrow(0, 0, nbytes), group, src)  # after it, on a GPU: this stream has the bytes
         return raw
 
     @contextmanager
@@ -389,11 +394,19 @@ class Worker:
         """Delta bucket ``index``'s payload, broadcast (or sent by group rank ``src``) into a buffer of ours (that
         views as any dtype)."""
         raw = typed_buffer(header.nbytes, self.device)
-        if src is None:
-            dist.broadcast(raw.narrow(0, 0, header.nbytes), group=group, group_src=0)
-        else:
-            dist.recv(raw.narrow(0, 0, header.nbytes), group=group, group_src=src)
+        _take(raw.narrow(0, 0, header.nbytes), group, src)
         return raw
+
+    def _receive_header(self, group, words: torch.Tensor, src: int | None, total: int, limit: int,
+                        index: int) -> DeltaHeader:
+        """Bucket ``index``'s delta header, read off the wire before its payload (``words``: a buffer of
+        :data:`HEADER_WORDS`; ``src`` as :meth:`_receive_delta`), for ``total`` bucket bytes and a payload of at most
+        ``limit``; raises where it cannot be (every field named) or is another bucket's."""
+        _take(words, group, src)
+        header, got = DeltaHeader.from_words(words.tolist(), total, limit)
+        if got != index:
+            raise ValueError(f"bucket {index} of the update came with the delta header of bucket {got}")
+        return header
 
     def delta_checksums(self) -> dict[int, str]:
         """The checksum of each bucket's bytes the open (or last) session applied, by bucket index; a resharded
@@ -443,19 +456,13 @@ class Worker:
         for i, program in enumerate(programs):
             nbytes, src = wire[i]
             with self.clock("receive"):
-                if src is None:
-                    dist.broadcast(words, group=group, group_src=0)
-                else:
-                    dist.recv(words, group=group, group_src=src)
-                header, index = DeltaHeader.from_words(words.tolist(), program.total, nbytes)
-                if index != i:
-                    raise ValueError(f"bucket {i} of the update came with the delta header of bucket {index}")
-                received = self._receive_delta(group, header, index, src)
+                header = self._receive_header(group, words, src, program.total, nbytes, i)
+                received = self._receive_delta(group, header, i, src)
             if failure is not None:
                 continue
             try:
                 with self.clock("apply delta"):
-                    raw = self._delta_bytes(index, tuple(program.metas), program.total, header, received, None)
+                    raw = self._delta_bytes(i, tuple(program.metas), program.total, header, received, None)
                 with self.clock("load"):
                     loaded += self._load_dense(program, raw, None)["loaded"]
             except Exception as exc:  # noqa: BLE001 -- the rest is drained, then this is raised
@@ -935,11 +942,9 @@ class Worker:
         out = []
         with self.clock("receive"):
             for part in parts:
-                dist.recv(words, group=group, group_src=int(part["src"]))
                 layout = tuple(map(_wire_meta, part["metas"]))
-                header, got = DeltaHeader.from_words(words.tolist(), extent(layout), int(part["nbytes"]))
-                if got != index:
-                    raise ValueError(f"bucket {index} of the update came with the delta header of bucket {got}")
+                header = self._receive_header(group, words, int(part["src"]), extent(layout), int(part["nbytes"]),
+                                              index)
                 out.append({**part, "nbytes": header.nbytes, "delta": {**header.as_json(), "index": index}})
         return out
 

@@ -12,7 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from weightstream.common.bounds import Deadline, cleanup_budget
-from weightstream.engines.base import WARM_GROUP, EngineAdapter
+from weightstream.engines.base import DELTA_AHEAD, WARM_GROUP, EngineAdapter
 from weightstream.errors import UpdateError
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.delta import DeltaHeader
@@ -85,6 +85,12 @@ def _failures(futures: list[Future], deadline: Deadline) -> list[BaseException]:
 def future_errors(futures: list[Future], deadline: Deadline) -> list[str]:
     """Wait for every future (all within one deadline); the text of each one that failed."""
     return [str(e) for e in _failures(futures, deadline)]
+
+
+def deltas_ahead(engines: Sequence[EngineAdapter]) -> bool:
+    """Whether every engine takes a delta-mode update's buckets ahead (:data:`DELTA_AHEAD`: each header on the wire
+    before its payload)."""
+    return all(e.info().can(DELTA_AHEAD) for e in engines)
 
 
 def header_tensor(header: DeltaHeader, index: int, device: torch.device) -> torch.Tensor:

@@ -16,7 +16,6 @@ from weightstream.common.processes import free_port
 from weightstream.engines.base import (
     BROADCAST,
     BROADCAST_AHEAD,
-    DELTA_AHEAD,
     BroadcastAheadEngine,
     BroadcastEngine,
     EngineAdapter,
@@ -24,7 +23,7 @@ from weightstream.engines.base import (
     capable,
     implementing,
 )
-from weightstream.sinks.base import Delivery, InFlight, PipelinedSink, Sends, header_tensor
+from weightstream.sinks.base import Delivery, InFlight, PipelinedSink, Sends, deltas_ahead, header_tensor
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.delta import Snapshot
 from weightstream.wire.groups import WARM_BROADCAST, GroupLayout, init_custom_process_group
@@ -111,7 +110,7 @@ class BroadcastSink(PipelinedSink):
         self.ahead_used = False
         delta = self.delta is not None and self.delta.active
         if not self.sender or self.checksums or not self.ahead or not len(stream) or (
-                delta and not all(e.info().can(DELTA_AHEAD) for e in self.engines)):
+                delta and not deltas_ahead(self.engines)):
             return
         ahead = [a for e in self.engines if (a := capable(e, BROADCAST_AHEAD, BroadcastAheadEngine)) is not None]
         if len(ahead) == len(self.engines):

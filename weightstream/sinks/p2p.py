@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from weightstream.common.processes import free_port
 from weightstream.engines.base import (
-    DELTA_AHEAD,
     P2P,
     P2P_AHEAD,
     EngineAdapter,
@@ -32,7 +31,7 @@ from weightstream.engines.base import (
     implementing,
 )
 from weightstream.errors import UpdateError
-from weightstream.sinks.base import Delivery, InFlight, PipelinedSink, Sends, header_tensor
+from weightstream.sinks.base import Delivery, InFlight, PipelinedSink, Sends, deltas_ahead, header_tensor
 from weightstream.sinks.broadcast import default_backend
 from weightstream.sources.topology import Topology
 from weightstream.streaming.bucket import Bucket, TensorMeta, extent
@@ -140,7 +139,7 @@ class P2PSink(PipelinedSink):
         self.ahead_used = False
         delta = self.delta is not None and self.delta.active
         if not self.sender or self.checksums or not len(stream) or (
-                delta and not all(e.info().can(DELTA_AHEAD) for e in self.engines)):
+                delta and not deltas_ahead(self.engines)):
             return
         ahead = [a for e in self.engines if (a := capable(e, P2P_AHEAD, P2PAheadEngine)) is not None]
         if len(ahead) == len(self.engines):

@@ -29,7 +29,6 @@ import torch.distributed as dist
 
 from weightstream.common.processes import free_port
 from weightstream.engines.base import (
-    DELTA_AHEAD,
     P2P_AHEAD,
     RESHARD,
     EngineAdapter,
@@ -41,7 +40,7 @@ from weightstream.engines.base import (
     implementing,
 )
 from weightstream.errors import UpdateError
-from weightstream.sinks.base import Delivery, InFlight, PipelinedSink, Sends, header_tensor
+from weightstream.sinks.base import Delivery, InFlight, PipelinedSink, Sends, deltas_ahead, header_tensor
 from weightstream.sinks.broadcast import default_backend
 from weightstream.sources.topology import Topology
 from weightstream.streaming.bucket import Bucket, typed_buffer, view_tensor
@@ -219,7 +218,7 @@ class ReshardSink(PipelinedSink):
         ahead = capable(self.engine, P2P_AHEAD, P2PAheadEngine)
         delta = self._active_snapshot() is not None
         self.ahead_used = (self.sender and ahead is not None and not self.checksums and len(stream) > 0
-                           and (not delta or self.engine.info().can(DELTA_AHEAD)))
+                           and (not delta or deltas_ahead([self.engine])))
         if self.ahead_used and ahead is not None and self._roster().me == 0:
             self._post_ahead([partial(ahead.receive_p2p_ahead, self._ahead_buckets(), delta=delta)],
                              len(self.routes))
