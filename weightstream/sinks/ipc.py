@@ -119,6 +119,7 @@ class IPCSink:
         self._sent = 0
         self._outstanding: deque[tuple[int, Any]] = deque()
         self._device: torch.device | None = None
+        self._empty: torch.Tensor | None = None  # what an empty delta payload is lent as (_empty_payload)
         self.waited = 0.0  # seconds of this update spent waiting for the engine's answers
         # Direct writes: the engine's weights mapped here (by HF name) under the engine's export id, and the
         # plans holding copies into them (dropped with them, so the engine can free its memory).
@@ -300,6 +301,8 @@ class IPCSink:
             record = DeltaRecord(bucket.index, header.encoding, header.word, header.total, header.count,
                                  header.nbytes)
             keep = keep and header.encoding == "dense"  # else the payload is a tensor of this bucket's own
+            if buffer.untyped_storage().nbytes() == 0:  # no word of the bucket changed
+                buffer, keep = self._empty_payload(buffer.device), True
         self._device = buffer.device
         named = self._name_buffer(buffer.untyped_storage(), buffer.device, keep=keep)
         digest = checksum(buffer) if self.checksums else None
@@ -314,6 +317,14 @@ class IPCSink:
         self._outstanding.append((k, named.hold))
         while len(self._outstanding) > 1:  # bucket k - 1's buffer is packed again next
             self._settle()
+
+    def _empty_payload(self, device: torch.device) -> torch.Tensor:
+        """What an empty payload (the delta of a bucket in which no word changed) is lent as. An empty tensor has
+        no storage to share (no descriptor, no CUDA IPC handle), so it goes as the first 0 bytes of a one-byte
+        buffer of this sink's, which the engine keeps (lent once, then named by its id)."""
+        if self._empty is None or self._empty.device != device:
+            self._empty = torch.zeros(1, dtype=torch.uint8, device=device)
+        return self._empty.narrow(0, 0, 0)
 
     def _name_buffer(self, storage, device: torch.device, keep: bool) -> _Named:
         """How a frame names the buffer of ``storage``: the id of a kept buffer the engine holds, or a new id
