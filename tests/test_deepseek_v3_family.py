@@ -51,10 +51,13 @@ def sources(tmp_path_factory) -> dict[str, str]:
     out = {name: save_random_checkpoint(preset_config(name), root / name, seed=80 + i)
            for i, name in enumerate(FAMILY)}
     # bf16 weights with the score-correction bias in float32, as the published checkpoints hold it and Megatron
-    # keeps its expert bias (transformers' from_config makes it bf16 in a bf16 DeepseekV3 model).
+    # keeps its expert bias, and the router in bf16, as a bf16 Megatron model holds it. Both are set here because
+    # transformers' from_config decides their dtypes by version (5.19 makes both bf16; 5.24 keeps both float32,
+    # `_keep_in_fp32_modules_strict`).
     model = random_hf_model(preset_config(LORA), seed=84, dtype=torch.bfloat16)
     for layer in model.model.layers[2:]:
         layer.mlp.gate.e_score_correction_bias.data = layer.mlp.gate.e_score_correction_bias.data.float()
+        layer.mlp.gate.weight.data = layer.mlp.gate.weight.data.to(torch.bfloat16)
     model.save_pretrained(root / "bf16")
     out["bf16"] = str(root / "bf16")
     return out

@@ -42,7 +42,14 @@ EXPERTS = 8
 
 
 def _save(cfg, out, seed: int, dtype: torch.dtype = torch.float32) -> str:
+    """A random checkpoint in ``dtype``: the routers in ``dtype`` too, as a Megatron model of that dtype holds
+    them, and the score-correction biases in float32, as Megatron keeps its expert bias. Both are set here because
+    transformers' from_config decides their dtypes by version (5.24 keeps both float32 in a bf16 model,
+    `_keep_in_fp32_modules_strict`)."""
     model = random_hf_model(cfg, seed=seed, dtype=dtype)
+    for layer in model.model.layers[cfg.first_k_dense_replace:]:
+        layer.mlp.gate.weight.data = layer.mlp.gate.weight.data.to(dtype)
+        layer.mlp.gate.e_score_correction_bias.data = layer.mlp.gate.e_score_correction_bias.data.float()
     model.save_pretrained(out)
     return os.fspath(out)
 
@@ -60,7 +67,7 @@ def glm_sources(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("glm4_moe")
     cfg = preset_config("tiny-glm4-moe")
     return {"glm": _save(cfg, root / "glm", 60), "air": _save(_air_like(), root / "air", 61),
-            "bf16": _save(cfg, root / "bf16", 62, torch.bfloat16),  # the score-correction bias stays float32
+            "bf16": _save(cfg, root / "bf16", 62, torch.bfloat16),  # the routers bf16, the biases float32
             "engine": _save(cfg, root / "engine", 63), "root": os.fspath(root)}
 
 

@@ -179,6 +179,17 @@ def _first_line(proc: subprocess.Popen) -> str:
     return line.strip()
 
 
+def _settled(eng: ReferenceEngine, worker: int) -> SimpleNamespace:
+    """What the worker holds once it holds nothing of any trainer (no kept buffer, no lease: what the last one
+    left is let go of within the bound), awaited on that condition."""
+    def idle() -> bool:
+        memory = eng.get("/weightstream/memory")["ranks"][0]
+        return (memory["ipc_buffers_held"], memory["ipc_lease"]) == (0, False)
+
+    _until(idle, RELEASE_BOUND_S)
+    return _held(worker)
+
+
 def _worker_pid(server) -> int:
     (proc,) = server.engine.procs
     return proc.pid
@@ -260,8 +271,8 @@ def test_killed_trainer_leaves_nothing_in_the_engine_within_the_bound(checkpoint
     with engine(eng_dir) as server:
         eng = ReferenceEngine(server.url, timeout_s=30)
         worker = _worker_pid(server)
-        eng.logits(INPUT_IDS)  # (its answer crosses the worker's pipe as a descriptor: a listener started once)
-        before = _held(worker)
+        eng.logits(INPUT_IDS)  # the model run once, as it is before every comparison below
+        before = _settled(eng, worker)
         with ExitStack() as stack:
             proc = _start(trainer_script, a, server.url, "die_after_update", direct=False)
             stack.callback(proc.kill)
@@ -282,7 +293,7 @@ def test_killed_trainer_leaves_nothing_in_the_engine_within_the_bound(checkpoint
         report = _train(trainer_script, b, server.url, direct=True)
         assert report["direct"]
         assert_logits_close(eng.logits(INPUT_IDS), hf_logits(b, INPUT_IDS))
-        settled = _held(worker)  # now with the engine's own weights in shared memory (the export)
+        settled = _settled(eng, worker)  # now with the engine's own weights in shared memory (the export)
 
         proc = _start(trainer_script, c, server.url, "die_mid_update", direct=True, timeout_s=T)
         assert _first_line(proc) == "dying"
@@ -329,8 +340,8 @@ def test_per_bucket_clients_leave_no_manager_descriptor_or_file(checkpoints, tra
     with engine(eng_dir) as server:
         eng = ReferenceEngine(server.url, timeout_s=30)
         worker = _worker_pid(server)
-        eng.logits(INPUT_IDS)  # (its answer crosses the worker's pipe as a descriptor: a listener started once)
-        before = _held(worker)
+        eng.logits(INPUT_IDS)  # the model run once, as it is before every comparison below
+        before = _settled(eng, worker)
         for src in sources[:2]:
             report = _train(trainer_script, src, server.url, metadata_ahead=False)
             assert not report["ahead"] and len(report["managers"]) == 1, report

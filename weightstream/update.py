@@ -333,8 +333,9 @@ class WeightSync:
     update is full.
     """
 
-    def __init__(self, engines: Sequence[EngineAdapter | str], *, transport: str = "auto", engine: str = "auto",
-                 colocated: bool | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, checksums: bool = False,
+    def __init__(self, engines: EngineAdapter | str | Sequence[EngineAdapter | str], *, transport: str = "auto",
+                 engine: str = "auto", colocated: bool | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 checksums: bool = False,
                  timeout_s: float = 60.0, master_address: str = "127.0.0.1", master_port: int | None = None,
                  backend: str | None = None, pause_mode: str = "abort", api_key: str | None = None,
                  group_name: str = "weightstream", reuse_buffers: bool = True, metadata_ahead: bool = True,
@@ -347,7 +348,7 @@ class WeightSync:
             raise ValueError("no engines given")
         if engine != "auto" and engine not in ADAPTERS:
             raise ValueError(f"unknown engine {engine!r}; known: auto, {', '.join(sorted(ADAPTERS))}")
-        self._given = list(engines)
+        self._given = engines_list(engines)
         self._engine_kind = engine
         self._adapter_options = _AdapterOptions(api_key=api_key, timeout_s=timeout_s, group_name=group_name)
         if engine_fp8 is not None:
@@ -805,12 +806,17 @@ def _fill_report(report: UpdateReport, stream: BucketStream, delivery: Delivery)
         report.tensors = delivery.tensors
 
 
+def engines_list(engines: EngineAdapter | str | Sequence[EngineAdapter | str]) -> list[EngineAdapter | str]:
+    """One engine (its URL or adapter) or several, as a list: a string is one URL, never a sequence of them."""
+    if isinstance(engines, str) or not isinstance(engines, Sequence):
+        return [engines]
+    return list(engines)
+
+
 def update_weights(model_chunks: nn.Module | Sequence[nn.Module], hf_config: Any,
                    engines: EngineAdapter | str | Sequence[EngineAdapter | str], *, transport: str = "auto",
                    weight_version: str | None = None, **options) -> UpdateReport:
     """One update: pause, connect, stream, commit, flush the engines' caches, resume, disconnect. Call on every
     trainer rank. For repeated updates keep a :class:`WeightSync` instead (the group is made once)."""
-    if isinstance(engines, str) or not isinstance(engines, Sequence):
-        engines = [engines]
     with WeightSync(engines, transport=transport, **options) as sync:
         return sync.update(model_chunks, hf_config, weight_version=weight_version)
