@@ -42,3 +42,20 @@ print("registered", len(converter.mappings))
     from weightstream.converters.qwen2 import QWEN2
 
     assert out.stdout.strip() == f"registered {len(QWEN2.mappings)}"
+
+
+def test_unknown_model_type_walk_through_runs_as_written(tmp_path):
+    """The README's walk-through as written: its plugin saved as acme_converters.py, its commands run in that
+    directory; the last of them (verify) passes only when every tensor is bit-identical."""
+    text = (ROOT / "README.md").read_text()
+    plugin = re.search(r"<!-- example:acme-plugin -->\n```python\n(.*?)```", text, re.S).group(1)
+    commands = re.search(r"<!-- example:acme-convert -->\n```bash\n(.*?)```", text, re.S).group(1)
+    (tmp_path / "acme_converters.py").write_text(plugin)
+    out = subprocess.run(["bash", "-euo", "pipefail", "-c", commands], capture_output=True, text=True, timeout=600,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "identical: 47 tensors compared" in out.stdout
+    assert "copied beside the shards: generation_config.json, tokenizer.json, tokenizer_config.json" in out.stdout
+    import json
+
+    assert json.loads((tmp_path / "acme-hf" / "config.json").read_text())["model_type"] == "acme"

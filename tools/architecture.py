@@ -30,7 +30,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reference_engine", ("weightstream.reference_engine",)),
     ("integrations", ("weightstream.integrations",)),
     ("testing", ("weightstream.testing",)),
-    ("operations", ("weightstream.launch", "weightstream.update", "weightstream.convert", "weightstream.jobs")),
+    ("operations", ("weightstream.launch", "weightstream.update", "weightstream.convert", "weightstream.jobs",
+                    "weightstream.example")),
     ("bench", ("weightstream.bench",)),
     ("entry", ("weightstream.cli", "weightstream")),
 )

@@ -11,7 +11,7 @@ import os
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ class ConvertReport:
     largest_tensor: tuple[str, int]  # name, bytes
     largest_layer: tuple[str, int]  # "model.layers.N", bytes of its HF tensors
     verify: Comparison | None = None
+    copied: list[str] = field(default_factory=list)  # the HF directory's other files, copied beside the shards
 
     def summary(self) -> str:
         gb = self.bytes / 1e9
@@ -50,6 +51,8 @@ class ConvertReport:
                 f"peak RSS {self.peak_rss / 1e9:.2f} GB ({self.rss_before / 1e9:.2f} GB before), largest layer "
                 f"{self.largest_layer[0]} {self.largest_layer[1] / 1e9:.3f} GB, "
                 f"largest tensor {self.largest_tensor[0]} {self.largest_tensor[1] / 1e9:.3f} GB")
+        line += "; " + (f"copied beside the shards: {', '.join(self.copied)}" if self.copied
+                        else "nothing copied beside the shards (no tokenizer or other files in the HF directory)")
         if self.verify is not None:
             line += "; verify: " + ("identical" if self.verify.ok else "DIFFERENT")
         return line
@@ -87,8 +90,11 @@ def convert_checkpoint(
     format, any TP/PP/VPP/EP layout; the save directory or one iteration's) as an HF checkpoint in ``out_dir``.
 
     ``hf_config``: the HF config of the model (a directory, a transformers config or a dict); every shape
-    of the checkpoint is checked against it and every mismatch listed in one error. ``iteration``: which one
-    (default: the one ``latest_checkpointed_iteration.txt`` names). ``dtype``: cast floating tensors.
+    of the checkpoint is checked against it and every mismatch listed in one error. A directory's other files
+    (tokenizer, ``generation_config.json``, chat template, ...) are copied beside the shards (the report's
+    ``copied``). A model type transformers does not know converts once a converter is registered for it.
+    ``iteration``: which one (default: the one ``latest_checkpointed_iteration.txt`` names). ``dtype``: cast
+    floating tensors.
     ``verify``: an HF checkpoint to compare the result with, tensor by tensor (bit for bit). ``procs``: local
     processes sharing the work (each reads only what its safetensors files hold; ``peak_rss`` is then the
     largest of theirs).
@@ -106,7 +112,7 @@ def convert_checkpoint(
     start = time.perf_counter()
     rss_before = _rss()
     check_target(Path(os.path.realpath(out_dir)), overwrite=overwrite)  # before reading anything
-    hf_config = _read_hf_config(hf_config)
+    _read_hf_config(hf_config)  # a config that cannot be read fails here, once
     if procs > 1:
         report, fmt, it, peak = _convert_in_processes(procs, checkpoint, hf_config, out_dir, iteration, dtype,
                                                       bucket_bytes, shard_bytes, overwrite, trust_checkpoint,
@@ -134,7 +140,7 @@ def _convert_report(report: CheckpointReport, out_dir: Path, fmt: str, it: int |
             layers[key] = layers.get(key, 0) + nbytes
     layer = max(layers.items(), key=lambda kv: kv[1]) if layers else ("", 0)
     return ConvertReport(out_dir, fmt, it, report.tensors, report.total_size, len(report.files), seconds,
-                         rss_before, peak, largest, layer)
+                         rss_before, peak, largest, layer, copied=list(report.copied))
 
 
 def _read_hf_config(hf_config: Any) -> Any:

@@ -94,7 +94,7 @@ def dump_job(
                                        checksums=True, api_key=engine_key)
     bar, update = _progress_bar("streaming")
     start = time.perf_counter()
-    report = save_hf_checkpoint(chunks, cfg, out_dir, bucket_bytes=bucket_bytes, writers=writers, progress=update,
+    report = save_hf_checkpoint(chunks, hf_dir, out_dir, bucket_bytes=bucket_bytes, writers=writers, progress=update,
                                 overwrite=overwrite, quantize=quantize)
     seconds = time.perf_counter() - start
     if bar is not None:
@@ -109,6 +109,7 @@ def dump_job(
         "build_seconds": built,
         "stats": asdict(report.stats),
         "update": update_report,
+        "copied": report.copied,  # the HF directory's other files (tokenizer, ...), copied beside the shards
     }
     if logits_input is not None:
         ids = torch.tensor(logits_input, dtype=torch.long)

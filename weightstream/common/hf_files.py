@@ -1,4 +1,4 @@
-"""Hugging Face safetensors checkpoints on disk: a lazy reader and the index format."""
+"""Hugging Face safetensors checkpoints on disk: a lazy reader, the index format, and the files beside the weights."""
 
 from __future__ import annotations
 
@@ -18,8 +18,32 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
 
+# What a model directory holds that is weights (or their index), in any of the formats checkpoints are published in.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".npz")
+
+
 def shard_name(i: int, n: int) -> str:
     return f"model-{i:05d}-of-{n:05d}.safetensors"
+
+
+def is_weight_file(name: str) -> bool:
+    """Whether a file of a model directory holds weights or indexes them (``*.safetensors``, ``*.bin``, ...,
+    ``*.index.json``)."""
+    return name.endswith(WEIGHT_SUFFIXES) or name.endswith(".index.json")
+
+
+def non_weight_files(directory: str | os.PathLike) -> list[Path]:
+    """The files of a model directory that go beside its weights when it is written anew: tokenizer files,
+    ``generation_config.json``, chat templates, ``special_tokens_map.json``, the ``*.py`` of a ``trust_remote_code``
+    model, ...; not ``config.json`` (written anew), not weights or indexes, not hidden files, not sub-directories.
+    A link counts as the file it points to (as in the Hugging Face cache). Sorted by name."""
+    found = []
+    for path in sorted(Path(directory).iterdir()):
+        name = path.name
+        if name == "config.json" or name.startswith(".") or is_weight_file(name) or not path.is_file():
+            continue
+        found.append(path)
+    return found
 
 
 class HFCheckpointError(WeightstreamError):

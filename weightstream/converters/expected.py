@@ -6,6 +6,9 @@ holds MoE experts fused, checkpoints and engines one tensor per expert), their s
 declared op itself. Tied copies (the output embedding of a model that ties it to the input one) are left out;
 tensors a family's checkpoints hold that transformers' model does not (``Converter.checkpoint_only``: DeepSeek-V3's
 multi-token prediction layers) are added.
+
+A model transformers has no class for (a model type it does not know, registered with weightstream only) has no
+such list: its HF tensors are those its converter's declarations make (:func:`hf_model_shapes` gives None).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from torch import nn
 
 from weightstream.converters.ops import OpContext
 from weightstream.converters.registry import get_converter, model_spec
-from weightstream.models.spec import load_hf_config
+from weightstream.errors import WeightstreamError
+from weightstream.models.spec import hf_model_problem, load_hf_config
 
 
 def _tied_names(model: nn.Module, tied: bool) -> set[str]:
@@ -35,10 +39,12 @@ def _tied_names(model: nn.Module, tied: bool) -> set[str]:
 
 
 @functools.lru_cache(maxsize=16)
-def _expected_from_json(config_json: str) -> dict[str, tuple[int, ...]]:
+def _expected_from_json(config_json: str) -> dict[str, tuple[int, ...]] | None:
     from transformers import AutoModelForCausalLM
 
     cfg = load_hf_config(json.loads(config_json))
+    if hf_model_problem(cfg) is not None:
+        return None
     spec = model_spec(cfg)
     converter = get_converter(cfg.model_type)
     in_memory = converter.in_memory()
@@ -58,8 +64,19 @@ def _expected_from_json(config_json: str) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def expected_hf_shapes(config: Any) -> dict[str, tuple[int, ...]]:
-    """Checkpoint name -> shape of every tensor an HF checkpoint of ``config`` holds (tied copies left out)."""
+def hf_model_shapes(config: Any) -> dict[str, tuple[int, ...]] | None:
+    """Checkpoint name -> shape of every tensor an HF checkpoint of ``config`` holds (tied copies left out); None
+    where transformers has no model class for the config (then the converter's declarations say what it holds)."""
     cfg = load_hf_config(config)
     data = {k: v for k, v in cfg.to_dict().items() if k not in ("transformers_version", "_name_or_path")}
-    return dict(_expected_from_json(json.dumps(data, sort_keys=True, default=str)))
+    shapes = _expected_from_json(json.dumps(data, sort_keys=True, default=str))
+    return None if shapes is None else dict(shapes)
+
+
+def expected_hf_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+    """Checkpoint name -> shape of every tensor an HF checkpoint of ``config`` holds (tied copies left out); a
+    config transformers has no model class for raises, saying so."""
+    shapes = hf_model_shapes(config)
+    if shapes is None:
+        raise WeightstreamError(hf_model_problem(config) or "transformers has no model for this config")
+    return shapes

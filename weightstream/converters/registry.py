@@ -1,13 +1,31 @@
-"""The converter registry, keyed by HF ``model_type``."""
+"""The converter registry, keyed by HF ``model_type``.
+
+It holds the built-in families, then, on first use in each process, the converters of plugins: every
+``weightstream.converters`` entry point of the installed distributions, and the modules named in
+``$WEIGHTSTREAM_PLUGINS`` (comma-separated; the command line's ``--plugin`` sets it, so that the processes a command
+starts load them too). A plugin is a module whose import registers its converters (``register_converter``), or,
+as an entry point, a function of no arguments that does.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+import os
+import sys
+import types
+from collections.abc import Callable, Iterable
 from typing import Any, overload
 
 from weightstream.converters.mapping import Converter
-from weightstream.errors import UnknownModelError
+from weightstream.errors import UnknownModelError, WeightstreamError
 from weightstream.models.spec import ModelSpec, load_hf_config
+
+PLUGINS_ENV = "WEIGHTSTREAM_PLUGINS"
+ENTRY_POINT_GROUP = "weightstream.converters"
+
+
+class PluginError(WeightstreamError):
+    """Plugins that could not be loaded: each, and why."""
 
 ConverterFactory = Callable[[], Converter]
 
@@ -86,10 +104,68 @@ def unregister_converter(model_type: str) -> None:
     _BUILT.pop(model_type, None)
 
 
+def load_plugins(modules: Iterable[str], *, search: str | None = None) -> list[str]:
+    """Import the plugin ``modules`` (names; comma-separated lists too), whose imports register converters, and
+    add them to ``$WEIGHTSTREAM_PLUGINS`` for the processes this one starts. ``search``: a directory put first on
+    ``sys.path`` (the command line's working directory, as ``python -m`` has it). One :class:`PluginError` lists
+    every module that fails to import. Returns the modules now named in the variable."""
+    if search is not None and search not in sys.path:
+        sys.path.insert(0, search)
+    _load_builtins()
+    names = _split(modules)
+    problems = [p for name in names if (p := _import_problem(name))]
+    if problems:
+        raise PluginError("cannot load plugin(s): " + "; ".join(problems))
+    named = list(dict.fromkeys(_split([os.environ.get(PLUGINS_ENV, "")]) + names))
+    if named:
+        os.environ[PLUGINS_ENV] = ",".join(named)
+    return named
+
+
+def _split(items: Iterable[str]) -> list[str]:
+    return [name.strip() for item in items for name in item.split(",") if name.strip()]
+
+
+def _import_problem(module: str) -> str | None:
+    """Why ``module`` could not be imported, or None once it is."""
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 — a plugin's own failure, reported with the others
+        return f"{module}: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _entry_point_problem(entry_point: Any) -> str | None:
+    """Why a ``weightstream.converters`` entry point could not be loaded, or None once it is (a module imported,
+    or a function called)."""
+    where = f"entry point {entry_point.name} = {entry_point.value}"
+    try:
+        target = entry_point.load()
+        if isinstance(target, types.ModuleType):
+            return None
+        if not callable(target):
+            return f"{where}: names neither a module nor a function"
+        target()
+    except Exception as exc:  # noqa: BLE001 — a plugin's own failure, reported with the others
+        return f"{where}: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _load_installed_plugins() -> None:
+    """The entry points of every installed distribution, then the modules ``$WEIGHTSTREAM_PLUGINS`` names."""
+    from importlib.metadata import entry_points
+
+    problems = [p for ep in entry_points(group=ENTRY_POINT_GROUP) if (p := _entry_point_problem(ep))]
+    problems += [p for name in _split([os.environ.get(PLUGINS_ENV, "")]) if (p := _import_problem(name))]
+    if problems:
+        raise PluginError("cannot load plugin(s): " + "; ".join(problems))
+
+
 _builtins_loaded = False
 
 
 def _load_builtins() -> None:
+    """The built-in families, then the installed plugins (once per process)."""
     global _builtins_loaded
     if not _builtins_loaded:
         _builtins_loaded = True
@@ -103,3 +179,4 @@ def _load_builtins() -> None:
 
         for converter in (QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE, GLM4_MOE, DEEPSEEK_V3, LLAMA, MISTRAL, MIXTRAL):
             register_converter(converter.model_type, converter)
+        _load_installed_plugins()

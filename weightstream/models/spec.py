@@ -2,27 +2,118 @@
 
 from __future__ import annotations
 
+import copy
+import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 
-def load_hf_config(config: Any):
-    """A ``transformers`` config from a config object, a dict (with ``model_type``) or a directory."""
-    from transformers import AutoConfig, PretrainedConfig
+@dataclass(frozen=True, slots=True, eq=False)
+class ConfigFields:
+    """The fields of an HF config whose ``model_type`` transformers does not know, exactly as given (a
+    ``config.json`` or a dict), read as attributes the way a transformers config is (``cfg.hidden_size``).
 
-    if isinstance(config, PretrainedConfig):
+    Nothing is interpreted or run: an ``auto_map`` and the ``configuration_*.py`` / ``modeling_*.py`` it names
+    (a ``trust_remote_code`` model) are kept for whoever loads the model, and conversion needs only these fields.
+    """
+
+    fields: Mapping[str, Any]
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "fields":  # while unpickling, before the slot is set
+            raise AttributeError(name)
+        try:
+            return self.fields[name]
+        except KeyError:
+            raise AttributeError(f"the {self.fields.get('model_type')!r} config has no field {name!r}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return copy.deepcopy(dict(self.fields))
+
+    def with_fields(self, **values: Any) -> ConfigFields:
+        """These fields with ``values`` set."""
+        return ConfigFields({**self.fields, **values})
+
+    def save_pretrained(self, directory: str | os.PathLike) -> None:
+        """``config.json`` in ``directory``, holding these fields."""
+        Path(directory, "config.json").write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+
+def transformers_knows(model_type: str) -> bool:
+    """Whether transformers has a config class for ``model_type`` (its own, or one ``AutoConfig.register`` added)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return model_type in CONFIG_MAPPING
+
+
+def _config_from_dict(data: Mapping[str, Any], where: str) -> Any:
+    model_type = data.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise ValueError(f"{where} has no model_type")
+    if not transformers_knows(model_type):
+        return ConfigFields(dict(data))
+    from transformers import AutoConfig
+
+    values = dict(data)
+    values.pop("model_type")
+    return AutoConfig.for_model(model_type, **values)
+
+
+def _config_from_directory(directory: str) -> Any:
+    path = Path(directory, "config.json")
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise OSError(f"{directory} has no config.json") from None
+    except ValueError as exc:
+        raise ValueError(f"{path} is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    if not transformers_knows(str(data.get("model_type"))):
+        return _config_from_dict(data, str(path))
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(directory)
+
+
+def load_hf_config(config: Any) -> Any:
+    """The config of a model: a transformers config of any class (as it is), a dict with ``model_type``, or a
+    directory with ``config.json``. A ``model_type`` transformers knows gives its config class (with its defaults
+    for what the dict or file leaves out); any other gives :class:`ConfigFields`, the fields as written, so that a
+    model transformers does not know converts once a converter is registered for it (no code of the model is run).
+    """
+    from transformers import PretrainedConfig
+
+    if isinstance(config, (PretrainedConfig, ConfigFields)):
         return config
     if isinstance(config, dict):
-        data = dict(config)
-        model_type = data.pop("model_type")
-        return AutoConfig.for_model(model_type, **data)
+        return _config_from_dict(config, "the config dict")
     if isinstance(config, (str, os.PathLike)):
-        return AutoConfig.from_pretrained(os.fspath(config))
+        return _config_from_directory(os.fspath(config))
     raise TypeError(f"expected a transformers config, a dict or a directory, got {type(config).__name__}")
+
+
+def hf_model_problem(config: Any) -> str | None:
+    """Why transformers cannot build the model of ``config`` (which the reference engine and logits checks run),
+    or None when it can: it has a causal-LM class for the config's class, its own or one registered with
+    ``AutoModelForCausalLM.register``."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cfg = load_hf_config(config)
+    if not isinstance(cfg, ConfigFields) and type(cfg) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return None
+    remote = isinstance(cfg, ConfigFields) and "AutoModelForCausalLM" in (cfg.fields.get("auto_map") or {})
+    code = (" (its config names remote code in auto_map, which this process does not run: the model's code "
+            "must be importable and registered with AutoConfig.register and AutoModelForCausalLM.register)"
+            if remote else "")
+    return (f"transformers has no causal-LM model for model_type {cfg.model_type!r}{code}; converting, dumping "
+            "and streaming it need only a registered converter, but running the model (an engine, logits) needs "
+            "the model class in transformers")
 
 
 def _rope_theta(cfg) -> float:

@@ -2,8 +2,10 @@
 
 Every tensor's shape is known before any data moves, so each shard file's safetensors header is
 written first and the tensor bytes are appended as buckets arrive: memory stays bounded by the
-stream's buckets, whatever the shard size. Every file is written into a staging directory beside the
-output directory, which is moved into place whole once every shard, the index and ``config.json`` are
+stream's buckets, whatever the shard size. Where the config is given as a model directory, its other files
+(tokenizer, ``generation_config.json``, chat template, ...: :func:`~weightstream.common.hf_files.non_weight_files`)
+are copied beside the shards, so that the output serves as it is. Every file is written into a staging directory
+beside the output directory, which is moved into place whole once every shard, the index and ``config.json`` are
 complete (:mod:`weightstream.common.staging`): a reader never sees a partial checkpoint, or a mix of an old one
 and a new one.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,11 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from weightstream.common.hf_files import INDEX_NAME, shard_name
+from weightstream.common.hf_files import INDEX_NAME, non_weight_files, shard_name
 from weightstream.common.staging import OutputDirectoryError, StagedDirectory, writing
 from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8
 from weightstream.errors import WeightstreamError
-from weightstream.models.spec import dtype_name, load_hf_config
+from weightstream.models.spec import ConfigFields, dtype_name, load_hf_config
 from weightstream.sinks.base import Delivery
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.plan import plan_buckets
@@ -112,14 +115,22 @@ class CheckpointReport:
     total_size: int
     stats: StreamStats
     entries: list = field(default_factory=list, repr=False)  # name, dtype, shape, bytes of every tensor written
+    copied: list[str] = field(default_factory=list)  # the model directory's other files, copied beside the shards
 
     def sizes(self) -> dict[str, int]:
         """Bytes of each tensor written, by name."""
         return {e.name: e.nbytes for e in self.entries}
 
+    def copied_line(self) -> str:
+        """What was copied beside the shards, in one line."""
+        if not self.copied:
+            return "copied beside the shards: nothing (no model directory, or it holds only weights and config.json)"
+        return f"copied beside the shards: {', '.join(self.copied)}"
+
 
 class SafetensorsSink:
-    """The disk as a sink: HF safetensors shards, index and ``config.json``, written as buckets arrive.
+    """The disk as a sink: HF safetensors shards, index and ``config.json``, written as buckets arrive, and the
+    other files of the model directory ``hf_config`` names (none where it is a config object or a dict).
 
     Called on every rank like the other sinks. ``writers="rank0"``: global rank 0 writes every file;
     ``writers="spread"``: file i is written by rank ``i % world_size`` (every rank receives every
@@ -141,6 +152,8 @@ class SafetensorsSink:
             raise ValueError(f"writers must be 'rank0' or 'spread', got {writers!r}")
         self.out = Path(out_dir)
         self.cfg = load_hf_config(hf_config)
+        directory = os.fspath(hf_config) if isinstance(hf_config, (str, os.PathLike)) else None
+        self.extra_files: list[Path] = non_weight_files(directory) if directory is not None else []
         self.shard_bytes, self.writers, self.overwrite = shard_bytes, writers, overwrite
         self.staged: StagedDirectory | None = None
         self._pinned: torch.Tensor | None = None  # pinned host buffer for buckets on a GPU
@@ -252,6 +265,9 @@ class SafetensorsSink:
         """Rank 0: ``config.json`` and the index into the staging directory, then the directory into place."""
         staged = self._staging()
         staging = staged.path
+        for path in self.extra_files:
+            with writing(self.out, staging / path.name):
+                shutil.copyfile(path, staging / path.name)
         with writing(self.out, staging / "config.json"):
             _save_config(self.cfg, staging, _main_dtype(self.entries), self._quantization_config())
         weight_map = {e.name: self.names[self.file_of[e.name]] for e in self.entries}
@@ -299,6 +315,10 @@ def save_hf_checkpoint(
     ``model_chunks``: anything :func:`stream_hf_weights` takes (Megatron-Core chunks, an FSDP2 / DTensor
     transformers model, a source such as a Megatron checkpoint on disk).
 
+    ``hf_config`` given as a model directory: its other files (tokenizer files, ``generation_config.json``, chat
+    template, the ``*.py`` of a ``trust_remote_code`` model, ...; never weights or indexes) are copied beside the
+    shards, so the output serves as it is; the report's ``copied`` names them.
+
     The stream into a :class:`SafetensorsSink`: memory is bounded by the stream (two buckets plus
     the largest tensor), whatever the shard size. ``progress(done, total)`` is called after each bucket.
 
@@ -326,11 +346,19 @@ def save_hf_checkpoint(
     except BaseException:
         sink.abort()
         raise
-    return CheckpointReport(sink.out, sink.names, len(sink.entries), sink.total_size, stream.stats, list(sink.entries))
+    return CheckpointReport(sink.out, sink.names, len(sink.entries), sink.total_size, stream.stats, list(sink.entries),
+                            [p.name for p in sink.extra_files])
 
 
 def _save_config(cfg, out: Path, dtype: torch.dtype | None, quantization: dict | None) -> None:
     import copy
+
+    if isinstance(cfg, ConfigFields):  # a model type transformers does not know: its fields as given
+        values: dict[str, Any] = {} if dtype is None else {"dtype": dtype_name(dtype)}
+        if quantization is not None:
+            values["quantization_config"] = quantization
+        cfg.with_fields(**values).save_pretrained(out)
+        return
 
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 

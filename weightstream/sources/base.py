@@ -64,7 +64,7 @@ class Source(Protocol):
         them before reuse. Empty: plans are not kept (each stream plans afresh)."""
         ...
 
-    def table(self, converter: Converter, spec: ModelSpec, expected: dict[str, tuple[int, ...]],
+    def table(self, converter: Converter, spec: ModelSpec, expected: dict[str, tuple[int, ...]] | None,
               ) -> list[TensorEntry]:
         """The global table (the same on every rank, in the same order; one error listing every problem).
         Collective over the source's ranks. The source keeps this rank's live tensors for the calls below

@@ -138,7 +138,7 @@ class DTensorSource:
             return None
         return p.dim, size
 
-    def table(self, converter: Converter, spec: ModelSpec, expected: dict[str, tuple[int, ...]],
+    def table(self, converter: Converter, spec: ModelSpec, expected: dict[str, tuple[int, ...]] | None,
               ) -> list[TensorEntry]:
         local = self.local = dict(self.named)
         meta = RankMeta(0, 0, 0, 0,

@@ -116,7 +116,7 @@ class MegatronSource:
     def modules(self) -> list[nn.Module]:
         return [unwrap(c) for c in self.chunks]
 
-    def table(self, converter: Converter, spec: ModelSpec, expected: dict[str, tuple[int, ...]],
+    def table(self, converter: Converter, spec: ModelSpec, expected: dict[str, tuple[int, ...]] | None,
               ) -> list[TensorEntry]:
         topo = self.topology
         local = local_tensors(self.chunks, topo, spec.num_experts)

@@ -380,7 +380,7 @@ class MegatronCheckpointSource:
     def _cast(self, dtype: torch.dtype) -> torch.dtype:
         return self.dtype if self.dtype is not None and dtype.is_floating_point else dtype
 
-    def table(self, converter: Converter, spec: ModelSpec, expected: dict[str, tuple[int, ...]],
+    def table(self, converter: Converter, spec: ModelSpec, expected: dict[str, tuple[int, ...]] | None,
               ) -> list[TensorEntry]:
         stored, self._pieces, tp, etp = self._reader.describe(spec)
         metas = [RankMeta(m.pp, m.tp, m.ep, m.etp, tuple((n, s, dtype_name(self._cast(_dtype(d))), x)

@@ -89,13 +89,15 @@ def build_table(
     ranks: Sequence[RankMeta],
     converter: Converter,
     spec: ModelSpec,
-    expected: dict[str, tuple[int, ...]],
+    expected: dict[str, tuple[int, ...]] | None,
     *,
     tp_size: int,
     etp_size: int = 1,
 ) -> list[TensorEntry]:
     """Match every reported tensor to the converter, check it against ``expected`` HF shapes,
-    and order the emitted ones. Raises one ConversionError listing every problem."""
+    and order the emitted ones. Raises one ConversionError listing every problem. ``expected`` None: there is no
+    HF model to check against (transformers has no class for it), so the HF tensors are those the declarations
+    make, each made once."""
     problems = ProblemList()
     seen, position = _reported(ranks)
     entries: list[TensorEntry] = []
@@ -109,17 +111,17 @@ def build_table(
         outputs = _hf_outputs(entry, spec, problems)
         if outputs is not None and _outputs_fit(name, outputs, expected, produced, problems):
             entries.append(_with_outputs(entry, outputs))
-    for name in expected:
+    for name in expected or ():
         if name not in produced:
             problems.add("HF tensors the model does not provide", name)
     problems.raise_if_any(f"cannot convert this {spec.model_type} model to Hugging Face tensors")
     return entries
 
 
-def _held_whole(entry: TensorEntry, spec: ModelSpec, expected: dict[str, tuple[int, ...]]) -> bool:
+def _held_whole(entry: TensorEntry, spec: ModelSpec, expected: dict[str, tuple[int, ...]] | None) -> bool:
     """Whether each rank holds all of a tensor that may be split or whole (``Mapping.whole_or_split``): what its
-    own shape converts to is the whole of every HF tensor it makes."""
-    if entry.shard_dim is None:
+    own shape converts to is the whole of every HF tensor it makes (never known without ``expected``)."""
+    if entry.shard_dim is None or expected is None:
         return False
     meta = torch.empty(entry.local_shape, dtype=entry.dtype, device="meta")
     try:
@@ -218,7 +220,7 @@ def _hf_outputs(entry: TensorEntry, spec: ModelSpec, problems: ProblemList) -> t
     return tuple(HFOut(n, tuple(o.shape), o.dtype) for n, o in zip(resolved.hf_names, outs, strict=True))
 
 
-def _outputs_fit(name: str, outputs: tuple[HFOut, ...], expected: dict[str, tuple[int, ...]],
+def _outputs_fit(name: str, outputs: tuple[HFOut, ...], expected: dict[str, tuple[int, ...]] | None,
                  produced: dict[str, str], problems: ProblemList) -> bool:
     """Whether every HF tensor made from ``name`` is one the config expects, of its shape, and made once;
     records them in ``produced`` (HF name -> Megatron name) and adds a problem for each that is not."""
@@ -229,6 +231,8 @@ def _outputs_fit(name: str, outputs: tuple[HFOut, ...], expected: dict[str, tupl
             fit = False
             continue
         produced[out.name] = name
+        if expected is None:
+            continue
         want = expected.get(out.name)
         if want is None:
             problems.add("HF tensors the config does not have", f"{out.name} (from {name})")

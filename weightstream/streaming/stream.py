@@ -47,7 +47,7 @@ from torch import Tensor, nn
 
 from weightstream.common.cyclic_gc import no_cyclic_gc
 from weightstream.common.layout import ALIGN, layout
-from weightstream.converters.expected import expected_hf_shapes
+from weightstream.converters.expected import hf_model_shapes
 from weightstream.converters.fp8 import BlockFP8
 from weightstream.converters.mapping import Converter
 from weightstream.converters.ops import OpContext, convert_into, hf_views
@@ -745,7 +745,7 @@ def _everyone(ok: bool, topo: Topology, device: torch.device) -> bool:
 def _make_plan(source: Source, modules: Sequence[nn.Module], cfg: Any, spec: ModelSpec, converter: Converter,
                settings: _Settings) -> StreamPlan:
     topo, mode = source.topology, settings.mode
-    table = source.table(converter, spec, expected_hf_shapes(cfg))
+    table = source.table(converter, spec, hf_model_shapes(cfg))
     quant = None if settings.quantize is None else Quantization.of(settings.quantize, converter)
     if quant is not None:
         _check_blocks(table, spec, topo, mode, quant)
