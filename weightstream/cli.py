@@ -274,6 +274,10 @@ def _add_engine(sub: _Subparsers, presets: list[str]) -> None:
                         help="keep no copy of the weights during an update (saves one model's memory and one copy "
                              "per update, as SGLang keeps none); an aborted update then leaves the engine refusing "
                              "to serve until a complete update")
+    engine.add_argument("--refuse-nonfinite", action="store_true",
+                        help="refuse a bucket holding a weight with NaN or an infinity (by default it is loaded, and "
+                             "named in the update's answer and on stderr); block-FP8 scales that are not finite and "
+                             "positive are refused either way")
 
 
 def _add_convert(sub: _Subparsers, presets: list[str]) -> None:
@@ -637,14 +641,25 @@ def _engine_model_problem(model_dir: str) -> str | None:
     return None
 
 
+def _engine_experts(model_dir: str) -> int:
+    """The routed experts the engine's model declares (0: dense), from its config.json (read by then)."""
+    import json
+
+    from weightstream.reference_engine.schema import routed_experts
+
+    with open(Path(model_dir, "config.json")) as f:
+        return routed_experts(json.load(f))
+
+
 def cmd_engine(args: argparse.Namespace) -> int:
     import signal
     import threading
 
     from weightstream.reference_engine.schema import ep_problem
     from weightstream.reference_engine.server import ServerLimits, serve, stop
+    from weightstream.reference_engine.values import LoadChecks
 
-    problem = _engine_model_problem(args.model) or ep_problem(args.ep, args.tp)
+    problem = _engine_model_problem(args.model) or ep_problem(args.ep, args.tp, _engine_experts(args.model))
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -660,7 +675,8 @@ def cmd_engine(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server = serve(args.model, args.tp, args.host, args.port, api_key, args.device, args.dtype,
-                   rollback=not args.no_rollback, limits=limits, ep=args.ep)
+                   rollback=not args.no_rollback, limits=limits, ep=args.ep,
+                   checks=LoadChecks(refuse_nonfinite=args.refuse_nonfinite))
     ep = f" EP {args.ep}" if args.ep > 1 else ""
     print(f"weightstream engine: {args.model} (TP {args.tp}{ep}) serving on {server.url}", flush=True)
     code = 0

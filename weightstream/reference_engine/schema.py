@@ -148,9 +148,34 @@ def token_rows(ids: Any, *, flat: bool) -> list[list[int]] | str:
     return ids
 
 
-def ep_problem(ep: int, tp: int) -> str | None:
-    """Why an engine of TP ``tp`` cannot run expert parallelism ``ep`` (None: it can): EP runs over the TP group,
-    each rank holding its routed experts whole, or not at all."""
-    if ep in (1, tp):
-        return None
-    return f"engine EP {ep}: expert parallelism runs over the engine's TP group (EP 1 or {tp})"
+def ep_problem(ep: int, tp: int, experts: int | None = None) -> str | None:
+    """Why an engine of TP ``tp`` cannot run expert parallelism ``ep`` for a model of ``experts`` routed experts (0: a
+    dense model; None: not known yet) (None: it can): EP runs over the TP group, each rank holding its routed
+    experts whole, or not at all."""
+    if ep < 1:
+        return f"engine EP {ep}: expert parallelism must be 1 or more"
+    if ep > 1 and experts == 0:
+        return (f"engine EP {ep}: the model has no routed experts (a dense model), so expert parallelism has nothing "
+                "to split: run it at EP 1")
+    if ep not in (1, tp):
+        allowed = "EP 1 only" if tp == 1 else f"EP 1 (experts split like the other layers) or EP {tp} (each rank " \
+                                              "holds its experts whole)"
+        return (f"engine EP {ep}: expert parallelism runs over the engine's TP group, so at TP {tp} it takes {allowed}"
+                + (f"; for EP {ep}, run TP {ep}" if tp == 1 else ""))
+    if ep > 1 and experts and experts % ep:
+        return f"engine EP {ep}: the model's {experts} routed experts cannot be split evenly over {ep} ranks"
+    return None
+
+
+EXPERT_COUNTS = ("n_routed_experts", "num_local_experts", "num_experts")  # as the families' configs name them
+
+
+def routed_experts(config: dict) -> int:
+    """How many routed experts an HF ``config.json`` (as a dict; a multimodal one's ``text_config`` too) declares:
+    0 for a dense model."""
+    for section in (config, config.get("text_config") or {}):
+        for key in EXPERT_COUNTS:
+            value = section.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return 0

@@ -59,6 +59,7 @@ from weightstream.reference_engine.schema import (
     text_problem,
     token_rows,
 )
+from weightstream.reference_engine.values import DEFAULT_CHECKS, LoadChecks
 from weightstream.reference_engine.worker import worker_main
 from weightstream.wire.channel import address_problem
 from weightstream.wire.handles import gpu_uuid
@@ -274,14 +275,17 @@ class Engine:
 
     def __init__(self, model_dir: str, tp: int = 1, *, device: str | None = None, dtype: str = "float32",
                  command_timeout_s: float = 300.0, start_timeout_s: float = 300.0, rollback: bool = True,
-                 host: str = "127.0.0.1", worker: Callable[..., None] = worker_main, ep: int = 1):
+                 host: str = "127.0.0.1", worker: Callable[..., None] = worker_main, ep: int = 1,
+                 checks: LoadChecks = DEFAULT_CHECKS):
         """``host``: the address the HTTP server is bound to; the workers' gloo listeners go on its interface.
         ``worker``: each worker process's entry, called with :func:`~weightstream.reference_engine.worker.
         worker_main`'s arguments (it must be importable in a fresh interpreter). ``ep``: expert parallelism over
         the TP group (1, or ``tp``: each rank holds its routed experts whole, as SGLang's ``--ep-size`` and vLLM's
-        ``--enable-expert-parallel`` do)."""
+        ``--enable-expert-parallel`` do). ``checks``: what the values of an update are checked for
+        (:class:`LoadChecks`: ``--refuse-nonfinite``)."""
         if (problem := ep_problem(ep, tp)) is not None:
             raise ValueError(problem)
+        self.checks = checks
         self.model_dir = os.path.abspath(model_dir)
         self.tp, self.ep = tp, ep
         self.rollback = rollback  # keep what a session overwrites, to put it back if the session is aborted
@@ -339,7 +343,7 @@ class Engine:
             parent, child = ctx.Pipe()
             proc = start_process(ctx, worker,
                                  (rank, self.tp, self.model_dir, port, self.backend, self.devices[rank], self.dtype,
-                                  child, self.rollback, interface, self.ep), daemon=True)
+                                  child, self.rollback, interface, self.ep, self.checks), daemon=True)
             self.conns.append(parent)
             self.procs.append(proc)
         deadline = time.monotonic() + start_timeout_s
@@ -825,7 +829,7 @@ class EngineServer(ThreadingHTTPServer):
             "model_path": e.model_dir,
             "weight_version": e.weight_version, "device": e.devices[0].split(":")[0], "gpu_uuids": e.gpu_uuids(),
             "hostname": socket.gethostname(), "pid": os.getpid(), "dtype": e.dtype,
-            "quantization_config": e.quantization_config,
+            "quantization_config": e.quantization_config, "refuse_nonfinite": e.checks.refuse_nonfinite,
             "capabilities": ["broadcast", "ipc", "ipc_ahead", "p2p", "reshard", "release_memory"]
             + (["rollback"] if e.rollback else [])
             + ["broadcast_ahead", "p2p_ahead", "delta", "delta_ahead", "warm_group"],
@@ -858,6 +862,9 @@ class EngineServer(ThreadingHTTPServer):
         loaded = int(results[0]["loaded"]) if results and isinstance(results[0], dict) else 0
         self.engine.session_loaded += loaded
         msg = f"Succeeded to update weights ({loaded} tensors)."
+        nonfinite = sorted({n for r in results if isinstance(r, dict) for n in r.get("nonfinite", ())})
+        if nonfinite:  # loaded as they are (an engine started with --refuse-nonfinite refuses them)
+            msg += f" NaN or an infinity in {len(nonfinite)} tensors of this session: {', '.join(nonfinite[:8])}"
         if b.get("weight_version") is not None:
             self.engine.pending_version = str(b["weight_version"])
         return 200, {"success": True, "message": msg}
@@ -1153,13 +1160,15 @@ class EngineServer(ThreadingHTTPServer):
 def serve(model_dir: str, tp: int = 1, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
           device: str | None = None, dtype: str = "float32", rollback: bool = True,
           limits: ServerLimits = ServerLimits(), worker: Callable[..., None] = worker_main,
-          ep: int = 1) -> EngineServer:
+          ep: int = 1, checks: LoadChecks = DEFAULT_CHECKS) -> EngineServer:
     """Start an engine and its HTTP server (serving in a background thread); returns the server.
     ``rollback=False``: no copy of the weights is kept during an update (as SGLang keeps none); an aborted
     update then leaves the engine refusing to serve until a complete update has loaded every tensor.
     ``limits``: what one client may hold or ask (:class:`ServerLimits`). ``worker``: each worker process's
-    entry (:class:`Engine`). ``ep``: expert parallelism over the TP group (:class:`Engine`)."""
-    engine = Engine(model_dir, tp, device=device, dtype=dtype, rollback=rollback, host=host, worker=worker, ep=ep)
+    entry (:class:`Engine`). ``ep``: expert parallelism over the TP group (:class:`Engine`). ``checks``: what the values
+    of an update are checked for (:class:`Engine`)."""
+    engine = Engine(model_dir, tp, device=device, dtype=dtype, rollback=rollback, host=host, worker=worker, ep=ep,
+                    checks=checks)
     try:
         server = EngineServer(engine, host, port, api_key, limits)
     except BaseException:

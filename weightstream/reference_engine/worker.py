@@ -12,10 +12,11 @@ import gc
 import os
 import signal
 import socket
+import sys
 import time
 import traceback
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, replace
@@ -35,7 +36,8 @@ from weightstream.converters.fp8 import block_fp8_of
 from weightstream.converters.registry import get_converter
 from weightstream.models.spec import dtype_from_name, dtype_name
 from weightstream.reference_engine.pieces import assemble, engine_layout, piece_problems
-from weightstream.reference_engine.schema import unknown_dtypes
+from weightstream.reference_engine.schema import ep_problem, routed_experts, unknown_dtypes
+from weightstream.reference_engine.values import DEFAULT_CHECKS, LoadChecks, check_values
 from weightstream.streaming.bucket import (
     Bucket,
     Shard,
@@ -147,6 +149,50 @@ def _close(fds: list[int]) -> None:
         os.close(fd)
 
 
+PROGRAM_TENSORS_PER_WEIGHT = 4  # the bucket programs a worker keeps: at most this many times its model's tensors
+MAX_PLANS = 4  # the IPC plans (their programs) and the exports of our weights a worker keeps, most recent first
+
+
+class ProgramCache:
+    """Bucket programs by their bucket's layout, least recently used dropped first, within ``capacity`` tensors in all
+    (a program counts its bucket's tensors, at least one): as many as four layouts of the whole model at the default
+    bound, whatever the requests name. Only buckets that loaded are put here, so a refused request leaves nothing."""
+
+    def __init__(self, capacity: int):
+        self.capacity = max(capacity, 1)
+        self.tensors = 0  # held, in all
+        self._entries: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self._entries
+
+    def get(self, key: tuple) -> Any:
+        """The program kept under ``key`` (now the most recently used), or None."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        self._entries.move_to_end(key)
+        return entry[0]
+
+    def put(self, key: tuple, program: Any, tensors: int) -> None:
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.tensors -= old[1]
+        weight = max(tensors, 1)
+        self._entries[key] = (program, weight)
+        self.tensors += weight
+        while self.tensors > self.capacity and len(self._entries) > 1:
+            _, (_, dropped) = self._entries.popitem(last=False)
+            self.tensors -= dropped
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.tensors = 0
+
+
 def dense_layout(names, dtypes, shapes) -> list[TensorMeta]:
     """SGLang's flattened-bucket layout for the distributed path: back to back, in ``names`` order."""
     metas, offset = [], 0
@@ -240,6 +286,8 @@ class Worker:
         self.in_session = False
         self.last_phases: dict[str, float] = {}
         self.config = AutoConfig.from_pretrained(model_dir)
+        if (problem := ep_problem(ep, size, routed_experts(self.config.to_dict()))) is not None:
+            raise ValueError(problem)
         self.model = ShardedCausalLM(self.config, rank, size, dist.group.WORLD, device, dtype, ep)
         self.groups: dict[str, Any] = {}
         self.groups_warmed = 0  # groups whose first transfer ran as they were joined (GroupSpec.warm)
@@ -265,9 +313,11 @@ class Worker:
         # GPU: broadcast buckets sent ahead are received into two kept buffers, loaded on a stream of their own.
         self.receive_buffers: list[torch.Tensor] = []
         self.load_stream: torch.cuda.Stream | None = None
-        # Dense broadcast buckets seen before (by names, dtypes, shapes): the parameters they load into,
-        # checked once, and how to cut the received buffer; an update repeats the same buckets.
-        self.programs: dict[tuple, Any] = {}
+        # Buckets loaded before (dense broadcast ones by names, dtypes, shapes; per-rank and resharded ones by their
+        # layout): the parameters they load into, checked once, and how to cut the received buffer; an update
+        # repeats the same buckets. Only a bucket that loaded is kept, within PROGRAM_TENSORS_PER_WEIGHT times the
+        # model's tensors (:class:`ProgramCache`).
+        self.programs = ProgramCache(PROGRAM_TENSORS_PER_WEIGHT * len(self.model.params))
         # Delta updates: per bucket index (resharded: per bucket index and trainer rank), the layout and the
         # bytes of the bucket this worker last applied (a delta is applied to them), and the checksums of what the
         # open session applied; ``delta_changed``: the open session changed them (an abort leaves them unknown:
@@ -276,6 +326,10 @@ class Worker:
         self.warmed_words: set[int] = set()  # word sizes the delta kernels were compiled for (on a GPU)
         self.delta_digests: dict[Key, str] = {}
         self.delta_changed = False
+        # What the values an update loads are checked for (worker_main sets the engine's), and the weights the open
+        # session loaded NaN or an infinity into (reported with each load's result).
+        self.checks = DEFAULT_CHECKS
+        self.session_nonfinite: set[str] = set()
         self._load_initial(model_dir)
         # A buffer lent by name (a payload pickled by torch on the CPU) is at most twice the model's size.
         self.max_lent_bytes = 2 * size * sum(st.nbytes() for st in self.model._storages())
@@ -352,8 +406,9 @@ class Worker:
         return self._load(tensors)
 
     def _update_delta(self, program, group, delta: dict, expected_checksum):
-        """A broadcast bucket of a delta update: its new bytes (:meth:`_delta_bytes`), loaded."""
-        header, index = DeltaHeader.from_json(delta), int(delta["index"])
+        """A broadcast bucket of a delta update: its new bytes (:meth:`_delta_bytes`), loaded. Its header is checked
+        against the bucket before its payload is received, as one sent ahead is (:meth:`DeltaHeader.from_request`)."""
+        header, index = DeltaHeader.from_request(delta, program.total, program.total)
         with self.clock("receive"):
             received = self._receive_delta(group, header, index)
         with self.clock("apply delta"):
@@ -377,6 +432,9 @@ class Worker:
         if header.encoding != "dense" and (held is None or held[0] != layout):
             raise ValueError(f"delta bucket {index}: this engine holds no bytes of that bucket to apply it to "
                              "(a full update must come first)")
+        if held is None and sum(b.numel() for _, b in self.delta_held.values()) + total > self.max_lent_bytes:
+            raise ValueError(f"delta bucket {index}: the bytes held for deltas would exceed {self.max_lent_bytes} "
+                             "(twice the model's size): more buckets than any plan of this model has")
         self.delta_changed = True
         if header.encoding == "dense":
             raw = received
@@ -472,10 +530,10 @@ class Worker:
         return {"loaded": loaded}
 
     def _p2p_program(self, metas: tuple[TensorMeta, ...], nbytes: int) -> SimpleNamespace:
-        """A per-rank bucket's program (kept, by its metadata), of ``nbytes`` on the wire."""
+        """A per-rank bucket's program (kept by its metadata once it has loaded), of ``nbytes`` on the wire."""
         program = self.programs.get(("p2p", metas))
         if program is None:
-            program = self.programs[("p2p", metas)] = self._program(list(metas))
+            program = self._program(list(metas), key=("p2p", metas))
         if program.total > nbytes:
             raise ValueError(f"a per-rank bucket of {nbytes} bytes whose tensors take {program.total}")
         return program
@@ -503,10 +561,12 @@ class Worker:
         return {"loaded": loaded}
 
     def _dense_program(self, names, dtypes, shapes) -> SimpleNamespace:
+        """A dense bucket's program: the one kept of an earlier bucket of the same names, dtypes and shapes, else a
+        new one (kept once it has loaded: :meth:`_load_dense`)."""
         key = (tuple(names), tuple(dtypes), tuple(tuple(s) for s in shapes))
         program = self.programs.get(key)
         if program is None:
-            program = self.programs[key] = self._program(dense_layout(names, dtypes, shapes))
+            program = self._program(dense_layout(names, dtypes, shapes), key=key)
         return program
 
     def _ipc_plan(self, plan: str, num_buckets: int, frame: Plan) -> list | str:
@@ -520,7 +580,7 @@ class Worker:
             return f"bad bucket metadata: {len(frame.buckets)} buckets described, {num_buckets} announced"
         programs = [self._program(_metas(b)) for b in frame.buckets]
         self.ipc_plans[plan] = programs
-        while len(self.ipc_plans) > 4:
+        while len(self.ipc_plans) > MAX_PLANS:
             self.ipc_plans.pop(next(iter(self.ipc_plans)))
         gc.freeze()  # kept as long as the plan: see prepare_ipc_ahead
         return programs
@@ -535,11 +595,17 @@ class Worker:
         """``kept``: ``raw`` is a buffer this worker holds across updates (its addresses stay), so the copies
         out of it are made once, per buffer (:func:`~weightstream.streaming.copies.batched_copy`)."""
         if program.runs is not None and expected_checksum is None:
+            self._check_values([(n, v) for (dtype, sizes, payload) in program.runs
+                                for (n, _), v in zip(payload, typed_views(raw, dtype, sizes), strict=True)])
             self.bucket_count += 1
-            return self._report(self.model.load_flat(program.names, program.targets,
+            done = self._report(self.model.load_flat(program.names, program.targets,
                                                      self._copies_from(program, raw, kept)))
-        bucket = Bucket(self.bucket_count, raw.narrow(0, 0, program.total), tuple(program.metas))
-        return self._apply(bucket, expected_checksum)
+        else:
+            done = self._apply(Bucket(self.bucket_count, raw.narrow(0, 0, program.total), tuple(program.metas)),
+                               expected_checksum)
+        if program.key is not None:  # it loaded: kept for the next bucket of the same layout
+            self.programs.put(program.key, program, len(program.metas))
+        return done
 
     def update_ipc_ahead(self, plan, num_buckets, channel, client, timeout_s, delta=False):
         """Every bucket of a colocated update, announced ahead; per bucket the trainer sends one small frame
@@ -611,7 +677,7 @@ class Worker:
     def _load_delta_sent(self, program, view: torch.Tensor, record: DeltaRecord, expected_checksum) -> int:
         """A delta-mode bucket out of the trainer's buffer ``view``: its new bytes (:meth:`_delta_bytes`; a dense
         one copied into a buffer of ours first, as those are kept for the next delta), loaded."""
-        header = DeltaHeader.from_json(asdict(record))  # its encoding checked as the frame was read
+        header, _ = DeltaHeader.from_request(asdict(record), program.total, min(program.total, view.numel()))
         received = view
         if header.encoding == "dense":
             received = typed_buffer(header.nbytes, self.device)
@@ -778,6 +844,8 @@ class Worker:
             sizes=sizes, payload=None)
         made = self.exports[plan] = SimpleNamespace(id=uuid.uuid4().hex, weights=weights, names=names,
                                                     targets=targets, wholes=wholes)
+        while len(self.exports) > MAX_PLANS:
+            self.exports.pop(next(iter(self.exports)))
         return made
 
     def _export_frame(self, export: SimpleNamespace) -> tuple[Export, list[int]]:
@@ -810,6 +878,8 @@ class Worker:
             with self.clock("device finish"):
                 torch.cuda.current_stream(self.device).wait_event(events[0])
                 torch.cuda.synchronize(self.device)
+        with self.clock("load"), _failures_answered(chan):  # what it wrote, checked as a bucket is (rolled back)
+            self._check_values(list(zip(export.names, export.targets, strict=True)))
         self.direct_updates += 1
         chan.send(WritesApplied(len(export.names)))
         return {"loaded": len(export.names)}
@@ -844,8 +914,8 @@ class Worker:
         group = self._group(group_name)
         metas = tuple(_wire_meta(m) for m in metas)
         if delta is not None:  # a delta of this rank's bucket: its new bytes, then loaded as a received bucket
-            header, index = DeltaHeader.from_json(delta), int(delta["index"])
             total = extent(metas)
+            header, index = DeltaHeader.from_request(delta, total, total)
             with self.clock("receive"):
                 received = self._receive_delta(group, header, index, src)
             with self.clock("apply delta"):
@@ -890,6 +960,7 @@ class Worker:
         with self.clock("load"):  # (putting the pieces together included)
             program = self._pieces_program(tuple(layouts))
             if program is not None:  # every piece copied straight into its place in the parameters, in one call
+                self._check_values([(m.name, t) for m, t in pieces])
                 copy = partial(torch._foreach_copy_, program.dests, [t for _, t in pieces])
                 return self._report(self.model.load_flat(program.names, program.targets, [copy]))
             weights, problems = assemble(pieces, self.model.params, self.rank, self.size,
@@ -904,15 +975,17 @@ class Worker:
         parameters (kept as backups) and the view each piece fills; None: they go through ``assemble``. Made once
         per layout (kept with the programs, dropped when the weights move)."""
         key = ("pieces", layouts)
-        if key not in self.programs:
-            metas = [m for layout in layouts for m in layout]
-            dests = (None if piece_problems(metas, self.model.params, self.rank, self.size,
-                                            elsewhere=self.model.elsewhere)
-                     else self.model.piece_targets(metas))
-            names = list(dict.fromkeys(m.name for m in metas))
-            self.programs[key] = None if dests is None else SimpleNamespace(
-                names=names, targets=[[self.model.params[n][0] for n in names]], dests=dests)
-        return self.programs[key]
+        if key in self.programs:
+            return self.programs.get(key)
+        metas = [m for layout in layouts for m in layout]
+        if piece_problems(metas, self.model.params, self.rank, self.size, elsewhere=self.model.elsewhere):
+            return None  # refused by ``assemble``, naming every problem; nothing of it kept
+        dests = self.model.piece_targets(metas)
+        names = list(dict.fromkeys(m.name for m in metas))
+        program = None if dests is None else SimpleNamespace(
+            names=names, targets=[[self.model.params[n][0] for n in names]], dests=dests)
+        self.programs.put(key, program, len(metas))
+        return program
 
     def update_p2p_pieces_ahead(self, group_name, buckets, delta: bool = False):
         """Every resharded bucket of an update (per bucket, this rank's parts as :meth:`update_p2p_pieces` takes
@@ -959,9 +1032,13 @@ class Worker:
         if len(indices) != 1:
             raise ValueError(f"the parts of one resharded bucket name buckets {sorted(indices)}")
         index = indices.pop()
-        return [self._delta_bytes((index, int(part["src"])), layout, extent(layout), DeltaHeader.from_json(delta),
-                                  payload, part.get("checksum"))
-                for part, layout, delta, payload in zip(parts, layouts, deltas, payloads, strict=True)]
+        out = []
+        for part, layout, delta, payload in zip(parts, layouts, deltas, payloads, strict=True):
+            total = extent(layout)
+            header, _ = DeltaHeader.from_request(delta, total, min(total, payload.numel()))
+            out.append(self._delta_bytes((index, int(part["src"])), layout, total, header, payload,
+                                         part.get("checksum")))
+        return out
 
     def layout(self) -> dict[str, dict[str, int | None] | dict[str, int]]:
         """How this rank holds the checkpoint's tensors: ``dims``, the dim each is split on (those held whole
@@ -1013,15 +1090,16 @@ class Worker:
                 )
         return self._load([(m.name, view_tensor(bucket.buffer, m), m.shard) for m in bucket.metas], foreign)
 
-    def _program(self, metas: list[TensorMeta]) -> SimpleNamespace:
+    def _program(self, metas: list[TensorMeta], key: tuple | None = None) -> SimpleNamespace:
         """``runs`` (how to cut the buffer, with each tensor's name and parameter) where every tensor of the
         bucket loads by a plain copy, else None; ``names`` in the order the runs cut, and ``targets`` per
-        run (one dtype each: the batched copy of a run takes the GPU's fused kernels)."""
+        run (one dtype each: the batched copy of a run takes the GPU's fused kernels). ``key``: where it is kept
+        in :attr:`programs` once a bucket has loaded by it (None: kept elsewhere, or not at all)."""
         total = metas[-1].offset + metas[-1].nbytes if metas else 0
         targets = self.model.whole_targets(metas) if metas else None
         runs = None if targets is None else typed_runs(
             (m.dtype, m.offset, m.numel, (m.name, t)) for m, t in zip(metas, targets, strict=True))
-        return SimpleNamespace(metas=metas, total=total, runs=runs, copies={},
+        return SimpleNamespace(metas=metas, total=total, runs=runs, copies={}, key=key,
                                names=[n for _, _, payload in runs or () for n, _ in payload],
                                targets=[[t for _, t in payload] for _, _, payload in runs or ()])
 
@@ -1041,13 +1119,33 @@ class Worker:
     def _report(self, report):
         if report.problems:
             raise RuntimeError(f"{len(report.problems)} tensors could not be loaded: " + "; ".join(report.problems))
-        return {"loaded": len(report.loaded)}  # a count: the names would cross the pipe per update
+        done: dict[str, Any] = {"loaded": len(report.loaded)}  # a count: the names would cross the pipe per update
+        if self.session_nonfinite:
+            done["nonfinite"] = sorted(self.session_nonfinite)
+        return done
+
+    def _check_values(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Refuse a bucket (``named``: its tensors as they arrived) whose values :attr:`checks` refuse, every problem
+        named (:mod:`~weightstream.reference_engine.values`); log the weights it holds NaN or an infinity in, which
+        the session reports."""
+        report = check_values(named)
+        refusal = report.refusal(self.checks)
+        if refusal is not None:
+            raise ValueError(refusal)
+        if report.nonfinite:
+            self.session_nonfinite.update(report.nonfinite)
+            print(f"weightstream engine: rank {self.rank}: an update loads NaN or an infinity into "
+                  f"{len(report.nonfinite)} tensors: {', '.join(report.nonfinite[:8])}"
+                  f"{' ...' if len(report.nonfinite) > 8 else ''} (served as they are; --refuse-nonfinite refuses "
+                  "them)", file=sys.stderr, flush=True)
 
     def _load(self, tensors, foreign: bool = False):
         """``foreign``: the tensors live in the sender's memory (IPC), which it may free or reuse as soon as
         we answer, so the copies are finished first. A buffer of our own (broadcast, P2P) is freed into
         this stream's allocator, which orders its reuse after the copies: the answer goes at once and
         the next bucket's receive overlaps this one's copies."""
+        tensors = list(tensors)
+        self._check_values([(name, t) for name, t, _ in tensors])
         report = self.model.load_weights(tensors)
         if foreign and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -1057,6 +1155,7 @@ class Worker:
         self.model.begin_session()
         self.bucket_count = 0
         self.delta_digests, self.delta_changed = {}, False
+        self.session_nonfinite = set()
         self.clock.reset()
         self.in_session = True
         return "ok"
@@ -1143,7 +1242,10 @@ class Worker:
         return {"rss_bytes": rss, "cuda_allocated_bytes": cuda, "ipc_buffers_opened": self.ipc_opened,
                 "ipc_buffers_held": len(self.ipc_kept), "direct_updates": self.direct_updates,
                 "ipc_lease": self.ipc_lease is not None, "fds": len(os.listdir("/proc/self/fd")),
-                "groups_warmed": self.groups_warmed}
+                "groups_warmed": self.groups_warmed, "programs_kept": len(self.programs),
+                "program_tensors_kept": self.programs.tensors, "program_tensors_bound": self.programs.capacity,
+                "ipc_plans_kept": len(self.ipc_plans), "exports_kept": len(self.exports),
+                "delta_buckets_held": len(self.delta_held)}
 
     def logits(self, input_ids):
         out = self.model.logits(torch.tensor(input_ids))
@@ -1196,9 +1298,11 @@ def _loopback_store(port: int, rank: int, size: int, timeout: timedelta) -> dist
 
 
 def worker_main(rank, size, model_dir, port, backend, device, dtype, conn, rollback=True,
-                gloo_interface: str | None = None, ep: int = 1, worker_type: type[Worker] = Worker) -> None:
+                gloo_interface: str | None = None, ep: int = 1, checks: LoadChecks = DEFAULT_CHECKS,
+                worker_type: type[Worker] = Worker) -> None:
     """``gloo_interface``: where gloo's listeners go (``GLOO_SOCKET_IFNAME``, unless the user set it): the
-    interface of the engine's HTTP address. ``ep``: the engine's expert parallelism (:class:`Worker`).
+    interface of the engine's HTTP address. ``ep``: the engine's expert parallelism (:class:`Worker`). ``checks``:
+    what the values of an update are checked for (:class:`~weightstream.reference_engine.values.LoadChecks`).
     ``worker_type``: the :class:`Worker` (or a subclass of it) that serves the commands."""
     die_with_parent()  # the kernel ends this worker when the engine's main process dies, however it dies
     _fixed_mmap_threshold()
@@ -1216,6 +1320,7 @@ def worker_main(rank, size, model_dir, port, backend, device, dtype, conn, rollb
         worker = worker_type(rank, size, model_dir, torch.device(device), dtype_from_name(dtype), ep)
         worker.model.rollback = rollback
         conn.send((True, "ready"))
+        worker.checks = checks
     except BaseException:  # noqa: BLE001
         conn.send((False, traceback.format_exc()))
         return

@@ -65,31 +65,63 @@ class DeltaHeader:
     @classmethod
     def from_words(cls, words: Sequence[int], total: int, limit: int) -> tuple[DeltaHeader, int]:
         """The header and the bucket index :meth:`as_words` wrote, for a bucket of ``total`` bytes whose payload
-        takes at most ``limit``; raises ``ValueError`` listing every field that cannot be."""
+        takes at most ``limit``; raises ``ValueError`` listing every field that cannot be (:func:`header_problems`)."""
         code, word, got_total, count, nbytes, index = (int(w) for w in words)
-        problems = []
-        if not 0 <= code < len(ENCODINGS):
-            problems.append(f"encoding {code} is none of {list(range(len(ENCODINGS)))} ({', '.join(ENCODINGS)})")
-        if word not in _WORD_DTYPES:
-            problems.append(f"word of {word} bytes (1, 2 or 4)")
-        if got_total != total:
-            problems.append(f"{got_total} bucket bytes, its tensors take {total}")
-        if not 0 <= nbytes <= limit:
-            problems.append(f"a payload of {nbytes} bytes (at most {limit})")
-        if not problems and not 0 <= count <= total // word:
-            problems.append(f"{count} changed words of {total // word}")
-        if not problems and nbytes != encoded_bytes(ENCODINGS[code], total // word, count, word):
-            problems.append(f"{nbytes} payload bytes, {ENCODINGS[code]} of {count} words takes "
-                            f"{encoded_bytes(ENCODINGS[code], total // word, count, word)}")
+        encoding = ENCODINGS[code] if 0 <= code < len(ENCODINGS) else None
+        problems = [] if encoding is not None else [
+            f"encoding {code} is none of {list(range(len(ENCODINGS)))} ({', '.join(ENCODINGS)})"]
+        problems += header_problems(encoding, word, got_total, count, nbytes, bucket_bytes=total, limit=limit)
         if problems:
             raise ValueError(f"bad delta header for bucket {index}: " + "; ".join(problems))
-        return cls(ENCODINGS[code], word, total, count, nbytes), index
+        assert encoding is not None
+        return cls(encoding, word, total, count, nbytes), index
+
+    @classmethod
+    def from_request(cls, d: Mapping[str, Any], total: int, limit: int) -> tuple[DeltaHeader, int]:
+        """The header and the bucket index a per-bucket request carries (:meth:`as_json` and ``index``; its fields'
+        types checked by the receiver first: ``reference_engine.schema.delta_problems``), for a bucket of ``total``
+        bytes whose payload takes at most ``limit``: checked as :meth:`from_words` checks a header sent ahead (by
+        :func:`header_problems`), raising ``ValueError`` listing every field that cannot be."""
+        index = int(d["index"])
+        encoding = d["encoding"] if d["encoding"] in ENCODINGS else None
+        problems = [] if encoding is not None else [
+            f"encoding {str(d['encoding'])[:40]!r} is none of {list(ENCODINGS)}"]
+        problems += header_problems(encoding, int(d["word"]), int(d["total"]), int(d["count"]), int(d["nbytes"]),
+                                    bucket_bytes=total, limit=limit)
+        if problems:
+            raise ValueError(f"bad delta header for bucket {index}: " + "; ".join(problems))
+        return cls(cast(Encoding, encoding), int(d["word"]), total, int(d["count"]), int(d["nbytes"])), index
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> DeltaHeader:
-        """The header :meth:`as_json` wrote (other keys, such as the bucket's index, ignored); its fields checked
-        by the receiver first (``reference_engine.schema.delta_problems``, or the control frame's types)."""
+        """The header :meth:`as_json` wrote (other keys, such as the bucket's index, ignored), as it is: a receiver
+        that applies it reads it with :meth:`from_request`, which checks it against the bucket."""
         return cls(cast(Encoding, d["encoding"]), int(d["word"]), int(d["total"]), int(d["count"]), int(d["nbytes"]))
+
+
+def header_problems(encoding: Encoding | None, word: int, total: int, count: int, nbytes: int, *, bucket_bytes: int,
+                    limit: int) -> list[str]:
+    """What makes a delta header unfit for a bucket of ``bucket_bytes`` whose payload may take at most ``limit``
+    bytes (``encoding`` None: not one of :data:`ENCODINGS`, which the caller names): every problem, none where
+    the header describes exactly a payload that :func:`apply` turns into the bucket's ``bucket_bytes`` bytes. The
+    one check of a header, whether it crossed the wire ahead of its payload or came with a per-bucket request."""
+    problems = []
+    if word not in _WORD_DTYPES:
+        problems.append(f"word of {word} bytes (1, 2 or 4)")
+    if total != bucket_bytes:
+        problems.append(f"{total} bucket bytes, its tensors take {bucket_bytes}")
+    if not 0 <= nbytes <= limit:
+        problems.append(f"a payload of {nbytes} bytes (at most {limit})")
+    if problems or encoding is None:
+        return problems
+    if total % word:
+        problems.append(f"words of {word} bytes do not divide the bucket's {total} bytes")
+    elif not 0 <= count <= total // word:
+        problems.append(f"{count} changed words of {total // word}")
+    elif nbytes != encoded_bytes(encoding, total // word, count, word):
+        problems.append(f"{nbytes} payload bytes, {encoding} of {count} words takes "
+                        f"{encoded_bytes(encoding, total // word, count, word)}")
+    return problems
 
 
 def word_size(total: int, itemsizes: Iterable[int]) -> int:

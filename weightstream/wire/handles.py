@@ -238,10 +238,11 @@ def loads_b64(text: str | bytes, grant: ShmGrant | None = None) -> Any:
 
 def open_named_shm(name: str, nbytes: int, grant: ShmGrant) -> torch.UntypedStorage:
     """The data of torch's named shared-memory object ``name`` (a payload pickled with the ``file_system``
-    strategy), where ``grant`` allows it: a name torch gives, made by a process the grant knows, of exactly
-    ``nbytes`` (never grown). It is mapped here directly, not through the sender's ``torch_shm_manager``
-    (which torch's own rebuild connects to and never lets go: the manager, holding the sender's stdio,
-    would live as long as this process). The reference the sender took for the payload in transit is
+    strategy), where ``grant`` allows it: a name torch gives, made by a process the grant knows (the opened file
+    belongs to this user and that process maps it: :func:`_ownership_problem`), of exactly ``nbytes`` (never
+    grown); one refused is neither mapped nor unlinked. It is mapped here directly, not through the sender's
+    ``torch_shm_manager`` (which torch's own rebuild connects to and never lets go: the manager, holding the
+    sender's stdio, would live as long as this process). The reference the sender took for the payload in transit is
     consumed (:func:`_consume_transit_reference`), so the object goes when its sender frees it."""
     match = _SHM_NAME.fullmatch(name)
     if match is None:
@@ -260,11 +261,37 @@ def open_named_shm(name: str, nbytes: int, grant: ShmGrant) -> torch.UntypedStor
         if not stat.S_ISREG(info.st_mode) or info.st_size != nbytes + SHM_HEADER_BYTES:
             raise UnsafePayloadError(f"refused shared-memory object {name!r}: {info.st_size} bytes, not the "
                                      f"{nbytes} the payload names (+ {SHM_HEADER_BYTES})")
+        if (problem := _ownership_problem(info, int(match.group(1)))) is not None:
+            raise UnsafePayloadError(f"refused shared-memory object {name!r}: {problem}")
         whole = mmap.mmap(fd, info.st_size)
     finally:
         os.close(fd)
     _consume_transit_reference(whole, name)
     return torch.frombuffer(whole, dtype=torch.uint8, offset=SHM_HEADER_BYTES, count=nbytes).untyped_storage()
+
+
+def _ownership_problem(info: os.stat_result, pid: int) -> str | None:
+    """Why the object opened (``info``: the ``fstat`` of its descriptor) is not one process ``pid`` made and holds,
+    as the kernel tells: it must belong to this process's user, and ``pid`` must map that very file (by device and
+    inode; torch's sender maps what it shares for as long as its storage lives). A name is only a name: another
+    process can make ``/torch_<pid>_...`` for any pid."""
+    if info.st_uid != os.geteuid():
+        return f"it belongs to user {info.st_uid}, not to this engine's ({os.geteuid()})"
+    device = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}"
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            mapped = any(_maps_file(line, device, info.st_ino) for line in f)
+    except OSError as exc:
+        return f"the mappings of process {pid}, whose pid the name gives, cannot be read ({exc.strerror})"
+    if not mapped:
+        return f"process {pid}, whose pid the name gives, does not map it: another process made it"
+    return None
+
+
+def _maps_file(line: str, device: str, inode: int) -> bool:
+    """Whether a line of ``/proc/PID/maps`` (address, perms, offset, device, inode, path) maps that file."""
+    fields = line.split(maxsplit=5)
+    return len(fields) >= 5 and fields[3] == device and fields[4] == str(inode)
 
 
 def _consume_transit_reference(whole: mmap.mmap, name: str) -> None:

@@ -1,0 +1,119 @@
+"""What an engine worker checks of the values it is about to load, besides each tensor's name, shape and dtype:
+
+- every block-FP8 scale (a tensor named ``*_scale_inv``) is finite, positive and at most :data:`MAX_FP8_SCALE`;
+  a bucket holding any other is refused whole, with one error naming every bad scale and what is wrong with it;
+- a weight holding NaN or an infinity is found and named: the update reports it (and the engine logs it), or,
+  where the engine was started with ``--refuse-nonfinite`` (:attr:`LoadChecks.refuse_nonfinite`), refuses its
+  bucket whole, naming every such weight.
+
+Each check is a few reductions per tensor, on the device the bucket is on (one host synchronisation per bucket); a
+tensor is examined element by element only where a reduction says it may hold something wrong."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from weightstream.converters.fp8 import SCALE_SUFFIX
+
+__all__ = ["DEFAULT_CHECKS", "MAX_FP8_SCALE", "LoadChecks", "ValuesReport", "check_values", "nonfinite_names",
+           "scale_problems"]
+
+# A block-FP8 scale multiplies float8 values of at most 448: 448 * 2**32 (about 1.9e12) is far beyond any weight, and a
+# larger scale is a corrupted one (1e38 would make every dequantized value of its block infinite in float32).
+MAX_FP8_SCALE = 2.0**32
+Named = Sequence[tuple[str, Tensor]]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadChecks:
+    """How an engine treats the values of an update (``weightstream engine --refuse-nonfinite``):
+    ``refuse_nonfinite``: a weight holding NaN or an infinity refuses its bucket (by default it is loaded and
+    reported). Block-FP8 scales outside (0, :data:`MAX_FP8_SCALE`] are refused either way."""
+
+    refuse_nonfinite: bool = False
+
+
+DEFAULT_CHECKS = LoadChecks()
+
+
+@dataclass(frozen=True, slots=True)
+class ValuesReport:
+    """What :func:`check_values` found in one bucket: ``bad_scales`` (each ``"name: what is wrong"``) and the names
+    of the weights holding NaN or an infinity (``nonfinite``)."""
+
+    bad_scales: tuple[str, ...] = ()
+    nonfinite: tuple[str, ...] = ()
+
+    def refusal(self, checks: LoadChecks) -> str | None:
+        """Why ``checks`` refuse the bucket (every problem), or None."""
+        problems = list(self.bad_scales)
+        if checks.refuse_nonfinite:
+            problems += [f"{name}: holds NaN or an infinity" for name in self.nonfinite]
+        if not problems:
+            return None
+        return f"{len(problems)} tensors hold values this engine refuses, nothing of the bucket loaded: " + "; ".join(
+            problems)
+
+
+def check_values(named: Named) -> ValuesReport:
+    """The scales of ``named`` (name, tensor as it arrived) checked, and its non-finite weights found."""
+    scales = [(n, t) for n, t in named if n.endswith(SCALE_SUFFIX)]
+    weights = [(n, t) for n, t in named if not n.endswith(SCALE_SUFFIX)]
+    return ValuesReport(tuple(scale_problems(scales)), tuple(nonfinite_names(weights)))
+
+
+def scale_problems(scales: Named) -> list[str]:
+    """``"name: what is wrong"`` for each of ``scales`` holding a value that is NaN, infinite, not positive, or above
+    :data:`MAX_FP8_SCALE`."""
+    scales = [(n, t) for n, t in scales if t.numel()]
+    if not scales:
+        return []
+    flat = torch.cat([t.detach().reshape(-1).float() for _, t in scales])
+    if bool(((flat > 0) & (flat <= MAX_FP8_SCALE)).all()):  # NaN compares false: found below
+        return []
+    return [f"{name}: {', '.join(what)}" for name, t in scales if (what := _scale_faults(t.detach().float()))]
+
+
+def _scale_faults(v: Tensor) -> list[str]:
+    what = []
+    if bool(v.isnan().any()):
+        what.append("NaN")
+    if bool(v.isinf().any()):
+        what.append("infinite")
+    finite = v[v.isfinite()]
+    if finite.numel() and bool((finite <= 0).any()):
+        what.append(f"not positive (min {float(finite.min()):g})")
+    if finite.numel() and bool((finite > MAX_FP8_SCALE).any()):
+        what.append(f"above {MAX_FP8_SCALE:g} (max {float(finite.max()):g})")
+    return what
+
+
+def nonfinite_names(weights: Named) -> list[str]:
+    """The names of ``weights`` holding NaN or an infinity: a sum per floating-point tensor (non-finite where any
+    element is, or where the sum overflows, which the exact check below tells apart), and for float8 values, whose
+    only non-finite values are the NaN bytes 0x7f and 0xff, the largest byte of each sign."""
+    floats = [(n, t.detach()) for n, t in weights if t.is_floating_point() and t.numel()]
+    if not floats:
+        return []
+    flags = torch.stack([_may_be_nonfinite(t) for _, t in floats])
+    if not bool(flags.any()):
+        return []
+    return [n for (n, t), flag in zip(floats, flags.tolist(), strict=True) if flag and _nonfinite(t)]
+
+
+def _may_be_nonfinite(t: Tensor) -> Tensor:
+    if t.dtype == torch.float8_e4m3fn:
+        return (t.view(torch.int8).max() == 127) | (t.view(torch.uint8).max() == 255)
+    if t.element_size() == 1:  # other float8 formats: as float32
+        return ~t.float().isfinite().all()
+    return ~t.sum().isfinite()
+
+
+def _nonfinite(t: Tensor) -> bool:
+    if t.element_size() == 1:
+        return bool(_may_be_nonfinite(t))  # exact for float8
+    return not bool(t.isfinite().all())
