@@ -49,6 +49,7 @@ from typing import IO, Any
 import torch
 from torch import Tensor
 
+from weightstream.common.pickle_guard import PickleBoundError, check_pickle
 from weightstream.converters.mapping import Converter
 from weightstream.errors import WeightstreamError
 from weightstream.models.spec import ModelSpec, dtype_name
@@ -203,26 +204,30 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def read_dcp_metadata(path: Path, *, trust: bool = False) -> Any:
     """The ``torch.distributed.checkpoint`` Metadata pickled in ``path``; refused (one error naming every
-    global off the allow-list) unless ``trust``."""
+    global off the allow-list) unless ``trust``, and (trusted or not) where the pickle would build out of
+    proportion to its length (:func:`~weightstream.common.pickle_guard.check_pickle`)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     try:
-        with open(path, "rb") as f:
-            if trust:
-                metadata = pickle.load(f)
-            else:
-                unpickler = _MetadataUnpickler(f)
-                try:
-                    metadata = unpickler.load()
-                except Exception:
-                    if not unpickler.refused:
-                        raise
-                if unpickler.refused:
-                    names = ", ".join(sorted(set(unpickler.refused)))
-                    raise CheckpointFormatError(f"refused to read {path}: it names {names}, which a torch_dist "
-                                                f"checkpoint's metadata never holds; {_TRUST_HINT}")
+        data = path.read_bytes()
+        check_pickle(data)
+        if trust:
+            metadata = pickle.loads(data)
+        else:
+            unpickler = _MetadataUnpickler(io.BytesIO(data))
+            try:
+                metadata = unpickler.load()
+            except Exception:
+                if not unpickler.refused:
+                    raise
+            if unpickler.refused:
+                names = ", ".join(sorted(set(unpickler.refused)))
+                raise CheckpointFormatError(f"refused to read {path}: it names {names}, which a torch_dist "
+                                            f"checkpoint's metadata never holds; {_TRUST_HINT}")
     except CheckpointFormatError:
         raise
+    except PickleBoundError as exc:
+        raise CheckpointFormatError(f"refused to read {path}: {exc}") from None
     except Exception as exc:  # noqa: BLE001 -- whatever a damaged pickle raises
         raise CheckpointFormatError(f"{path} cannot be read as torch_dist metadata: {_one_line(exc)}") from None
     if not isinstance(metadata, Metadata):
@@ -694,19 +699,33 @@ def _inspect_rank_file(file: Path, trust: bool) -> _RankFile:
         with zipfile.ZipFile(file) as zf:
             members = zf.infolist()
             records = [m for m in members if "/data/" not in m.filename]
-            if not any(m.filename.endswith("/data.pkl") for m in records):
+            pickles = [m for m in records if m.filename.endswith("/data.pkl")]
+            if not pickles:
                 raise CheckpointFormatError(f"{file} is a zip archive without data.pkl, not a torch.save file")
             damaged = _zip_damage(zf, records)
+            index = b"" if damaged else zf.read(pickles[0])
     except (zipfile.BadZipFile, OSError, ValueError) as exc:
         raise CheckpointFormatError(f"{file} is not a complete torch.save archive (truncated, emptied or not a "
                                     f"checkpoint): {_one_line(exc)}") from None
     if damaged:
         raise CheckpointFormatError(f"{file} is damaged: " + "; ".join(damaged))
+    _check_index_pickle(file, pickles[0].filename, index)
     crcs: dict[int, set[int]] = {}
     for m in members:
         if "/data/" in m.filename:
             crcs.setdefault(m.file_size, set()).add(m.CRC)
     return _RankFile(crcs, [] if trust else _legacy_globals(file))
+
+
+def _check_index_pickle(file: Path, member: str, data: bytes) -> None:
+    """The pickle ``member`` of ``file`` (``data``) measured before torch unpickles it (trusted or not): refused
+    where it would build out of proportion to its length (:func:`~weightstream.common.pickle_guard.check_pickle`)."""
+    try:
+        check_pickle(data)
+    except PickleBoundError as exc:
+        raise CheckpointFormatError(f"refused to read {file} ({member}): {exc}") from None
+    except pickle.UnpicklingError as exc:
+        raise CheckpointFormatError(f"{file} cannot be read as a Megatron checkpoint: {member}: {exc}") from None
 
 
 def _legacy_globals(file: Path) -> list[Callable[..., Any] | tuple[Callable[..., Any], str]]:
@@ -724,6 +743,30 @@ def _legacy_globals(file: Path) -> list[Callable[..., Any] | tuple[Callable[...,
         return [(_resolve_global(n), n) for n in names]
     except CheckpointFormatError as exc:
         raise CheckpointFormatError(f"{file} cannot be read here: {exc}") from None
+
+
+def _model_entry_problems(state: dict) -> list[str]:
+    """What is wrong with the model entries (``model``, ``model0``, ...) of a legacy rank file's dictionary: each
+    must be a dictionary keyed by parameter names (strings)."""
+    problems = []
+    odd = [k for k in state if not isinstance(k, str)]
+    if odd:
+        problems.append(f"{len(odd)} top-level key(s) that are not strings: {_shown(odd)}")
+    for chunk in (k for k in state if isinstance(k, str) and re.fullmatch(r"model\d*", k)):
+        entry = state[chunk]
+        if not isinstance(entry, dict):
+            problems.append(f"{chunk!r} is a {type(entry).__name__}, not a dictionary of tensors")
+            continue
+        odd = [k for k in entry if not isinstance(k, str)]
+        if odd:
+            problems.append(f"{chunk!r} has {len(odd)} key(s) that are not parameter names (strings): {_shown(odd)}")
+    return problems
+
+
+def _shown(keys: list[Any], most: int = 5) -> str:
+    """Up to ``most`` of ``keys``, each as ``repr`` cut to 80 characters."""
+    shown = [r if len(r := repr(k)) <= 80 else r[:77] + "..." for k in keys[:most]]
+    return ", ".join(shown) + (f", ... ({len(keys)} in all)" if len(keys) > most else "")
 
 
 def _load_failure(exc: BaseException) -> str:
@@ -818,6 +861,10 @@ class _LegacyReader:
                                         ) from None
         if not isinstance(state, dict):
             raise CheckpointFormatError(f"{file} holds a {type(state).__name__}, not the dictionary Megatron saves")
+        problems = _model_entry_problems(state)
+        if problems:
+            raise CheckpointFormatError(f"{file} is not a Megatron rank file as this reader knows it: "
+                                        + "; ".join(problems))
         return state
 
     def _state(self, key: tuple[int, int, int]) -> dict:

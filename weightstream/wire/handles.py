@@ -33,6 +33,7 @@ import torch
 from torch.multiprocessing import reductions
 
 from weightstream.common import word_kernels
+from weightstream.common.pickle_guard import PickleBoundError, check_pickle
 
 
 class UnsafePayloadError(pickle.UnpicklingError):
@@ -221,7 +222,13 @@ class SafeUnpickler(pickle.Unpickler):
 
 
 def loads(data: bytes, grant: ShmGrant | None = None) -> Any:
-    """``grant``: the named shared memory the payload may map (by default: what this process shared itself)."""
+    """``grant``: the named shared memory the payload may map (by default: what this process shared itself).
+    The pickle is measured first (:func:`~weightstream.common.pickle_guard.check_pickle`): one that would build
+    out of proportion to its length is refused before anything is unpickled."""
+    try:
+        check_pickle(data)
+    except PickleBoundError as exc:
+        raise UnsafePayloadError(f"refused a payload of {len(data):,} bytes: {exc}") from None
     return SafeUnpickler(io.BytesIO(data), grant or ShmGrant.own()).load()
 
 
