@@ -176,14 +176,14 @@ def test_a_non_empty_directory_is_refused_unless_overwrite(saves, tmp_path):
     convert_checkpoint(old_save, old_hf, out, bucket_bytes=BUCKET, shard_bytes=SHARD)
     (out / "notes.txt").write_text("mine")
     before = _files(out)
-    run = _cli("convert", str(new_save), "--hf-config", new_hf, "--out", str(out))
+    run = _cli("convert", str(new_save), "--hf", new_hf, "--out", str(out))
     assert run.returncode == 2, run.stderr
     assert run.stderr.splitlines() == [
         (f"error: {out} is not empty (it holds {len(before)} files); refusing to write the checkpoint into it: "
          f"pass overwrite=True (--overwrite) to replace it, or choose an empty or new directory")]
     assert _files(out) == before
     # --overwrite, written by two processes (each its own files of one staging directory): replaced whole.
-    run = _cli("convert", str(new_save), "--hf-config", new_hf, "--out", str(out), "--overwrite", "--procs", "2",
+    run = _cli("convert", str(new_save), "--hf", new_hf, "--out", str(out), "--overwrite", "--procs", "2",
                "--shard-mb", "0.4")
     assert run.returncode == 0, run.stderr
     shards = set(json.loads((out / INDEX_NAME).read_text())["weight_map"].values())
@@ -228,8 +228,8 @@ def test_a_full_or_read_only_disk_is_one_clear_error(saves, tmp_path):
     full.mkdir()
     read_only.mkdir()
     cases = [
-        ["convert", str(new_save), "--hf-config", new_hf, "--out", str(full / "out")],
-        ["convert", str(new_save), "--hf-config", new_hf, "--out", str(read_only / "out")],
+        ["convert", str(new_save), "--hf", new_hf, "--out", str(full / "out")],
+        ["convert", str(new_save), "--hf", new_hf, "--out", str(read_only / "out")],
         ["dump", "--preset", "tiny-qwen3", "--tp", "2", "--out", str(full / "dump")],
         ["dump", "--preset", "tiny-qwen3", "--tp", "2", "--out", str(read_only / "dump")],
     ]

@@ -19,21 +19,32 @@ def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     )
 
 
+def _main(capsys, *args: str) -> tuple[int | str | None, str]:
+    """``weightstream ARGS`` in this process: its exit status (or SystemExit's code) and its stdout."""
+    from weightstream.cli import main
+
+    try:
+        code: int | str | None = main(list(args))
+    except SystemExit as stop:
+        code = stop.code
+    return code, capsys.readouterr().out
+
+
 @pytest.mark.unit
-def test_help_explains_each_command_and_option():
-    out = run("--help")
-    assert out.returncode == 0 and all(c in out.stdout for c in ("demo", "dump", "verify"))
-    out = run("dump", "--help")
+def test_help_explains_each_command_and_option(capsys):
+    code, out = _main(capsys, "--help")
+    assert code == 0 and all(c in out for c in ("demo", "dump", "verify", "presets"))
+    code, out = _main(capsys, "dump", "--help")
     for opt in ("--hf", "--preset", "--seed", "--tp", "--pp", "--vpp", "--bucket-mb", "--out", "--writers"):
-        assert opt in out.stdout
+        assert opt in out
 
 
 @pytest.mark.unit
-def test_version_is_the_package_version():
+def test_version_is_the_package_version(capsys):
     import weightstream
 
-    out = run("--version")
-    assert out.returncode == 0 and out.stdout.strip() == f"weightstream {weightstream.__version__}"
+    code, out = _main(capsys, "--version")
+    assert code == 0 and out.strip() == f"weightstream {weightstream.__version__}"
 
 
 def test_demo_proves_its_checkpoint():
@@ -48,7 +59,8 @@ def test_demo_proves_its_checkpoint():
     assert [line for line in lines if not line.startswith(ours)] == [], lines
     assert not any("\r" in line or "Warning" in line for line in lines), lines
     assert "identical: 47 tensors compared" in out.stdout
-    assert "engine update: p2p" in out.stdout and "engine vs HF" in out.stdout
+    # The engine's line counts rank 0's share (each rank sends its own shards); the last line the whole model.
+    assert "engine update, rank 0's share of 4 ranks: p2p" in out.stdout and "engine vs HF" in out.stdout
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("PROVEN: 47 tensors") and "buckets" in last and "GB/s" in last
 
@@ -106,27 +118,46 @@ def test_engine_on_a_corrupt_model_directory_says_what_is_wrong_in_one_line(sour
     shutil.copytree(sources["tiny-qwen3"], bad)
     with open(bad / "model.safetensors", "r+b") as f:
         f.truncate(100_000)
-    out = run("engine", "--model", str(bad), "--port", "0", timeout=120)
+    out = run("engine", "--hf", str(bad), "--port", "0", timeout=120)
     assert out.returncode == 2 and out.stdout == "", out.stderr
     (line,) = out.stderr.strip().splitlines()
     assert line.startswith(f"error: the checkpoint {bad} cannot be read: {bad}/model.safetensors")
     (bad / "config.json").write_text('{"model_type": ')
-    out = run("engine", "--model", str(bad), "--port", "0", timeout=120)
+    out = run("engine", "--hf", str(bad), "--port", "0", timeout=120)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "config.json" in out.stderr
 
 
 @pytest.mark.unit
-def test_families_lists_every_registered_family_and_what_it_declares():
+def test_families_lists_every_registered_family_and_what_it_declares(capsys):
     from weightstream.converters import known_model_types
 
-    out = run("families")
-    assert out.returncode == 0, out.stderr
-    lines = {line.split()[0]: line for line in out.stdout.splitlines()[1:-1]}
+    code, stdout = _main(capsys, "families")
+    assert code == 0
+    lines = {line.split()[0]: line for line in stdout.splitlines()[1:-1]}
     assert sorted(lines) == known_model_types()
     assert lines["llama"].split()[:4] == ["llama", "dense", "declared", "(7"]
     assert "llama-3.1-8b" in lines["llama"] and "tiny-llama-tied" in lines["llama"]
     assert lines["mistral"].split()[1] == "dense" and "as saved" in lines["mistral"]
     assert lines["mixtral"].split()[:4] == ["mixtral", "MoE", "declared", "(7"]
     assert "3 declarations (fused experts)" in lines["mixtral"]
-    assert out.stdout.splitlines()[-1].startswith(f"{len(known_model_types())} families")
-    assert "weightstream families" in " ".join(run("--help").stdout.split())
+    assert stdout.splitlines()[-1].startswith(f"{len(known_model_types())} families")
+    assert "weightstream families" in " ".join(_main(capsys, "--help")[1].split())
+
+
+def test_verify_with_atol_compares_a_bf16_copy_and_notes_the_dtypes(sources, tmp_path, capsys):
+    from weightstream.cli import main
+
+    src = sources["tiny-qwen3"]
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    copy = tmp_path / "bf16"
+    copy.mkdir()
+    save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, str(copy / "model.safetensors"),
+              metadata={"format": "pt"})
+    assert main(["verify", src, str(copy)]) == 1  # bit for bit: the dtypes are the difference
+    assert f"dtypes differ ({len(tensors)}):" in capsys.readouterr().out
+    assert main(["verify", src, str(copy), "--atol", "1e-2"]) == 0
+    out = capsys.readouterr().out
+    assert f"note: dtypes differ, values compared as float within the tolerance ({len(tensors)}):" in out
+    assert "  … and" in out and f"identical: {len(tensors)} tensors compared" in out
+    assert main(["verify", src, str(copy), "--atol", "1e-4"]) == 1  # bf16 rounding exceeds 1e-4
+    assert "values differ" in capsys.readouterr().out

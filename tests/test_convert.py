@@ -62,7 +62,7 @@ def test_convert_cli_with_dtype(saved, tmp_path):
     src, root, _ = saved["dense"]
     out = tmp_path / "bf16"
     run = subprocess.run([sys.executable, "-m", "weightstream.cli", "convert", str(root / "legacy" / "iter_0000007"),
-                          "--hf-config", src, "--out", str(out), "--dtype", "bfloat16"],
+                          "--hf", src, "--out", str(out), "--dtype", "bfloat16"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "legacy checkpoint (iteration 7)" in run.stdout and "peak RSS" in run.stdout
@@ -74,7 +74,7 @@ def test_convert_cli_with_dtype(saved, tmp_path):
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     # --verify against a checkpoint that differs: exit 1, the differing tensors listed.
     run = subprocess.run([sys.executable, "-m", "weightstream.cli", "convert", str(root / "torch_dist"),
-                          "--hf-config", src, "--out", str(tmp_path / "again"), "--verify", str(out)],
+                          "--hf", src, "--out", str(tmp_path / "again"), "--verify", str(out)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 1 and "dtypes differ" in run.stdout
 

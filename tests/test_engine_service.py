@@ -58,7 +58,7 @@ class Service:
         env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
         entry = ["tests.helpers.faults", fault] if fault else ["weightstream.cli"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", *entry, "engine", "--model", model_dir, "--tp", str(tp), "--port", "0"],
+            [sys.executable, "-m", *entry, "engine", "--hf", model_dir, "--tp", str(tp), "--port", "0"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
         )
         line = self.proc.stdout.readline()

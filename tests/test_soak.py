@@ -50,7 +50,7 @@ def test_broadcast_and_p2p_hand_one_group_over_only_where_it_is_the_same():
 def test_soak_100_updates(tmp_path):
     out = tmp_path / "soak.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "weightstream.cli", "bench", "--soak", "100", "--transports", "broadcast,ipc,p2p",
+        [sys.executable, "-m", "weightstream.cli", "bench", "--soak", "100", "--transport", "broadcast,ipc,p2p",
          "--switch-every", "1", "--check-every", "25", "--sample-every", "10", "--json", str(out)],
         check=False, capture_output=True, text=True, timeout=900,
         env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"},

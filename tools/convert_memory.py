@@ -72,7 +72,7 @@ def main() -> int:
     saved = launch(a.pp, save_stages, a.preset, a.pp, ckpt, a.dtype, timeout_s=3600)
     print(f"saved {a.preset} (PP {a.pp}, legacy) in {max(saved):.0f} s", file=sys.stderr)
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(ckpt) for f in fs)
-    cmd = [sys.executable, "-m", "weightstream.cli", "convert", ckpt, "--hf-config", a.preset, "--out", out]
+    cmd = [sys.executable, "-m", "weightstream.cli", "convert", ckpt, "--preset", a.preset, "--out", out]
     run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode:
         print(run.stdout, run.stderr, file=sys.stderr)

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from weightstream.common.hf_files import CheckpointReader
+from weightstream.common.progress import ProgressFile
 from weightstream.converters.fp8 import BlockFP8
 from weightstream.models.spec import dtype_from_name, load_hf_config
 from weightstream.sinks.safetensors import save_hf_checkpoint
@@ -73,15 +74,21 @@ def dump_job(
     overwrite: bool = False,
     engine_key: str | None = None,
     quantize: BlockFP8 | None = None,
+    progress_file: str | None = None,
 ) -> dict[str, Any]:
     """Build the Megatron model under ``layout`` from the HF checkpoint, stream it, write it out;
     with ``engine_url``, first update that engine's weights (``update_weights``, transport auto).
     ``overwrite``: replace a non-empty ``out_dir`` (refused otherwise; see ``save_hf_checkpoint``).
-    ``engine_key``: the engine's API key. ``quantize``: write block FP8 (see ``save_hf_checkpoint``)."""
+    ``engine_key``: the engine's API key. ``quantize``: write block FP8 (see ``save_hf_checkpoint``).
+    ``progress_file``: rank 0 reports its phases and buckets there (:class:`~weightstream.common.progress.
+    ProgressFile`) instead of drawing a bar."""
     initialize_parallel(layout.tp, layout.pp, layout.vpp, layout.ep, layout.etp)
+    reporter = ProgressFile(progress_file if dist.get_rank() == 0 else None)
     cfg = load_hf_config(hf_dir)
     start = time.perf_counter()
+    reporter.phase(f"building the Megatron-Core model on {dist.get_world_size()} ranks")
     chunks = build_gpt_model(cfg, dtype=dtype_from_name(dtype))
+    reporter.phase("loading the weights into it")
     with CheckpointReader(hf_dir) as reader:
         load_hf_weights(chunks, cfg, reader)
     dist.barrier()
@@ -90,15 +97,18 @@ def dump_job(
     if engine_url is not None:
         from weightstream.update import update_weights
 
+        reporter.phase("updating the engine")
         update_report = update_weights(chunks, cfg, engine_url, transport="auto", bucket_bytes=bucket_bytes,
                                        checksums=True, api_key=engine_key)
-    bar, update = _progress_bar("streaming")
+    reporter.phase("streaming to disk")
+    bar, update = _progress_bar("streaming") if progress_file is None else (None, reporter.count)
     start = time.perf_counter()
     report = save_hf_checkpoint(chunks, hf_dir, out_dir, bucket_bytes=bucket_bytes, writers=writers, progress=update,
                                 overwrite=overwrite, quantize=quantize)
     seconds = time.perf_counter() - start
     if bar is not None:
         bar.close()
+    reporter.close()
     result: dict[str, Any] = {
         "tensors": report.tensors,
         "bytes": report.total_size,

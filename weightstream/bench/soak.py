@@ -32,8 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from tqdm import tqdm
-
+    from weightstream.common.progress import Progress
     from weightstream.engines import ReferenceEngine
     from weightstream.update import WeightSync
 
@@ -93,11 +92,15 @@ class SoakReport:
                      f"(worst max |diff| {worst:.1e})")
         lines.append(f"  weight-update groups formed by the trainer: {self.groups_formed}")
         g = self.growth
-        lines.append(f"  growth after warm-up ({self.warmup} updates): "
-                     f"trainer RSS {g.get('trainer_rss_mb', 0):+.1f} MB, "
-                     f"fds {g.get('trainer_fds', 0):+.0f}, threads {g.get('trainer_threads', 0):+.0f}; engine RSS "
-                     f"{g.get('engine_rss_mb', 0):+.1f} MB, fds {g.get('engine_fds', 0):+.0f}, threads "
-                     f"{g.get('engine_threads', 0):+.0f}; /dev/shm entries {g.get('shm', 0):+.0f}")
+        if not g:
+            lines.append(f"  growth not measured: no resource sample falls after a warm-up of {self.warmup} "
+                         f"updates and before the last of {self.updates} (run more updates, or sample more often)")
+        else:
+            lines.append(f"  growth after warm-up ({self.warmup} updates): "
+                         f"trainer RSS {g['trainer_rss_mb']:+.1f} MB, fds {g['trainer_fds']:+.0f}, threads "
+                         f"{g['trainer_threads']:+.0f}; engine RSS {g['engine_rss_mb']:+.1f} MB, fds "
+                         f"{g['engine_fds']:+.0f}, threads {g['engine_threads']:+.0f}; /dev/shm entries "
+                         f"{g['shm']:+.0f}")
         h = self.growth_second_half
         if h:
             lines.append(f"  growth over the second half: trainer RSS {h['trainer_rss_mb']:+.1f} MB, engine RSS "
@@ -112,7 +115,7 @@ class EngineService:
 
     def __init__(self, model_dir: str, tp: int, start_timeout_s: float = 300.0):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "weightstream.cli", "engine", "--model", model_dir, "--tp", str(tp), "--port", "0"],
+            [sys.executable, "-m", "weightstream.cli", "engine", "--hf", model_dir, "--tp", str(tp), "--port", "0"],
             stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
         assert self.proc.stdout is not None  # stdout=PIPE
@@ -142,9 +145,10 @@ def _stats(values: list[float]) -> dict[str, float]:
 
 def run_soak(updates: int = 1000, *, transports: tuple[str, ...] = ("broadcast", "ipc"), switch_every: int = 2,
              preset: str = "tiny-qwen3", engine_tp: int = 1, bucket_bytes: int = 256 << 10, check_every: int = 100,
-             sample_every: int = 10, warmup: int | None = None, progress: bool = True) -> SoakReport:
+             sample_every: int = 10, warmup: int | None = None, progress: Progress | None = None) -> SoakReport:
     """``updates`` consecutive updates of the ``preset`` model into a reference engine of TP ``engine_tp`` (see the
-    module's doc); the report of what passed, what failed and what grew."""
+    module's doc); the report of what passed, what failed and what grew. ``progress``: where to report the
+    phases and the updates done."""
     import torch.distributed as dist
 
     from weightstream.engines import ReferenceEngine
@@ -156,27 +160,30 @@ def run_soak(updates: int = 1000, *, transports: tuple[str, ...] = ("broadcast",
     report = SoakReport(updates, list(transports), preset, engine_tp, bucket_bytes, warmup=warmup)
     schedule = _Schedule(updates, transports, switch_every, check_every, sample_every)
     cfg = preset_config(preset)
+    say = progress.phase if progress is not None else _silent
     with tempfile.TemporaryDirectory(prefix="weightstream-soak-") as tmp:
+        say(f"writing three random checkpoints of {preset}")
         sets = [save_random_checkpoint(cfg, os.path.join(tmp, name), seed=seed) for name, seed in (("a", 1), ("b", 2))]
         engine_dir = save_random_checkpoint(cfg, os.path.join(tmp, "engine"), seed=3)
+        say("computing the HF model's logits for each set of weights")
         expected = _hf_logits(sets)
+        say("building the trainer's Megatron-Core model")
         trainer = _start_trainer(cfg, sets)
+        say(f"starting the reference engine (TP {engine_tp})")
         service = EngineService(engine_dir, engine_tp)
         engine = ReferenceEngine(service.url, timeout_s=60)
         engine.logits(INPUT_IDS)  # its one-off costs paid before the first sample (see the module's doc)
         probe = _Probe(engine, service, expected)
         times: dict[str, list[float]] = {t: [] for t in transports}
         start = time.perf_counter()
-        bar = _progress_bar(updates) if progress else None
+        say(f"{updates} updates")
         try:
             with WeightSync([service.url], transport=transports[0], bucket_bytes=bucket_bytes, checksums=True,
                             timeout_s=60) as sync:
-                _run_updates(sync, trainer, probe, schedule, report, times, bar)
+                _run_updates(sync, trainer, probe, schedule, report, times, progress)
         except Exception as exc:  # noqa: BLE001 — the report says what failed
             report.failures.append(f"{type(exc).__name__}: {exc}")
         finally:
-            if bar is not None:
-                bar.close()
             service.stop()
             dist.destroy_process_group()
         report.groups_formed = probe.groups_formed
@@ -285,14 +292,12 @@ def _start_trainer(cfg: Any, sets: list[str]) -> _Trainer:
     return _Trainer(cfg, chunks, params, snapshots)
 
 
-def _progress_bar(updates: int) -> tqdm:
-    from tqdm import tqdm
-
-    return tqdm(total=updates, desc="soak", unit="update")
+def _silent(text: str) -> None:
+    """Where a soak without ``progress`` reports its phases: nowhere."""
 
 
 def _run_updates(sync: WeightSync, trainer: _Trainer, probe: _Probe, schedule: _Schedule, report: SoakReport,
-                 times: dict[str, list[float]], bar: tqdm | None) -> None:
+                 times: dict[str, list[float]], progress: Progress | None) -> None:
     """The updates, alternating the two sets of weights and switching transport as ``schedule`` says; each one
     timed (``times``, by transport), and checked and sampled when due."""
     for i in range(schedule.updates):
@@ -311,8 +316,8 @@ def _run_updates(sync: WeightSync, trainer: _Trainer, probe: _Probe, schedule: _
             probe.check_logits(report, done, which, kind)
         if schedule.samples_after(done):
             probe.sample(report, done)
-        if bar is not None:
-            bar.update(1)
+        if progress is not None:
+            progress.count(done, schedule.updates, "update")
 
 
 def _measure_growth(report: SoakReport, warmup: int) -> None:
@@ -321,7 +326,8 @@ def _measure_growth(report: SoakReport, warmup: int) -> None:
     request being served, is not growth; a leak, which grows with the updates between two samples, shows in
     both)."""
     base = next((s for s in report.samples if s["update"] >= warmup), None)
-    if base is not None and report.samples:
+    if base is not None and base["update"] < report.samples[-1]["update"]:
+        report.warmup = base["update"]  # the window starts at the first sample after the warm-up
         ends = report.samples[-2:]
         last = {k: min(s[k] for s in ends) for k in ends[-1]}
         report.growth = {k: last[k] - base[k] for k in base if k != "update"}

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # Tiny presets: heads != groups everywhere; vocab sizes that need padding (not multiples of 128).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -190,14 +191,16 @@ def preset_config(name: str):
     return cfg
 
 
-def random_hf_model(config: Any, *, seed: int = 0, dtype: torch.dtype = torch.float32):
-    """An HF causal LM for ``config`` whose every tensor (norms included) is random and distinct."""
+def random_hf_model(config: Any, *, seed: int = 0, dtype: torch.dtype | None = None):
+    """An HF causal LM for ``config`` whose every tensor (norms included) is random and distinct (``dtype``:
+    default float32)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     from weightstream.models.spec import load_hf_config
 
     cfg = load_hf_config(config)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype or torch.float32)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -214,7 +217,7 @@ def random_hf_model(config: Any, *, seed: int = 0, dtype: torch.dtype = torch.fl
 
 
 def save_random_checkpoint(config: Any, out_dir: str | os.PathLike, *, seed: int = 0,
-                           dtype: torch.dtype = torch.float32) -> str:
+                           dtype: torch.dtype | None = None) -> str:
     """Write a random HF checkpoint of ``config`` with ``save_pretrained``; return the directory."""
     model = random_hf_model(config, seed=seed, dtype=dtype)
     model.save_pretrained(os.fspath(out_dir))
