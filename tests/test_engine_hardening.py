@@ -465,18 +465,18 @@ def test_workers_listen_on_loopback_only(server):
 
 
 def test_the_api_key_comes_from_a_file_or_the_environment(tmp_path, monkeypatch):
-    from weightstream.cli import build_parser, engine_api_key
+    from weightstream.cli import UsageError, build_parser, engine_api_key
 
     key_file = tmp_path / "key"
     key_file.write_text("from-file\n")
     monkeypatch.delenv("WEIGHTSTREAM_API_KEY", raising=False)
-    args = build_parser().parse_args(["engine", "--model", "m", "--api-key-file", str(key_file)])
+    args = build_parser().parse_args(["engine", "--hf", "m", "--api-key-file", str(key_file)])
     assert engine_api_key(args) == "from-file"
-    assert engine_api_key(build_parser().parse_args(["engine", "--model", "m"])) is None
+    assert engine_api_key(build_parser().parse_args(["engine", "--hf", "m"])) is None
     monkeypatch.setenv("WEIGHTSTREAM_API_KEY", "from-env")
-    assert engine_api_key(build_parser().parse_args(["engine", "--model", "m"])) == "from-env"
+    assert engine_api_key(build_parser().parse_args(["engine", "--hf", "m"])) == "from-env"
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["engine", "--model", "m", "--api-key", "a", "--api-key-file", str(key_file)])
+        build_parser().parse_args(["engine", "--hf", "m", "--api-key", "a", "--api-key-file", str(key_file)])
     key_file.write_text("\n")
-    with pytest.raises(SystemExit, match="empty"):
-        engine_api_key(build_parser().parse_args(["engine", "--model", "m", "--api-key-file", str(key_file)]))
+    with pytest.raises(UsageError, match="empty"):
+        engine_api_key(build_parser().parse_args(["engine", "--hf", "m", "--api-key-file", str(key_file)]))
