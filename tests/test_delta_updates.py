@@ -304,7 +304,8 @@ def test_delta_updates_over_ipc(engine_dir):
     """Colocated (shared memory on the CPU): a delta-mode update goes ahead through buffers, not written into the
     engine's weights (the engine keeps each bucket's bytes to apply the next delta to); each payload crosses as
     the snapshot encodes it, and the engine holds the trainer's tensors bit for bit after every update, checked
-    by its checksums. Then the same engine updated by another trainer's plain update forces a full one."""
+    by its checksums. Then the same engine updated by another trainer's plain update (once this one has let go of
+    the engine: one trainer at a time holds it over IPC) forces a full one."""
     trainer = Trainer(seed=5)
     with engine(engine_dir) as server:
         with WeightSync([server.url], transport="ipc", bucket_bytes=SMALL, delta=True) as sync:
@@ -317,6 +318,7 @@ def test_delta_updates_over_ipc(engine_dir):
                 assert d.encodings.get("dense", 0) < report.buckets or step == 0
                 assert_engine_holds(server, trainer)
             assert server.engine.delta_base == f"{server.engine.instance}/w4"
+            sync.close()
             with WeightSync([server.url], transport="ipc", bucket_bytes=SMALL) as plain:
                 trainer.step()
                 assert plain.update(trainer.model, trainer.config, weight_version="other").delta is None

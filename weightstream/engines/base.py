@@ -70,6 +70,11 @@ class EngineError(WeightstreamError):
         return (type(self), (self.url, self.step, self.detail))
 
 
+class EngineUnreachable(EngineError):
+    """The engine could not be reached, or did not answer in time: what it did with the request is unknown (an
+    :class:`EngineError` of any other kind is the engine's answer)."""
+
+
 @dataclass(frozen=True)
 class EngineInfo:
     """What an engine is, as far as an update cares."""
@@ -436,7 +441,8 @@ class HTTPEngine:
             raise EngineError(self.url, step, f"HTTP {exc.code}: {detail}") from None
         except (urllib.error.URLError, OSError, TimeoutError) as exc:
             reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-            raise EngineError(self.url, step, f"unreachable or no answer within {timeout:.0f} s ({reason})") from None
+            raise EngineUnreachable(self.url, step,
+                                    f"unreachable or no answer within {timeout:.0f} s ({reason})") from None
         try:
             reply = json.loads(raw) if raw else {}
         except ValueError:

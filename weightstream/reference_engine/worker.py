@@ -290,6 +290,7 @@ class Worker:
             raise ValueError(problem)
         self.model = ShardedCausalLM(self.config, rank, size, dist.group.WORLD, device, dtype, ep)
         self.groups: dict[str, Any] = {}
+        self.group_masters: dict[str, str] = {}  # per group: the trainer's store it was joined at (named in errors)
         self.groups_warmed = 0  # groups whose first transfer ran as they were joined (GroupSpec.warm)
         self.bucket_count = 0
         # The last IPC buffers received from a trainer, kept mapped: a trainer that packs into the same few
@@ -358,8 +359,10 @@ class Worker:
     def init_group(self, master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s,
                    warm: str = "", warm_senders: int = 1):
         """Join the group; ``warm``: then run its first, tiny transfer with the trainer (see ``warm_group``)."""
-        if group_name in self.groups:
-            raise RuntimeError(f"group {group_name!r} already exists")
+        if group_name in self.groups:  # another trainer's (nothing of it is touched)
+            raise RuntimeError(f"weight-update group {group_name!r} is already held here, joined with the trainer at "
+                               f"{self.group_masters.get(group_name)}: that trainer must leave it first (its "
+                               "WeightSync closed), or this one use another group_name")
         group = init_custom_process_group(
             backend, f"tcp://{master_address}:{master_port}", world_size, rank_offset + self.rank, group_name,
             timedelta(seconds=timeout_s),
@@ -371,6 +374,7 @@ class Worker:
                 destroy_group(group)
                 raise
         self.groups[group_name] = group
+        self.group_masters[group_name] = f"tcp://{master_address}:{master_port}"
         self.groups_warmed += bool(warm)
         return f"rank {rank_offset + self.rank} of {world_size} joined {group_name}{' (warmed)' if warm else ''}"
 
@@ -892,7 +896,11 @@ class Worker:
         """Connect to the trainer rank's control channel, greet it (:class:`Hello`: the buffers we hold of it,
         whether we know ``plan``) and take the plan's layout (:class:`Plan`) if we did not: the channel and
         each bucket's program."""
-        if client != self.ipc_client:  # another trainer: the last one's lease and buffers go
+        if client != self.ipc_client:  # another trainer: the last one's lease and buffers go, once it has ended
+            if self.ipc_lease is not None and not self.ipc_lease.ended():
+                raise RuntimeError(f"engine rank {self.rank} is held over IPC by another trainer (process "
+                                   f"{self.ipc_lease.peer.pid}, whose control channel is open): that trainer must "
+                                   "disconnect first (its WeightSync closed) or exit")
             self._trainer_gone()
             self.ipc_client = client
         chan = Channel.connect(channel, timeout_s)

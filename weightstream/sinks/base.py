@@ -12,7 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from weightstream.common.bounds import Deadline, cleanup_budget
-from weightstream.engines.base import DELTA_AHEAD, WARM_GROUP, EngineAdapter
+from weightstream.engines.base import DELTA_AHEAD, WARM_GROUP, EngineAdapter, EngineError, EngineUnreachable
 from weightstream.errors import UpdateError
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.delta import DeltaHeader
@@ -85,6 +85,18 @@ def _failures(futures: list[Future], deadline: Deadline) -> list[BaseException]:
 def future_errors(futures: list[Future], deadline: Deadline) -> list[str]:
     """Wait for every future (all within one deadline); the text of each one that failed."""
     return [str(e) for e in _failures(futures, deadline)]
+
+
+def refusals(posts: Sequence[Future], engines: Sequence[str]) -> frozenset[str]:
+    """Of ``engines`` (each asked by the future at the same place in ``posts``), those whose answer was an error:
+    the engine said no. Not one that could not be reached or did not answer in time (what it did is unknown)."""
+    def refused(f: Future) -> bool:
+        if not f.done() or f.cancelled():
+            return False
+        exc = f.exception()
+        return isinstance(exc, EngineError) and not isinstance(exc, EngineUnreachable)
+
+    return frozenset(url for f, url in zip(posts, engines, strict=False) if refused(f))
 
 
 def deltas_ahead(engines: Sequence[EngineAdapter]) -> bool:
@@ -193,6 +205,9 @@ class PipelinedSink:
     _pool: ThreadPoolExecutor | None = None
     _inflight: InFlight
     formed: int = 0  # groups this sink has formed
+    # The engines that refused to join the group this sink last tried to form: they joined nothing of it, so they
+    # are not asked to leave it (a group of that name they hold is another trainer's, left untouched).
+    _refused: frozenset[str] = frozenset()
     _formed_before: int = 0  # of them, before the update that is open
 
     def _begin_update(self) -> None:
@@ -204,16 +219,19 @@ class PipelinedSink:
         (``posts``, started at the same moment, so they share the bound); on failure, say what the
         engines said too."""
         deadline = Deadline(self.timeout_s + 2.0)  # the engines answer just after their own bound
+        self._refused = frozenset()
         try:
             group = create()
         except Exception as exc:  # noqa: BLE001 — re-raised with the engines' side
             engine_errors = future_errors(posts, deadline)
+            self._refused = refusals(posts, engines)
             said = ("; the engines said: " + " | ".join(engine_errors)) if engine_errors else ""
             raise UpdateError("group", f"{exc}{said}", engines) from exc
         self.group = group
         self.formed += 1
         problems = future_errors(posts, deadline)
         if problems:
+            self._refused = refusals(posts, engines)
             raise UpdateError("group", " | ".join(problems), engines)
 
     @staticmethod
@@ -279,6 +297,8 @@ class PipelinedSink:
         peers, so neither side may wait for the other first), within ``seconds``. Best effort: a dead
         or stuck engine cannot answer, and gives its side up by its own bound."""
         group, self.group = self.group, None
+        engines = [e for e in engines if e.url not in self._refused]  # a group of that name there is another's
+        self._refused = frozenset()
         deadline = Deadline(seconds)
         pool = ThreadPoolExecutor(max_workers=max(1, len(engines)), thread_name_prefix="ws-destroy")
         posts = [pool.submit(e.leave_group, timeout_s=seconds) for e in engines]
