@@ -261,10 +261,10 @@ def test_auto_reshards_into_an_engine_that_declares_its_layout_and_says_why_not_
     assert kind == "broadcast" and "(the x engine does not declare its layout: no resharding)" in reason
 
 
-def test_deepseek_v3_at_tp2_is_resharded_or_broadcast_never_sent_as_row_shards():
-    """Megatron's local spec splits MLA's down projections over TP, engines hold them whole: P2P per rank would carry
-    row shards the engine refuses. An engine that declares its layout gets them resharded (assembled whole); one
-    that does not, by broadcast, saying why."""
+def test_deepseek_v3_at_tp2_goes_by_p2p_resharded_or_per_rank():
+    """Megatron's local spec splits MLA's down projections over TP, engines hold them whole: a per-rank stream yields
+    them whole (gathered). An engine that declares its layout gets them resharded; one that does not, by P2P per
+    rank, as any family at the trainer's TP."""
 
     spec = DEEPSEEK
     engine = Declared(EngineInfo("x", tp_size=2, capabilities=frozenset({BROADCAST, P2P, RESHARD})))
@@ -272,7 +272,7 @@ def test_deepseek_v3_at_tp2_is_resharded_or_broadcast_never_sent_as_row_shards()
     assert kind == "p2p" and "resharded P2P" in reason
     undeclared = Declared(EngineInfo("x", tp_size=2, capabilities=frozenset({BROADCAST, P2P})))
     kind, reason = choose_transport("auto", [undeclared], Topology(tp_size=2, etp_size=2), spec, colocated=False)
-    assert kind == "broadcast" and "deepseek_v3 family has tensors a TP rank holds split or whole" in reason
+    assert kind == "p2p" and "resharded" not in reason, reason
     engine1 = Declared(EngineInfo("x", tp_size=1, capabilities=frozenset({BROADCAST, P2P})))
     assert choose_transport("auto", [engine1], Topology(tp_size=1), spec, colocated=False)[0] == "p2p"
 

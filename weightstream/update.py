@@ -230,10 +230,6 @@ def _p2p_problems(engines: Sequence[EngineAdapter], infos: Sequence[EngineInfo],
     converter = get_converter(spec.model_type)
     if not converter.per_rank:
         failed.append(f"the {spec.model_type} converter does not support per-rank export")
-    if topo.tp_size > 1 and any(m.whole_or_split and m.when(spec) for m in converter.mappings):
-        failed.append(f"the {spec.model_type} family has tensors a TP rank holds split or whole (whole_or_split: "
-                      "Megatron's local spec splits them), which engines hold whole: per-rank buckets would carry "
-                      "shards of them")
     return failed
 
 
@@ -449,7 +445,8 @@ class WeightSync:
                     self._resume(seconds)
                 if failure is None and self.delta is not None and report.delta is not None:
                     self.delta.committed(self.engines, version, report.delta.full)
-        failure, mismatch = _share((failure, mismatch))
+        failure, mismatch, delta = _share((failure, mismatch, report.delta))
+        report.delta = delta  # rank 0 decides and checks deltas; every rank reports what it found
         if failure is not None:
             if self.delta is not None:
                 self.delta.force_full(f"the last update failed ({type(failure).__name__})")

@@ -14,10 +14,9 @@ Multi-latent attention, Megatron-Core's ``MLASelfAttention`` <-> HF ``DeepseekV3
   into the up projections (``linear_q_up_proj.layer_norm_weight``, ``linear_kv_up_proj.layer_norm_weight``).
 - The up projections split their heads over TP (dim 0), ``linear_proj`` its input (dim 1). The down projections
   are split on dim 0 in the local spec (``ColumnParallelLinear``, output gathered) and held whole on every rank
-  under Transformer Engine (a duplicated ``TELinear``): which one is read off the shapes the ranks hold. In
-  per-rank mode a local-spec model with TP > 1 yields them as row shards, which engines hold whole: an engine
-  that declares its layout takes them resharded (each engine rank assembles them whole from the trainer ranks'
-  rows), and ``transport="auto"`` sends anything else (block FP8, deltas) to such a family at TP > 1 by broadcast.
+  under Transformer Engine (a duplicated ``TELinear``): which one is read off the shapes the ranks hold. Engines
+  hold them whole, so per-rank mode gathers them where the ranks hold them split (``stream.entry_mode``) and
+  yields them whole on every rank.
 
 Layers below ``first_k_dense_replace`` are dense (the dense families' MLP declarations); the others hold the
 router (``mlp.gate``, its ``e_score_correction_bias`` Megatron's ``router.expert_bias``), the routed experts (the

@@ -370,7 +370,7 @@ class BucketStream(Iterator[Bucket]):
         return [m for ms in metas for m in ms]
 
     def _context(self, it: _Item) -> OpContext:
-        if self.mode == "full":
+        if entry_mode(it.entry, self.mode) == "full":
             return OpContext(self.spec, parts=it.entry.parts)
         return OpContext(self.spec, parts=1, shard_rank=self._group_rank(it.entry))
 
@@ -378,7 +378,7 @@ class BucketStream(Iterator[Bucket]):
         """Per HF tensor of the item: the view of the live parameter it is copied (or quantized) from, its
         metadata, and its scales' where it leaves as block FP8; None where the tensors are not views of the
         parameter (gathered over TP, or an op that computes new tensors)."""
-        source = self.source.direct(it.entry, self.mode)
+        source = self.source.direct(it.entry, entry_mode(it.entry, self.mode))
         if source is None:
             return None
         op = it.entry.resolved.mapping.op
@@ -519,8 +519,7 @@ class BucketStream(Iterator[Bucket]):
         batch = None if self.quantization is None else QuantizeBatch(self.quantization.fp8)
         if program.slow:
             items, metas = program.items, program.item_metas
-            fetched, gather_bytes = self.source.fetch([items[k].entry for k in program.slow], self.mode,
-                                                      self.stats)
+            fetched, gather_bytes = self._fetch([items[k].entry for k in program.slow])
             for k in program.slow:
                 it = items[k]
                 source = fetched.pop(it.entry.name)
@@ -532,6 +531,19 @@ class BucketStream(Iterator[Bucket]):
             batch.run()
         self._count(program, gather_bytes + largest)
         return Bucket(bp.index, torch.empty(0, dtype=torch.uint8, device=self.device), program.metas, written=True)
+
+    def _fetch(self, entries: list[TensorEntry]) -> tuple[dict[str, Any], int]:
+        """What the converter reads for ``entries``, from the source (and the bytes staged for it), each in the
+        mode it is made in (:func:`entry_mode`): in per-rank mode a tensor the engines hold whole that this rank
+        holds split is gathered, as in full mode (one all-gather per group, the same on every TP rank)."""
+        whole = [e for e in entries if entry_mode(e, self.mode) != self.mode]
+        fetched, staged = self.source.fetch([e for e in entries if entry_mode(e, self.mode) == self.mode],
+                                            self.mode, self.stats)
+        if whole:
+            gathered, more = self.source.fetch(whole, "full", self.stats)
+            fetched.update(gathered)
+            staged += more
+        return fetched, staged
 
     def _count(self, program: _Program, staged: int) -> None:
         self.stats.batched += program.batched
@@ -553,8 +565,7 @@ class BucketStream(Iterator[Bucket]):
         batch = None if self.quantization is None else QuantizeBatch(self.quantization.fp8)
         if program.slow:
             slow = [items[k] for k in program.slow]
-            fetched, gather_bytes = self.source.fetch([it.entry for it in slow if it.mine], self.mode,
-                                                      self.stats)
+            fetched, gather_bytes = self._fetch([it.entry for it in slow if it.mine])
             for k, it in zip(program.slow, slow, strict=True):
                 if not it.mine:
                     continue
@@ -768,13 +779,23 @@ def _make_plan(source: Source, modules: Sequence[nn.Module], cfg: Any, spec: Mod
     )
 
 
+def entry_mode(entry: TensorEntry, mode: Mode) -> Mode:
+    """The mode ``entry`` is made in by a stream of ``mode``. Per-rank mode yields what each engine TP rank holds:
+    a rank's own shard of what Megatron and the engines split alike, but the whole of a tensor the engines hold
+    whole that Megatron may split (``Mapping.whole_or_split``, split here: the multi-latent attention's down
+    projections in the local spec), gathered as in full mode."""
+    if mode == "per_rank" and entry.shard_dim is not None and entry.resolved.mapping.whole_or_split:
+        return "full"
+    return mode
+
+
 def _item(entry: TensorEntry, spec: ModelSpec, topo: Topology, mode: Mode,
           quant: Quantization | None) -> tuple[_Item, list[str]]:
     """What this rank emits for ``entry`` (quantized where declared), and what keeps it from being quantized."""
     mine = entry.pp_owner == topo.pp_rank and entry.ep_owner in (None, topo.ep_rank)
     outputs: tuple[HFOut, ...] = entry.outputs
     shards: tuple[Shard | None, ...] = (None,) * len(entry.outputs)
-    if mode == "per_rank" and entry.shard_dim is not None:
+    if entry_mode(entry, mode) == "per_rank" and entry.shard_dim is not None:
         rank = topo.group_rank(entry.group)
         outputs = entry.shard_outputs(spec, rank)
         nominal = entry.shard_outputs(spec, 0)
@@ -800,7 +821,8 @@ def _check_blocks(table: Sequence[TensorEntry], spec: ModelSpec, topo: Topology,
     listing each that is not), so that every rank refuses the same stream."""
     problems: list[str] = []
     for entry in table:
-        ranks = range(topo.group_size(entry.group)) if mode == "per_rank" and entry.shard_dim is not None else (0,)
+        split = entry_mode(entry, mode) == "per_rank" and entry.shard_dim is not None
+        ranks = range(topo.group_size(entry.group)) if split else (0,)
         for rank in ranks:
             other = replace(topo, tp_rank=rank, etp_rank=rank) if entry.group == "etp" else replace(topo, tp_rank=rank)
             problems += [f"TP rank {rank}: {p}" if len(ranks) > 1 else p
