@@ -8,6 +8,7 @@ capability probes (``getattr``/``hasattr``), the longest functions and the lines
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from collections import defaultdict
 from collections.abc import Iterator
@@ -66,6 +67,16 @@ def modules() -> dict[str, Path]:
     return out
 
 
+def _tree(path: Path) -> ast.Module:
+    """The syntax tree of ``path``, parsed once per version of the file (every measure walks every module)."""
+    return _parsed(path, path.stat().st_mtime_ns)
+
+
+@functools.cache
+def _parsed(path: Path, mtime_ns: int) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
 def layer_of(module: str) -> int:
     best, index = -1, -1
     for i, (_, prefixes) in enumerate(LAYERS):
@@ -107,7 +118,7 @@ def _nearest(name: str, known: set[str]) -> str:
 def import_graph() -> dict[str, set[tuple[str, int]]]:
     mods = modules()
     known = set(mods)
-    return {m: {(d, line) for d, line in _imported(ast.parse(p.read_text()), m, known) if d != m}
+    return {m: {(d, line) for d, line in _imported(_tree(p), m, known) if d != m}
             for m, p in mods.items()}
 
 
@@ -174,7 +185,7 @@ class Probe:
 def probes() -> list[Probe]:
     out = []
     for m, path in modules().items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                     and node.func.id in ("getattr", "hasattr")):
                 out.append(Probe(m, node.lineno, ast.unparse(node)))
@@ -184,7 +195,7 @@ def probes() -> list[Probe]:
 def long_functions(limit: int = MAX_FUNCTION_LINES) -> list[tuple[int, str]]:
     out = []
     for m, path in modules().items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = (node.end_lineno or node.lineno) - node.lineno + 1
                 if n > limit:

@@ -194,7 +194,7 @@ def delta_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype: 
         version = str(len(updates))
         ((seconds, report),), peak = _timed(device, 1, lambda: sync.update(chunks, cfg, weight_version=version))
         d = report.delta
-        if d is None and dist.is_initialized() and dist.get_rank() != 0:  # trainer rank 0 decides and checks
+        if dist.is_initialized() and dist.get_rank() != 0:  # trainer rank 0 decides and checks; others: their bytes
             updates.append({"bytes": report.bytes, "buckets": report.buckets})
             return
         if d is None:
