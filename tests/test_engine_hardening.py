@@ -141,7 +141,7 @@ def test_a_burst_of_200_concurrent_posts_is_answered_whole(server):
 
 
 def test_idle_and_slow_connections_are_closed_and_capped(server):
-    with second_server(server, ServerLimits(idle_timeout_s=1.0, max_connections=4)) as other:
+    with second_server(server, ServerLimits(idle_timeout_s=1.0, max_connections=4, reserve_connections=0)) as other:
         port = _port(other.url)
         held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(4)]
         held[1].sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthoriz")  # headers cut short

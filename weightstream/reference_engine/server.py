@@ -28,6 +28,7 @@ import fcntl
 import hmac
 import io
 import ipaddress
+import itertools
 import json
 import os
 import re
@@ -47,6 +48,7 @@ import torch
 
 from weightstream.common.processes import free_port, process_context, start_process
 from weightstream.engines.reference import ENGINE_NAME
+from weightstream.reference_engine.protocol import START_ID, Command, Outcome, Reply
 from weightstream.reference_engine.schema import (
     MAX_JSON_DEPTH,
     bucket_problems,
@@ -81,10 +83,28 @@ class ServerLimits:
 
     max_body_bytes: int = MAX_BODY_BYTES  # a body of a route in BULK_ROUTES
     max_small_body_bytes: int = 1 << 20  # a body of any other route
-    max_connections: int = 512  # open at once; one more is answered 503 and closed
+    max_connections: int = 512  # open at once; more go to the reserve (below), past it answered 503 and closed
     idle_timeout_s: float = 30.0  # a client that sends nothing (or stops mid-request) this long is disconnected
     listen_backlog: int = 1024  # connections the kernel queues until the server accepts them (bursts)
     max_batch_tokens: int = 16384  # /generate and /weightstream/logits: the sum over rows of prompt + new tokens
+    max_request_s: float = 60.0  # the workers' time for one /generate request, checked between decode steps
+    request_read_s: float = 60.0  # one request's line, headers and body must all arrive within this
+    reserve_connections: int = 16  # past max_connections, read for GET /health only (others: 503)
+    reserve_read_s: float = 2.0  # the whole-request bound on those
+
+    def __post_init__(self) -> None:
+        problems = [f"{name} must be a positive number of seconds, got {value!r}" for name, value in (
+            ("idle_timeout_s", self.idle_timeout_s), ("max_request_s", self.max_request_s),
+            ("request_read_s", self.request_read_s), ("reserve_read_s", self.reserve_read_s))
+            if not 0 < value < float("inf")]
+        problems += [f"{name} must be a positive integer, got {value!r}" for name, value in (
+            ("max_body_bytes", self.max_body_bytes), ("max_small_body_bytes", self.max_small_body_bytes),
+            ("max_connections", self.max_connections), ("listen_backlog", self.listen_backlog),
+            ("max_batch_tokens", self.max_batch_tokens)) if not value > 0]
+        if self.reserve_connections < 0:
+            problems.append(f"reserve_connections must be 0 or more, got {self.reserve_connections!r}")
+        if problems:
+            raise ValueError("bad server limits: " + "; ".join(problems))
 
 
 def log(message: str) -> None:
@@ -101,6 +121,25 @@ class EngineFailure(RuntimeError):
 
 class UpdateInFlight(EngineFailure):
     """A read of the weights while an update session has loaded part of an update (HTTP 409)."""
+
+
+class EngineUnavailable(EngineFailure):
+    """The engine takes no command now: a worker has not answered an earlier one within its bound, or is not
+    running (HTTP 503; nothing of the request was run)."""
+
+
+class WorkOutOfTime(EngineFailure):
+    """A command's work reached its deadline on the workers and stopped (the worker's text says where)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Unanswered:
+    """A command a worker was sent and has not answered yet; ``given_up``: when the server stopped waiting for the
+    answer (None: it still waits)."""
+
+    command: Command
+    sent: float  # time.monotonic()
+    given_up: float | None = None
 
 
 class BadRequest(Exception):
@@ -339,6 +378,8 @@ class Engine:
             log(f"no network interface holds {host}'s address: the workers' gloo listeners go where gloo's default "
                 "puts them")
         self.conns, self.procs = [], []
+        self.command_ids = itertools.count(1)  # one id per command, carried back by each worker's reply
+        self.unanswered: list[Unanswered | None] = [None] * self.tp  # by rank
         for rank in range(self.tp):
             parent, child = ctx.Pipe()
             proc = start_process(ctx, worker,
@@ -348,37 +389,43 @@ class Engine:
             self.procs.append(proc)
         deadline = time.monotonic() + start_timeout_s
         for rank, conn in enumerate(self.conns):
-            ok, msg = self._recv(rank, conn, deadline - time.monotonic(), "start")
-            if not ok:
+            reply = self._recv(rank, conn, deadline - time.monotonic(), "start")
+            if reply.id != START_ID or reply.outcome is not Outcome.DONE:
                 self.shutdown()
-                raise EngineFailure(f"engine rank {rank} failed to start:\n{msg}")
+                raise EngineFailure(f"engine rank {rank} failed to start:\n{reply.result}")
 
-    def _recv(self, rank: int, conn, timeout: float, what: str):
+    def _recv(self, rank: int, conn, timeout: float, what: str) -> Reply:
         step = 0.5
         waited = 0.0
-        while not conn.poll(step):
+        while not conn.poll(min(step, max(timeout, 0.0))):
             waited += step
             if not self.procs[rank].is_alive():
                 raise EngineFailure(f"engine rank {rank} died (exit code {self.procs[rank].exitcode}) during {what}")
             if waited >= timeout:
                 raise EngineFailure(f"engine rank {rank} did not answer {what} within {timeout:.0f} s")
         try:
-            return conn.recv()
+            reply = conn.recv()
         except (EOFError, OSError):
             self.procs[rank].join(timeout=5)
             raise EngineFailure(
                 f"engine rank {rank} died (exit code {self.procs[rank].exitcode}) during {what}"
             ) from None
+        if not isinstance(reply, Reply):
+            raise EngineFailure(f"engine rank {rank} sent a {type(reply).__name__} where a reply was due ({what})")
+        return reply
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
     def call(self, command: str, per_rank: list[dict] | None = None, *, wait_s: float | None = None,
-             committed: bool = False, **kwargs) -> list[Any]:
+             committed: bool = False, work_s: float | None = None, **kwargs) -> list[Any]:
         """Run ``command`` on every worker; returns their results or raises naming the failing ranks.
         Waits at most ``wait_s`` (default ``command_timeout_s``) for the workers to be free, and as
         long again for their answers. ``committed``: the command reads the weights, and must see the
-        committed ones only (:class:`UpdateInFlight` while an open session has started loading)."""
+        committed ones only (:class:`UpdateInFlight` while an open session has started loading).
+        ``work_s``: the workers stop the command's work past this many seconds (:class:`WorkOutOfTime`).
+        A worker that has not answered an earlier command it was given up on takes none
+        (:class:`EngineUnavailable`, nothing sent) until its late answer has come and been dropped."""
         timeout = self.command_timeout_s if wait_s is None else wait_s
         if self.stopping:
             raise EngineFailure("the engine is shutting down")
@@ -390,20 +437,99 @@ class Engine:
         try:
             if committed:
                 self.check_settled()  # again, holding the workers: a load that started meanwhile is seen
-            for rank, conn in enumerate(self.conns):
-                if not self.procs[rank].is_alive():
-                    raise EngineFailure(f"engine rank {rank} is not running (exit code {self.procs[rank].exitcode})")
-                conn.send((command, per_rank[rank] if per_rank is not None else kwargs))
+            self._drop_late_replies()
+            if (problem := self.unanswered_problem()) is not None:
+                raise EngineUnavailable(problem)
+            sent = self._send(command, per_rank, kwargs, work_s)
             deadline = time.monotonic() + timeout
-            replies = [self._recv(r, c, deadline - time.monotonic(), command) for r, c in enumerate(self.conns)]
+            replies = [self._reply(rank, c, deadline) for rank, c in enumerate(sent)]
         finally:
+            self._give_up()
             self.busy -= 1
             self.last_activity = time.monotonic()
             self.lock.release()
-        failed = [f"rank {r}: {msg}" for r, (ok, msg) in enumerate(replies) if not ok]
-        if failed:
-            raise EngineFailure(" | ".join(failed))
-        return [msg for _, msg in replies]
+        return _results(replies)
+
+    def _send(self, name: str, per_rank: list[dict] | None, kwargs: dict, work_s: float | None) -> list[Command]:
+        """Send one command (one id) to every worker, each its own arguments where ``per_rank`` gives them."""
+        for rank, proc in enumerate(self.procs):
+            if not proc.is_alive():
+                raise EngineFailure(f"engine rank {rank} is not running (exit code {proc.exitcode})")
+        number = next(self.command_ids)
+        deadline = None if work_s is None else time.monotonic() + work_s
+        sent = []
+        for rank, conn in enumerate(self.conns):
+            command = Command(number, name, per_rank[rank] if per_rank is not None else kwargs, deadline)
+            conn.send(command)
+            self.unanswered[rank] = Unanswered(command, time.monotonic())
+            sent.append(command)
+        return sent
+
+    def _reply(self, rank: int, command: Command, deadline: float) -> Reply:
+        """Rank ``rank``'s reply to ``command``; any other reply that comes first is dropped, and logged."""
+        while True:
+            reply = self._recv(rank, self.conns[rank], deadline - time.monotonic(), command.name)
+            if reply.id == command.id:
+                self.unanswered[rank] = None
+                return reply
+            log(f"engine rank {rank}: dropped a reply to command {reply.id} while waiting for {command.name} "
+                f"(command {command.id})")
+
+    def _give_up(self) -> None:
+        """The server waits no longer for the commands still unanswered (the lock holder's call ended)."""
+        now = time.monotonic()
+        for rank, u in enumerate(self.unanswered):
+            if u is not None and u.given_up is None:
+                self.unanswered[rank] = Unanswered(u.command, u.sent, now)
+                log(f"engine rank {rank} has not answered {u.command.name} (command {u.command.id}) within "
+                    f"{now - u.sent:.0f} s: it takes no command until it does")
+
+    def _drop_late_replies(self) -> None:
+        """Read, log and drop the replies that came to commands the server gave up on (holding the lock)."""
+        for rank, u in enumerate(self.unanswered):
+            conn = self.conns[rank]
+            while u is not None and self.procs[rank].is_alive() and conn.poll(0):
+                try:
+                    reply = conn.recv()
+                except (EOFError, OSError):
+                    break
+                number = reply.id if isinstance(reply, Reply) else None
+                if number != u.command.id:
+                    log(f"engine rank {rank}: dropped a reply to command {number}, not the one it owes "
+                        f"({u.command.name}, command {u.command.id})")
+                    continue
+                log(f"engine rank {rank} answered {u.command.name} (command {u.command.id}) "
+                    f"{time.monotonic() - u.sent:.0f} s after it was sent, past its bound: the reply was dropped")
+                self.unanswered[rank] = u = None
+
+    def drop_late_replies(self) -> None:
+        """:meth:`_drop_late_replies` unless a command is in flight (then its caller will)."""
+        if self.lock.acquire(blocking=False):
+            try:
+                self._drop_late_replies()
+            finally:
+                self.lock.release()
+
+    def unanswered_problem(self) -> str | None:
+        """Why the engine takes no command now (None: it takes them): ranks that have not answered a command the
+        server gave up on."""
+        late = [(rank, u, u.given_up) for rank, u in enumerate(self.unanswered)
+                if u is not None and u.given_up is not None]
+        if not late:
+            return None
+        _, first, given_up = late[0]
+        return (f"engine ranks {[rank for rank, _, _ in late]} have not answered {first.command.name} (command "
+                f"{first.command.id}), sent {time.monotonic() - first.sent:.0f} s ago and given up on after "
+                f"{given_up - first.sent:.0f} s (its bound): the engine takes no command until they answer; "
+                "restart it if they never do")
+
+    def health_problem(self) -> str | None:
+        """Why the engine cannot serve (None: it can): a worker not running, or one that has not answered."""
+        self.drop_late_replies()
+        dead = [f"rank {rank} (exit code {p.exitcode})" for rank, p in enumerate(self.procs) if not p.is_alive()]
+        if dead:
+            return f"engine workers not running: {', '.join(dead)}"
+        return self.unanswered_problem()
 
     # -- update sessions: committed whole, or rolled back to the last committed weights -----------
 
@@ -489,6 +615,9 @@ class Engine:
                 "serves again after a complete update")
 
     def _abort_locked(self) -> None:
+        self.drop_late_replies()
+        if (problem := self.unanswered_problem()) is not None:  # the session stays open: aborted once they answer
+            raise EngineUnavailable(problem)
         self.session_open = False
         if self.session_delta:  # the workers drop the bytes the session changed
             self.delta_version = None
@@ -502,7 +631,8 @@ class Engine:
             # documented bound (T + 2 s after the trainer's last word) and has that second to finish.
             due = self.last_activity + self.session_timeout_s + SESSION_GRACE_S - time.monotonic()
             time.sleep(min(0.25, max(0.01, due)) if self.session_open else 0.25)
-            if not self.session_open or self.busy:
+            self.drop_late_replies()  # a late reply is dropped (and the engine healthy again) as it comes
+            if not self.session_open or self.busy or self.unanswered_problem() is not None:
                 continue
             idle = time.monotonic() - self.last_activity
             if idle >= self.session_timeout_s + SESSION_GRACE_S:
@@ -525,7 +655,7 @@ class Engine:
         for rank, conn in enumerate(self.conns):
             try:
                 if self.procs[rank].is_alive():
-                    conn.send(("shutdown", {}))
+                    conn.send(Command(next(self.command_ids), "shutdown"))
             except (BrokenPipeError, OSError):
                 pass
         deadline = time.monotonic() + grace_s
@@ -606,16 +736,94 @@ def _error(exc: BadRequest) -> dict:
     return {"object": "error", "success": False, "message": exc.message, "code": int(exc.status)}
 
 
+class RequestReadTimeout(Exception):
+    """One request's line, headers and body did not all arrive within its bound."""
+
+
+class BoundedReads(io.RawIOBase):
+    """A connection's reads: each waits at most ``idle_s`` for a byte and, once a request has begun (``deadline``
+    set, a ``time.monotonic()``), none goes past the deadline (:class:`RequestReadTimeout`), however slowly the
+    client trickles its bytes."""
+
+    def __init__(self, sock: socket.socket, idle_s: float):
+        super().__init__()
+        self.sock, self.idle_s = sock, idle_s
+        self.deadline: float | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        left = None if self.deadline is None else self.deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise RequestReadTimeout
+        self.sock.settimeout(self.idle_s if left is None else min(self.idle_s, left))
+        try:
+            return self.sock.recv_into(buffer)
+        except TimeoutError:
+            if left is not None and left <= self.idle_s:
+                raise RequestReadTimeout from None
+            raise
+        finally:
+            self.sock.settimeout(self.idle_s)  # what bounds the writes
+
+
+def raw_reply(sock: socket.socket, status: HTTPStatus, message: str) -> None:
+    """An answer written straight to the socket (no request parsed, or none to be read further), then the
+    connection is to be closed."""
+    body = json.dumps({"success": False, "code": int(status), "message": message}).encode()
+    retry = "Retry-After: 1\r\n" if status == HTTPStatus.SERVICE_UNAVAILABLE else ""
+    head = (f"HTTP/1.1 {int(status)} {status.phrase}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n{retry}\r\n").encode()
+    try:
+        sock.settimeout(1.0)
+        sock.sendall(head + body)
+    except OSError:
+        pass
+
+
 class _Handler(BaseHTTPRequestHandler):
+    """One connection of the ``max_connections``: requests one after another (keep-alive)."""
+
     server: EngineServer
     protocol_version = "HTTP/1.1"
     _unread = False  # the request announced a body that has not been read (whole) yet
+    reserve = False  # a connection past max_connections (:class:`_ReserveHandler`)
 
     def setup(self) -> None:
-        # bounds every read and write on this connection; typeshed declares timeout a ClassVar, but
+        limits = self.server.limits
+        # bounds every write on this connection; typeshed declares timeout a ClassVar, but
         # StreamRequestHandler.setup reads it from the instance, so a per-connection value is what it takes
-        self.timeout = self.server.limits.idle_timeout_s  # type: ignore[misc]
+        self.timeout = limits.reserve_read_s if self.reserve else limits.idle_timeout_s  # type: ignore[misc]
         super().setup()
+        self.rfile.close()  # the socket's own reader: each read is bounded by the request's deadline instead
+        self.reads = BoundedReads(self.connection, self.timeout)
+        self.buffered = io.BufferedReader(self.reads)
+        self.rfile = self.buffered
+
+    def handle_one_request(self) -> None:
+        """One request: the client may keep the connection idle ``idle_timeout_s`` before its first byte; from
+        that byte on, its line, headers and body must all arrive within ``request_read_s`` (else 408, closed)."""
+        limits = self.server.limits
+        self.reads.deadline = None
+        try:
+            if not self.buffered.peek(1):  # the client closed the connection
+                self.close_connection = True
+                return
+        except TimeoutError:
+            self.close_connection = True
+            if self.reserve:
+                raw_reply(self.connection, HTTPStatus.SERVICE_UNAVAILABLE, self.server.busy_message())
+            return
+        bound = limits.reserve_read_s if self.reserve else limits.request_read_s
+        self.reads.deadline = time.monotonic() + bound
+        try:
+            super().handle_one_request()
+        except RequestReadTimeout:
+            self.close_connection = True
+            raw_reply(self.connection, HTTPStatus.REQUEST_TIMEOUT, (
+                f"the request did not arrive whole within {bound:g} s (its line, headers and body; this "
+                f"engine's {'reserve_read_s' if self.reserve else 'request_read_s'})"))
 
     def log_message(self, fmt, *args):  # quiet
         pass
@@ -680,9 +888,15 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str) -> None:
         self._unread = announces_body(self.headers)
+        path = self.path.split("?", 1)[0]
+        if self.reserve:  # past max_connections: GET /health only, then closed
+            self.close_connection = True
+            if (method, path) != ("GET", "/health"):
+                exc = BadRequest(HTTPStatus.SERVICE_UNAVAILABLE, self.server.busy_message())
+                self._reply(exc.status, _error(exc))
+                return
         if not self._authorised():  # before any body is read
             return
-        path = self.path.split("?", 1)[0]
         route = self.server.routes.get((method, path)) or (
             self.server.routes.get(("POST", path)) if path == "/flush_cache" else None
         )
@@ -703,6 +917,8 @@ class _Handler(BaseHTTPRequestHandler):
             status, reply = exc.status, _error(exc)
         except UpdateInFlight as exc:
             status, reply = HTTPStatus.CONFLICT, {"success": False, "message": str(exc)}
+        except EngineUnavailable as exc:
+            status, reply = HTTPStatus.SERVICE_UNAVAILABLE, {"success": False, "message": str(exc)}
         except EngineFailure as exc:
             status, reply = HTTPStatus.BAD_REQUEST, {"success": False, "message": str(exc)}
         except (KeyError, TypeError, ValueError) as exc:
@@ -711,6 +927,25 @@ class _Handler(BaseHTTPRequestHandler):
             status = HTTPStatus.INTERNAL_SERVER_ERROR
             reply = {"success": False, "message": f"{type(exc).__name__}: {exc}"}
         self._reply(status, reply)
+
+
+def _results(replies: list[Reply]) -> list[Any]:
+    """What every rank's command returned; else one error naming each failing rank (:class:`WorkOutOfTime` where
+    the work stopped at its deadline)."""
+    out_of_time = [r.result for r in replies if r.outcome is Outcome.OUT_OF_TIME]
+    if out_of_time:
+        raise WorkOutOfTime(out_of_time[0])
+    failed = [f"rank {rank}: {r.result}" for rank, r in enumerate(replies) if r.outcome is not Outcome.DONE]
+    if failed:
+        raise EngineFailure(" | ".join(failed))
+    return [r.result for r in replies]
+
+
+class _ReserveHandler(_Handler):
+    """A connection past ``max_connections``: its one request read within ``reserve_read_s``, answered if it is
+    ``GET /health`` (503 otherwise), and the connection closed."""
+
+    reserve = True
 
 
 def _entry_problems(entries: list) -> list[str]:
@@ -734,12 +969,13 @@ class EngineServer(ThreadingHTTPServer):
         self.api_key = api_key
         self.limits = limits
         self.slots = threading.BoundedSemaphore(limits.max_connections)
+        self.reserve = threading.BoundedSemaphore(limits.reserve_connections)  # past slots: GET /health only
         if not api_key:
             log(f"WARNING: no API key: any process that can reach {self.url} can load weights into this engine, "
                 "pause it and free its memory (set WEIGHTSTREAM_API_KEY or --api-key-file)")
         e = engine
         self.routes = {
-            ("GET", "/health"): lambda b: (200 if e.alive() else 503, {}),
+            ("GET", "/health"): self.health,
             ("GET", "/model_info"): lambda b: (200, {"model_path": e.model_dir, "weight_version": e.weight_version,
                                                      "is_generation": True}),
             ("GET", "/get_server_info"): self.server_info,
@@ -784,34 +1020,38 @@ class EngineServer(ThreadingHTTPServer):
 
     # A TCP server's request is its connection's socket: typeshed types every server's as a TCP or a UDP one.
     def process_request(self, request: socket.socket, client_address) -> None:  # type: ignore[override]
-        """A thread for the connection, if fewer than ``max_connections`` are open; else it is answered 503
-        and closed at once, here in the accepting thread."""
-        if not self.slots.acquire(blocking=False):
-            self._refuse(request)
+        """A thread for the connection: one of ``max_connections``, else one of ``reserve_connections`` (it may
+        ask for ``GET /health`` only, so that slow or idle clients holding every connection do not make the engine
+        look down); past both it is answered 503 and closed at once, here in the accepting thread."""
+        if self.slots.acquire(blocking=False):
+            handler, slots = _Handler, self.slots
+        elif self.reserve.acquire(blocking=False):
+            handler, slots = _ReserveHandler, self.reserve
+        else:
+            raw_reply(request, HTTPStatus.SERVICE_UNAVAILABLE, self.busy_message())
+            self.shutdown_request(request)
             return
+        thread = threading.Thread(target=self._serve_connection, args=(request, client_address, handler, slots),
+                                  name="weightstream-engine-connection", daemon=True)
         try:
-            super().process_request(request, client_address)
+            thread.start()
         except BaseException:  # no thread started: the slot is free again
-            self.slots.release()
+            slots.release()
             raise
 
-    def process_request_thread(self, request: socket.socket, client_address) -> None:  # type: ignore[override]
+    def _serve_connection(self, request: socket.socket, client_address, handler: type[_Handler],
+                          slots: threading.BoundedSemaphore) -> None:
         try:
-            super().process_request_thread(request, client_address)
+            handler(request, client_address, self)
+        except Exception:  # noqa: BLE001 — as socketserver does: logged (handle_error), the server goes on
+            self.handle_error(request, client_address)
         finally:
-            self.slots.release()
+            self.shutdown_request(request)
+            slots.release()
 
-    def _refuse(self, request: socket.socket) -> None:
-        body = json.dumps({"success": False, "code": 503, "message": (
-            f"this engine serves at most {self.limits.max_connections} connections at once; try again")}).encode()
-        head = ("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\nRetry-After: 1\r\n\r\n").encode()
-        try:
-            request.settimeout(1.0)
-            request.sendall(head + body)
-        except OSError:
-            pass
-        self.shutdown_request(request)
+    def busy_message(self) -> str:
+        return (f"this engine serves at most {self.limits.max_connections} connections at once (GET /health is "
+                "still answered); try again")
 
     @property
     def url(self) -> str:
@@ -821,6 +1061,13 @@ class EngineServer(ThreadingHTTPServer):
         return f"http://{host}:{port}"
 
     # -- routes -------------------------------------------------------------------------------
+
+    def health(self, b):
+        """200 while every worker runs and answers; else 503 saying why (:meth:`Engine.health_problem`)."""
+        problem = self.engine.health_problem()
+        if problem is None:
+            return 200, {}
+        return HTTPStatus.SERVICE_UNAVAILABLE, {"status": "unhealthy", "message": problem}
 
     def server_info(self, body):
         e = self.engine
@@ -1140,12 +1387,24 @@ class EngineServer(ThreadingHTTPServer):
         self.engine.check_settled()
         self._wait_unpaused()
         outs = []
-        for seq in batch:
-            out = self.engine.call("generate", input_ids=seq, max_new_tokens=n, committed=True)[0]
+        for seq, out in zip(batch, self._generated(batch, n), strict=True):
             outs.append({"text": "", "output_ids": out, "meta_info": {
                 "finish_reason": {"type": "length", "length": n}, "prompt_tokens": len(seq),
                 "completion_tokens": len(out), "weight_version": self.engine.weight_version}})
         return 200, outs if batch is ids else outs[0]
+
+    def _generated(self, rows: list[list[int]], new_tokens: int) -> list[list[int]]:
+        """Each row's new tokens, the rows run by one command, stopped by the workers past ``max_request_s``
+        (413, naming the bound)."""
+        limit = self.limits.max_request_s
+        try:
+            return self.engine.call("generate", rows=rows, max_new_tokens=new_tokens, committed=True, work_s=limit,
+                                    wait_s=self.engine.command_timeout_s + limit)[0]
+        except WorkOutOfTime as exc:
+            raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, (
+                f"/generate ran past {limit:g} s, this engine's bound on the time one request may take "
+                f"(max_request_s; weightstream engine --max-request-seconds), and was stopped ({exc}): "
+                "ask for fewer rows or fewer new tokens")) from None
 
     def logits(self, b):
         self._check_work(b["input_ids"], 0)  # rows of one length (check_body)

@@ -1,8 +1,8 @@
 """One engine TP rank: holds its shard, joins weight-update groups, receives and loads buckets.
 
-The server drives each worker through a pipe with ``(command, args)`` messages and gets back
-``(ok, result_or_error)``; workers of one engine also form their own process group (the engine's
-TP group) for the forward pass and for completing vocabulary rows.
+The server drives each worker through a pipe, one :class:`~weightstream.reference_engine.protocol.Command` at a
+time, and gets back one ``Reply`` per command, carrying its id; workers of one engine also form their own
+process group (the engine's TP group) for the forward pass and for completing vocabulary rows.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from weightstream.converters.fp8 import block_fp8_of
 from weightstream.converters.registry import get_converter
 from weightstream.models.spec import dtype_from_name, dtype_name
 from weightstream.reference_engine.pieces import assemble, engine_layout, piece_problems
+from weightstream.reference_engine.protocol import START_ID, Command, Outcome, OutOfTime, Reply
 from weightstream.reference_engine.schema import ep_problem, routed_experts, unknown_dtypes
 from weightstream.reference_engine.values import DEFAULT_CHECKS, LoadChecks, check_values
 from weightstream.streaming.bucket import (
@@ -771,7 +772,7 @@ class Worker:
         if lease is not None:
             lease.close()
 
-    def next_command(self, conn: Connection) -> tuple[str, dict]:
+    def next_command(self, conn: Connection) -> Command:
         """The server's next command. Meanwhile the trainer's lease is watched: when the trainer's end closes
         (it exited, however it exited, or disconnected), what this worker mapped of it is let go at once."""
         # The pipe is a socket pair the engine's process made: the kernel names that process, whatever started
@@ -782,7 +783,10 @@ class Worker:
             watched: list[Connection | int] = [conn] if self.ipc_lease is None else [conn, self.ipc_lease.fileno()]
             ready = wait_for(watched)
             if conn in ready:
-                return conn.recv()
+                command = conn.recv()
+                if not isinstance(command, Command):
+                    raise EOFError(f"the server sent a {type(command).__name__}, not a Command")
+                return command
             if self.ipc_lease is not None and self.ipc_lease.ended():
                 self._trainer_gone()
 
@@ -1259,8 +1263,31 @@ class Worker:
         out = self.model.logits(torch.tensor(input_ids))
         return out.cpu() if self.rank == 0 else None
 
-    def generate(self, input_ids, max_new_tokens):
-        return self.model.generate(input_ids, max_new_tokens)
+    def generate(self, rows, max_new_tokens):
+        """Greedy: each row's ``max_new_tokens`` new tokens, the rows one after another. Between two decode
+        steps, work past the command's deadline stops (:class:`OutOfTime`, saying how far it got)."""
+        outs = []
+        for r, row in enumerate(rows):
+            out: list[int] = []
+            for step in range(max_new_tokens):
+                if self._out_of_time():
+                    raise OutOfTime(f"stopped in row {r} of {len(rows)} after {step} of its {max_new_tokens} "
+                                    "new tokens")
+                out += self.model.generate(list(row) + out, 1)
+            outs.append(out)
+        return outs
+
+    deadline: float | None = None  # the running command's (see _run): time.monotonic() past which work stops
+
+    def _out_of_time(self) -> bool:
+        """Whether the running command's deadline has passed, as every rank of the engine agrees (one small
+        all-reduce at TP > 1: no rank starts a forward pass that another has given up)."""
+        late = self.deadline is not None and time.monotonic() > self.deadline
+        if self.size == 1:
+            return late
+        flag = torch.tensor([int(late)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def commands(self) -> dict[str, Callable[..., Any]]:
         """What the server may ask of this worker, by the command's name."""
@@ -1327,10 +1354,10 @@ def worker_main(rank, size, model_dir, port, backend, device, dtype, conn, rollb
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
         worker = worker_type(rank, size, model_dir, torch.device(device), dtype_from_name(dtype), ep)
         worker.model.rollback = rollback
-        conn.send((True, "ready"))
         worker.checks = checks
+        conn.send(Reply(START_ID, Outcome.DONE, "ready"))
     except BaseException:  # noqa: BLE001
-        conn.send((False, traceback.format_exc()))
+        conn.send(Reply(START_ID, Outcome.FAILED, traceback.format_exc()))
         return
     _serve(worker, conn)
     for name in list(worker.groups):
@@ -1339,24 +1366,35 @@ def worker_main(rank, size, model_dir, port, backend, device, dtype, conn, rollb
 
 
 def _serve(worker: Worker, conn: Connection) -> None:
-    """Run the server's commands until it says ``shutdown`` (or its end of the pipe closes)."""
+    """Run the server's commands until it says ``shutdown`` (or its end of the pipe closes), answering each with
+    one :class:`Reply` that carries the command's id."""
     commands = worker.commands()
     while True:
         start = time.perf_counter()
         try:
-            command, kwargs = worker.next_command(conn)
+            command = worker.next_command(conn)
         except EOFError:
             return
         if worker.in_session:
             worker.clock.add("idle", time.perf_counter() - start)
-        if command == "shutdown":
-            conn.send((True, "bye"))
+        if command.name == "shutdown":
+            conn.send(Reply(command.id, Outcome.DONE, "bye"))
             return
-        run = commands.get(command)
-        if run is None:
-            conn.send((False, f"unknown command {command!r} (known: {', '.join(sorted(commands))})"))
-            continue
-        try:
-            conn.send((True, run(**kwargs)))
-        except BaseException as exc:  # noqa: BLE001 — reported to the server, the worker lives on
-            conn.send((False, f"{type(exc).__name__}: {exc}"))
+        conn.send(_run(worker, commands, command))
+
+
+def _run(worker: Worker, commands: dict[str, Callable[..., Any]], command: Command) -> Reply:
+    """One command's reply: what it returned, or why it failed or stopped at its deadline."""
+    run = commands.get(command.name)
+    if run is None:
+        return Reply(command.id, Outcome.FAILED,
+                     f"unknown command {command.name!r} (known: {', '.join(sorted(commands))})")
+    worker.deadline = command.deadline
+    try:
+        return Reply(command.id, Outcome.DONE, run(**command.args))
+    except OutOfTime as exc:
+        return Reply(command.id, Outcome.OUT_OF_TIME, str(exc))
+    except BaseException as exc:  # noqa: BLE001 — reported to the server, the worker lives on
+        return Reply(command.id, Outcome.FAILED, f"{type(exc).__name__}: {exc}")
+    finally:
+        worker.deadline = None
