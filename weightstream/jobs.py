@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from weightstream.common.hf_files import CheckpointReader
 from weightstream.common.progress import ProgressFile
@@ -62,6 +63,18 @@ def _progress_bar(total_desc: str):
     return bar, update
 
 
+def _built(hf_dir: str, cfg: Any, layout: Layout, dtype: str, reporter: ProgressFile) -> list[nn.Module]:
+    """The Megatron-Core model of ``cfg`` under ``layout``, holding the weights of ``hf_dir``, on every rank."""
+    initialize_parallel(layout.tp, layout.pp, layout.vpp, layout.ep, layout.etp)
+    reporter.phase(f"building the Megatron-Core model on {dist.get_world_size()} ranks")
+    chunks = build_gpt_model(cfg, dtype=dtype_from_name(dtype))
+    reporter.phase("loading the weights into it")
+    with CheckpointReader(hf_dir) as reader:
+        load_hf_weights(chunks, cfg, reader)
+    dist.barrier()
+    return chunks
+
+
 def dump_job(
     hf_dir: str,
     layout: Layout,
@@ -82,16 +95,10 @@ def dump_job(
     ``engine_key``: the engine's API key. ``quantize``: write block FP8 (see ``save_hf_checkpoint``).
     ``progress_file``: rank 0 reports its phases and buckets there (:class:`~weightstream.common.progress.
     ProgressFile`) instead of drawing a bar."""
-    initialize_parallel(layout.tp, layout.pp, layout.vpp, layout.ep, layout.etp)
     reporter = ProgressFile(progress_file if dist.get_rank() == 0 else None)
     cfg = load_hf_config(hf_dir)
     start = time.perf_counter()
-    reporter.phase(f"building the Megatron-Core model on {dist.get_world_size()} ranks")
-    chunks = build_gpt_model(cfg, dtype=dtype_from_name(dtype))
-    reporter.phase("loading the weights into it")
-    with CheckpointReader(hf_dir) as reader:
-        load_hf_weights(chunks, cfg, reader)
-    dist.barrier()
+    chunks = _built(hf_dir, cfg, layout, dtype, reporter)
     built = time.perf_counter() - start
     update_report = None
     if engine_url is not None:

@@ -1412,7 +1412,7 @@ class EngineServer(ThreadingHTTPServer):
         self._wait_unpaused()
         out = self.engine.call("logits", input_ids=b["input_ids"], committed=True)[0]
         return 200, {"shape": list(out.shape), "dtype": "float32",
-                     "logits_b64": base64.b64encode(out.contiguous().numpy().tobytes()).decode(),
+                     "logits_b64": base64.b64encode(out.tobytes()).decode(),
                      "weight_version": self.engine.weight_version}
 
 

@@ -1260,8 +1260,10 @@ class Worker:
                 "delta_buckets_held": len(self.delta_held)}
 
     def logits(self, input_ids):
+        """Rank 0's logits as a numpy array: it crosses the pipe by value, so no shared storage of a reply (a
+        descriptor and a socket to torch's memory manager) outlives it in this process."""
         out = self.model.logits(torch.tensor(input_ids))
-        return out.cpu() if self.rank == 0 else None
+        return out.float().cpu().numpy() if self.rank == 0 else None
 
     def generate(self, rows, max_new_tokens):
         """Greedy: each row's ``max_new_tokens`` new tokens, the rows one after another. Between two decode
