@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import base64
 import collections
+import dataclasses
+import io
 import pickle
+import shutil
 import subprocess
 import sys
 import time
@@ -20,9 +23,14 @@ import torch
 
 from weightstream.cli import main
 from weightstream.common.pickle_guard import PickleBoundError, PickleBounds, check_pickle
-from weightstream.sources.megatron_checkpoint import CheckpointFormatError, MegatronCheckpointSource
+from weightstream.sources.megatron_checkpoint import (
+    CheckpointFormatError,
+    MegatronCheckpointSource,
+    read_dcp_metadata,
+)
 
 DEPTHS = range(33, 41)
+EMBEDDING = "embedding.word_embeddings.weight"
 
 
 def bomb(depth: int) -> bytes:
@@ -31,19 +39,37 @@ def bomb(depth: int) -> bytes:
     return b"\x80\x02}K\x00\x85" + b"2\x86" * depth + b"K\x01s."
 
 
+def memo_bomb(depth: int) -> bytes:
+    """The same through the memo (``BINPUT``, ``BINGET``) instead of ``DUP``, which torch's weights-only loader
+    takes too."""
+    return b"\x80\x02}K\x00\x85" + b"q\x00h\x00\x86" * depth + b"K\x01s."
+
+
+BOMBS = [bomb(d) for d in DEPTHS] + [memo_bomb(d) for d in DEPTHS]
+
+
+def _refusal(data: bytes) -> str:
+    """The one line the measure refuses ``data`` with."""
+    with pytest.raises(PickleBoundError) as err:
+        check_pickle(data)
+    return str(err.value)
+
+
 # -- the measure itself --------------------------------------------------------------------------------------
 
 @pytest.mark.unit
 @pytest.mark.parametrize("depth", DEPTHS)
-def test_a_bomb_is_refused_at_once(depth):
+@pytest.mark.parametrize(("make", "at"), [(bomb, 42), (memo_bomb, 98)])
+def test_a_bomb_is_refused_at_once(depth, make, at):
+    data = make(depth)
     start = time.perf_counter()
     with pytest.raises(PickleBoundError) as err:
-        check_pickle(bomb(depth))
+        check_pickle(data)
     assert time.perf_counter() - start < 0.1
     (line,) = str(err.value).splitlines()
-    assert line == (f"its pickle expands to more than {(1 << 20) + 32 * (2 * depth + 10):,} items (objects and "
-                    f"bytes of strings, a shared object counted at each reference) by byte 42 of {2 * depth + 10}; "
-                    "the bound is 1,048,576 + 32 per byte of pickle")
+    assert line == (f"its pickle expands to more than {(1 << 20) + 32 * len(data):,} items (objects and bytes of "
+                    f"strings, a shared object counted at each reference) by byte {at} of {len(data)}; the bound is "
+                    "1,048,576 + 32 per byte of pickle")
 
 
 @pytest.mark.unit
@@ -150,23 +176,17 @@ def _legacy(root: Path, state: dict, index: bytes | None = None) -> Path:
     return file
 
 
-def _bound(depth: int) -> str:
-    n = 2 * depth + 10
-    return (f"its pickle expands to more than {(1 << 20) + 32 * n:,} items (objects and bytes of strings, a shared "
-            f"object counted at each reference) by byte 42 of {n}; the bound is 1,048,576 + 32 per byte of pickle")
-
-
 @pytest.mark.parametrize("fmt", ["torch_dist", "legacy"])
 def test_a_bomb_in_a_checkpoint_is_refused_at_once(tmp_path, capsys, fmt):
     import torch.distributed.checkpoint.metadata  # noqa: F401 -- imported once, not timed below
-    for depth in DEPTHS:
-        root = tmp_path / f"{fmt}{depth}"
+    for n, data in enumerate(BOMBS):
+        root = tmp_path / f"{fmt}{n}"
         if fmt == "torch_dist":
-            file = _torch_dist(root, bomb(depth))
-            expected = f"refused to read {file}: {_bound(depth)}"
+            file = _torch_dist(root, data)
+            expected = f"refused to read {file}: {_refusal(data)}"
         else:
-            file = _legacy(root, {"checkpoint_version": 3.0, "model": {}}, bomb(depth))
-            expected = f"refused to read {file} (model_optim_rng/data.pkl): {_bound(depth)}"
+            file = _legacy(root, {"checkpoint_version": 3.0, "model": {}}, data)
+            expected = f"refused to read {file} (model_optim_rng/data.pkl): {_refusal(data)}"
         for trust in (False, True):
             start = time.perf_counter()
             with pytest.raises(CheckpointFormatError) as err:
@@ -179,6 +199,55 @@ def test_a_bomb_in_a_checkpoint_is_refused_at_once(tmp_path, capsys, fmt):
         assert [line for line in err.splitlines() if line.startswith("error:")] == [f"error: {expected}"]
         assert err.splitlines()[-1] == f"error: {expected}" and "Traceback" not in err
         assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[str, Path]:
+    """A tiny Qwen3 (HF, random weights) and the torch_dist checkpoint a one-rank Megatron-Core job saves of it."""
+    from tests.helpers.megatron_saves import run_saves
+    from tests.helpers.workers import Case
+    from weightstream.jobs import Layout
+    from weightstream.launch import launch
+    from weightstream.models.presets import preset_config, save_random_checkpoint
+
+    root = tmp_path_factory.mktemp("guard")
+    hf = save_random_checkpoint(preset_config("tiny-qwen3"), root / "hf", seed=93)
+    launch(1, run_saves, [(Case(hf, Layout(1, 1)), str(root / "meg"))])
+    return {"hf": Path(hf), "torch_dist": root / "meg" / "torch_dist"}
+
+
+def test_a_bomb_in_a_distcp_item_is_refused_before_torch_reads_it(saved, tmp_path, capsys):
+    """Each tensor of a ``.distcp`` file is a torch.save archive whose pickle torch unpickles: the embedding's,
+    replaced by the bomb (an intact archive, its CRC-32s right), is refused, naming the tensor and where it is."""
+    copy = tmp_path / "torch_dist"
+    shutil.copytree(saved["torch_dist"], copy)
+    directory = copy / "iter_0000007"
+    metadata = read_dcp_metadata(directory / ".metadata")
+    ((index, item),) = [(i, s) for i, s in metadata.storage_data.items() if i.fqn == EMBEDDING]
+    file = directory / item.relative_path
+    raw = file.read_bytes()
+    with zipfile.ZipFile(io.BytesIO(raw[item.offset: item.offset + item.length])) as zf:
+        members = [(info, zf.read(info)) for info in zf.infolist()]
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_STORED) as zf:
+        for info, body in members:
+            zf.writestr(info, memo_bomb(40) if info.filename.endswith("data.pkl") else body)
+    file.write_bytes(raw + archive.getvalue())
+    end = len(raw) + len(archive.getvalue())
+    metadata.storage_data[index] = dataclasses.replace(item, offset=len(raw), length=end - len(raw))
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    (member,) = [info.filename for info, _ in members if info.filename.endswith("data.pkl")]
+    expected = (f"error: refused to read the checkpoint {directory}: {EMBEDDING} (bytes {len(raw)}..{end} of "
+                f"{item.relative_path}): {member}: {_refusal(memo_bomb(40))}")
+    start = time.perf_counter()
+    code = main(["convert", str(copy), "--hf", str(saved["hf"]), "--out", str(tmp_path / "out"), "--bucket-mb",
+                 "0.04"])
+    assert time.perf_counter() - start < 60  # the whole conversion up to the embedding's bucket
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "", (code, out, err)
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [expected]
+    assert err.splitlines()[-1] == expected and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:
@@ -195,7 +264,7 @@ def test_weightstream_convert_refuses_a_metadata_bomb_in_one_line(tmp_path):
     file = _torch_dist(tmp_path / "ckpt", bomb(40))
     run = _cli("convert", str(tmp_path / "ckpt"), "--preset", "tiny-qwen3", "--out", str(tmp_path / "out"))
     assert run.returncode == 2 and run.stdout == "", (run.returncode, run.stderr)
-    assert _error_lines(run.stderr) == [f"error: refused to read {file}: {_bound(40)}"]
+    assert _error_lines(run.stderr) == [f"error: refused to read {file}: {_refusal(bomb(40))}"]
 
 
 def test_a_legacy_state_dict_with_a_tuple_key_is_one_error_line(tmp_path):
@@ -223,14 +292,13 @@ def test_an_engine_refuses_a_bomb_payload_at_once_and_keeps_serving(tmp_path):
     try:
         eng = ReferenceEngine(server.url)
         before = eng.logits(INPUT_IDS)
-        for depth in DEPTHS:
-            payload = base64.b64encode(bomb(depth)).decode()
-            eng.begin_update(f"bomb {depth}")
+        for n, data in enumerate(BOMBS):
+            eng.begin_update(f"bomb {n}")
             start = time.perf_counter()
             with pytest.raises(EngineError) as err:
-                eng.receive_ipc(0, [payload], None)
+                eng.receive_ipc(0, [base64.b64encode(data).decode()], None)
             assert time.perf_counter() - start < 1.0
-            assert f"refused a payload of {2 * depth + 10} bytes: {_bound(depth)}" in str(err.value)
+            assert f"refused a payload of {len(data)} bytes: {_refusal(data)}" in str(err.value)
             eng.abort_update()
         assert torch.equal(eng.logits(INPUT_IDS), before)
         assert eng.weight_version() == "default"
