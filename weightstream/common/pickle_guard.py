@@ -19,7 +19,8 @@ unpickled.
 
 What real pickles measure, per byte: a torch_dist ``.metadata`` written by Megatron-Core 0.16 about 3.2, a
 legacy ``data.pkl`` about 1.1 (1.1 to 27 KB, dense and MoE, with and without the training state), an IPC
-payload of a bucket 1.6 to 2.4: a tenth of the bound or less.
+payload of a bucket 1.6 to 2.4: a tenth of the bound or less. The measure costs about 1.2 us per opcode: 28 ms
+for the 60 KB ``.metadata`` of a 4-rank MoE save (23,143 opcodes), which unpickles in 1.5 ms.
 """
 
 from __future__ import annotations

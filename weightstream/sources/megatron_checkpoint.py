@@ -25,6 +25,9 @@ Megatron saves there (:data:`LEGACY_GLOBALS`, :data:`DCP_METADATA_GLOBALS`); any
 error naming the globals and the file. Tensor data is checked against the CRC-32 that torch's zip format keeps
 for it (each legacy rank file, each tensor item of a ``.distcp`` file), so flipped bytes fail instead of
 converting; the pickled indexes (``.metadata``, legacy ``data.pkl``) are checked as far as their format allows.
+Every pickle (``.metadata``, a legacy ``data.pkl``, each tensor's in a ``.distcp`` file), trusted or not, is
+measured before it is unpickled and refused where it would build out of proportion to its length
+(:mod:`weightstream.common.pickle_guard`).
 """
 
 from __future__ import annotations
