@@ -367,8 +367,7 @@ def _tracker(root: Path, hf: Path) -> str:
 @_case("config.json truncated", "torch_dist")
 def _config_truncated(root: Path, hf: Path) -> str:
     _cut(hf / "config.json", 0.5)
-    return ("the HF config {hf} cannot be read: It looks like the config file at '{hf}/config\\.json' is not a "
-            "valid JSON file\\.")
+    return "--hf {hf}: {hf}/config\\.json is not JSON: Expecting .+ \\(char \\d+\\)"
 
 
 @_case("verify: safetensors truncated", "verify")
