@@ -7,6 +7,8 @@ second HTTP server on the same engine."""
 from __future__ import annotations
 
 import base64
+import os
+import signal
 import socket
 import threading
 import time
@@ -64,9 +66,11 @@ def wait_until(condition: Callable[[], bool], within_s: float, what: str) -> Non
 
 
 def test_a_command_given_up_on_never_answers_a_later_request(server, capfd):
-    """The workers are held in the rendezvous of a weight-update group whose store accepts and never answers;
-    the server gives them up at ``timeout_s`` + 5 s. Until they answer, /health says why and every request is
-    refused at once; their late answers are dropped, and each later request gets its own answer."""
+    """The workers are stalled (stopped, as a machine under memory pressure or a debugger holds them) while they
+    are asked to join a weight-update group; the server gives them up at ``timeout_s`` + 5 s. Until they answer,
+    /health says why and every request is refused at once; once they run again their late answers (the group
+    cannot form: its store accepts and never answers, which the worker refuses within its bound) are dropped,
+    and each later request gets its own answer."""
     url = server.url
     fresh_a, fresh_b = logits_of(url, INPUT_IDS), logits_of(url, OTHER_IDS)
     assert not np.array_equal(fresh_a, fresh_b)
@@ -74,6 +78,9 @@ def test_a_command_given_up_on_never_answers_a_later_request(server, capfd):
     silent = socket.create_server(("127.0.0.1", 0), backlog=8)  # accepts (the kernel's backlog), never answers
     group = {"master_address": "127.0.0.1", "master_port": silent.getsockname()[1], "rank_offset": 1,
              "world_size": 3, "group_name": "never", "backend": "gloo", "timeout_s": 1}
+    workers = [proc.pid for proc in server.engine.procs]
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
     try:
         start = time.monotonic()
         status, reply = request(url, "POST", "/init_weights_update_group", group, timeout=60)
@@ -87,12 +94,14 @@ def test_a_command_given_up_on_never_answers_a_later_request(server, capfd):
         assert status == 503 and "have not answered init_group" in reply["message"], reply
         assert time.monotonic() - start < 2.0  # refused at once: nothing was sent to the workers
     finally:
-        silent.close()  # the rendezvous fails now: the workers answer, late
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)  # they run again: the group cannot form, and they answer, late
     wait_until(lambda: request(url, "GET", "/health")[0] == 200, 30, "healthy again once the workers answered")
     for _ in range(3):
         np.testing.assert_array_equal(logits_of(url, OTHER_IDS), fresh_b)
         np.testing.assert_array_equal(logits_of(url, INPUT_IDS), fresh_a)
     assert generated(url, INPUT_IDS[0], 4) == fresh_tokens
+    silent.close()
     assert server.engine.unanswered == [None, None]
     err = capfd.readouterr().err
     assert err.count("past its bound: the reply was dropped") == 2, err  # one late reply per rank, logged
@@ -237,3 +246,22 @@ def test_the_engine_command_takes_the_time_bound_in_seconds(capsys):
         assert exc.value.code == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("error: argument --max-request-seconds"), err
+
+
+def test_a_store_that_takes_the_connection_and_never_answers_is_refused_within_its_bound():
+    """torch's TCPStore client waits without a bound for a peer that accepted its connection; weightstream's
+    refuses it at its timeout (and a store that does answer still serves)."""
+    from weightstream.wire.groups import STORE_ANSWER_GRACE_S, tcp_store
+
+    silent = socket.create_server(("127.0.0.1", 0), backlog=8)
+    try:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="took the connection but gave no answer within 1 s"):
+            tcp_store("127.0.0.1", silent.getsockname()[1], is_master=False, world_size=2, timeout=1.0)
+        assert time.monotonic() - start < 1.0 + STORE_ANSWER_GRACE_S + 1.0
+    finally:
+        silent.close()
+    host = tcp_store("127.0.0.1", 0, is_master=True, world_size=2, timeout=5.0)
+    client = tcp_store("127.0.0.1", host.port, is_master=False, world_size=2, timeout=5.0)
+    client.set("k", "v")
+    assert host.get("k") == b"v"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -57,6 +58,9 @@ class GroupLayout:
     engines: tuple[tuple[str, int], ...]
 
 
+STORE_ANSWER_GRACE_S = 2.0  # beyond its timeout, how long a store client's connect may take before it is refused
+
+
 def parse_tcp(init_method: str) -> tuple[str, int]:
     """``tcp://host:port`` (IPv6 hosts in brackets) as ``(host, port)``."""
     parsed = urlparse(init_method)
@@ -68,10 +72,37 @@ def parse_tcp(init_method: str) -> tuple[str, int]:
 def tcp_store(host: str, port: int, *, is_master: bool, world_size: int | None = None,
               timeout: timedelta | float = 60.0) -> dist.TCPStore:
     """A TCP store that this process hosts (``is_master``) or connects to, whatever the launcher set
-    in the environment. A client retries until ``timeout``; the host does not wait for anyone."""
+    in the environment. A client retries until ``timeout``; the host does not wait for anyone.
+
+    torch's client waits without a bound for the first answer of a peer that accepted its connection (a port
+    held by something that is not a store, or a store that hangs): it connects on a thread of its own here, and
+    a client with no store by ``timeout`` is refused, naming the address (the thread ends when that peer closes
+    the connection)."""
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
-    return dist.TCPStore(host, port, world_size, is_master, timeout, wait_for_workers=False)
+    if is_master:
+        return dist.TCPStore(host, port, world_size, is_master, timeout, wait_for_workers=False)
+    return _bounded_client(host, port, world_size, timeout)
+
+
+def _bounded_client(host: str, port: int, world_size: int | None, timeout: timedelta) -> dist.TCPStore:
+    made: list[dist.TCPStore | BaseException] = []
+
+    def connect() -> None:
+        try:
+            made.append(dist.TCPStore(host, port, world_size, False, timeout, wait_for_workers=False))
+        except BaseException as exc:  # noqa: BLE001 -- handed to the caller
+            made.append(exc)
+
+    thread = threading.Thread(target=connect, name=f"tcp-store-client-{host}:{port}", daemon=True)
+    thread.start()
+    thread.join(timeout.total_seconds() + STORE_ANSWER_GRACE_S)
+    if not made:
+        raise TimeoutError(f"the store at {host}:{port} took the connection but gave no answer within "
+                           f"{timeout.total_seconds():.0f} s (is that port a torch TCPStore?)")
+    if isinstance(made[0], BaseException):
+        raise made[0]
+    return made[0]
 
 
 def init_custom_process_group(
