@@ -163,7 +163,7 @@ def _train(script: str, src: str, url: str, how: str = "update", timeout: float 
 
 def _start(script: str, src: str, url: str, how: str, **options) -> subprocess.Popen:
     """A trainer process left running (its stderr in a file: a pipe nobody reads could fill and stop it)."""
-    log = tempfile.TemporaryFile("w+")  # noqa: SIM115 -- lives as long as the process, read if it fails
+    log = tempfile.TemporaryFile("w+")  # lives as long as the process, read if it fails
     proc = subprocess.Popen([sys.executable, script, src, url, how, json.dumps(options)], stdout=subprocess.PIPE,
                             stderr=log, text=True, env=ENV)
     proc.log = log

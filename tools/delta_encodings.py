@@ -235,7 +235,7 @@ def _compressed(row: Step, old: torch.Tensor, new: torch.Tensor, compressors: li
         try:
             t, payload = _timed(lambda c=c, s=source: c.encode(s), 3)
             td, back = _timed(lambda c=c, p=payload: c.decode(p), 1)
-        except Exception as e:  # a codec the installed nvCOMP refuses: reported, the others go on
+        except Exception as e:  # noqa: BLE001 -- a codec the installed nvCOMP refuses: reported, the others go on
             tally.failed = f"{type(e).__name__}: {e}"
             continue
         assert isinstance(back, torch.Tensor)

@@ -371,7 +371,7 @@ class Cluster:
     gpu_gb: float = 80.0
 
     @property
-    def nic_GBps(self) -> float:  # noqa: N802 -- bytes, not bits
+    def nic_GBps(self) -> float:  # bytes, not bits
         return self.nic_gbps / 8 * self.efficiency
 
 

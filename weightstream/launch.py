@@ -71,7 +71,7 @@ def _worker(launcher: int, rank: int, world: int, port: int, backend: str, timeo
                 from megatron.core import parallel_state as ps
 
                 ps.destroy_model_parallel()
-            except Exception:
+            except Exception:  # noqa: BLE001 -- tearing down: the rank's own result or error is what is reported
                 pass
             dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 — the parent reports it

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.helpers.checks import INPUT_IDS  # noqa: E402,F401  (the prompts every logits check uses)
+from tests.helpers.checks import INPUT_IDS  # (the prompts every logits check uses)
 from tests.helpers.fp8_truth import same_bits, truth_of
 from weightstream.common.hf_files import CheckpointReader
 from weightstream.converters.fp8 import BlockFP8

@@ -307,7 +307,7 @@ def _finish_after_failure(finish: Callable[[], None]) -> None:
     log.exception("weightstream: update failed; finalising the reload before re-raising")
     try:
         finish()
-    except Exception:  # noqa: BLE001 — the original error is the one to report
+    except Exception:  # the original error is the one to report
         log.exception("weightstream: finalising after the failure failed too")
 
 

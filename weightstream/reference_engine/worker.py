@@ -912,11 +912,12 @@ class Worker:
             programs = self.ipc_plans.get(plan)
             chan.send(Hello(self.rank, client, tuple(sorted(self.ipc_kept)), programs is not None))
             if programs is None:  # the layout of every bucket, once per plan of this trainer
-                programs = self._ipc_plan(plan, num_buckets,
-                                          _receive_one(chan, Plan, timeout_s, "bucket metadata from the trainer"))
-                if isinstance(programs, str):
-                    _answer_error(chan, programs)
-                    raise ValueError(programs)
+                made = self._ipc_plan(plan, num_buckets,
+                                      _receive_one(chan, Plan, timeout_s, "bucket metadata from the trainer"))
+                if isinstance(made, str):
+                    _answer_error(chan, made)
+                    raise ValueError(made)
+                programs = made
         except BaseException:
             chan.close()
             raise

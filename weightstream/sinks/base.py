@@ -222,7 +222,7 @@ class PipelinedSink:
         self._refused = frozenset()
         try:
             group = create()
-        except Exception as exc:  # noqa: BLE001 — re-raised with the engines' side
+        except Exception as exc:  # re-raised with the engines' side
             engine_errors = future_errors(posts, deadline)
             self._refused = refusals(posts, engines)
             said = ("; the engines said: " + " | ".join(engine_errors)) if engine_errors else ""

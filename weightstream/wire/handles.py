@@ -115,6 +115,7 @@ class _Named:
     or ``torch.UntypedStorage`` called from a pickle would allocate whatever size it says."""
 
     __slots__ = ("what",)
+    what: str
 
     def __init__(self, what: str):
         object.__setattr__(self, "what", what)
@@ -169,10 +170,10 @@ def _rebuild_storage_filename(grant: ShmGrant, cls, manager, handle, size, dtype
     return open_named_shm(handle.decode("ascii", "replace"), size, grant)
 
 
-def rebuild_cuda_tensor_by_uuid(*args):
+def rebuild_cuda_tensor_by_uuid(*given):
     """The receiving end of :func:`_reduce_tensor_with_uuid`: the GPU's UUID back to a device index, the
     classes named by the payload back to torch's own."""
-    args = list(args)
+    args = list(given)
     if len(args) != 15 or args[0] is not _TENSOR or args[4] not in (_STORAGE, _TYPED):
         raise UnsafePayloadError("a CUDA tensor in a payload must be a torch.Tensor over a torch storage")
     args[0], args[4] = _CLASSES[args[0]], _CLASSES[args[4]]
