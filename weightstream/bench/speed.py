@@ -51,6 +51,10 @@ class BenchResult:
     ceiling_s: float = 0.0
     ceiling: str = ""
     peak_extra_bytes: int | None = None
+    # the engine's (first engine, its largest rank): device bytes its last update added at its peak over what it
+    # held before, and where that update kept its rollback copies (reference engine: /weightstream/memory)
+    engine_peak_extra_bytes: int | None = None
+    engine_backup: str = ""
     phases: dict[str, float] = field(default_factory=dict)  # of the best warm run
     cold_phases: dict[str, float] = field(default_factory=dict)  # of the first run (updates)
     # the engine's side of the best warm run, its rank 0 (reference engine: ``update_phases``), and of the first
@@ -85,6 +89,7 @@ class BenchResult:
     def render(self) -> str:
         us = self.best_s / max(self.tensors, 1) * 1e6
         peak = "n/a" if self.peak_extra_bytes is None else f"{self.peak_extra_bytes / 2**20:.1f} MiB"
+        engine = "n/a" if self.engine_peak_extra_bytes is None else f"{self.engine_peak_extra_bytes / 2**20:.1f} MiB"
         lines = [
             f"weightstream bench: {self.preset}, {self.transport}, {self.dtype}, {self.device}, "
             f"buckets of {self.bucket_bytes / 2**20:g} MiB",
@@ -94,7 +99,8 @@ class BenchResult:
             f"  ratio             {self.ratio:9.2f}x",
             f"  cold (first)      {self.cold_s * 1e3:9.1f} ms   ({self.cold_s / self.best_s:.2f}x warm)"
             + (f", after prepare() {self.prepare_s * 1e3:.1f} ms" if self.prepare_s is not None else ""),
-            f"  peak extra memory {peak}",
+            f"  peak extra memory {peak} (trainer), {engine} (engine"
+            + (f"; rollback copies: {self.engine_backup})" if self.engine_backup else ")"),
         ]
         for what, phases in (("best warm", self.phases), ("cold", self.cold_phases),
                              ("engine rank 0, best warm", self.engine_phases),
@@ -515,6 +521,17 @@ def run_bench(preset: str, transport: str, *, tiny: bool = False, dtype: str = "
                          tp, engine_tp or tp, ep, prepare, direct, quantize, replicas)
 
 
+def _engine_memory(url: str) -> tuple[int | None, str]:
+    """The device bytes the engine's last update added at its peak (its largest rank; None off a GPU), and where
+    that update kept its rollback copies."""
+    from weightstream.engines import ReferenceEngine
+
+    ranks = ReferenceEngine(url).get("/weightstream/memory")["ranks"]
+    peaks = [m["session_peak_extra_cuda_bytes"] for m in ranks if m["session_peak_extra_cuda_bytes"] is not None]
+    places = sorted({f"{m['backup_place']}, {m['backup_bytes'] / 2**20:.1f} MiB" for m in ranks})
+    return (max(peaks) if peaks else None), "; ".join(places)
+
+
 def fp8_config(cfg, quantize: BlockFP8) -> dict:
     """The ``quantization_config`` of ``cfg``'s model in block FP8 as its family declares it: what an engine
     started on the config serves (float8 values and scales), and takes updates in."""
@@ -538,6 +555,7 @@ def _update_bench(res: BenchResult, cfg, transport: str, dtype: str, bucket_byte
                        dtype, repeats, False, ahead, tp, ep, prepare, direct, quantize, backend=backend, timeout_s=600)
         r = ranks[0]
         checks = [_engine_check(url, r, dtype, quantize is not None) for url in urls]
+        res.engine_peak_extra_bytes, res.engine_backup = _engine_memory(urls[0])
     res.check = "; ".join(c if replicas == 1 else f"engine {k}: {c}" for k, (c, _) in enumerate(checks))
     res.check_ok = all(ok for _, ok in checks)
     reports = r["reports"]

@@ -40,6 +40,7 @@ from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8, dequantize_
 from weightstream.converters.mapping import Converter
 from weightstream.converters.registry import get_converter, known_model_types, model_spec
 from weightstream.models.spec import ModelSpec
+from weightstream.reference_engine.backups import BackupPlace, place_for
 from weightstream.reference_engine.schema import ep_problem
 from weightstream.streaming.bucket import Shard, TensorMeta
 
@@ -237,6 +238,9 @@ class ShardedCausalLM:
         self.stale: set[str] = set()  # released (or half-updated) weights no update has loaded since
         self.stale_why = ""
         self.rollback = True  # back up what a session overwrites (else an aborted session leaves weights stale)
+        # where the open (or last) session keeps its backups, and how many bytes they took
+        self.backup_at = BackupPlace("none", "no session yet")
+        self.backup_bytes = 0
         # the names each load of the open session covered (joined only where a commit or abort needs them)
         self._loaded_in_session: list[Collection[str]] = []
         # vocabulary row pieces (per-rank embedding / lm_head) received, for exchange_vocab_pieces
@@ -305,10 +309,20 @@ class ShardedCausalLM:
 
     # -- sessions: an update is committed whole or rolled back whole --------------------------------
 
-    def begin_session(self) -> None:
-        self.backup = {} if self.rollback else None
+    def begin_session(self) -> BackupPlace:
+        """Open a session; where its backups go (:mod:`~weightstream.reference_engine.backups`), decided now."""
+        self.backup_at = (place_for(self._weight_bytes(), self.device) if self.rollback
+                          else BackupPlace("none", "rollback is off for this engine"))
+        self.backup = {} if self.backup_at.where != "none" else None
+        self.backup_bytes = 0
         self.pending_vocab = []
         self._loaded_in_session = []
+        return self.backup_at
+
+    def _weight_bytes(self) -> int:
+        """What a full update could overwrite on this rank: the bytes of every storage the loadable tensors live in."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t, _ in self.params.values()}
+        return sum(storages.values())
 
     def _session_loaded(self) -> set[str]:
         return set().union(*self._loaded_in_session)
@@ -337,9 +351,10 @@ class ShardedCausalLM:
         loaded it."""
         backup, self.backup = self.backup or {}, None
         self.pending_vocab = []
-        if not self.rollback and self._loaded_in_session:
+        if self.backup_at.where == "none" and self._loaded_in_session:
             self.stale |= self._session_loaded()
-            self.stale_why = "were half-updated by an aborted update (this engine keeps no backup)"
+            why = "this engine keeps no backup" if not self.rollback else f"its session kept none: {self.backup_at.why}"
+            self.stale_why = f"were half-updated by an aborted update ({why})"
         for name, old in backup.items():
             param = self.params[name][0]
             param.copy_(old.view(param.shape))
@@ -403,8 +418,11 @@ class ShardedCausalLM:
         by_dtype: dict[torch.dtype, list[tuple[str, Tensor]]] = {}
         for n, t in first:
             by_dtype.setdefault(t.dtype, []).append((n, t))
+        host = self.backup_at.where == "host"
         for dtype, group in by_dtype.items():  # one allocation per dtype, not one per tensor
-            flat = torch.empty(sum(t.numel() for _, t in group), dtype=dtype, device=group[0][1].device)
+            flat = torch.empty(sum(t.numel() for _, t in group), dtype=dtype,
+                               device="cpu" if host else group[0][1].device, pin_memory=host)
+            self.backup_bytes += flat.numel() * flat.element_size()
             copies = flat.split_with_sizes([t.numel() for _, t in group])
             torch._foreach_copy_(list(copies), [t if t.dim() == 1 else t.reshape(-1) for _, t in group])
             self.backup.update((n, c) for (n, _), c in zip(group, copies, strict=True))  # flat: shaped back on rollback

@@ -286,6 +286,7 @@ class Worker:
         self.clock = PhaseClock()
         self.in_session = False
         self.last_phases: dict[str, float] = {}
+        self.session_base = 0  # device bytes allocated when the open (or last) session began
         self.config = AutoConfig.from_pretrained(model_dir)
         if (problem := ep_problem(ep, size, routed_experts(self.config.to_dict()))) is not None:
             raise ValueError(problem)
@@ -295,8 +296,7 @@ class Worker:
         self.groups_warmed = 0  # groups whose first transfer ran as they were joined (GroupSpec.warm)
         self.bucket_count = 0
         # The last IPC buffers received from a trainer, kept mapped: a trainer that packs into the same few
-        # buffers sends the same CUDA IPC handles, which torch then resolves from its cache without opening
-        # them again.
+        # buffers sends the same CUDA IPC handles, which torch resolves from its cache without opening again.
         self.ipc_buffers: deque = deque(maxlen=4)
         # Buffers a trainer sends ahead-style (``update_ipc_ahead``) and asks to keep, by its ids; they stay
         # mapped across updates until that trainer says to drop them, another trainer connects, or its lease
@@ -1165,7 +1165,13 @@ class Worker:
         return self._report(report)
 
     def begin_session(self):
-        self.model.begin_session()
+        place = self.model.begin_session()
+        if place.where != "device" and self.model.rollback:
+            print(f"weightstream engine rank {self.rank}: rollback copies {place.where}: {place.why}", file=sys.stderr,
+                  flush=True)
+        if self.device.type == "cuda":  # the session's peak beyond what the engine held before it
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.session_base = torch.cuda.memory_allocated(self.device)
         self.bucket_count = 0
         self.delta_digests, self.delta_changed = {}, False
         self.session_nonfinite = set()
@@ -1252,7 +1258,10 @@ class Worker:
         with open("/proc/self/status") as f:
             rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
         cuda = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else None
-        return {"rss_bytes": rss, "cuda_allocated_bytes": cuda, "ipc_buffers_opened": self.ipc_opened,
+        peak = torch.cuda.max_memory_allocated(self.device) - self.session_base if cuda is not None else None
+        return {"rss_bytes": rss, "cuda_allocated_bytes": cuda, "session_peak_extra_cuda_bytes": peak,
+                "backup_place": self.model.backup_at.where, "backup_why": self.model.backup_at.why,
+                "backup_bytes": self.model.backup_bytes, "ipc_buffers_opened": self.ipc_opened,
                 "ipc_buffers_held": len(self.ipc_kept), "direct_updates": self.direct_updates,
                 "ipc_lease": self.ipc_lease is not None, "fds": len(os.listdir("/proc/self/fd")),
                 "groups_warmed": self.groups_warmed, "programs_kept": len(self.programs),
