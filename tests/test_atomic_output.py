@@ -136,7 +136,7 @@ def test_a_kill_mid_write_leaves_the_old_checkpoint(saves, tmp_path):
     convert_checkpoint(old_save, old_hf, out, bucket_bytes=BUCKET, shard_bytes=SHARD)
     before = _files(out)
     shards = set(json.loads(before[INDEX_NAME])["weight_map"].values())
-    assert len(shards) > 4 and set(before) == {"config.json", INDEX_NAME} | shards
+    assert len(shards) > 4 and set(before) == {"config.json", "generation_config.json", INDEX_NAME} | shards
     script = tmp_path / "slow.py"
     script.write_text(SLOW_CONVERT)
     with open(tmp_path / "slow.log", "w") as log:
@@ -188,7 +188,7 @@ def test_a_non_empty_directory_is_refused_unless_overwrite(saves, tmp_path):
     assert run.returncode == 0, run.stderr
     shards = set(json.loads((out / INDEX_NAME).read_text())["weight_map"].values())
     assert len(shards) == 3
-    assert set(os.listdir(out)) == {"config.json", INDEX_NAME} | shards
+    assert set(os.listdir(out)) == {"config.json", "generation_config.json", INDEX_NAME} | shards
     cmp = compare_checkpoints(new_hf, out)
     assert cmp.ok and cmp.compared == TENSORS, cmp.render(new_hf, str(out))
     assert sorted(os.listdir(tmp_path)) == ["empty", "out"]

@@ -88,9 +88,10 @@ def _refused(server, named: list[tuple[str, torch.Tensor]], message: str) -> Non
     the engine serving what it served before."""
     eng = ReferenceEngine(server.url)
     before = eng.logits(INPUT_IDS)
+    bucket = Bucket.pack(named)  # kept mapped until the engine has answered, as a sender does
     eng.begin_update("refused")
     with pytest.raises(EngineError, match=message):
-        eng.receive_ipc(0, [eng.encode_ipc(Bucket.pack(named))], None)
+        eng.receive_ipc(0, [eng.encode_ipc(bucket)], None)
     eng.abort_update()
     assert torch.equal(eng.logits(INPUT_IDS), before)
     assert eng.weight_version() == "default"
@@ -244,12 +245,13 @@ def test_an_fp8_engine_started_without_weights_knows_its_fp8_weights_from_the_fa
     with engines((bare, 1)) as (server,):
         eng = ReferenceEngine(server.url)
         assert eng.info().fp8 == SMALL
+        quantized = Bucket.pack([norm, (Q_PROJ, values), (Q_PROJ + SCALE_SUFFIX, scales)])
+        unquantized = Bucket.pack([norm, (Q_PROJ, weight)])  # both kept mapped until the engine has answered
         eng.begin_update("bare")
-        eng.receive_ipc(0, [eng.encode_ipc(Bucket.pack([norm, (Q_PROJ, values), (Q_PROJ + SCALE_SUFFIX, scales)]))],
-                        None)
+        eng.receive_ipc(0, [eng.encode_ipc(quantized)], None)
         with pytest.raises(EngineError, match=f"{Q_PROJ}: arrived as torch.float32, but this engine holds it in "
                                               "block FP8"):
-            eng.receive_ipc(1, [eng.encode_ipc(Bucket.pack([norm, (Q_PROJ, weight)]))], None)
+            eng.receive_ipc(1, [eng.encode_ipc(unquantized)], None)
         eng.abort_update()
 
 

@@ -695,7 +695,8 @@ def cmd_dump(args: argparse.Namespace) -> int:
         raise UsageError(problem)
     hf_dir, cfg = _model(args.hf, args.preset)  # every user error found before the first progress line
     layout = _layout(args, cfg)
-    with Progress("dump") as progress, tempfile.TemporaryDirectory(prefix="weightstream-src-") as tmp:
+    # The progress closes first: it reads the ranks' last lines from the file in ``tmp`` before ``tmp`` goes.
+    with tempfile.TemporaryDirectory(prefix="weightstream-src-") as tmp, Progress("dump") as progress:
         if hf_dir is None:
             progress.phase(f"writing random weights for {args.preset}")
             hf_dir = save_random_checkpoint(cfg, os.path.join(tmp, "source"), seed=args.seed,

@@ -886,7 +886,7 @@ class Worker:
             with self.clock("device finish"):
                 torch.cuda.current_stream(self.device).wait_event(events[0])
                 torch.cuda.synchronize(self.device)
-        with self.clock("load"), _failures_answered(chan):  # what it wrote, checked as a bucket is (rolled back)
+        with self.clock("check"), _failures_answered(chan):  # what it wrote, checked as a bucket is (rolled back)
             self._check_values(list(zip(export.names, export.targets, strict=True)))
         self.direct_updates += 1
         chan.send(WritesApplied(len(export.names)))
