@@ -145,7 +145,7 @@ def test_presets_lists_every_preset_with_its_type_and_size(capsys):
 @pytest.mark.unit
 def test_layouts_are_checked_against_the_model_with_every_problem():
     from weightstream.converters.registry import model_spec
-    from weightstream.jobs import Layout
+    from weightstream.models.parallel import Layout
     from weightstream.models.presets import preset_config
 
     qwen3, moe = model_spec(preset_config("tiny-qwen3")), model_spec(preset_config("tiny-qwen3-moe"))

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     from weightstream.common.progress import Progress
     from weightstream.converters.fp8 import BlockFP8
-    from weightstream.jobs import Layout
+    from weightstream.models.parallel import Layout
     from weightstream.models.spec import ModelSpec
     from weightstream.reference_engine.server import EngineServer
 
@@ -652,7 +652,7 @@ def _layout(args: argparse.Namespace, cfg: Any, engine_tp: int = 0) -> Layout:
     """The layout the options ask for, checked against the model (and against a reference engine of TP
     ``engine_tp``; 0: none): every problem in one :class:`UsageError`."""
     from weightstream.converters.registry import model_spec
-    from weightstream.jobs import Layout
+    from weightstream.models.parallel import Layout
 
     layout = Layout(args.tp, args.pp, args.vpp, args.ep, args.etp)
     spec = model_spec(cfg)

@@ -1,10 +1,11 @@
-"""The distributed jobs behind the CLI: each runs on every rank of a local job (see ``launch``)."""
+"""The distributed jobs behind the CLI: each runs on every rank of a local job (see ``launch``).
+
+``Layout`` lives in :mod:`weightstream.models.parallel` (imported here as it always was)."""
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -14,38 +15,10 @@ from torch import nn
 from weightstream.common.hf_files import CheckpointReader
 from weightstream.common.progress import ProgressFile
 from weightstream.converters.fp8 import BlockFP8
+from weightstream.models.parallel import Layout
 from weightstream.models.spec import dtype_from_name, load_hf_config
 from weightstream.sinks.safetensors import save_hf_checkpoint
 from weightstream.testing.megatron import build_gpt_model, initialize_parallel, load_hf_weights, megatron_logits
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None
-    ep: int = 1
-    etp: int | None = None
-
-    @property
-    def model_parallel(self) -> int:
-        return self.tp * self.pp
-
-    @property
-    def world_size(self) -> int:
-        """The fewest processes that hold this layout: per stage, a multiple of TP (dense) and of
-        EP x expert-TP (experts; expert-TP defaults to TP, as in Megatron)."""
-        return self.pp * math.lcm(self.tp, self.ep * (self.etp or self.tp))
-
-    def describe(self) -> str:
-        parts = [f"TP {self.tp}", f"PP {self.pp}"]
-        if self.vpp and self.vpp > 1:
-            parts.append(f"VPP {self.vpp}")
-        if self.ep > 1:
-            parts.append(f"EP {self.ep}")
-        if self.etp and self.etp > 1:
-            parts.append(f"ETP {self.etp}")
-        return " × ".join(parts)
 
 
 def _progress_bar(total_desc: str):
