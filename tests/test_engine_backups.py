@@ -17,14 +17,13 @@ GIB = 1 << 30
 QWEN3_30B_A3B = 61 * GIB  # bf16 weights
 QWEN3_8B = 16 * GIB
 
-pytestmark = pytest.mark.unit
-
-
+@pytest.mark.unit
 def test_a_small_model_keeps_its_copies_beside_it():
     place = backup_place(QWEN3_8B, True, device_free=60 * GIB, host_free=100 * GIB)
     assert place.where == "device" and "16.0 GiB of copies fit beside the weights (60.0 GiB free" in place.why
 
 
+@pytest.mark.unit
 def test_a_moe_model_on_an_80_gb_card_keeps_them_in_host_memory():
     place = backup_place(QWEN3_30B_A3B, True, device_free=17 * GIB, host_free=120 * GIB)
     assert place.where == "host"
@@ -32,12 +31,14 @@ def test_a_moe_model_on_an_80_gb_card_keeps_them_in_host_memory():
                          "host memory")
 
 
+@pytest.mark.unit
 def test_with_no_room_anywhere_the_session_keeps_none_and_says_so():
     place = backup_place(QWEN3_30B_A3B, True, device_free=17 * GIB, host_free=64 * GIB)
     assert place.where == "none"
     assert "host memory has 64.0 GiB available" in place.why and "refusing to serve until a complete one" in place.why
 
 
+@pytest.mark.unit
 def test_the_reserves_are_kept():
     fits = QWEN3_8B + DEVICE_RESERVE_BYTES
     assert backup_place(QWEN3_8B, True, fits, 0).where == "device"
@@ -45,11 +46,13 @@ def test_the_reserves_are_kept():
     assert backup_place(QWEN3_8B, True, fits - 1, QWEN3_8B + HOST_RESERVE_BYTES - 1).where == "none"
 
 
+@pytest.mark.unit
 def test_on_the_cpu_the_copies_are_host_memory_beside_the_weights():
     assert backup_place(GIB, False, 0, 2 * GIB).where == "device"
     assert backup_place(2 * GIB, False, 0, GIB).where == "none"
 
 
+@pytest.mark.unit
 def test_a_place_is_one_of_three():
     with pytest.raises(ValueError, match="one of"):
         BackupPlace("disk", "")

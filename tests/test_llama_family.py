@@ -68,8 +68,7 @@ def test_llama_is_qwen2_without_the_qkv_bias_and_mistral_is_llama():
     assert model_spec(preset_config("tiny-mistral")).head_dim == 16  # not hidden / heads
 
 
-@pytest.mark.unit
-def test_what_the_llama_family_cannot_carry_is_refused_naming_it():
+def test_what_the_llama_family_cannot_carry_is_refused_naming_it():  # not unit: it imports Megatron-Core
     from weightstream.testing.megatron import _rope_scaling
 
     biased = preset_config("tiny-llama")
