@@ -80,3 +80,8 @@ def test_every_declared_capability_is_implemented(name):
     declared = adapter.capabilities({})
     missing = {c for c in declared if c in CAPABILITY_PROTOCOLS and not isinstance(adapter, CAPABILITY_PROTOCOLS[c])}
     assert not missing, f"{name} declares {sorted(missing)} without implementing them"
+
+
+def test_every_module_says_what_it_exports():
+    """A module that defines public names lists them in ``__all__``, and ``__all__`` lists only names it binds."""
+    assert ARCH.export_problems() == []

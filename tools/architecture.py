@@ -205,6 +205,53 @@ def long_functions(limit: int = MAX_FUNCTION_LINES) -> list[tuple[int, str]]:
     return sorted(out, reverse=True)
 
 
+def _defined(tree: ast.Module) -> set[str]:
+    """The names a module's top level binds (definitions, assignments, imports)."""
+    out: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.Assign):
+            out.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            out.add(node.target.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.If):  # TYPE_CHECKING imports of a package's lazy names
+            out.update(_defined(ast.Module(body=node.body, type_ignores=[])))
+    return out
+
+
+def _exported(tree: ast.Module) -> list[str] | None:
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and isinstance(node.value, (ast.List, ast.Tuple))
+                and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)):
+            return [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
+    return None
+
+
+def export_problems() -> list[str]:
+    """Modules that define public names but no ``__all__``, and names an ``__all__`` lists that the module does not
+    bind."""
+    out = []
+    for m, path in modules().items():
+        tree = _tree(path)
+        defined = _defined(tree)
+        exported = _exported(tree)
+        public = {n for n in defined if not n.startswith("_")} - _imported_names(tree)
+        if exported is None:
+            if public:
+                out.append(f"{m}: no __all__ (it defines {', '.join(sorted(public)[:3])}, ...)")
+            continue
+        out += [f"{m}: __all__ names {n!r}, which it does not bind" for n in exported if n not in defined]
+    return out
+
+
+def _imported_names(tree: ast.Module) -> set[str]:
+    return {(a.asname or a.name).split(".")[0] for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+            for a in node.names}
+
+
 def lines_per_folder() -> dict[str, int]:
     out: dict[str, int] = defaultdict(int)
     for path in PACKAGE.rglob("*.py"):
@@ -231,11 +278,15 @@ def main() -> int:
     print(f"upward imports: {len(up)}")
     for line in up:
         print("  " + line)
+    exports = export_problems()
+    print(f"modules whose __all__ is missing or wrong: {len(exports)}")
+    for line in exports:
+        print("  " + line)
     loops = circles()
     print(f"import circles: {len(loops)}")
     for loop in loops:
         print("  " + " <-> ".join(loop))
-    return 1 if crossing or up or loops or long_functions() else 0
+    return 1 if crossing or up or loops or exports or long_functions() else 0
 
 
 if __name__ == "__main__":

@@ -28,6 +28,14 @@ if TYPE_CHECKING:
     from weightstream.models.spec import ModelSpec
     from weightstream.reference_engine.server import EngineServer
 
+__all__ = [
+    "DEMO_INPUT", "DTYPES", "BUCKET_MB", "TINY_BUCKET_MB", "UsageError", "build_parser", "BENCH_TRANSPORTS",
+    "SOAK_TRANSPORTS", "cmd_example", "layout_problems", "engine_tp_problem", "cmd_dump", "JobFailure", "cmd_demo",
+    "cmd_convert", "cmd_verify", "engine_api_key", "cmd_engine", "cmd_bench", "cmd_families", "preset_size",
+    "cmd_presets", "main"
+]
+
+
 DEMO_INPUT = [[1, 17, 42, 256, 999, 3, 511, 64, 128, 7, 900, 12]]
 DTYPES = ("float32", "bfloat16", "float16")
 # One bucket size for every command that moves a real model; the demo and the soak take a tiny one (see theirs).

@@ -25,6 +25,9 @@ from weightstream.sinks.safetensors import DEFAULT_SHARD_BYTES, CheckpointReport
 from weightstream.sources.megatron_checkpoint import MegatronCheckpointSource
 from weightstream.testing.compare import Comparison, compare_checkpoints
 
+__all__ = ["DEFAULT_CONVERT_BUCKET_BYTES", "ConvertReport", "convert_checkpoint"]
+
+
 DEFAULT_CONVERT_BUCKET_BYTES = 256 << 20
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+__all__ = ["WeightstreamError", "UnknownModelError", "ConversionError", "ProblemList", "UpdateError"]
+
 
 class WeightstreamError(Exception):
     """Base class of every error weightstream raises on purpose."""

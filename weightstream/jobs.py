@@ -20,6 +20,8 @@ from weightstream.models.spec import dtype_from_name, load_hf_config
 from weightstream.sinks.safetensors import save_hf_checkpoint
 from weightstream.testing.megatron import build_gpt_model, initialize_parallel, load_hf_weights, megatron_logits
 
+__all__ = ["dump_job"]
+
 
 def _progress_bar(total_desc: str):
     if dist.get_rank() != 0:

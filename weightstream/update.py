@@ -59,6 +59,12 @@ from weightstream.streaming.delta import Snapshot, warm_kernels, word_size
 from weightstream.streaming.stream import DEFAULT_BUCKET_BYTES, BucketStream, Mode, stream_hf_weights
 from weightstream.wire.handles import gpu_uuid
 
+__all__ = [
+    "log", "TRANSPORTS", "UpdateReport", "Decision", "choose_transport", "reshards", "WeightSync", "engines_list",
+    "update_weights"
+]
+
+
 log = logging.getLogger("weightstream")
 
 TRANSPORTS = ("auto", "ipc", "broadcast", "p2p")

@@ -38,6 +38,12 @@ from weightstream.bench.speed import (
 )
 from weightstream.sinks.delta import DeltaTracker
 
+__all__ = [
+    "DELTA_TRANSPORTS", "SEQ", "BATCH", "DeltaStep", "DeltaBenchResult", "delta_job", "run_delta_bench",
+    "write_delta_json"
+]
+
+
 DELTA_TRANSPORTS = ("broadcast", "p2p", "ipc")
 SEQ = 64  # tokens per sequence of a training batch
 BATCH = 2

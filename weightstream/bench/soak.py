@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     from weightstream.engines import ReferenceEngine
     from weightstream.update import WeightSync
 
+__all__ = ["INPUT_IDS", "process_resources", "shm_entries", "SoakReport", "EngineService", "run_soak"]
+
+
 INPUT_IDS = [[3, 14, 159, 265, 358, 979, 323, 846, 26, 433], [999, 0, 1, 2, 500, 501, 77, 88, 99, 111]]
 
 

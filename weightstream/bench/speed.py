@@ -29,6 +29,13 @@ import torch.distributed as dist
 
 from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8, dequantize_block_fp8
 
+__all__ = [
+    "TRANSPORTS", "IDS", "TINY", "BenchResult", "bench_config", "copy_ceiling", "stream_job", "update_job",
+    "logits_check", "raw_send_recv_job", "raw_reshard_job", "raw_broadcast_job", "run_bench", "fp8_config", "serving",
+    "broadcast_ceiling", "send_recv_ceiling", "checkpoint_job", "write_json", "plot"
+]
+
+
 TRANSPORTS = ("stream", "broadcast", "ipc", "p2p", "checkpoint")
 IDS = [[3, 14, 15, 92, 65, 35, 89, 79]]
 TINY = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, vocab_size=1024, num_attention_heads=4,

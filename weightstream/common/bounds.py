@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 
+__all__ = ["Deadline", "cleanup_budget"]
+
 
 class Deadline:
     def __init__(self, seconds: float):

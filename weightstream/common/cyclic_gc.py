@@ -6,6 +6,8 @@ import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+__all__ = ["no_cyclic_gc"]
+
 
 @contextmanager
 def no_cyclic_gc() -> Iterator[None]:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+__all__ = ["all_gather_flat"]
+
+
 # torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single`` and deprecated the old name; the GPU
 # machines we benchmark on run torch 2.11, which has only the old one.
 _TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])

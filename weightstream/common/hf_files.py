@@ -14,6 +14,12 @@ from typing_extensions import Self
 
 from weightstream.errors import WeightstreamError
 
+__all__ = [
+    "INDEX_NAME", "SINGLE_NAME", "WEIGHT_SUFFIXES", "shard_name", "is_weight_file", "non_weight_files",
+    "HFCheckpointError", "NoWeightsError", "CheckpointReader"
+]
+
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 

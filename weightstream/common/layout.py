@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+__all__ = ["ALIGN", "round_up", "layout"]
+
+
 ALIGN = 256
 
 

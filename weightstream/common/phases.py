@@ -8,6 +8,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+__all__ = ["PhaseClock"]
+
 
 class PhaseClock:
     def __init__(self) -> None:

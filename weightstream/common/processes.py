@@ -22,6 +22,11 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+__all__ = [
+    "die_with_parent", "is_running", "PRELOAD", "process_context", "start_process_server", "start_process", "free_port"
+]
+
+
 _PR_SET_PDEATHSIG = 1
 
 

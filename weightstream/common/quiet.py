@@ -13,6 +13,9 @@ from __future__ import annotations
 import os
 import warnings
 
+__all__ = ["quiet_command"]
+
+
 # Read by every Python interpreter at start: the processes our command starts begin with these filters.
 # Only the categories third-party code uses for these notices; weightstream itself reports through its own
 # output and errors, never through ``warnings``.

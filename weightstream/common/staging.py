@@ -29,6 +29,9 @@ from pathlib import Path
 from weightstream.common.processes import is_running
 from weightstream.errors import WeightstreamError
 
+__all__ = ["log", "OutputDirectoryError", "writing", "check_target", "clean_leftovers", "StagedDirectory"]
+
+
 log = logging.getLogger("weightstream")
 
 _AT_FDCWD = -100

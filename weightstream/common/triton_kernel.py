@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["LazyKernel"]
+
 
 class LazyKernel:
     """``build(triton, triton.language)``, made on the first call and kept; None where Triton cannot be imported.

@@ -21,6 +21,9 @@ from torch import Tensor
 
 from weightstream.common.triton_kernel import LazyKernel
 
+__all__ = ["MOD", "available", "checksum_sums", "compare_pack", "compact", "expand_into", "flagged"]
+
+
 # Words per program and warps per program of the comparison and the moves (BLOCK a multiple of 8: a block's
 # bitmap is whole bytes), and of the checksum's sums: the fastest shapes of ``tools/word_kernel_sweep.py`` on an
 # H100 (per 512 MiB of bf16 words, 5% changed: comparison 0.47 ms, packing 0.66 ms against 0.81 ms at 4096

@@ -51,6 +51,12 @@ from weightstream.converters.qwen2 import DENSE_MLP, EMBEDDINGS, H, L
 from weightstream.converters.qwen_moe import FP8_EXPERTS, FUSED_EXPERTS, ROUTED_EXPERTS
 from weightstream.models.spec import ModelSpec, yarn_rope
 
+__all__ = [
+    "A", "HA", "MLA", "ROUTER", "SHARED_EXPERTS", "MTP_LAYER", "MTP", "mtp_tensors", "deepseek_v3_features", "FP8_MLA",
+    "FP8_MLP", "DEEPSEEK_V3"
+]
+
+
 A = f"{L}.self_attention"
 HA = f"{H}.self_attn"
 

@@ -25,6 +25,8 @@ from weightstream.converters.registry import get_converter, model_spec
 from weightstream.errors import WeightstreamError
 from weightstream.models.spec import hf_model_problem, load_hf_config
 
+__all__ = ["hf_model_shapes", "expected_hf_shapes"]
+
 
 def _tied_names(model: nn.Module, tied: bool) -> set[str]:
     """The names of the output embedding's tensors where the config ties it to the input embedding."""

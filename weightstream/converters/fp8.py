@@ -23,6 +23,12 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+__all__ = [
+    "FP8", "FP8_MAX", "MIN_AMAX", "ScaleFormat", "SCALE_SUFFIX", "BlockFP8", "block_fp8_of", "ceil_to_ue8m0",
+    "quantize_block_fp8", "cast_blocks", "dequantize_block_fp8"
+]
+
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 MIN_AMAX = 1e-4  # an all-zero block's amax (its scale then 1e-4 / 448)

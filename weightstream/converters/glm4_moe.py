@@ -21,6 +21,9 @@ from weightstream.converters.qwen2 import QWEN2, H, L
 from weightstream.converters.qwen3 import QK_NORM
 from weightstream.converters.qwen_moe import FP8_EXPERTS, FUSED_EXPERTS, ROUTED_EXPERTS
 
+__all__ = ["ROUTER", "SHARED_EXPERTS", "MTP", "glm4_moe_features", "FP8_SHARED_EXPERTS", "GLM4_MOE"]
+
+
 ROUTER = (
     Mapping(f"{L}.mlp.router.weight", f"{H}.mlp.gate.weight"),
     # Added to the sigmoid scores that choose the experts (not to their weights); float32 on both sides.

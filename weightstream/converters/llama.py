@@ -11,6 +11,8 @@ from typing import Any
 
 from weightstream.converters.qwen2 import QWEN2, L
 
+__all__ = ["llama_features", "LLAMA", "MISTRAL"]
+
 
 def llama_features(config: Any) -> dict[str, Any]:
     """No q/k/v bias, no q/k norm; a config with biases (``attention_bias``, ``mlp_bias``: q/k/v/o and MLP biases

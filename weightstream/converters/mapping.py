@@ -22,6 +22,9 @@ from typing import Any
 from weightstream.converters.ops import IDENTITY, TensorOp
 from weightstream.models.spec import ModelSpec
 
+__all__ = ["Condition", "tied", "untied", "compile_pattern", "fill_pattern", "Mapping", "Resolved", "Converter"]
+
+
 Condition = Callable[[ModelSpec], bool]
 
 

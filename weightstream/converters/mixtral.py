@@ -19,6 +19,9 @@ from weightstream.converters.mapping import Mapping
 from weightstream.converters.ops import GATED, FusedExperts, Unrepresentable
 from weightstream.converters.qwen2 import FP8_ATTENTION, H, L
 
+__all__ = ["M", "ROUTER", "EXPERTS", "FUSED_EXPERTS", "mixtral_features", "MIXTRAL"]
+
+
 M = f"{H}.block_sparse_moe"
 _W1_W3 = (f"{M}.experts.*.w1.weight", f"{M}.experts.*.w3.weight")
 _W2 = f"{M}.experts.*.w2.weight"

@@ -18,6 +18,12 @@ from torch import Tensor
 
 from weightstream.models.spec import ModelSpec
 
+__all__ = [
+    "OpContext", "TensorOp", "PiecewiseOp", "hf_views", "convert_into", "Identity", "SplitQKV", "SplitGated",
+    "TrimVocab", "NotRepresentable", "Unrepresentable", "FusedExperts", "PerMTPLayer", "IDENTITY", "QKV", "GATED",
+    "VOCAB"
+]
+
 
 @dataclass(frozen=True, slots=True)
 class OpContext:

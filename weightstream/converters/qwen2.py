@@ -7,6 +7,11 @@ from typing import Any
 from weightstream.converters.mapping import Converter, Mapping, tied, untied
 from weightstream.converters.ops import GATED, QKV, VOCAB
 
+__all__ = [
+    "L", "H", "EMBEDDINGS", "ATTENTION", "DENSE_MLP", "qwen2_features", "FP8_ATTENTION", "FP8_DENSE_MLP", "QWEN2"
+]
+
+
 L = "decoder.layers.*"
 H = "model.layers.*"
 

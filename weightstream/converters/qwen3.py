@@ -7,6 +7,9 @@ from typing import Any
 from weightstream.converters.mapping import Mapping
 from weightstream.converters.qwen2 import QWEN2, H, L
 
+__all__ = ["QK_NORM", "qwen3_features", "QWEN3"]
+
+
 QK_NORM = (
     Mapping(f"{L}.self_attention.q_layernorm.weight", f"{H}.self_attn.q_norm.weight"),
     Mapping(f"{L}.self_attention.k_layernorm.weight", f"{H}.self_attn.k_norm.weight"),

@@ -17,6 +17,12 @@ from weightstream.converters.ops import GATED, FusedExperts, Unrepresentable
 from weightstream.converters.qwen2 import QWEN2, H, L, qwen2_features
 from weightstream.converters.qwen3 import QWEN3, qwen3_features
 
+__all__ = [
+    "ROUTER", "ROUTED_EXPERTS", "SHARED_EXPERT", "FUSED_EXPERTS", "dense_layers", "qwen2_moe_features",
+    "qwen3_moe_features", "FP8_EXPERTS", "FP8_SHARED_EXPERT", "QWEN2_MOE", "QWEN3_MOE"
+]
+
+
 _GATE_UP = (f"{H}.mlp.experts.*.gate_proj.weight", f"{H}.mlp.experts.*.up_proj.weight")
 _DOWN = f"{H}.mlp.experts.*.down_proj.weight"
 

@@ -20,6 +20,12 @@ from weightstream.converters.mapping import Converter
 from weightstream.errors import UnknownModelError, WeightstreamError
 from weightstream.models.spec import ModelSpec, load_hf_config
 
+__all__ = [
+    "PLUGINS_ENV", "ENTRY_POINT_GROUP", "PluginError", "ConverterFactory", "register_converter", "get_converter",
+    "model_spec", "known_model_types", "unregister_converter", "load_plugins"
+]
+
+
 PLUGINS_ENV = "WEIGHTSTREAM_PLUGINS"
 ENTRY_POINT_GROUP = "weightstream.converters"
 

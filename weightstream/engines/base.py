@@ -25,6 +25,17 @@ from weightstream.streaming.delta import DeltaHeader
 from weightstream.streaming.reshard import EngineLayout
 from weightstream.wire.frames import Plan
 
+__all__ = [
+    "BROADCAST", "IPC", "P2P", "RESHARD", "ROLLBACK", "RELEASE_MEMORY", "SINGLE_DTYPE", "BROADCAST_AHEAD", "P2P_AHEAD",
+    "IPC_AHEAD", "COMMIT_AND_RESUME", "PAUSE_AND_BEGIN", "PREPARE_COMMIT", "DELTA", "DELTA_AHEAD", "WARM_GROUP",
+    "EngineError", "EngineUnreachable", "EngineInfo", "StatedFormat", "stated_format", "describe_format",
+    "settle_format", "GroupSpec", "RankBucket", "EngineAdapter", "GroupEngine", "BroadcastEngine", "P2PEngine",
+    "ReshardEngine", "IPCEngine", "MemoryEngine", "BroadcastAheadEngine", "P2PAheadEngine", "IPCAheadEngine",
+    "CommitsAndResumes", "PreparesCommits", "PausesAndBegins", "DeltaChecks", "DeltaEngine", "CAPABILITY_PROTOCOLS",
+    "implementing", "capable", "require", "HTTPEngine"
+]
+
+
 # Capabilities an engine may declare.
 BROADCAST = "broadcast"  # receives a bucket's flat buffer by a broadcast over a joined group
 IPC = "ipc"  # receives a bucket's buffer as a CUDA IPC handle / shared-memory file

@@ -43,6 +43,9 @@ from weightstream.engines.base import (
 from weightstream.models.spec import dtype_name
 from weightstream.streaming.bucket import Bucket
 
+__all__ = ["log", "TAGS", "ipc_payload", "LMDeployEngine"]
+
+
 log = logging.getLogger(__name__)
 
 # LMDeploy's memory tags (``AsyncEngine.wakeup``).

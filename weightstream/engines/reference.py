@@ -27,6 +27,9 @@ from weightstream.streaming.bucket import Bucket, TensorMeta
 from weightstream.streaming.reshard import EngineLayout
 from weightstream.wire.frames import BucketLayout, Plan
 
+__all__ = ["ENGINE_NAME", "ReferenceEngine"]
+
+
 ENGINE_NAME = "weightstream-reference"
 
 

@@ -24,6 +24,9 @@ from weightstream.models.spec import dtype_name
 from weightstream.streaming.bucket import Bucket
 from weightstream.wire.handles import dumps_b64
 
+__all__ = ["log", "SGLangEngine"]
+
+
 log = logging.getLogger(__name__)
 
 

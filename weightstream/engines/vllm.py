@@ -28,6 +28,12 @@ from weightstream.engines.base import (
 from weightstream.models.spec import dtype_name
 from weightstream.streaming.bucket import Bucket
 
+__all__ = [
+    "PAUSE_MODES", "ONLINE_QUANTIZATION", "BACKEND", "WORKER_EXTENSION", "log", "WorkerDelta", "worker_deltas",
+    "engine_delta", "VLLMEngine"
+]
+
+
 # SGLang-style pause modes (what WeightSync's pause_mode speaks) -> vLLM's /pause?mode=
 PAUSE_MODES = {"abort": "abort", "retract": "wait", "in_place": "keep", "wait": "wait", "keep": "keep"}
 # vLLM's quantization methods that quantize a bf16 checkpoint themselves at load (the engine takes bf16 updates)

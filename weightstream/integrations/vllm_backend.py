@@ -44,6 +44,13 @@ from weightstream.streaming.delta import DeltaHeader, apply, encoded_bytes
 from weightstream.wire.groups import destroy_group, init_custom_process_group
 from weightstream.wire.handles import checksum
 
+__all__ = [
+    "BACKEND_NAME", "ENGINE_CLASS_NAME", "WORKER_EXTENSION", "log", "ChecksumMismatch", "WeightstreamInitInfo",
+    "WeightstreamUpdateInfo", "Layout", "HeldBuckets", "receive_bucket", "reprepack_cpu_moe",
+    "WeightstreamWorkerExtension", "register"
+]
+
+
 BACKEND_NAME = "weightstream"
 ENGINE_CLASS_NAME = "WeightstreamTransferEngine"
 # vLLM's ``--worker-extension-cls`` for delta updates (the adapter declares ``delta`` where the server names it)

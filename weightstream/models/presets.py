@@ -8,6 +8,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+__all__ = ["PRESETS", "preset_config", "random_hf_model", "save_random_checkpoint"]
+
+
 # Tiny presets: heads != groups everywhere; vocab sizes that need padding (not multiples of 128).
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny-qwen2": dict(

@@ -12,6 +12,11 @@ from typing import Any
 
 import torch
 
+__all__ = [
+    "ConfigFields", "transformers_knows", "load_hf_config", "hf_model_problem", "YarnRope", "yarn_rope", "Llama3Rope",
+    "rope_type", "llama3_rope", "ModelSpec", "dtype_name", "dtype_from_name"
+]
+
 
 @dataclass(frozen=True, slots=True, eq=False)
 class ConfigFields:

@@ -44,6 +44,12 @@ from weightstream.reference_engine.backups import BackupPlace, place_for
 from weightstream.reference_engine.schema import ep_problem
 from weightstream.streaming.bucket import Shard, TensorMeta
 
+__all__ = [
+    "Weight", "COLUMN", "ROW", "VOCAB", "RowParallelLinear", "Float8Linear", "EXPERT_SCALES", "Float8Experts",
+    "LoadReport", "ShardedCausalLM"
+]
+
+
 Weight = tuple[str, Tensor, Shard | None]  # what load_weights takes: a name, a tensor, its placement
 
 # Which projections split which way (checkpoint name suffixes, before ".weight"/".bias").

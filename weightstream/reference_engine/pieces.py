@@ -14,6 +14,9 @@ from torch import Tensor
 from weightstream.streaming.bucket import Shard, TensorMeta
 from weightstream.streaming.reshard import EngineLayout, tiling_problems
 
+__all__ = ["Weight", "NOBODY_ELSE", "engine_layout", "wanted", "piece_problems", "assemble"]
+
+
 Weight = tuple[str, Tensor, Shard | None]
 NOBODY_ELSE: Mapping[str, int] = MappingProxyType({})  # every tensor is held (or split) by every rank
 

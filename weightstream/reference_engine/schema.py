@@ -9,6 +9,12 @@ from typing import Any
 
 from weightstream.models.spec import dtype_from_name
 
+__all__ = [
+    "int_lists", "unknown_dtypes", "bucket_problems", "DELTA_ENCODINGS", "MAX_DELTA_BYTES", "delta_problems",
+    "buckets_problems", "MAX_JSON_DEPTH", "MAX_DURATION_S", "MAX_TEXT_CHARS", "nesting_exceeds", "duration_problem",
+    "range_problem", "text_problem", "token_rows", "ep_problem", "EXPERT_COUNTS", "routed_experts"
+]
+
 
 def int_lists(value: Any, depth: int) -> bool:
     """``value`` is a non-negative integer (depth 0) or a list of such, ``depth`` deep."""

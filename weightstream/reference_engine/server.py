@@ -66,6 +66,14 @@ from weightstream.reference_engine.worker import worker_main
 from weightstream.wire.channel import address_problem
 from weightstream.wire.handles import gpu_uuid
 
+__all__ = [
+    "MAX_BODY_BYTES", "BULK_ROUTES", "ServerLimits", "log", "SESSION_GRACE_S", "EngineFailure", "UpdateInFlight",
+    "EngineUnavailable", "WorkOutOfTime", "Unanswered", "BadRequest", "SCHEMAS", "DURATION_FIELDS", "INT_RANGES",
+    "TEXT_FIELDS", "check_body", "gloo_interface", "Engine", "bearer_matches", "announces_body", "read_chunked",
+    "parse_body", "RequestReadTimeout", "BoundedReads", "raw_reply", "EngineServer", "serve", "stop"
+]
+
+
 MAX_BODY_BYTES = 64 << 20
 # Routes whose bodies carry weights or the metadata of every bucket: these may be up to ``max_body_bytes``;
 # every other route's body is small (``max_small_body_bytes``).

@@ -77,6 +77,12 @@ from weightstream.wire.frames import (
 from weightstream.wire.groups import destroy_group, init_custom_process_group, tcp_store, warm_device, warm_group
 from weightstream.wire.handles import ShmGrant, checksum, dumps_b64, loads_b64, map_fd, share_fd
 
+__all__ = [
+    "F", "MAX_ERROR_CHARS", "ChecksumError", "PROGRAM_TENSORS_PER_WEIGHT", "MAX_PLANS", "ProgramCache", "dense_layout",
+    "Worker", "worker_main"
+]
+
+
 F = TypeVar("F", bound=Frame)
 MAX_ERROR_CHARS = 4000  # of the reason an error frame gives
 

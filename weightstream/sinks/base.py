@@ -19,6 +19,11 @@ from weightstream.streaming.delta import DeltaHeader
 from weightstream.streaming.stream import BucketStream
 from weightstream.wire.groups import GroupLayout, destroy_group, wait_works, warm_device, warm_group
 
+__all__ = [
+    "Delivery", "Sink", "future_errors", "refusals", "deltas_ahead", "header_tensor", "Sends", "InFlight",
+    "PipelinedSink"
+]
+
 
 @dataclass(frozen=True)
 class Delivery:

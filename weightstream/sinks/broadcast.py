@@ -29,6 +29,8 @@ from weightstream.streaming.delta import Snapshot
 from weightstream.wire.groups import WARM_BROADCAST, GroupLayout, init_custom_process_group
 from weightstream.wire.handles import checksum
 
+__all__ = ["default_backend", "BroadcastSink"]
+
 
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"

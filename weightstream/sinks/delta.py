@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 from weightstream.engines.base import DELTA, IPC_AHEAD, DeltaChecks, DeltaEngine, EngineAdapter, implementing
 from weightstream.streaming.delta import Snapshot
 
+__all__ = ["DELTA_TRANSPORTS", "DeltaReport", "DeltaTracker"]
+
+
 DELTA_TRANSPORTS = ("broadcast", "p2p", "ipc")
 
 

@@ -79,6 +79,9 @@ from weightstream.wire.handles import (
     share_fd,
 )
 
+__all__ = ["log", "KEPT_HANDLES", "F", "IPCSink"]
+
+
 log = logging.getLogger("weightstream")
 
 KEPT_HANDLES = 4  # kept buffers whose handles the engine holds for this trainer (the stream keeps two)

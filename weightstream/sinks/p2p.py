@@ -44,6 +44,9 @@ if TYPE_CHECKING:
     from weightstream.streaming.stream import BucketStream
 
 
+__all__ = ["served_by", "P2PSink"]
+
+
 def served_by(engines: int, dp_size: int, dp_rank: int) -> list[int]:
     """The engines (their indices) data-parallel replica ``dp_rank`` of ``dp_size`` sends to: engine j goes to
     replica ``j % dp_size``."""

@@ -53,6 +53,9 @@ if TYPE_CHECKING:
     from weightstream.streaming.stream import BucketStream
 
 
+__all__ = ["Roster", "pick_senders", "ReshardSink", "expected_digests"]
+
+
 @dataclass(frozen=True)
 class Roster:
     """Who sends: the senders' ranks in the trainer's job, in sender order; this rank's index among them (None:

@@ -36,6 +36,9 @@ from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.plan import plan_buckets
 from weightstream.streaming.stream import DEFAULT_BUCKET_BYTES, BucketStream, StreamStats, stream_hf_weights
 
+__all__ = ["DEFAULT_SHARD_BYTES", "SafetensorsFileWriter", "CheckpointReport", "SafetensorsSink", "save_hf_checkpoint"]
+
+
 DEFAULT_SHARD_BYTES = 4 << 30
 
 _ST_DTYPES = {

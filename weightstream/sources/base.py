@@ -32,6 +32,9 @@ from weightstream.sources.topology import Topology
 if TYPE_CHECKING:
     from weightstream.sources.table import TensorEntry
 
+__all__ = ["CollectiveCounts", "Mode", "Fetched", "Source", "local_data", "ModuleGuard", "first_device"]
+
+
 @dataclass
 class CollectiveCounts:
     """The collectives a source issues, counted as it issues them (a stream's stats extend these)."""

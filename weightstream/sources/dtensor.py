@@ -39,6 +39,9 @@ if TYPE_CHECKING:
     from typing_extensions import TypeIs
 
 
+__all__ = ["TP_DIM", "is_dtensor", "is_hf_module", "DTensorSource"]
+
+
 TP_DIM = "tp"  # the mesh dimension that is tensor parallel (kept in per-rank mode)
 
 

@@ -29,6 +29,8 @@ from weightstream.sources.names import WEIGHT_BUFFERS, global_name
 from weightstream.sources.table import RankMeta, TensorEntry, build_table
 from weightstream.sources.topology import Topology
 
+__all__ = ["unwrap", "as_chunks", "LocalTensor", "MTP_EMBEDDING_OF", "local_tensors", "MegatronSource"]
+
 
 def unwrap(module: nn.Module) -> nn.Module:
     """Strip DDP / Float16Module / FSDP-style wrappers: each holds the model as its child named ``module``."""

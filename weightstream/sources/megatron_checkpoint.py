@@ -68,6 +68,12 @@ from weightstream.sources.names import (
 from weightstream.sources.table import RankMeta, TensorEntry, build_table
 from weightstream.sources.topology import Topology
 
+__all__ = [
+    "TRACKER", "LEGACY_FILE", "CheckpointFormatError", "LEGACY_GLOBALS", "DCP_METADATA_GLOBALS", "read_dcp_metadata",
+    "resolve_iteration", "MegatronCheckpointSource"
+]
+
+
 TRACKER = "latest_checkpointed_iteration.txt"
 LEGACY_FILE = "model_optim_rng.pt"
 _ITER = re.compile(r"^iter_(\d{7})$")

@@ -11,6 +11,12 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+__all__ = [
+    "LAYERS_PREFIX", "WEIGHT_BUFFERS", "layer_index", "expert_index", "layer_count", "expert_count", "stacked_layers",
+    "stacked_experts", "unstacked_name", "global_name", "order_key"
+]
+
+
 LAYERS_PREFIX = "decoder.layers."
 # A distributed (torch_dist) checkpoint may stack layers on a leading axis (``decoder.layers.<rest>``, no index)
 # and a layer's routed experts on an axis of their own (``mlp.experts.experts.<rest>``).

@@ -19,6 +19,8 @@ from weightstream.errors import ProblemList
 from weightstream.models.spec import ModelSpec, dtype_from_name
 from weightstream.sources.names import order_key
 
+__all__ = ["RankMeta", "HFOut", "TensorEntry", "build_table"]
+
 
 @dataclass(frozen=True, slots=True)
 class RankMeta:

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+__all__ = ["Topology"]
+
 
 @dataclass(frozen=True)
 class Topology:

@@ -13,6 +13,8 @@ from weightstream.common.layout import ALIGN, layout, round_up
 from weightstream.models.spec import dtype_name
 from weightstream.streaming.delta import DeltaHeader, word_size
 
+__all__ = ["Shard", "TensorMeta", "extent", "view_tensor", "typed_buffer", "typed_runs", "typed_views", "Bucket"]
+
 
 @dataclass(frozen=True, slots=True)
 class Shard:

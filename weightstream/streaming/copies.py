@@ -21,6 +21,9 @@ from torch import Tensor
 
 from weightstream.common.triton_kernel import LazyKernel
 
+__all__ = ["PIECE_BYTES", "available", "plan_pieces", "PieceCopy", "batched_copy", "warm_kernel"]
+
+
 PIECE_BYTES = 512 << 10
 _BLOCK = 2048  # elements a program moves per step
 

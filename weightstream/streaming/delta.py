@@ -25,6 +25,12 @@ from torch import Tensor
 from weightstream.common import word_kernels
 from weightstream.wire.handles import checksum
 
+__all__ = [
+    "Encoding", "ENCODINGS", "INDEX_BYTES", "HEADER_WORDS", "Key", "DeltaHeader", "header_problems", "word_size",
+    "encoded_bytes", "choose", "encode", "encode_into", "warm_kernels", "apply", "Snapshot"
+]
+
+
 Encoding = Literal["dense", "indices", "bitmap"]
 ENCODINGS: tuple[Encoding, ...] = ("dense", "indices", "bitmap")
 INDEX_BYTES = 4  # a changed word's position in ``indices`` (int32: buckets up to 2**31 words)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from weightstream.common.layout import ALIGN, layout
 
+__all__ = ["BucketPlan", "plan_buckets"]
+
 
 @dataclass(frozen=True, slots=True)
 class BucketPlan:

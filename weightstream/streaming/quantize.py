@@ -27,6 +27,8 @@ from weightstream.streaming import fp8_cast
 from weightstream.streaming.bucket import Shard
 from weightstream.streaming.fp8_cast import BlockCast, CastJob
 
+__all__ = ["Quantization", "convert_quantized", "block_cast", "QuantizeBatch"]
+
 
 @dataclass(frozen=True)
 class Quantization:

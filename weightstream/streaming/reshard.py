@@ -28,6 +28,11 @@ from weightstream.converters.fp8 import FP8
 from weightstream.errors import ConversionError
 from weightstream.streaming.bucket import Shard, TensorMeta, extent
 
+__all__ = [
+    "EngineLayout", "Piece", "Route", "full_shape", "plan_bucket", "coverage_problems", "tiling_problems",
+    "is_identity", "off_grid"
+]
+
 
 @dataclass(frozen=True, slots=True)
 class EngineLayout:

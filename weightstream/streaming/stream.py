@@ -74,6 +74,12 @@ from weightstream.streaming.fp8_cast import warm_kernel as warm_cast_kernel
 from weightstream.streaming.plan import BucketPlan, plan_buckets
 from weightstream.streaming.quantize import Quantization, QuantizeBatch, block_cast, convert_quantized
 
+__all__ = [
+    "DEFAULT_BUCKET_BYTES", "StreamStats", "StreamPlan", "BucketStream", "stream_hf_weights", "clear_plans",
+    "entry_mode"
+]
+
+
 DEFAULT_BUCKET_BYTES = 512 << 20
 
 

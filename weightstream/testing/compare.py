@@ -9,6 +9,8 @@ import torch
 
 from weightstream.common.hf_files import CheckpointReader
 
+__all__ = ["Comparison", "compare_checkpoints"]
+
 
 @dataclass
 class Comparison:

@@ -29,6 +29,12 @@ if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
 
 
+__all__ = [
+    "initialize_parallel", "padded_vocab_size", "transformer_config", "MLACoreAttention", "build_gpt_model",
+    "load_hf_weights", "forward_shims", "megatron_logits"
+]
+
+
 def initialize_parallel(
     tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1, etp: int | None = None, *, seed: int = 1234
 ) -> None:

@@ -27,6 +27,11 @@ from typing import Any
 
 from weightstream.wire.frames import Descriptors, Frame, FrameError, decode, encode
 
+__all__ = [
+    "MAX_FRAME", "MAX_FDS", "ChannelError", "Peer", "peer_of", "fd_peer", "address_problem", "Channel", "Listener"
+]
+
+
 _HEADER = struct.Struct("!I")
 MAX_FRAME = 64 << 20  # a frame carries at most a few pickled handles
 MAX_FDS = 1 << 16  # descriptors one frame may carry

@@ -20,6 +20,14 @@ from typing import Annotated, Any, ClassVar, TypeVar, Union, get_args, get_origi
 
 from weightstream.errors import WeightstreamError
 
+__all__ = [
+    "PROTOCOL_VERSION", "Natural", "FrameError", "Frame", "BucketLayout", "LentBuffer", "ExportedWeights",
+    "DeltaRecord", "Hello", "Offer", "Export", "Ready", "BucketLoaded", "WritesApplied", "BuffersHeld", "Plan",
+    "OfferAnswer", "KeptBuffers", "BucketSent", "WritesDone", "Error", "Descriptors", "FRAMES", "F", "expect", "encode",
+    "decode"
+]
+
+
 PROTOCOL_VERSION = 2  # 2: BucketSent.delta
 
 _ENVELOPE = ("v", "kind")

@@ -35,6 +35,12 @@ from weightstream.common.bounds import Deadline
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import GroupName
 
+__all__ = [
+    "log", "GroupError", "GroupLayout", "STORE_ANSWER_GRACE_S", "parse_tcp", "tcp_store", "init_custom_process_group",
+    "POLL_S", "WARM_BROADCAST", "WARM_SENDS", "wait_works", "warm_device", "warm_group", "destroy_group"
+]
+
+
 log = logging.getLogger("weightstream")
 
 

@@ -35,6 +35,12 @@ from torch.multiprocessing import reductions
 from weightstream.common import word_kernels
 from weightstream.common.pickle_guard import PickleBoundError, check_pickle
 
+__all__ = [
+    "UnsafePayloadError", "gpu_uuid", "dumps", "dumps_b64", "ShmGrant", "SHM_HEADER_BYTES",
+    "rebuild_cuda_tensor_by_uuid", "ALLOWED_GLOBALS", "SafeUnpickler", "loads", "loads_b64", "open_named_shm",
+    "share_fd", "map_fd", "start_shm_manager_quietly", "checksum"
+]
+
 
 class UnsafePayloadError(pickle.UnpicklingError):
     pass
