@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import inspect
 import os
 import pickle
 
@@ -12,6 +13,7 @@ import torch
 from weightstream.engines import ReferenceEngine
 from weightstream.models.presets import preset_config
 from weightstream.sinks import BroadcastSink, IPCSink, P2PSink, SafetensorsSink, Sink
+from weightstream.sinks.reshard import ReshardSink
 from weightstream.sources.topology import Topology
 from weightstream.streaming.bucket import Bucket
 from weightstream.wire.handles import UnsafePayloadError, checksum, dumps_b64, loads_b64
@@ -19,11 +21,47 @@ from weightstream.wire.handles import UnsafePayloadError, checksum, dumps_b64, l
 pytestmark = pytest.mark.unit  # in-process, no peer processes: the fast subset
 
 
-def test_all_sinks_share_the_interface(tmp_path):
+def _sink_classes() -> list[type]:
+    """Every sink weightstream has: the classes of weightstream.sinks' modules named ``*Sink`` that are not the
+    protocol or a base other sinks build on."""
+    import importlib
+    import pkgutil
+
+    import weightstream.sinks as package
+
+    found = {}
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"weightstream.sinks.{info.name}")
+        for name, obj in vars(module).items():
+            if (inspect.isclass(obj) and name.endswith("Sink") and obj.__module__ == module.__name__
+                    and obj is not Sink and not any(obj in c.__mro__[1:] for c in found.values())):
+                found[name] = obj
+    return [c for c in found.values() if not any(c in o.__mro__[1:] for o in found.values())]
+
+
+def test_every_sink_has_the_interface_s_signatures():
+    """Each sink's methods take exactly the parameters, kinds, defaults and annotations the Sink protocol
+    declares (not only the names); and each instance of every sink is a Sink."""
+    classes = {c.__name__ for c in _sink_classes()}
+    assert classes == {"BroadcastSink", "IPCSink", "P2PSink", "ReshardSink", "SafetensorsSink"}
+    methods = [m for m in vars(Sink) if not m.startswith("_") and callable(getattr(Sink, m))]
+    assert sorted(methods) == ["abort", "close", "connect", "delivery", "disconnect", "open", "prepare", "send",
+                               "share_digests"]
+    wrong = []
+    for cls in _sink_classes():
+        for method in methods:
+            want, got = inspect.signature(getattr(Sink, method)), inspect.signature(getattr(cls, method))
+            if want != got:
+                wrong.append(f"{cls.__name__}.{method}{got}, the protocol: {want}")
+    assert wrong == []
+
+
+def test_each_sink_is_a_sink_with_its_name(tmp_path):
     engine = ReferenceEngine("http://127.0.0.1:9")
-    sinks = [BroadcastSink([engine]), P2PSink([engine], Topology()), IPCSink(engine),
+    sinks = [BroadcastSink([engine]), P2PSink([engine], Topology()), IPCSink(engine), ReshardSink(engine, Topology()),
              SafetensorsSink(tmp_path, preset_config("tiny-qwen3"))]
-    assert [s.name for s in sinks] == ["broadcast", "p2p", "ipc", "safetensors"]
+    assert {type(s) for s in sinks} == set(_sink_classes())
+    assert [s.name for s in sinks] == ["broadcast", "p2p", "ipc", "p2p", "safetensors"]
     assert all(isinstance(s, Sink) for s in sinks)
 
 

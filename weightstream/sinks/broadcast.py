@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,9 @@ from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.delta import Snapshot
 from weightstream.wire.groups import WARM_BROADCAST, GroupLayout, init_custom_process_group
 from weightstream.wire.handles import checksum
+
+if TYPE_CHECKING:
+    from weightstream.streaming.stream import BucketStream
 
 __all__ = ["default_backend", "BroadcastSink"]
 
@@ -102,7 +106,7 @@ class BroadcastSink(PipelinedSink):
 
     # -- per update ------------------------------------------------------------------------------
 
-    def open(self, stream) -> None:
+    def open(self, stream: BucketStream) -> None:
         """Connect; where every engine takes the metadata of all buckets ahead (and no per-bucket checksum
         is asked for; in a delta-mode update, where every engine takes its deltas so too: ``delta_ahead``), send it
         now: the buckets then go on the wire back to back (each delta payload behind its header)."""

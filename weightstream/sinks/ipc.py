@@ -38,7 +38,7 @@ from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, TypeVar, cast
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -78,6 +78,9 @@ from weightstream.wire.handles import (
     map_fd,
     share_fd,
 )
+
+if TYPE_CHECKING:
+    from weightstream.streaming.stream import BucketStream
 
 __all__ = ["log", "KEPT_HANDLES", "F", "IPCSink"]
 
@@ -133,7 +136,7 @@ class IPCSink:
 
     # -- per update ------------------------------------------------------------------------------
 
-    def open(self, stream) -> None:
+    def open(self, stream: BucketStream) -> None:
         self._decide(stream)
         self._sent = 0
         self.waited = 0.0
@@ -148,7 +151,7 @@ class IPCSink:
             if self._events is not None:
                 torch.cuda.current_stream(stream.device).wait_event(self._events[2])
 
-    def prepare(self, stream) -> None:
+    def prepare(self, stream: BucketStream) -> None:
         """Before the first update (``WeightSync.prepare``), on every rank: an engine that takes the metadata
         ahead learns this plan's layout now, and either exports its weights for the stream to write into or
         maps this trainer's two kept buffers, so that the first update sends none of it. The engine keeps
@@ -167,7 +170,7 @@ class IPCSink:
                                 drop=tuple(d for n in named for d in n.drop))
             self._control().send(frame, [fd for n in named for fd in n.fds])
             self._receive(BuffersHeld, "prepare", "the engine's answer to the kept buffers")
-        self.close("prepare")
+        self._finish("prepare")
 
     def _announce(self, stream) -> None:
         """Per bucket on the CPU, to an engine that takes the control channel: before the first payload, this
@@ -478,9 +481,13 @@ class IPCSink:
             return f" | the engine said: {exc}"
         return ""
 
-    def close(self, phase: str = "buckets") -> None:
-        """The update's end: the answers still due, and the engine's answer to the update's request (an error
-        of it is raised as one of ``phase``). The channel stays open as the lease (:meth:`_keep_lease`)."""
+    def close(self) -> None:
+        """The update's end: the answers still due, and the engine's answer to the update's request. The channel
+        stays open as the lease (:meth:`_keep_lease`)."""
+        self._finish("buckets")
+
+    def _finish(self, phase: str) -> None:
+        """What :meth:`close` does, for an update or for :meth:`prepare` (an error raised as one of ``phase``)."""
         if not self.ahead_used:
             return
         try:

@@ -128,7 +128,7 @@ class P2PSink(PipelinedSink):
         if self.sender:
             self._leave(self.engines if self.poster else [], self.timeout_s if seconds is None else seconds)
 
-    def open(self, stream) -> None:
+    def open(self, stream: BucketStream) -> None:
         """Connect; where every engine of this replica takes it (and no checksums are asked for; in a delta-mode
         update, where every engine takes its deltas so too: ``delta_ahead``), the poster tells them what each of their
         ranks receives in every bucket now: the buckets then go on the wire back to back, with no request between
