@@ -299,7 +299,9 @@ def test_a_killed_launcher_leaves_no_process(tmp_path, start_method):
     while len(list(tmp_path.glob("rank-*.pid"))) < 2:
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.1)
-    time.sleep(0.2)  # both pid files complete
+    while not all(p.read_text().strip().isdigit() for p in tmp_path.glob("rank-*.pid")):  # each file complete
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     ranks = {int(p.read_text()) for p in tmp_path.glob("rank-*.pid")}
     below = _descendants(proc.pid)
     assert ranks <= below and len(below) >= (4 if start_method == "forkserver" else 3), (ranks, below)

@@ -147,7 +147,10 @@ def test_idle_and_slow_connections_are_closed_and_capped(server):
         held[1].sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthoriz")  # headers cut short
         held[2].sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
                         + b"\r\nContent-Length: 100\r\n\r\n{\"input_")  # body cut short
-        time.sleep(0.3)  # all four accepted
+        deadline = time.monotonic() + 5
+        while other.connections_open < 4:  # all four accepted, each with its thread
+            assert time.monotonic() < deadline, other.connections_open
+            time.sleep(0.01)
         with socket.create_connection(("127.0.0.1", port), timeout=5) as fifth:
             start = time.monotonic()
             refused = read_to_end(fifth, 2.0)

@@ -978,6 +978,8 @@ class EngineServer(ThreadingHTTPServer):
         self.limits = limits
         self.slots = threading.BoundedSemaphore(limits.max_connections)
         self.reserve = threading.BoundedSemaphore(limits.reserve_connections)  # past slots: GET /health only
+        self.connections_open = 0  # connections with a thread of their own now (slots and reserve)
+        self._counting = threading.Lock()
         if not api_key:
             log(f"WARNING: no API key: any process that can reach {self.url} can load weights into this engine, "
                 "pause it and free its memory (set WEIGHTSTREAM_API_KEY or --api-key-file)")
@@ -1041,11 +1043,17 @@ class EngineServer(ThreadingHTTPServer):
             return
         thread = threading.Thread(target=self._serve_connection, args=(request, client_address, handler, slots),
                                   name="weightstream-engine-connection", daemon=True)
+        self._count(+1)
         try:
             thread.start()
         except BaseException:  # no thread started: the slot is free again
+            self._count(-1)
             slots.release()
             raise
+
+    def _count(self, change: int) -> None:
+        with self._counting:
+            self.connections_open += change
 
     def _serve_connection(self, request: socket.socket, client_address, handler: type[_Handler],
                           slots: threading.BoundedSemaphore) -> None:
@@ -1055,6 +1063,7 @@ class EngineServer(ThreadingHTTPServer):
             self.handle_error(request, client_address)
         finally:
             self.shutdown_request(request)
+            self._count(-1)
             slots.release()
 
     def busy_message(self) -> str:
