@@ -11,6 +11,7 @@ tensor is examined element by element only where a reduction says it may hold so
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -93,27 +94,37 @@ def _scale_faults(v: Tensor) -> list[str]:
 
 
 def nonfinite_names(weights: Named) -> list[str]:
-    """The names of ``weights`` holding NaN or an infinity: a sum per floating-point tensor (non-finite where any
-    element is, or where the sum overflows, which the exact check below tells apart), and for float8 values, whose
-    only non-finite values are the NaN bytes 0x7f and 0xff, the largest byte of each sign."""
+    """The names of ``weights`` holding NaN or an infinity. First one answer for all of them
+    (:func:`_may_hold_nonfinite`: a few batched reductions, one host synchronisation); only where it says some may,
+    each tensor is looked at."""
     floats = [(n, t.detach()) for n, t in weights if t.is_floating_point() and t.numel()]
-    if not floats:
+    if not floats or not _may_hold_nonfinite([t for _, t in floats]):
         return []
-    flags = torch.stack([_may_be_nonfinite(t) for _, t in floats])
-    if not bool(flags.any()):
-        return []
-    return [n for (n, t), flag in zip(floats, flags.tolist(), strict=True) if flag and _nonfinite(t)]
+    return [n for n, t in floats if _nonfinite(t)]
 
 
-def _may_be_nonfinite(t: Tensor) -> Tensor:
-    if t.dtype == torch.float8_e4m3fn:
-        return (t.view(torch.int8).max() == 127) | (t.view(torch.uint8).max() == 255)
-    if t.element_size() == 1:  # other float8 formats: as float32
-        return ~t.float().isfinite().all()
-    return ~t.sum().isfinite()
+def _may_hold_nonfinite(tensors: list[Tensor]) -> bool:
+    """Whether any of ``tensors`` may hold NaN or an infinity: per dtype of two bytes or more, the largest magnitude
+    of each tensor in one multi-tensor reduction (non-finite exactly where the tensor holds NaN or an infinity, and
+    never overflowing); float8 e4m3 values, whose only non-finite values are the NaN bytes 0x7f and 0xff, looked at
+    together as bytes; other float8 formats as float32."""
+    flags: list[Tensor] = []
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for dtype, group in by_dtype.items():
+        if dtype == torch.float8_e4m3fn:
+            v = torch.cat([t.reshape(-1).view(torch.int8) for t in group])
+            flags.append(((v == 127) | (v == -1)).any().reshape(1))
+        elif dtype.itemsize == 1:
+            flags += [~t.float().isfinite().all().reshape(1) for t in group]
+        else:
+            flags.append(~torch.stack(torch._foreach_norm(group, ord=math.inf)).isfinite())
+    return bool(torch.cat(flags).any())
 
 
 def _nonfinite(t: Tensor) -> bool:
-    if t.element_size() == 1:
-        return bool(_may_be_nonfinite(t))  # exact for float8
-    return not bool(t.isfinite().all())
+    if t.dtype == torch.float8_e4m3fn:
+        v = t.view(torch.int8)
+        return bool(((v == 127) | (v == -1)).any())
+    return not bool(t.float().isfinite().all()) if t.element_size() == 1 else not bool(t.isfinite().all())
