@@ -1,5 +1,8 @@
 import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +22,17 @@ def pytest_ignore_collect(collection_path, config) -> bool | None:
     if not collection_path.name.startswith("test_"):
         return None
     return "mark.unit" not in collection_path.read_text()
+
+
+@pytest.fixture(scope="session")
+def example_job(tmp_path_factory) -> tuple[Path, str]:
+    """``weightstream example ws-example`` run as the README says, once for the session: the directory it ran in
+    (``ws-example`` inside it) and what it printed. Tests read the job and write beside it, never into it."""
+    root = tmp_path_factory.mktemp("docs")
+    cli = os.path.join(os.path.dirname(sys.executable), "weightstream")
+    out = subprocess.run([cli, "example", "ws-example"], cwd=root, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return root, out.stdout
 
 
 @pytest.fixture(scope="session")

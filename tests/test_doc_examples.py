@@ -23,16 +23,12 @@ from weightstream.launch import free_port
 from weightstream.testing.compare import compare_checkpoints
 
 INPUT_IDS = [[3, 14, 159, 265, 358, 979, 323, 846, 26, 433], [999, 0, 1, 2, 500, 501, 77, 88, 99, 111]]
-CLI = os.path.join(os.path.dirname(sys.executable), "weightstream")
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory) -> Path:
-    """Where the README's commands run: ``weightstream example ws-example`` done there."""
-    root = tmp_path_factory.mktemp("docs")
-    out = subprocess.run([CLI, "example", "ws-example"], cwd=root, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return root
+def workspace(example_job) -> Path:
+    """Where the README's commands run: ``weightstream example ws-example`` done there (conftest's example_job)."""
+    return example_job[0]
 
 
 def _shell(block: Block, cwd: Path) -> subprocess.CompletedProcess:

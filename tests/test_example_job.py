@@ -29,11 +29,11 @@ def _cli(*args: str, timeout: int = 300, cwd: str | os.PathLike | None = None) -
 
 
 @pytest.fixture(scope="module")
-def example(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("example") / "job"
-    out = _cli("example", os.fspath(directory))
-    assert f"weightstream convert {directory / 'checkpoint'} --hf {directory / 'hf'}" in out.stdout
-    assert f"torchrun --nproc-per-node 2 {directory / 'train_and_stream.py'}" in out.stdout
+def example(example_job) -> Path:
+    root, printed = example_job  # (conftest: the command run once for the session)
+    directory = root / "ws-example"
+    assert f"weightstream convert {directory / 'checkpoint'} --hf {directory / 'hf'}" in printed
+    assert f"torchrun --nproc-per-node 2 {directory / 'train_and_stream.py'}" in printed
     return directory
 
 
