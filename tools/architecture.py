@@ -41,8 +41,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 # optional fields of a transformers config (a family's config declares only its own), torch's dtypes by
 # name, Megatron-Core's argument namespace and vLLM's own objects (their classes vary by version).
 PROBE_EXCEPTIONS: dict[str, str] = {
-    "weightstream": "the public names, imported on first use (the module's __getattr__)",
-    "weightstream.models": "its names, imported on first use (the module's __getattr__)",
+    "weightstream.common.lazy": "a package's names, imported on first use (its __getattr__)",
     "weightstream.models.spec": "optional fields of an HF config",
     "weightstream.models.presets": "optional fields of an HF config",
     "weightstream.converters.qwen3": "optional fields of an HF config",

@@ -7,10 +7,10 @@ weightstream`` itself loads neither torch nor transformers, so that the ``weight
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
 from weightstream._version import __version__
+from weightstream.common.lazy import lazy_attribute
 
 if TYPE_CHECKING:
     from weightstream.convert import ConvertReport, convert_checkpoint
@@ -62,12 +62,7 @@ _HOMES: dict[str, str] = {
 
 def __getattr__(name: str) -> Any:
     """A public name, imported from its module on first use and kept here after."""
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'weightstream' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
+    return lazy_attribute(__name__, _HOMES, globals(), name)
 
 
 def __dir__() -> list[str]:

@@ -5,8 +5,9 @@ without torch or transformers (``weightstream presets``)."""
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
+
+from weightstream.common.lazy import lazy_attribute
 
 if TYPE_CHECKING:
     from weightstream.models.presets import PRESETS, preset_config, random_hf_model, save_random_checkpoint
@@ -20,12 +21,7 @@ _HOMES = {
 
 
 def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'weightstream.models' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
+    return lazy_attribute(__name__, _HOMES, globals(), name)
 
 
 __all__ = ["PRESETS", "ModelSpec", "load_hf_config", "preset_config", "random_hf_model", "save_random_checkpoint"]
