@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,14 +34,20 @@ KEY = "k-7f3a"
 AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[EngineServer]:
-    model = save_random_checkpoint(preset_config("tiny-qwen3"), tmp_path_factory.mktemp("hardening") / "m", seed=71)
-    srv = serve(model, 1, api_key=KEY)
+@contextmanager
+def keyed_engine(root: Path, tp: int, seed: int) -> Iterator[EngineServer]:
+    """A reference engine at TP ``tp`` on a random tiny Qwen3 (``seed``) written under ``root``, its key KEY."""
+    srv = serve(save_random_checkpoint(preset_config("tiny-qwen3"), root / "m", seed=seed), tp, api_key=KEY)
     try:
         yield srv
     finally:
         stop(srv)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[EngineServer]:
+    with keyed_engine(tmp_path_factory.mktemp("hardening"), 1, seed=71) as srv:
+        yield srv
 
 
 @contextmanager

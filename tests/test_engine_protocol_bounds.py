@@ -19,15 +19,12 @@ import numpy as np
 import pytest
 
 from tests.helpers.checks import INPUT_IDS
-from tests.test_engine_hardening import KEY, _port, read_to_end, request, second_server
-from weightstream.models.presets import preset_config, save_random_checkpoint
+from tests.test_engine_hardening import KEY, _port, keyed_engine, read_to_end, request, second_server
 from weightstream.reference_engine.server import (
     BoundedReads,
     EngineServer,
     RequestReadTimeout,
     ServerLimits,
-    serve,
-    stop,
 )
 
 OTHER_IDS = [[row[-1 - i] for i in range(len(row))] for row in INPUT_IDS]  # the same tokens, reversed
@@ -35,12 +32,8 @@ OTHER_IDS = [[row[-1 - i] for i in range(len(row))] for row in INPUT_IDS]  # the
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[EngineServer]:
-    model = save_random_checkpoint(preset_config("tiny-qwen3"), tmp_path_factory.mktemp("protocol") / "m", seed=73)
-    srv = serve(model, 2, api_key=KEY)
-    try:
+    with keyed_engine(tmp_path_factory.mktemp("protocol"), 2, seed=73) as srv:
         yield srv
-    finally:
-        stop(srv)
 
 
 def logits_of(url: str, ids: list[list[int]]) -> np.ndarray:
