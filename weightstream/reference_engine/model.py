@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from weightstream.common.host_memory import return_free_memory
 from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8, dequantize_block_fp8
 from weightstream.converters.mapping import Converter
 from weightstream.converters.registry import get_converter, known_model_types, model_spec
@@ -403,6 +404,8 @@ class ShardedCausalLM:
         if self.device.type == "cuda":
             torch.cuda.ipc_collect()  # storages a trainer had mapped (and has let go of) are freed now too
             torch.cuda.empty_cache()
+        else:  # the freed weights go back to the system, wherever the C library had put them
+            return_free_memory()
         return freed
 
     def resume_weights(self) -> int:
