@@ -25,6 +25,9 @@
 #   nvidia-libnvcomp-cu13 6.0.0.12 wheels in .whl): PYTHONPATH=/tmp/site:$PWD python3 tools/delta_encodings.py --device
 #   cuda --hidden 2048 --layers 8 --steps 3 --bucket-mb 512 --host; the word kernels' launch shapes:
 #   python3 tools/word_kernel_sweep.py --changed 0.05 (and 0.22).
+# An 80 GB card with the engine's defaults (nvidia-h100-x2; the rollback copies go to host memory where they do not
+#   fit beside the weights): ROW_TIMEOUT=330 ... check qwen3-30b-a3b:broadcast qwen3-30b-a3b:broadcast:--no-rollback
+#   qwen3-8b:broadcast; block FP8 on the same card: qwen3-30b-a3b:broadcast:"--quantize fp8-block".
 # JSON of every row and the raw output go to $OUT (or ./gpu-out); ROW_TIMEOUT (seconds, default 400) bounds each row.
 set -uo pipefail
 OUT="${OUT:-gpu-out}"; mkdir -p "$OUT"
