@@ -68,7 +68,11 @@ def host_available_bytes() -> int:
 
 
 def place_for(weight_bytes: int, device: torch.device) -> BackupPlace:
-    """:func:`backup_place` with the memory free now on ``device`` and the host."""
+    """:func:`backup_place` with the memory free now on ``device`` (what the device has free, and what torch's
+    allocator holds reserved but unused, which it gives the copies first) and on the host."""
     on_gpu = device.type == "cuda"
-    device_free = torch.cuda.mem_get_info(device)[0] if on_gpu else 0
+    device_free = 0
+    if on_gpu:
+        device_free = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+                       - torch.cuda.memory_allocated(device))
     return backup_place(weight_bytes, on_gpu, device_free, host_available_bytes())

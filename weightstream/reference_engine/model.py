@@ -141,14 +141,21 @@ class Float8Experts:
         self.held: tuple[nn.Parameter, nn.Parameter] | None = None
 
     def attach(self, module: nn.Module, gate_up: Tensor, down: Tensor) -> None:
+        """Hold ``module``'s experts in FP8 in place of ``gate_up`` and ``down``, whose memory goes first: a layer's
+        unquantized experts and its FP8 ones are never held at once (a Qwen3-30B-A3B engine's 58 GB of bf16 experts
+        and their 29 GB in FP8 would not fit an 80 GB card together)."""
         experts, two_inter, hidden = gate_up.shape
         inter, device = two_inter // 2, gate_up.device
+        shapes = tuple(gate_up.shape), tuple(down.shape)
+        for unquantized in (gate_up, down):  # (a storage the tensor shares with others is left to them)
+            if unquantized.untyped_storage().nbytes() == unquantized.numel() * unquantized.element_size():
+                unquantized.untyped_storage().resize_(0)
 
         def frozen(shape: tuple[int, ...], dtype: torch.dtype, fill: float) -> nn.Parameter:
             return nn.Parameter(torch.full(shape, fill, dtype=dtype, device=device), requires_grad=False)
 
-        module.gate_up_proj = frozen(tuple(gate_up.shape), FP8, 0.0)
-        module.down_proj = frozen(tuple(down.shape), FP8, 0.0)
+        module.gate_up_proj = frozen(shapes[0], FP8, 0.0)
+        module.down_proj = frozen(shapes[1], FP8, 0.0)
         part, down_part = self.fp8.scale_shape((inter, hidden)), self.fp8.scale_shape((hidden, inter))
         module.gate_scale_inv = frozen((experts, *part), torch.float32, 1.0)
         module.up_scale_inv = frozen((experts, *part), torch.float32, 1.0)
