@@ -129,3 +129,13 @@ def test_dump_with_stderr_a_pipe_prints_progress_lines_never_far_apart(tmp_path)
     assert max(b - a for a, b in zip(stamps, stamps[1:], strict=False)) <= 4.5, lines
     received = [t for t, _ in arrivals]
     assert max(b - a for a, b in zip(received, received[1:], strict=False)) <= 5.0, arrivals
+
+
+def test_a_reader_that_stops_early_is_not_an_error():
+    """``weightstream presets | head -1``: the command ends quietly when its reader goes away."""
+    proc = subprocess.Popen([sys.executable, "-m", "weightstream.cli", "presets"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline().split() == ["preset", "model_type", "size"]
+    proc.stdout.close()
+    assert (proc.wait(timeout=60), proc.stderr.read()) == (0, "")

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
 
@@ -540,30 +541,34 @@ def _add_verify(sub: _Subparsers, presets: list[str]) -> None:
                         help="tensors listed per kind of difference, then a count of the rest (default 20; 0: all)")
 
 
-def _add_families(sub: _Subparsers, presets: list[str]) -> None:
-    """``weightstream families``: the registered model families and what each declares."""
-    _command(
-        sub, "families",
-        help="list the model families weightstream converts (HF model_type) and what each declares",
-        description="One line per registered converter: its HF model_type; dense or MoE (routed experts declared "
-                    "over the expert-TP group); whether it declares a block-FP8 layout (Converter.fp8); how "
-                    "transformers holds it in memory where that differs from the checkpoint's names; and the "
-                    "presets of that model_type.",
-        example="weightstream families",
-    )
+@dataclass(frozen=True)
+class _Listing:
+    """A command that lists what weightstream knows (``families``, ``presets``): its name and its help."""
+
+    name: str
+    help: str
+    description: str
+    example: str
 
 
-def _add_presets(sub: _Subparsers, presets: list[str]) -> None:
-    """``weightstream presets``: the named configs --preset takes."""
-    _command(
-        sub, "presets",
-        help="list the presets (named model configs) that --preset takes",
-        description="One line per preset: its name, HF model_type and size (layers, hidden width, attention "
-                    "heads, experts, vocabulary). Presets named tiny-* are small enough for a CPU; the others have "
-                    "the shapes of released models, for benchmarks (bench --tiny keeps their topology at small "
-                    "widths).",
-        example="weightstream presets\nweightstream dump --preset tiny-qwen3 --out /tmp/tiny-qwen3",
-    )
+_LISTINGS = (
+    _Listing("families", "list the model families weightstream converts (HF model_type) and what each declares",
+             "One line per registered converter: its HF model_type; dense or MoE (routed experts declared over the "
+             "expert-TP group); whether it declares a block-FP8 layout (Converter.fp8); how transformers holds it in "
+             "memory where that differs from the checkpoint's names; and the presets of that model_type.",
+             "weightstream families"),
+    _Listing("presets", "list the presets (named model configs) that --preset takes",
+             "One line per preset: its name, HF model_type and size (layers, hidden width, attention heads, experts, "
+             "vocabulary). Presets named tiny-* are small enough for a CPU; the others have the shapes of released "
+             "models, for benchmarks (bench --tiny keeps their topology at small widths).",
+             "weightstream presets\nweightstream dump --preset tiny-qwen3 --out /tmp/tiny-qwen3"),
+)
+
+
+def _add_listings(sub: _Subparsers, presets: list[str]) -> None:
+    """``weightstream families`` and ``weightstream presets``: what weightstream converts, and the named configs."""
+    for listing in _LISTINGS:
+        _command(sub, listing.name, help=listing.help, description=listing.description, example=listing.example)
 
 
 def _add_example(sub: _Subparsers, presets: list[str]) -> None:
@@ -588,7 +593,7 @@ def cmd_example(args: argparse.Namespace) -> int:
 
 # The sub-commands, in the order ``weightstream --help`` lists them.
 _COMMANDS: tuple[Callable[[_Subparsers, list[str]], None], ...] = (
-    _add_demo, _add_dump, _add_bench, _add_engine, _add_convert, _add_verify, _add_families, _add_presets,
+    _add_demo, _add_dump, _add_bench, _add_engine, _add_convert, _add_verify, _add_listings,
     _add_example,
 )
 
@@ -1202,6 +1207,9 @@ def main(argv: list[str] | None = None) -> int:
                "presets": cmd_presets}[args.command]
     try:
         return handler(args)
+    except BrokenPipeError:  # the reader went away (| head): what it did not read is not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python's flush at exit would fail)
+        return 0
     except (UsageError, ValueError, OSError, WeightstreamError, JobFailure) as exc:
         if args.verbose:
             import traceback
