@@ -114,8 +114,7 @@ def _may_hold_nonfinite(tensors: list[Tensor]) -> bool:
         by_dtype.setdefault(t.dtype, []).append(t)
     for dtype, group in by_dtype.items():
         if dtype == torch.float8_e4m3fn:
-            v = torch.cat([t.reshape(-1).view(torch.int8) for t in group])
-            flags.append(((v == 127) | (v == -1)).any().reshape(1))
+            flags.append(_e4m3_nan(torch.cat([t.reshape(-1) for t in group])).reshape(1))
         elif dtype.itemsize == 1:
             flags += [~t.float().isfinite().all().reshape(1) for t in group]
         else:
@@ -123,8 +122,14 @@ def _may_hold_nonfinite(tensors: list[Tensor]) -> bool:
     return bool(torch.cat(flags).any())
 
 
+def _e4m3_nan(values: Tensor) -> Tensor:
+    """Whether float8 e4m3 ``values`` hold a NaN: the bytes 0x7f and 0xff (as int8, 127 and -1), its only
+    non-finite values."""
+    v = values.view(torch.int8)
+    return ((v == 127) | (v == -1)).any()
+
+
 def _nonfinite(t: Tensor) -> bool:
     if t.dtype == torch.float8_e4m3fn:
-        v = t.view(torch.int8)
-        return bool(((v == 127) | (v == -1)).any())
+        return bool(_e4m3_nan(t))
     return not bool(t.float().isfinite().all()) if t.element_size() == 1 else not bool(t.isfinite().all())
