@@ -334,9 +334,9 @@ class ShardedCausalLM:
         return self.backup_at
 
     def _weight_bytes(self) -> int:
-        """What a full update could overwrite on this rank: the bytes of every storage the loadable tensors live in."""
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t, _ in self.params.values()}
-        return sum(storages.values())
+        """What a full update could overwrite on this rank, at most: the bytes of the model's storages (a few per layer
+        to look at, where the loadable tensors are thousands of views of them)."""
+        return sum(st.nbytes() for st in self._storages())
 
     def _session_loaded(self) -> set[str]:
         return set().union(*self._loaded_in_session)
