@@ -38,6 +38,22 @@ def test_every_module_is_in_a_layer_and_imports_only_downward():
     assert ARCH.upward_imports() == []
 
 
+def test_integrations_and_the_receiver_never_import_the_reference_engine():
+    assert ARCH.forbidden_imports() == []
+    assert ARCH.FORBIDDEN_IMPORTS["weightstream.integrations"] == ("weightstream.reference_engine",)
+    assert ARCH.FORBIDDEN_IMPORTS["weightstream.receiver"] == ("weightstream.reference_engine",)
+    # the layer order puts the receiver below the engines and above what it stands on
+    names = [name for name, _ in ARCH.LAYERS]
+    assert names.index("streaming") + 1 == names.index("receiver") < names.index("engines")
+
+
+def test_a_forbidden_import_is_found():
+    graph = {"weightstream.integrations.x": {("weightstream.reference_engine.schema", 3)},
+             "weightstream.receiver.y": {("weightstream.streaming.bucket", 4)}}
+    assert ARCH.forbidden_imports(graph) == [
+        "weightstream.integrations.x:3 imports weightstream.reference_engine.schema"]
+
+
 def test_no_import_circle():
     limit = sys.getrecursionlimit()
     assert ARCH.circles() == []

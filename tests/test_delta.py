@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightstream.reference_engine.schema import delta_problems
+from weightstream.receiver.schema import delta_problems
 from weightstream.streaming.delta import (
     DeltaHeader,
     Snapshot,

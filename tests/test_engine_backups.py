@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from weightstream.reference_engine.backups import (
+from weightstream.receiver.backups import (
     DEVICE_RESERVE_BYTES,
     HOST_RESERVE_BYTES,
     BackupPlace,

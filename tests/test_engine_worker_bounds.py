@@ -26,10 +26,10 @@ from tests.test_engine_hardening import KEY, in_thread, logits, request, trainer
 from weightstream.converters.fp8 import SCALE_SUFFIX, BlockFP8
 from weightstream.models.presets import preset_config, random_hf_model, save_random_checkpoint
 from weightstream.models.spec import dtype_name
-from weightstream.reference_engine.schema import ep_problem, routed_experts
+from weightstream.receiver.programs import ProgramCache
+from weightstream.receiver.schema import ep_problem, routed_experts
+from weightstream.receiver.values import DEFAULT_CHECKS, MAX_FP8_SCALE, LoadChecks, check_values
 from weightstream.reference_engine.server import EngineServer, serve, stop
-from weightstream.reference_engine.values import DEFAULT_CHECKS, MAX_FP8_SCALE, LoadChecks, check_values
-from weightstream.reference_engine.worker import ProgramCache
 from weightstream.sinks.safetensors import save_hf_checkpoint
 from weightstream.streaming.delta import DeltaHeader
 

@@ -11,7 +11,7 @@ from weightstream.engines import EngineInfo, ReferenceEngine
 from weightstream.engines.base import BROADCAST, IPC, P2P, RESHARD
 from weightstream.errors import ConversionError
 from weightstream.models.presets import preset_config
-from weightstream.reference_engine.pieces import assemble
+from weightstream.receiver.pieces import assemble
 from weightstream.sinks.p2p import served_by
 from weightstream.sinks.reshard import _packed, pick_senders
 from weightstream.sources.topology import Topology

@@ -27,6 +27,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("sources", ("weightstream.sources",)),
     ("streaming", ("weightstream.streaming",)),
     ("engines", ("weightstream.engines",)),
+    ("receiver", ("weightstream.receiver",)),
     ("sinks", ("weightstream.sinks",)),
     ("reference_engine", ("weightstream.reference_engine",)),
     ("integrations", ("weightstream.integrations",)),
@@ -36,6 +37,13 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("bench", ("weightstream.bench",)),
     ("entry", ("weightstream.cli", "weightstream")),
 )
+
+# Imports the layer order allows but the design does not: what runs inside another engine (integrations) and
+# what any engine runs to take an update (receiver) stand on the receiver layer, never on the engine we ship.
+FORBIDDEN_IMPORTS: dict[str, tuple[str, ...]] = {
+    "weightstream.integrations": ("weightstream.reference_engine",),
+    "weightstream.receiver": ("weightstream.reference_engine",),
+}
 
 # Where reading an attribute by name is the point, not a probe of what an object of ours can do: the
 # optional fields of a transformers config (a family's config declares only its own), torch's dtypes by
@@ -129,6 +137,19 @@ def upward_imports() -> list[str]:
         for d, line in sorted(deps):
             if layer_of(d) > layer_of(m):
                 out.append(f"{m}:{line} imports {d} ({LAYERS[layer_of(m)][0]} -> {LAYERS[layer_of(d)][0]})")
+    return out
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def forbidden_imports(graph: dict[str, set[tuple[str, int]]] | None = None) -> list[str]:
+    """Imports :data:`FORBIDDEN_IMPORTS` forbids in ``graph`` (None: the package's), whatever the layers allow."""
+    out = []
+    for m, deps in (import_graph() if graph is None else graph).items():
+        banned = [b for prefix, bs in FORBIDDEN_IMPORTS.items() if _within(m, prefix) for b in bs]
+        out += [f"{m}:{line} imports {d}" for d, line in sorted(deps) if any(_within(d, b) for b in banned)]
     return out
 
 
@@ -277,6 +298,10 @@ def main() -> int:
     print(f"upward imports: {len(up)}")
     for line in up:
         print("  " + line)
+    banned = forbidden_imports()
+    print(f"forbidden imports: {len(banned)}")
+    for line in banned:
+        print("  " + line)
     exports = export_problems()
     print(f"modules whose __all__ is missing or wrong: {len(exports)}")
     for line in exports:
@@ -285,7 +310,7 @@ def main() -> int:
     print(f"import circles: {len(loops)}")
     for loop in loops:
         print("  " + " <-> ".join(loop))
-    return 1 if crossing or up or loops or exports or long_functions() else 0
+    return 1 if crossing or up or banned or loops or exports or long_functions() else 0
 
 
 if __name__ == "__main__":

@@ -969,7 +969,7 @@ def _engine_experts(model_dir: str) -> int:
     """The routed experts the engine's model declares (0: dense), from its config.json (read by then)."""
     import json
 
-    from weightstream.reference_engine.schema import routed_experts
+    from weightstream.receiver.schema import routed_experts
 
     with open(Path(model_dir, "config.json")) as f:
         return routed_experts(json.load(f))
@@ -980,7 +980,8 @@ def cmd_engine(args: argparse.Namespace) -> int:
     import threading
 
     from weightstream.common.progress import Progress
-    from weightstream.reference_engine.schema import ep_problem
+    from weightstream.receiver.schema import ep_problem
+    from weightstream.receiver.values import LoadChecks
     from weightstream.reference_engine.server import ServerLimits, serve, stop
     from weightstream.reference_engine.values import LoadChecks
 

@@ -13,7 +13,7 @@ store; worker r joins as ``rank_offset + r``). The group is gloo on the CPU, NCC
 
 ``/update_weights {"update_info": {...}}``: ``names``, ``dtype_names``, ``shapes`` and an optional
 ``checksum`` (:func:`weightstream.wire.handles.checksum` of the broadcast bytes). The buffer is
-laid out back to back in ``names`` order (``weightstream.reference_engine.worker.dense_layout``).
+laid out back to back in ``names`` order (``weightstream.receiver.programs.dense_layout``).
 
 Delta updates (``docs/delta.md``): a bucket whose ``update_info`` has ``weightstream_delta`` (``encoding``,
 ``word``, ``total``, ``count``, ``nbytes``, ``index``: :class:`~weightstream.streaming.delta.DeltaHeader` and the
@@ -39,7 +39,9 @@ from typing import Any, cast
 
 import torch
 
-from weightstream.reference_engine.schema import delta_problems, int_lists, unknown_dtypes
+from weightstream.receiver.programs import dense_layout
+from weightstream.receiver.schema import delta_problems, int_lists, unknown_dtypes
+from weightstream.streaming.bucket import TensorMeta, view_tensor
 from weightstream.streaming.delta import DeltaHeader, apply, encoded_bytes
 from weightstream.wire.groups import destroy_group, init_custom_process_group
 from weightstream.wire.handles import checksum
@@ -135,9 +137,7 @@ def _delta_fit_problems(delta: dict[str, Any], nbytes: int) -> list[str]:
     return problems
 
 
-def _layout(info: WeightstreamUpdateInfo):
-    from weightstream.reference_engine.worker import dense_layout
-
+def _layout(info: WeightstreamUpdateInfo) -> list[TensorMeta]:
     return dense_layout(info.names, info.dtype_names, info.shapes)
 
 
@@ -213,8 +213,6 @@ def receive_bucket(group, info: WeightstreamUpdateInfo, device: torch.device, he
     """One broadcast from rank 0 into a buffer of the dense layout (or, a delta bucket, its payload applied to
     the bytes ``held`` of it); the ``(name, tensor)`` views. Raises :class:`ChecksumMismatch` (naming the
     tensors) before anything is handed out."""
-    from weightstream.streaming.bucket import view_tensor
-
     metas = _layout(info)
     total = metas[-1].offset + metas[-1].nbytes if metas else 0
     delta = info.delta()

@@ -41,8 +41,8 @@ from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8, dequantize_
 from weightstream.converters.mapping import Converter
 from weightstream.converters.registry import get_converter, known_model_types, model_spec
 from weightstream.models.spec import ModelSpec
-from weightstream.reference_engine.backups import BackupPlace, place_for
-from weightstream.reference_engine.schema import ep_problem
+from weightstream.receiver.backups import BackupPlace, place_for
+from weightstream.receiver.schema import ep_problem
 from weightstream.streaming.bucket import Shard, TensorMeta
 
 __all__ = [
@@ -201,7 +201,7 @@ def _local_routing(first: int, local: int, module: nn.Module, args: tuple) -> tu
 
 @dataclass
 class LoadReport:
-    loaded: list[str]
+    loaded: Sequence[str]
     problems: list[str]
 
 
@@ -324,7 +324,7 @@ class ShardedCausalLM:
     # -- sessions: an update is committed whole or rolled back whole --------------------------------
 
     def begin_session(self) -> BackupPlace:
-        """Open a session; where its backups go (:mod:`~weightstream.reference_engine.backups`), decided now."""
+        """Open a session; where its backups go (:mod:`~weightstream.receiver.backups`), decided now."""
         self.backup_at = (place_for(self._weight_bytes(), self.device) if self.rollback
                           else BackupPlace("none", "rollback is off for this engine"))
         self.backup = {} if self.backup_at.where != "none" else None
@@ -613,7 +613,7 @@ class ShardedCausalLM:
         plain copy: the view of this rank's parameter each piece fills (all of it, or the rows or columns it is
         placed at), in order. None where any piece needs more (another dtype, a vocabulary tensor, a tensor held in
         block FP8 or its scale, a piece placed on another dim than the rank's part), which then goes through
-        :func:`~weightstream.reference_engine.pieces.assemble` and :meth:`load_weights`."""
+        :func:`~weightstream.receiver.pieces.assemble` and :meth:`load_weights`."""
         out = []
         for m in metas:
             entry = self.params.get(m.name)
@@ -640,7 +640,8 @@ class ShardedCausalLM:
         return out
 
     @torch.no_grad()
-    def load_flat(self, names: list[str], targets: list[list[Tensor]], copies: list[Callable[[], Any]]) -> LoadReport:
+    def load_flat(self, names: Sequence[str], targets: Sequence[list[Tensor]],
+                  copies: Sequence[Callable[[], Any]]) -> LoadReport:
         """Run ``copies`` (batched copies into ``targets``, flat views of parameters from
         :meth:`whole_targets`, per dtype; ``names`` of all of them in order), keeping the session's backups
         first, with one batched copy per dtype."""
@@ -654,7 +655,7 @@ class ShardedCausalLM:
         return LoadReport(names, [])
 
     @torch.no_grad()
-    def begin_writes(self, names: list[str], targets: list[Tensor]) -> None:
+    def begin_writes(self, names: Sequence[str], targets: Sequence[Tensor]) -> None:
         """A colocated trainer is about to write ``names`` straight into ``targets`` (flat views of their
         parameters, from :meth:`whole_targets`): their backups are kept first, and they count as loaded by
         this session (an abort puts them back, or, without backups, marks them stale)."""

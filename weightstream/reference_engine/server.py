@@ -48,8 +48,7 @@ import torch
 
 from weightstream.common.processes import free_port, process_context, start_process
 from weightstream.engines.reference import ENGINE_NAME
-from weightstream.reference_engine.protocol import START_ID, Command, Outcome, Reply
-from weightstream.reference_engine.schema import (
+from weightstream.receiver.schema import (
     MAX_JSON_DEPTH,
     bucket_problems,
     buckets_problems,
@@ -61,7 +60,8 @@ from weightstream.reference_engine.schema import (
     text_problem,
     token_rows,
 )
-from weightstream.reference_engine.values import DEFAULT_CHECKS, LoadChecks
+from weightstream.receiver.values import DEFAULT_CHECKS, LoadChecks
+from weightstream.reference_engine.protocol import START_ID, Command, Outcome, Reply
 from weightstream.reference_engine.worker import worker_main
 from weightstream.wire.channel import address_problem
 from weightstream.wire.handles import gpu_uuid

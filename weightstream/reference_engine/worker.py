@@ -16,7 +16,7 @@ import sys
 import time
 import traceback
 import uuid
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, replace
@@ -24,7 +24,6 @@ from datetime import timedelta
 from functools import partial
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for
-from types import SimpleNamespace
 from typing import Any, TypeVar
 
 import torch
@@ -35,25 +34,34 @@ from weightstream.common.processes import die_with_parent
 from weightstream.converters.fp8 import block_fp8_of
 from weightstream.converters.registry import get_converter
 from weightstream.models.spec import dtype_from_name, dtype_name
-from weightstream.reference_engine.pieces import assemble, engine_layout, piece_problems
+from weightstream.receiver.deltas import HeldDeltas
+from weightstream.receiver.pieces import assemble, engine_layout, piece_problems
+from weightstream.receiver.programs import (
+    CopyProgram,
+    PiecesProgram,
+    ProgramCache,
+    WeightExport,
+    copy_program,
+    dense_layout,
+    plan_metas,
+    verify_checksum,
+    wire_meta,
+)
+from weightstream.receiver.schema import ep_problem, routed_experts, unknown_dtypes
+from weightstream.receiver.values import DEFAULT_CHECKS, LoadChecks, check_values
 from weightstream.reference_engine.protocol import START_ID, Command, Outcome, OutOfTime, Reply
-from weightstream.reference_engine.schema import ep_problem, routed_experts, unknown_dtypes
-from weightstream.reference_engine.values import DEFAULT_CHECKS, LoadChecks, check_values
 from weightstream.streaming.bucket import (
     Bucket,
-    Shard,
     TensorMeta,
     extent,
     typed_buffer,
-    typed_runs,
     typed_views,
     view_tensor,
 )
-from weightstream.streaming.copies import batched_copy, warm_kernel
-from weightstream.streaming.delta import HEADER_WORDS, DeltaHeader, Key, apply, warm_kernels
+from weightstream.streaming.copies import warm_kernel
+from weightstream.streaming.delta import HEADER_WORDS, DeltaHeader
 from weightstream.wire.channel import Channel, ChannelError, fd_peer
 from weightstream.wire.frames import (
-    BucketLayout,
     BucketLoaded,
     BucketSent,
     BuffersHeld,
@@ -77,18 +85,11 @@ from weightstream.wire.frames import (
 from weightstream.wire.groups import destroy_group, init_custom_process_group, tcp_store, warm_device, warm_group
 from weightstream.wire.handles import ShmGrant, checksum, dumps_b64, loads_b64, map_fd, share_fd
 
-__all__ = [
-    "F", "MAX_ERROR_CHARS", "ChecksumError", "PROGRAM_TENSORS_PER_WEIGHT", "MAX_PLANS", "ProgramCache", "dense_layout",
-    "Worker", "worker_main"
-]
+__all__ = ["F", "MAX_ERROR_CHARS", "PROGRAM_TENSORS_PER_WEIGHT", "MAX_PLANS", "Worker", "worker_main"]
 
 
 F = TypeVar("F", bound=Frame)
 MAX_ERROR_CHARS = 4000  # of the reason an error frame gives
-
-
-class ChecksumError(RuntimeError):
-    pass
 
 
 @contextmanager
@@ -158,71 +159,6 @@ def _close(fds: list[int]) -> None:
 
 PROGRAM_TENSORS_PER_WEIGHT = 4  # the bucket programs a worker keeps: at most this many times its model's tensors
 MAX_PLANS = 4  # the IPC plans (their programs) and the exports of our weights a worker keeps, most recent first
-
-
-class ProgramCache:
-    """Bucket programs by their bucket's layout, least recently used dropped first, within ``capacity`` tensors in all
-    (a program counts its bucket's tensors, at least one): as many as four layouts of the whole model at the default
-    bound, whatever the requests name. Only buckets that loaded are put here, so a refused request leaves nothing."""
-
-    def __init__(self, capacity: int):
-        self.capacity = max(capacity, 1)
-        self.tensors = 0  # held, in all
-        self._entries: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, key: tuple) -> bool:
-        return key in self._entries
-
-    def get(self, key: tuple) -> Any:
-        """The program kept under ``key`` (now the most recently used), or None."""
-        entry = self._entries.get(key)
-        if entry is None:
-            return None
-        self._entries.move_to_end(key)
-        return entry[0]
-
-    def put(self, key: tuple, program: Any, tensors: int) -> None:
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self.tensors -= old[1]
-        weight = max(tensors, 1)
-        self._entries[key] = (program, weight)
-        self.tensors += weight
-        while self.tensors > self.capacity and len(self._entries) > 1:
-            _, (_, dropped) = self._entries.popitem(last=False)
-            self.tensors -= dropped
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self.tensors = 0
-
-
-def dense_layout(names, dtypes, shapes) -> list[TensorMeta]:
-    """SGLang's flattened-bucket layout for the distributed path: back to back, in ``names`` order."""
-    metas, offset = [], 0
-    for name, dt, shape in zip(names, dtypes, shapes, strict=True):
-        dtype = dtype_from_name(dt)
-        if offset % dtype.itemsize:
-            raise ValueError(f"{name}: starts at byte {offset}, not a multiple of its {dtype} size")
-        meta = TensorMeta(name, dtype, tuple(int(d) for d in shape), offset)
-        metas.append(meta)
-        offset += meta.nbytes
-    return metas
-
-
-def _wire_meta(m: dict) -> TensorMeta:
-    """A tensor of a per-rank bucket as a P2P request names it (name, dtype, shape, offset, shard)."""
-    return TensorMeta(m["name"], dtype_from_name(m["dtype"]), tuple(m["shape"]), m["offset"],
-                      Shard(**m["shard"]) if m.get("shard") else None)
-
-
-def _metas(layout: BucketLayout) -> list[TensorMeta]:
-    """A bucket's tensors as the trainer's :class:`Plan` lays them out (each at its offset)."""
-    return [TensorMeta(n, dtype_from_name(d), tuple(s), o)
-            for n, d, s, o in zip(layout.names, layout.dtypes, layout.shapes, layout.offsets, strict=True)]
 
 
 def _take(tensor: torch.Tensor, group, src: int | None) -> None:
@@ -316,7 +252,7 @@ class Worker:
         # Where a colocated trainer may write a plan's tensors itself (one copy): per plan digest, the export
         # (its id; its frame: our weights' storages as handles, each tensor's place in them; the plan's names
         # and our tensors they go into). Made again whenever the weights' storage changes (released, resumed).
-        self.exports: dict[str, SimpleNamespace] = {}
+        self.exports: dict[str, WeightExport] = {}
         self.direct_updates = 0  # updates the trainer wrote straight into our weights
         # GPU: broadcast buckets sent ahead are received into two kept buffers, loaded on a stream of their own.
         self.receive_buffers: list[torch.Tensor] = []
@@ -326,14 +262,6 @@ class Worker:
         # repeats the same buckets. Only a bucket that loaded is kept, within PROGRAM_TENSORS_PER_WEIGHT times the
         # model's tensors (:class:`ProgramCache`).
         self.programs = ProgramCache(PROGRAM_TENSORS_PER_WEIGHT * len(self.model.params))
-        # Delta updates: per bucket index (resharded: per bucket index and trainer rank), the layout and the
-        # bytes of the bucket this worker last applied (a delta is applied to them), and the checksums of what the
-        # open session applied; ``delta_changed``: the open session changed them (an abort leaves them unknown:
-        # they are dropped).
-        self.delta_held: dict[Key, tuple[tuple[TensorMeta, ...], torch.Tensor]] = {}
-        self.warmed_words: set[int] = set()  # word sizes the delta kernels were compiled for (on a GPU)
-        self.delta_digests: dict[Key, str] = {}
-        self.delta_changed = False
         # What the values an update loads are checked for (worker_main sets the engine's), and the weights the open
         # session loaded NaN or an infinity into (reported with each load's result).
         self.checks = DEFAULT_CHECKS
@@ -341,6 +269,8 @@ class Worker:
         self._load_initial(model_dir)
         # A buffer lent by name (a payload pickled by torch on the CPU) is at most twice the model's size.
         self.max_lent_bytes = 2 * size * sum(st.nbytes() for st in self.model._storages())
+        # Delta updates: the bytes of each bucket this worker last applied, within the same bound (:class:`HeldDeltas`).
+        self.deltas = HeldDeltas(device, self.max_lent_bytes)
 
     def _load_initial(self, model_dir: str) -> None:
         """The weights the checkpoint holds (a block-FP8 checkpoint's dequantized, by the same load an update
@@ -423,41 +353,9 @@ class Worker:
         with self.clock("receive"):
             received = self._receive_delta(group, header, index)
         with self.clock("apply delta"):
-            raw = self._delta_bytes(index, tuple(program.metas), program.total, header, received, expected_checksum)
+            raw = self.deltas.new_bytes(index, program.metas, program.total, header, received, expected_checksum)
         with self.clock("load"):
             return self._load_dense(program, raw, None)
-
-    def _delta_bytes(self, index: Key, layout: tuple[TensorMeta, ...], total: int, header: DeltaHeader,
-                     received: torch.Tensor, expected_checksum) -> torch.Tensor:
-        """Bucket ``index``'s new bytes (``total``, laid out as ``layout``): its payload ``received`` (the changed
-        words, or the whole bucket) checked against the sender's checksum where given and applied to the bytes
-        held of the bucket (a resharded bucket's part: keyed by bucket and trainer rank); they are kept for the next
-        update, and their checksum for the trainer to compare (:meth:`delta_checksums`)."""
-        if header.total != total:
-            raise ValueError(f"delta bucket {index}: {header.total} bytes, its tensors take {total}")
-        payload = received.narrow(0, 0, header.nbytes)
-        if expected_checksum is not None and checksum(payload) != expected_checksum:
-            raise ChecksumError(f"delta bucket {index} arrived corrupted (checksum {checksum(payload)} != "
-                                f"sender's {expected_checksum}); nothing of it was loaded")
-        held = self.delta_held.get(index)
-        if header.encoding != "dense" and (held is None or held[0] != layout):
-            raise ValueError(f"delta bucket {index}: this engine holds no bytes of that bucket to apply it to "
-                             "(a full update must come first)")
-        if held is None and sum(b.numel() for _, b in self.delta_held.values()) + total > self.max_lent_bytes:
-            raise ValueError(f"delta bucket {index}: the bytes held for deltas would exceed {self.max_lent_bytes} "
-                             "(twice the model's size): more buckets than any plan of this model has")
-        self.delta_changed = True
-        if header.encoding == "dense":
-            raw = received
-            if header.word not in self.warmed_words:  # the first delta of these words then finds them compiled
-                warm_kernels(self.device, (header.word,))
-                self.warmed_words.add(header.word)
-        else:
-            raw = held[1]  # type: ignore[index]  # held is checked above
-            apply(raw.narrow(0, 0, header.total), header, payload)
-        self.delta_held[index] = (layout, raw)
-        self.delta_digests[index] = checksum(raw.narrow(0, 0, header.total))
-        return raw
 
     def _receive_delta(self, group, header: DeltaHeader, index: int, src: int | None = None) -> torch.Tensor:
         """Delta bucket ``index``'s payload, broadcast (or sent by group rank ``src``) into a buffer of ours (that
@@ -478,23 +376,12 @@ class Worker:
         return header
 
     def delta_checksums(self) -> dict[int, str]:
-        """The checksum of each bucket's bytes the open (or last) session applied, by bucket index; a resharded
-        bucket's: those of its trainer ranks' parts joined with ``+`` in trainer-rank order (what the trainer's
-        ``sinks.reshard.expected_digests`` joins)."""
-        whole: dict[int, str] = {}
-        parts: dict[int, list[tuple[int, str]]] = {}
-        for key, digest in self.delta_digests.items():
-            if isinstance(key, tuple):
-                parts.setdefault(key[0], []).append((key[1], digest))
-            else:
-                whole[key] = digest
-        return {**whole, **{i: "+".join(d for _, d in sorted(ps)) for i, ps in parts.items()}}
+        """The checksum of each bucket's bytes the open (or last) session applied (:meth:`HeldDeltas.checksums`)."""
+        return self.deltas.checksums()
 
     def forget_delta(self) -> str:
         """Drop the bytes kept for deltas (the weights were loaded otherwise: they no longer match them)."""
-        dropped = len(self.delta_held)
-        self.delta_held, self.delta_digests = {}, {}
-        return f"dropped {dropped} buckets"
+        return f"dropped {self.deltas.forget()} buckets"
 
     def update_distributed_ahead(self, buckets, group_name, load_format, delta: bool = False):
         """Every bucket of an update, received back to back. After a failure the rest are still received
@@ -509,7 +396,7 @@ class Worker:
     def update_p2p_ahead(self, group_name, buckets, delta: bool = False):
         """Every per-rank bucket of an update, each sent by its trainer rank (``src``), received back to back (as
         :meth:`update_distributed_ahead`)."""
-        programs = [self._p2p_program(tuple(_wire_meta(m) for m in b["metas"]), int(b["nbytes"])) for b in buckets]
+        programs = [self._p2p_program(tuple(wire_meta(m) for m in b["metas"]), int(b["nbytes"])) for b in buckets]
         receive = self._receive_deltas_ahead if delta else self._receive_ahead
         return receive(self._group(group_name), programs, [(int(b["nbytes"]), int(b["src"])) for b in buckets])
 
@@ -531,7 +418,7 @@ class Worker:
                 continue
             try:
                 with self.clock("apply delta"):
-                    raw = self._delta_bytes(i, tuple(program.metas), program.total, header, received, None)
+                    raw = self.deltas.new_bytes(i, program.metas, program.total, header, received, None)
                 with self.clock("load"):
                     loaded += self._load_dense(program, raw, None)["loaded"]
             except Exception as exc:  # noqa: BLE001 -- the rest is drained, then this is raised
@@ -540,7 +427,7 @@ class Worker:
             raise RuntimeError(failure)
         return {"loaded": loaded}
 
-    def _p2p_program(self, metas: tuple[TensorMeta, ...], nbytes: int) -> SimpleNamespace:
+    def _p2p_program(self, metas: tuple[TensorMeta, ...], nbytes: int) -> CopyProgram:
         """A per-rank bucket's program (kept by its metadata once it has loaded), of ``nbytes`` on the wire."""
         program = self.programs.get(("p2p", metas))
         if program is None:
@@ -571,7 +458,7 @@ class Worker:
             raise RuntimeError(failure)
         return {"loaded": loaded}
 
-    def _dense_program(self, names, dtypes, shapes) -> SimpleNamespace:
+    def _dense_program(self, names, dtypes, shapes) -> CopyProgram:
         """A dense bucket's program: the one kept of an earlier bucket of the same names, dtypes and shapes, else a
         new one (kept once it has loaded: :meth:`_load_dense`)."""
         key = (tuple(names), tuple(dtypes), tuple(tuple(s) for s in shapes))
@@ -589,7 +476,7 @@ class Worker:
             return "bad bucket metadata: " + "; ".join(problems)
         if len(frame.buckets) != num_buckets:
             return f"bad bucket metadata: {len(frame.buckets)} buckets described, {num_buckets} announced"
-        programs = [self._program(_metas(b)) for b in frame.buckets]
+        programs = [self._program(plan_metas(b)) for b in frame.buckets]
         self.ipc_plans[plan] = programs
         while len(self.ipc_plans) > MAX_PLANS:
             self.ipc_plans.pop(next(iter(self.ipc_plans)))
@@ -610,9 +497,9 @@ class Worker:
                                 for (n, _), v in zip(payload, typed_views(raw, dtype, sizes), strict=True)])
             self.bucket_count += 1
             done = self._report(self.model.load_flat(program.names, program.targets,
-                                                     self._copies_from(program, raw, kept)))
+                                                     program.copies_from(raw, kept)))
         else:
-            done = self._apply(Bucket(self.bucket_count, raw.narrow(0, 0, program.total), tuple(program.metas)),
+            done = self._apply(Bucket(self.bucket_count, raw.narrow(0, 0, program.total), program.metas),
                                expected_checksum)
         if program.key is not None:  # it loaded: kept for the next bucket of the same layout
             self.programs.put(program.key, program, len(program.metas))
@@ -693,7 +580,7 @@ class Worker:
         if header.encoding == "dense":
             received = typed_buffer(header.nbytes, self.device)
             received.narrow(0, 0, header.nbytes).copy_(view.narrow(0, 0, header.nbytes))
-        raw = self._delta_bytes(record.index, tuple(program.metas), program.total, header, received,
+        raw = self.deltas.new_bytes(record.index, program.metas, program.total, header, received,
                                 expected_checksum)
         return self._load_dense(program, raw, None)["loaded"]
 
@@ -735,7 +622,7 @@ class Worker:
         for k, program in enumerate(programs):
             whole = slots[k % len(slots)] if slots else None
             if whole is not None and program.runs is not None and program.total <= whole.numel():
-                self._copies_from(program, whole.narrow(0, 0, program.total), kept=True)
+                program.copies_from(whole.narrow(0, 0, program.total), kept=True)
         if slots:
             warm_kernel(self.device)  # its first launch compiles it (a second or more): not in the update
         # What was just made lives as long as the plan: left to the cyclic collector, the first update's new
@@ -806,7 +693,7 @@ class Worker:
         self.ipc_client = None
 
     def _offer_writes(self, chan, plan, programs, timeout_s, offer: bool = True,
-                      ) -> tuple[SimpleNamespace, OfferAnswer] | None:
+                      ) -> tuple[WeightExport, OfferAnswer] | None:
         """Offer the trainer to write the plan's tensors straight into our weights, where every tensor of it is
         one whole weight of ours (loaded by a plain copy): :class:`Offer`. Its :class:`OfferAnswer` says
         whether it will, and which export of ours it holds (``have``); where it will, the :class:`Export`
@@ -830,7 +717,7 @@ class Worker:
         the dtype it arrives in) and the weights are there."""
         return not (self.model.released_bytes or not programs or any(p.runs is None for p in programs))
 
-    def _export(self, plan, programs) -> SimpleNamespace:
+    def _export(self, plan, programs) -> WeightExport:
         """The export of ``plan``'s weights (``id``, ``weights``: what :class:`ExportedWeights` says of them,
         and the plan's ``names`` with the ``targets`` they go into), made once per plan and weight storage."""
         made = self.exports.get(plan)
@@ -856,13 +743,13 @@ class Worker:
             offsets=tuple(t.storage_offset() * t.element_size() for t in targets),
             numels=tuple(t.numel() for t in targets), dtypes=tuple(dtype_name(t.dtype) for t in targets),
             sizes=sizes, payload=None)
-        made = self.exports[plan] = SimpleNamespace(id=uuid.uuid4().hex, weights=weights, names=names,
-                                                    targets=targets, wholes=wholes)
+        made = self.exports[plan] = WeightExport(uuid.uuid4().hex, weights, tuple(names), tuple(targets),
+                                                tuple(wholes))
         while len(self.exports) > MAX_PLANS:
             self.exports.pop(next(iter(self.exports)))
         return made
 
-    def _export_frame(self, export: SimpleNamespace) -> tuple[Export, list[int]]:
+    def _export_frame(self, export: WeightExport) -> tuple[Export, list[int]]:
         """The export as a trainer that does not hold it gets it: on the CPU the storages' descriptors (the
         same each time); on a GPU their CUDA IPC handles, pickled for this trainer (each pickle is one
         receiver's reference)."""
@@ -871,7 +758,7 @@ class Worker:
             return Export(export.id, export.weights), fds
         return Export(export.id, replace(export.weights, payload=dumps_b64(export.wholes))), []
 
-    def _take_writes(self, chan: Channel, export: SimpleNamespace, answer: OfferAnswer, bound_s: float) -> dict:
+    def _take_writes(self, chan: Channel, export: WeightExport, answer: OfferAnswer, bound_s: float) -> dict:
         """The trainer writes every tensor of the plan into our weights (``export``): we back up what it
         overwrites (the session rolls back whole), say :class:`Ready` (on a GPU: an event its stream waits
         on), and wait for its :class:`WritesDone` (on a GPU: our stream waits on its event, then the device
@@ -931,14 +818,14 @@ class Worker:
 
     def update_p2p(self, group_name, src, metas, nbytes, expected_checksum, delta=None):
         group = self._group(group_name)
-        metas = tuple(_wire_meta(m) for m in metas)
+        metas = tuple(wire_meta(m) for m in metas)
         if delta is not None:  # a delta of this rank's bucket: its new bytes, then loaded as a received bucket
             total = extent(metas)
             header, index = DeltaHeader.from_request(delta, total, total)
             with self.clock("receive"):
                 received = self._receive_delta(group, header, index, src)
             with self.clock("apply delta"):
-                raw = self._delta_bytes(index, metas, total, header, received, expected_checksum)
+                raw = self.deltas.new_bytes(index, metas, total, header, received, expected_checksum)
             with self.clock("load"):
                 return self._apply(Bucket(self.bucket_count, raw.narrow(0, 0, total), metas), None)
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -963,7 +850,7 @@ class Worker:
         self.bucket_count += 1
         if not load:
             return None
-        layouts = [tuple(map(_wire_meta, p["metas"])) for p in parts]
+        layouts = [tuple(map(wire_meta, p["metas"])) for p in parts]
         if any(p.get("delta") is not None for p in parts):
             with self.clock("apply delta"):
                 buffers = self._pieces_from_deltas(parts, layouts, buffers)
@@ -988,7 +875,7 @@ class Worker:
                 raise ValueError(f"bucket {index} refused, nothing of it loaded: " + "; ".join(problems))
             return self._load(weights)
 
-    def _pieces_program(self, layouts: tuple[tuple[TensorMeta, ...], ...]) -> SimpleNamespace | None:
+    def _pieces_program(self, layouts: tuple[tuple[TensorMeta, ...], ...]) -> PiecesProgram | None:
         """A resharded bucket's pieces (``layouts``: per trainer rank's part) loaded by plain copies, where they tile
         this rank's parts and each loads by one (:meth:`ShardedCausalLM.piece_targets`): the tensors' names, their
         parameters (kept as backups) and the view each piece fills; None: they go through ``assemble``. Made once
@@ -1001,8 +888,8 @@ class Worker:
             return None  # refused by ``assemble``, naming every problem; nothing of it kept
         dests = self.model.piece_targets(metas)
         names = list(dict.fromkeys(m.name for m in metas))
-        program = None if dests is None else SimpleNamespace(
-            names=names, targets=[[self.model.params[n][0] for n in names]], dests=dests)
+        program = None if dests is None else PiecesProgram(
+            tuple(names), ([self.model.params[n][0] for n in names],), tuple(dests))
         self.programs.put(key, program, len(metas))
         return program
 
@@ -1034,7 +921,7 @@ class Worker:
         out = []
         with self.clock("receive"):
             for part in parts:
-                layout = tuple(map(_wire_meta, part["metas"]))
+                layout = tuple(map(wire_meta, part["metas"]))
                 header = self._receive_header(group, words, int(part["src"]), extent(layout), int(part["nbytes"]),
                                               index)
                 out.append({**part, "nbytes": header.nbytes, "delta": {**header.as_json(), "index": index}})
@@ -1055,7 +942,7 @@ class Worker:
         for part, layout, delta, payload in zip(parts, layouts, deltas, payloads, strict=True):
             total = extent(layout)
             header, _ = DeltaHeader.from_request(delta, total, min(total, payload.numel()))
-            out.append(self._delta_bytes((index, int(part["src"])), layout, total, header, payload,
+            out.append(self.deltas.new_bytes((index, int(part["src"])), layout, total, header, payload,
                                          part.get("checksum")))
         return out
 
@@ -1099,41 +986,14 @@ class Worker:
     def _apply(self, bucket: Bucket, expected_checksum, foreign: bool = False):
         index = self.bucket_count
         self.bucket_count += 1
-        if expected_checksum is not None:
-            got = checksum(bucket.buffer)
-            if got != expected_checksum:
-                names = [m.name for m in bucket.metas]
-                raise ChecksumError(
-                    f"bucket {index} arrived corrupted (checksum {got} != sender's {expected_checksum}); "
-                    f"nothing of it was loaded; its tensors: {names}"
-                )
+        verify_checksum(bucket.buffer, expected_checksum, f"bucket {index}",
+                        lambda: f"; its tensors: {[m.name for m in bucket.metas]}")
         return self._load([(m.name, view_tensor(bucket.buffer, m), m.shard) for m in bucket.metas], foreign)
 
-    def _program(self, metas: list[TensorMeta], key: tuple | None = None) -> SimpleNamespace:
-        """``runs`` (how to cut the buffer, with each tensor's name and parameter) where every tensor of the
-        bucket loads by a plain copy, else None; ``names`` in the order the runs cut, and ``targets`` per
-        run (one dtype each: the batched copy of a run takes the GPU's fused kernels). ``key``: where it is kept
-        in :attr:`programs` once a bucket has loaded by it (None: kept elsewhere, or not at all)."""
-        total = metas[-1].offset + metas[-1].nbytes if metas else 0
-        targets = self.model.whole_targets(metas) if metas else None
-        runs = None if targets is None else typed_runs(
-            (m.dtype, m.offset, m.numel, (m.name, t)) for m, t in zip(metas, targets, strict=True))
-        return SimpleNamespace(metas=metas, total=total, runs=runs, copies={}, key=key,
-                               names=[n for _, _, payload in runs or () for n, _ in payload],
-                               targets=[[t for _, t in payload] for _, _, payload in runs or ()])
-
-    @staticmethod
-    def _copies_from(program, raw, kept: bool) -> list:
-        """The batched copies of ``program`` out of ``raw``; kept with the program for a kept buffer."""
-        copies = program.copies.get(raw.data_ptr()) if kept else None
-        if copies is None:
-            copies = [batched_copy(targets, list(typed_views(raw, dtype, sizes)), stable=kept)
-                      for (dtype, sizes, _), targets in zip(program.runs, program.targets, strict=True)]
-            if kept:
-                if len(program.copies) >= 4:
-                    program.copies.clear()
-                program.copies[raw.data_ptr()] = copies
-        return copies
+    def _program(self, metas: list[TensorMeta], key: tuple | None = None) -> CopyProgram:
+        """The copy program of a bucket of ``metas`` into this model (:func:`copy_program`); ``key``: where it is
+        kept in :attr:`programs` once a bucket has loaded by it."""
+        return copy_program(metas, self.model.whole_targets(metas) if metas else None, key)
 
     def _report(self, report):
         if report.problems:
@@ -1145,7 +1005,7 @@ class Worker:
 
     def _check_values(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Refuse a bucket (``named``: its tensors as they arrived) whose values :attr:`checks` refuse, every problem
-        named (:mod:`~weightstream.reference_engine.values`); log the weights it holds NaN or an infinity in, which
+        named (:mod:`~weightstream.receiver.values`); log the weights it holds NaN or an infinity in, which
         the session reports."""
         report = check_values(named)
         refusal = report.refusal(self.checks)
@@ -1179,7 +1039,7 @@ class Worker:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.session_base = torch.cuda.memory_allocated(self.device)
         self.bucket_count = 0
-        self.delta_digests, self.delta_changed = {}, False
+        self.deltas.begin()
         self.session_nonfinite = set()
         self.clock.reset()
         self.in_session = True
@@ -1218,8 +1078,7 @@ class Worker:
         restored = self.model.rollback_session()
         self._end_session()
         self.bucket_count = 0
-        if self.delta_changed:  # the bytes held for deltas were changed in place: no longer the committed ones
-            self.forget_delta()
+        self.deltas.abort()  # bytes held for deltas changed in place are no longer the committed ones
         return f"restored {restored} tensors"
 
     def release_memory(self, tags):
@@ -1273,7 +1132,7 @@ class Worker:
                 "groups_warmed": self.groups_warmed, "programs_kept": len(self.programs),
                 "program_tensors_kept": self.programs.tensors, "program_tensors_bound": self.programs.capacity,
                 "ipc_plans_kept": len(self.ipc_plans), "exports_kept": len(self.exports),
-                "delta_buckets_held": len(self.delta_held)}
+                "delta_buckets_held": len(self.deltas)}
 
     def logits(self, input_ids):
         """Rank 0's logits as a numpy array: it crosses the pipe by value, so no shared storage of a reply (a
@@ -1355,7 +1214,7 @@ def worker_main(rank, size, model_dir, port, backend, device, dtype, conn, rollb
                 worker_type: type[Worker] = Worker) -> None:
     """``gloo_interface``: where gloo's listeners go (``GLOO_SOCKET_IFNAME``, unless the user set it): the
     interface of the engine's HTTP address. ``ep``: the engine's expert parallelism (:class:`Worker`). ``checks``:
-    what the values of an update are checked for (:class:`~weightstream.reference_engine.values.LoadChecks`).
+    what the values of an update are checked for (:class:`~weightstream.receiver.values.LoadChecks`).
     ``worker_type``: the :class:`Worker` (or a subclass of it) that serves the commands."""
     die_with_parent()  # the kernel ends this worker when the engine's main process dies, however it dies
     _fixed_mmap_threshold()

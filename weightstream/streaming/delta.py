@@ -85,7 +85,7 @@ class DeltaHeader:
     @classmethod
     def from_request(cls, d: Mapping[str, Any], total: int, limit: int) -> tuple[DeltaHeader, int]:
         """The header and the bucket index a per-bucket request carries (:meth:`as_json` and ``index``; its fields'
-        types checked by the receiver first: ``reference_engine.schema.delta_problems``), for a bucket of ``total``
+        types checked by the receiver first: ``receiver.schema.delta_problems``), for a bucket of ``total``
         bytes whose payload takes at most ``limit``: checked as :meth:`from_words` checks a header sent ahead (by
         :func:`header_problems`), raising ``ValueError`` listing every field that cannot be."""
         index = int(d["index"])
