@@ -983,7 +983,6 @@ def cmd_engine(args: argparse.Namespace) -> int:
     from weightstream.receiver.schema import ep_problem
     from weightstream.receiver.values import LoadChecks
     from weightstream.reference_engine.server import ServerLimits, serve, stop
-    from weightstream.reference_engine.values import LoadChecks
 
     problem = (_engine_model_problem(args.hf) or _engine_tp_problem(args.hf, args.tp)
                or ep_problem(args.ep, args.tp, _engine_experts(args.hf)))
