@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 
+from weightstream.checks.compare import compare_checkpoints
 from weightstream.common.hf_files import INDEX_NAME
 from weightstream.convert import convert_checkpoint
 from weightstream.jobs import Layout
 from weightstream.launch import launch
 from weightstream.models.presets import preset_config, save_random_checkpoint
-from weightstream.testing.compare import compare_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
 BUCKET, SHARD = 10_000, 100_000  # tiny-qwen3 (47 tensors, 1.2 MB): dozens of buckets, a dozen files

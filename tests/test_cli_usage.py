@@ -164,7 +164,7 @@ def test_layouts_are_checked_against_the_model_with_every_problem():
 
 @pytest.mark.unit
 def test_verify_lists_the_first_of_each_kind_then_the_count():
-    from weightstream.testing.compare import Comparison
+    from weightstream.checks.compare import Comparison
 
     cmp = Comparison(differ=[f"t{i}: max abs difference 1" for i in range(25)], compared=25)
     lines = cmp.render("a", "b").splitlines()

@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 from tests.conftest import hf_logits
 from tests.helpers.checks import assert_logits_close
 from tests.helpers.docs import ROOT, Block, example
+from weightstream.checks.compare import compare_checkpoints
 from weightstream.converters.fp8 import BlockFP8
 from weightstream.launch import free_port
-from weightstream.testing.compare import compare_checkpoints
 
 INPUT_IDS = [[3, 14, 159, 265, 358, 979, 323, 846, 26, 433], [999, 0, 1, 2, 500, 501, 77, 88, 99, 111]]
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from weightstream.checks.compare import compare_checkpoints
 from weightstream.convert import convert_checkpoint
 from weightstream.converters.qwen3 import QWEN3
 from weightstream.converters.registry import register_converter, unregister_converter
-from weightstream.testing.compare import compare_checkpoints
 
 CLI = [sys.executable, "-c", "import sys; from weightstream.cli import main; sys.exit(main())"]
 IDS = [[5, 17, 42, 99, 3, 250, 7]]

@@ -23,6 +23,7 @@ from tests.helpers.checks import (
 )
 from tests.helpers.megatron_saves import run_saves
 from tests.helpers.workers import Case, run_cases, run_update
+from weightstream.checks.megatron_models import transformer_config
 from weightstream.common.hf_files import CheckpointReader
 from weightstream.common.layout import ALIGN
 from weightstream.convert import convert_checkpoint
@@ -36,7 +37,6 @@ from weightstream.models.presets import preset_config, random_hf_model
 from weightstream.reference_engine.server import serve, stop
 from weightstream.streaming.plan import plan_buckets
 from weightstream.streaming.stream import stream_hf_weights
-from weightstream.testing.megatron import transformer_config
 
 EXPERTS = 8
 

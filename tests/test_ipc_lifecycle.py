@@ -53,7 +53,7 @@ from weightstream.launch import free_port
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 import weightstream as ws
 from weightstream.common.hf_files import CheckpointReader
-from weightstream.testing.megatron import build_gpt_model, initialize_parallel, load_hf_weights
+from weightstream.checks.megatron_models import build_gpt_model, initialize_parallel, load_hf_weights
 from weightstream.sinks import IPCSink
 
 src, url, how, options = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])

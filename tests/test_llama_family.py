@@ -69,7 +69,7 @@ def test_llama_is_qwen2_without_the_qkv_bias_and_mistral_is_llama():
 
 
 def test_what_the_llama_family_cannot_carry_is_refused_naming_it():  # not unit: it imports Megatron-Core
-    from weightstream.testing.megatron import _rope_scaling
+    from weightstream.checks.megatron_models import _rope_scaling
 
     biased = preset_config("tiny-llama")
     biased.attention_bias, biased.mlp_bias = True, True

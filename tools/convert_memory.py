@@ -28,8 +28,8 @@ def save_stages(preset: str, pp: int, root: str, dtype: str) -> float:
     import torch.distributed as dist
 
     from tests.helpers.megatron_saves import save_legacy
+    from weightstream.checks.megatron_models import build_gpt_model, initialize_parallel
     from weightstream.models.presets import preset_config
-    from weightstream.testing.megatron import build_gpt_model, initialize_parallel
 
     initialize_parallel(1, pp)
     cfg = preset_config(preset)

@@ -55,10 +55,10 @@ def release_job(src: str, url: str) -> dict:
     lets go of its mapping of them first), then an update into the re-created weights; the engine's CUDA
     memory at each step."""
     from weightstream.bench.speed import _trainer
+    from weightstream.checks.megatron_models import load_hf_weights
     from weightstream.common.hf_files import CheckpointReader
     from weightstream.engines import ReferenceEngine
     from weightstream.models.spec import load_hf_config
-    from weightstream.testing.megatron import load_hf_weights
     from weightstream.update import WeightSync
 
     cfg = load_hf_config(src)
@@ -108,9 +108,9 @@ def ipc_trainer_job(src: str, url: str, die: bool) -> dict:
     """One trainer process: its weights from ``src``, one IPC update into the engine; ``die``: exit at once
     after it, without closing anything (as a crashed trainer)."""
     from weightstream.bench.speed import _trainer
+    from weightstream.checks.megatron_models import load_hf_weights
     from weightstream.common.hf_files import CheckpointReader
     from weightstream.models.spec import load_hf_config
-    from weightstream.testing.megatron import load_hf_weights
     from weightstream.update import update_weights
 
     cfg = load_hf_config(src)

@@ -850,7 +850,7 @@ def _demo_stream(args: argparse.Namespace, layout: Layout, src: str, out: str, s
 
 def _demo_compare(src: str, out: str) -> bool:
     """Step 4: every tensor of the written checkpoint against the source, bit for bit; whether all are equal."""
-    from weightstream.testing.compare import compare_checkpoints
+    from weightstream.checks.compare import compare_checkpoints
 
     print("[4/5] checking every tensor of the checkpoint against the source, bit for bit")
     cmp = compare_checkpoints(src, out)
@@ -910,7 +910,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from weightstream.testing.compare import compare_checkpoints
+    from weightstream.checks.compare import compare_checkpoints
 
     missing = [d for d in (args.a, args.b) if not Path(d).is_dir()]
     if missing:

@@ -133,8 +133,8 @@ def _tokenizer():
 
 def _save_rank(hf_dir: str, root: str, tp: int) -> None:
     """One rank of the job that writes the checkpoint: the HF weights into a TP-``tp`` Megatron-Core model, saved."""
+    from weightstream.checks.megatron_models import build_gpt_model, initialize_parallel, load_hf_weights
     from weightstream.common.hf_files import CheckpointReader
-    from weightstream.testing.megatron import build_gpt_model, initialize_parallel, load_hf_weights
 
     initialize_parallel(tp=tp)
     chunks = build_gpt_model(hf_dir)
@@ -248,7 +248,7 @@ from transformers import AutoTokenizer
 
 import weightstream as ws
 from weightstream.example import load_megatron_checkpoint
-from weightstream.testing.megatron import build_gpt_model, forward_shims, initialize_parallel
+from weightstream.checks.megatron_models import build_gpt_model, forward_shims, initialize_parallel
 
 HERE = Path(__file__).resolve().parent
 HF = str(HERE / "hf")

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from tests.helpers.checks import INPUT_IDS
 from tests.helpers.workers import Case, _build
-from weightstream.testing.megatron import megatron_logits
+from weightstream.checks.megatron_models import megatron_logits
 
 
 @contextmanager

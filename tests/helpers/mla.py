@@ -8,10 +8,10 @@ import torch.distributed as dist
 
 from tests.helpers.fp8_truth import same_bits
 from tests.helpers.workers import Case, _build, present_te_names, run_case, run_error_case
+from weightstream.checks.megatron_models import load_hf_weights
 from weightstream.common.hf_files import CheckpointReader
 from weightstream.sources.megatron import unwrap
 from weightstream.streaming.stream import stream_hf_weights
-from weightstream.testing.megatron import load_hf_weights
 
 
 def run_te_reload(case: Case) -> dict:

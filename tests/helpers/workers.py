@@ -13,6 +13,7 @@ from torch import nn
 
 from tests.helpers.checks import INPUT_IDS  # (the prompts every logits check uses)
 from tests.helpers.fp8_truth import same_bits, truth_of
+from weightstream.checks.megatron_models import build_gpt_model, initialize_parallel, load_hf_weights, megatron_logits
 from weightstream.common.hf_files import CheckpointReader
 from weightstream.converters.fp8 import BlockFP8
 from weightstream.errors import WeightstreamError
@@ -21,7 +22,6 @@ from weightstream.models.spec import load_hf_config
 from weightstream.sinks.safetensors import save_hf_checkpoint
 from weightstream.sources.megatron import unwrap
 from weightstream.streaming.stream import stream_hf_weights
-from weightstream.testing.megatron import build_gpt_model, initialize_parallel, load_hf_weights, megatron_logits
 
 
 @dataclass
@@ -337,21 +337,21 @@ class PlanBuilds:
         self.count = 0
 
     def __enter__(self) -> PlanBuilds:
-        from weightstream.streaming import stream as stream_mod
+        from weightstream.streaming import kept_plans
 
-        self._original = original = stream_mod._make_plan
+        self._original = original = kept_plans.make_plan
 
         def counted(*args, **kwargs):
             self.count += 1
             return original(*args, **kwargs)
 
-        stream_mod._make_plan = counted
+        kept_plans.make_plan = counted
         return self
 
     def __exit__(self, *exc) -> None:
-        from weightstream.streaming import stream as stream_mod
+        from weightstream.streaming import kept_plans
 
-        stream_mod._make_plan = self._original
+        kept_plans.make_plan = self._original
 
 
 def run_plan_reuse(src: str, tp: int) -> dict:

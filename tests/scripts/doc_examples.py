@@ -52,8 +52,8 @@ def run_block(block: dict, chunks, hf: str, engines: list[str]) -> None:
 def main() -> None:
     plan = json.loads(Path(sys.argv[1]).read_text())
     dist.init_process_group("gloo")
+    from weightstream.checks.megatron_models import build_gpt_model, initialize_parallel
     from weightstream.example import load_megatron_checkpoint
-    from weightstream.testing.megatron import build_gpt_model, initialize_parallel
 
     example = Path(plan["example"])
     hf = str(example / "hf")

@@ -39,10 +39,10 @@ def main() -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
     import weightstream as ws
+    from weightstream.checks.megatron_models import build_gpt_model, initialize_parallel, load_hf_weights
     from weightstream.common.hf_files import CheckpointReader
     from weightstream.converters.fp8 import BlockFP8
     from weightstream.engines import ReferenceEngine
-    from weightstream.testing.megatron import build_gpt_model, initialize_parallel, load_hf_weights
 
     quantize = BlockFP8(block=(args.fp8_block, args.fp8_block)) if args.fp8_block else None
     initialize_parallel(args.tp, args.pp, ep=args.ep)

@@ -168,8 +168,8 @@ class _Adam:
 
 def _loss(chunks: list[nn.Module], vocab_size: int, gen: torch.Generator) -> torch.Tensor:
     """The mean language-model loss of the (one-stage) Megatron model on a random batch, its graph kept."""
+    from weightstream.checks.megatron_models import forward_shims
     from weightstream.sources.megatron import unwrap
-    from weightstream.testing.megatron import forward_shims
 
     (model,) = [unwrap(c) for c in chunks]
     device = next(model.parameters()).device
@@ -186,8 +186,8 @@ def delta_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype: 
               steps: int, repeats: int, masters: str, snapshot: str, tp: int = 1) -> dict:
     """Trainer rank (TP ``tp``): the updates of the run (module docstring), each as :class:`DeltaStep`
     fields; the Megatron model's logits after the last (or why its forward failed)."""
+    from weightstream.checks.megatron_models import megatron_logits
     from weightstream.models.spec import load_hf_config
-    from weightstream.testing.megatron import megatron_logits
     from weightstream.update import WeightSync
 
     cfg = load_hf_config(cfg_dir)

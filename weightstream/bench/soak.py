@@ -276,9 +276,9 @@ def _start_trainer(cfg: Any, sets: list[str]) -> _Trainer:
     each checkpoint of ``sets`` kept aside (the model holds the last)."""
     import torch.distributed as dist
 
+    from weightstream.checks.megatron_models import build_gpt_model, initialize_parallel, load_hf_weights
     from weightstream.common.hf_files import CheckpointReader
     from weightstream.common.processes import free_port
-    from weightstream.testing.megatron import build_gpt_model, initialize_parallel, load_hf_weights
     from weightstream.wire.groups import tcp_store
 
     port = free_port()

@@ -172,7 +172,7 @@ def copy_ceiling(total: int, bucket_bytes: int, device: torch.device, repeats: i
 
 
 def _trainer(cfg, dtype: str, tp: int = 1, ep: int = 1):
-    from weightstream.testing.megatron import build_gpt_model, initialize_parallel
+    from weightstream.checks.megatron_models import build_gpt_model, initialize_parallel
 
     initialize_parallel(tp, 1, ep=ep)
     chunks = build_gpt_model(cfg, dtype=getattr(torch, dtype))
@@ -283,8 +283,8 @@ def update_job(cfg_dir: str, url: str | list[str], transport: str, bucket_bytes:
     cfg = load_hf_config(cfg_dir)
     chunks, device = _trainer(cfg, dtype, tp, ep)
     if load:
+        from weightstream.checks.megatron_models import load_hf_weights
         from weightstream.common.hf_files import CheckpointReader
-        from weightstream.testing.megatron import load_hf_weights
 
         with CheckpointReader(cfg_dir) as reader:
             load_hf_weights(chunks, cfg, reader)
@@ -312,7 +312,7 @@ def update_job(cfg_dir: str, url: str | list[str], transport: str, bucket_bytes:
     read = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
     ceiling = (copy_ceiling(reports[-1]["bytes"] if quantize is None else read, bucket_bytes, device, repeats)
                if transport == "ipc" else None)
-    from weightstream.testing.megatron import megatron_logits
+    from weightstream.checks.megatron_models import megatron_logits
 
     logits: torch.Tensor | str
     try:
@@ -355,8 +355,8 @@ def _as_served(chunks, cfg, quantize: BlockFP8) -> None:
     model's dtype, as the stream quantizes it), so that the Megatron model's own forward is the reference for the
     engine's logits. Held in host memory until loaded (next to a colocated engine a second copy of the model does
     not fit the device)."""
+    from weightstream.checks.megatron_models import load_hf_weights
     from weightstream.streaming.stream import stream_hf_weights
-    from weightstream.testing.megatron import load_hf_weights
 
     dtype = next(chunks[0].parameters()).dtype
     served: dict[str, torch.Tensor] = {}

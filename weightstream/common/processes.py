@@ -73,7 +73,7 @@ PRELOAD = [
     "torch", "torch.distributed", "transformers", "safetensors.torch",
     "transformers.models.qwen2.modeling_qwen2", "transformers.models.qwen3.modeling_qwen3",
     "transformers.models.qwen2_moe.modeling_qwen2_moe", "transformers.models.qwen3_moe.modeling_qwen3_moe",
-    "megatron.core", "megatron.core.models.gpt", "weightstream.testing.megatron",
+    "megatron.core", "megatron.core.models.gpt", "weightstream.checks.megatron_models",
     "weightstream.reference_engine.worker", "weightstream.streaming.stream",
 ]
 

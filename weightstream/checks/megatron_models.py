@@ -1,8 +1,9 @@
-"""Building Megatron-Core models for an HF config, and loading HF checkpoints into them.
+"""Megatron-Core models built on the CPU for an HF config, HF checkpoints loaded into them, and their logits.
 
 The loader is the inverse of the stream: the same converter declarations, each op's
-``to_megatron``, then this rank's TP shard. It is what tests, the demo and ``weightstream dump``
-use to put known weights into a Megatron model under any layout.
+``to_megatron``, then this rank's TP shard. It is what ``weightstream demo``, ``example``, ``dump``, ``bench``
+and the tests use to put known weights into a Megatron model under any layout, and to compare its logits with
+the HF model's.
 """
 
 from __future__ import annotations

@@ -1,1 +1,0 @@
-"""Support for checks: Megatron-Core models built on the CPU, and checkpoint comparison."""
