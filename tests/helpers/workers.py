@@ -337,21 +337,21 @@ class PlanBuilds:
         self.count = 0
 
     def __enter__(self) -> PlanBuilds:
-        from weightstream.streaming import stream as stream_mod
+        from weightstream.streaming import kept_plans
 
-        self._original = original = stream_mod._make_plan
+        self._original = original = kept_plans.make_plan
 
         def counted(*args, **kwargs):
             self.count += 1
             return original(*args, **kwargs)
 
-        stream_mod._make_plan = counted
+        kept_plans.make_plan = counted
         return self
 
     def __exit__(self, *exc) -> None:
-        from weightstream.streaming import stream as stream_mod
+        from weightstream.streaming import kept_plans
 
-        stream_mod._make_plan = self._original
+        kept_plans.make_plan = self._original
 
 
 def run_plan_reuse(src: str, tp: int) -> dict:

@@ -1,0 +1,207 @@
+"""Copy programs: how each bucket is filled, prepared once per plan (its layout, the views of live tensors it is
+copied from, what is converted one by one), and the batched copies a program makes into a bucket buffer or straight
+into a receiver's tensors, block FP8 casts among them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from weightstream.converters.fp8 import BlockFP8
+from weightstream.converters.ops import OpContext, hf_views
+from weightstream.streaming.bucket import TensorMeta, typed_runs, typed_views, view_tensor
+from weightstream.streaming.copies import batched_copy
+from weightstream.streaming.fp8_cast import CastJob, row_layout
+from weightstream.streaming.items import StreamItem
+from weightstream.streaming.quantize import block_cast
+
+__all__ = ["ItemView", "CopyProgram", "item_views", "make_program", "buffer_copies", "target_copies"]
+
+
+# A batched HF tensor: the view of a live tensor it is made from, its metadata, and its scales' where it leaves as
+# block FP8.
+ItemView = tuple[Tensor, TensorMeta, TensorMeta | None]
+
+
+@dataclass(slots=True)
+class CopyProgram:
+    """How one bucket is filled, prepared once: its layout and the views to copy from."""
+
+    total: int  # bytes of the bucket
+    metas: tuple[TensorMeta, ...]
+    nbytes: int  # bytes of its tensors (the buffer less the alignment gaps)
+    items: list[StreamItem]  # in layout order
+    item_metas: list[list[TensorMeta]]
+    # Batched copies: per dtype, how to cut the buffer (typed_runs) and the flat source views.
+    runs: list[tuple[torch.dtype, list[int], list[Tensor]]]
+    strided: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int, Tensor]]  # non-contiguous sources
+    slow: list[int]  # items converted one by one (TP-gathered, or an op that makes new tensors)
+    batched: int
+    spans: list[tuple[int, int | None, int, int]]  # per item (PP owner, EP owner, first byte, end): Source.share
+    # Every batched tensor: (HF name, dtype, the view of a live tensor it is copied from), for ``write_into``.
+    named: list[tuple[str, torch.dtype, Tensor]]
+    # Every batched tensor that leaves as block FP8: (the view it is quantized from, its values', its scales' metadata).
+    casts: list[tuple[Tensor, TensorMeta, TensorMeta]]
+    # With kept buffers: the batched copies, made once per kept buffer (key: its address); with
+    # ``write_into``: the copies into a receiver's tensors (key: ("into", the receiver's key)).
+    copies: dict[Any, list[Callable[[], Any]]] = field(default_factory=dict)
+
+
+def item_views(it: StreamItem, metas: Sequence[TensorMeta], source: Tensor | None,
+               context: OpContext) -> list[ItemView] | None:
+    """Per HF tensor of the item: the view of the live parameter ``source`` it is copied (or quantized) from, its
+    metadata, and its scales' where it leaves as block FP8; None where the tensors are not views of the
+    parameter (no ``source``: gathered over TP; or an op that computes new tensors)."""
+    if source is None:
+        return None
+    op = it.entry.resolved.mapping.op
+    try:
+        views = hf_views(op, source, context)
+    except Exception:  # noqa: BLE001 -- converted one by one, where the error is raised as it always was
+        return None
+    flags = it.quantized or (False,) * len(views)
+    if len(flags) != len(views) or len(metas) != len(views) + sum(flags):
+        return None
+    out: list[ItemView] = []
+    base, k = source.untyped_storage().data_ptr(), 0
+    for view, quantized in zip(views, flags, strict=True):
+        meta, scale = metas[k], (metas[k + 1] if quantized else None)
+        k += 2 if quantized else 1
+        if (view.numel() != meta.numel or view.device != source.device
+                or view.untyped_storage().data_ptr() != base or (row_layout(view) is None if quantized else
+                                                                 view.dtype != meta.dtype)):
+            return None
+        out.append((view, meta, scale))
+    return out
+
+
+def make_program(items: list[StreamItem], metas: list[list[TensorMeta]], total: int,
+                 views_of: Callable[[StreamItem, list[TensorMeta]], list[ItemView] | None]) -> CopyProgram:
+    """The copy program of a bucket of ``items`` laid out as ``metas`` (``total`` bytes); ``views_of``: an item's
+    views of live tensors (:func:`item_views`), None where it is converted one by one."""
+    flat: list[tuple[torch.dtype, int, int, Tensor]] = []
+    named: list[tuple[str, torch.dtype, Tensor]] = []
+    strided: list = []
+    casts: list[tuple[Tensor, TensorMeta, TensorMeta]] = []
+    slow: list[int] = []
+    batched = 0
+    for k, (it, item_metas) in enumerate(zip(items, metas, strict=True)):
+        if not it.mine:
+            continue
+        views = views_of(it, item_metas)
+        if views is None:
+            slow.append(k)
+            continue
+        for view, meta, scale in views:
+            batched += 1
+            if scale is not None:
+                casts.append((view, meta, scale))
+                continue
+            named.append((meta.name, meta.dtype, view))
+            _place(view, meta, flat, strided)
+    flat_metas = tuple(m for ms in metas for m in ms)
+    spans = [(it.entry.pp_owner, it.entry.ep_owner, ms[0].offset, ms[-1].offset + ms[-1].nbytes)
+             for it, ms in zip(items, metas, strict=True) if ms]
+    return CopyProgram(total, flat_metas, sum(m.nbytes for m in flat_metas), items, metas,
+                       typed_runs(_coalesced(flat)), strided, slow, batched, spans, named, casts)
+
+
+def _place(view: Tensor, meta: TensorMeta, flat: list[tuple[torch.dtype, int, int, Tensor]], strided: list) -> None:
+    """A batched copy of ``view`` into ``meta``'s place in the bucket: a flat one where the view is contiguous,
+    else a strided one (the bucket's side as a dense view of the view's shape)."""
+    size = meta.dtype.itemsize
+    if meta.offset % size:
+        raise AssertionError(f"{meta.name} at byte {meta.offset} is not aligned to {size}")
+    if view.is_contiguous():
+        flat.append((meta.dtype, meta.offset, meta.numel, view.view(-1)))
+        return
+    strides, acc = [], 1
+    for d in reversed(view.shape):
+        strides.append(acc)
+        acc *= d
+    strided.append((meta.dtype, tuple(view.shape), tuple(reversed(strides)), meta.offset // size, view))
+
+
+def buffer_copies(program: CopyProgram, raw: Tensor, fp8: BlockFP8 | None, stable: bool) -> list[Callable[[], Any]]:
+    """The batched copies of ``program`` into the bucket buffer ``raw``: per dtype, the flat copies in one call,
+    and the strided copies in one. ``_foreach_copy_`` takes one list of one dtype and dense pairs in a few fused
+    launches (a single other pair sends the whole list down one copy per tensor); where the buffer is kept
+    (``stable``) on a GPU, where the addresses stay, a :class:`PieceCopy` does the flat copies of a dtype in one
+    launch. ``fp8``: the block FP8 casts too."""
+    calls = [batched_copy(list(typed_views(raw, dtype, sizes)), sources, stable=stable)
+             for dtype, sizes, sources in program.runs]
+    if program.strided:
+        calls.append(partial(torch._foreach_copy_, [raw.view(dtype).as_strided(shape, strides, offset)
+                                                    for dtype, shape, strides, offset, _ in program.strided],
+                             [source for *_, source in program.strided]))
+    if program.casts and fp8 is not None:
+        calls.append(block_cast([CastJob(view, view_tensor(raw, meta), view_tensor(raw, scale))
+                                 for view, meta, scale in program.casts], fp8))
+    return calls
+
+
+def target_copies(program: CopyProgram, into: dict[str, Tensor], fp8: BlockFP8 | None) -> list[Callable[[], Any]]:
+    """The batched copies of ``program`` straight into a receiver's tensors ``into`` (by HF name): per dtype the
+    contiguous copies in one call (runs back to back in a source and in a target made one copy), and the strided
+    ones in one. ``fp8``: values and scales cast into the receiver's own."""
+    flat: dict[torch.dtype, list[tuple[Tensor, Tensor]]] = {}
+    strided: list[tuple[Tensor, Tensor]] = []
+    for name, dtype, view in program.named:
+        target = into[name]
+        if view.is_contiguous():
+            flat.setdefault(dtype, []).append((target.view(-1), view.view(-1)))
+        else:
+            strided.append((target.view(view.shape), view))
+    calls = []
+    for pairs in flat.values():
+        dst, src = zip(*_joined(pairs), strict=True)
+        calls.append(batched_copy(list(dst), list(src), stable=True))
+    if strided:
+        calls.append(partial(torch._foreach_copy_, [d for d, _ in strided], [s for _, s in strided]))
+    if program.casts and fp8 is not None:
+        calls.append(block_cast([CastJob(view, into[meta.name].view(meta.shape), into[scale.name])
+                                 for view, meta, scale in program.casts], fp8))
+    return calls
+
+
+def _coalesced(flat: list[tuple[torch.dtype, int, int, Tensor]]) -> list[tuple[torch.dtype, int, int, Tensor]]:
+    """``flat`` copies (dtype, byte offset in the bucket, numel, flat source view) with every run of copies
+    that are back to back in the bucket *and* in one source storage made one copy (gate and up of one
+    parameter; neighbouring parameters of a contiguous parameter buffer, such as Megatron's DDP buffer)."""
+    out: list[tuple[torch.dtype, int, int, Tensor]] = []
+    for dtype, offset, numel, src in sorted(flat, key=lambda e: (str(e[0]), e[1])):
+        if out:
+            pdtype, poffset, pnumel, psrc = out[-1]
+            if (pdtype == dtype and poffset + pnumel * dtype.itemsize == offset
+                    and psrc.untyped_storage()._cdata == src.untyped_storage()._cdata
+                    and psrc.data_ptr() + pnumel * dtype.itemsize == src.data_ptr()):
+                out[-1] = (dtype, poffset, pnumel + numel, psrc.as_strided((pnumel + numel,), (1,),
+                                                                           psrc.storage_offset()))
+                continue
+        out.append((dtype, offset, numel, src))
+    return out
+
+
+def _joined(pairs: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
+    """Flat (target, source) copy pairs of one dtype, with every run that is back to back in one target
+    storage and in one source storage made one pair (gate and up of one expert; the experts of a layer)."""
+    out: list[tuple[Tensor, Tensor]] = []
+    for dst, src in pairs:
+        if out:
+            pdst, psrc = out[-1]
+            nbytes = pdst.numel() * pdst.element_size()
+            if (pdst.data_ptr() + nbytes == dst.data_ptr() and psrc.data_ptr() + nbytes == src.data_ptr()
+                    and pdst.untyped_storage()._cdata == dst.untyped_storage()._cdata
+                    and psrc.untyped_storage()._cdata == src.untyped_storage()._cdata):
+                n = pdst.numel() + dst.numel()
+                out[-1] = (pdst.as_strided((n,), (1,), pdst.storage_offset()),
+                           psrc.as_strided((n,), (1,), psrc.storage_offset()))
+                continue
+        out.append((dst, src))
+    return out
+
