@@ -25,7 +25,7 @@ from torch import Tensor
 
 __all__ = [
     "FP8", "FP8_MAX", "MIN_AMAX", "ScaleFormat", "SCALE_SUFFIX", "BlockFP8", "block_fp8_of", "ceil_to_ue8m0",
-    "quantize_block_fp8", "cast_blocks", "dequantize_block_fp8"
+    "quantize_block_fp8", "quantize_block_fp8_grouped", "cast_blocks", "dequantize_block_fp8"
 ]
 
 
@@ -105,6 +105,29 @@ def quantize_block_fp8(weight: Tensor, block: tuple[int, int] = (128, 128), *,
         padded[:rows, :cols] = weight
     values, scale = cast_blocks(padded.view(grid[0], br, grid[1], bc), (1, 3), ue8m0=ue8m0)
     return values.view(grid[0] * br, grid[1] * bc)[:rows, :cols].contiguous(), scale.view(grid)
+
+
+def quantize_block_fp8_grouped(weights: Tensor, block: tuple[int, int] = (128, 128), *,
+                               ue8m0: bool = False) -> tuple[Tensor, Tensor]:
+    """Same-shaped weights stacked as ``[group, rows, cols]`` (a layer's experts of one projection), quantized at
+    once: (``float8_e4m3fn`` values ``[group, rows, cols]``, float32 scales ``[group, ceil(rows/br),
+    ceil(cols/bc)]``), each weight's bit for bit those of :func:`quantize_block_fp8` on it alone (the same
+    elementwise arithmetic; a block's amax is exact in any order, and the zeros a ragged block is padded with
+    change no amax: a weight narrower than a block is not padded to it)."""
+    if weights.dim() != 3:
+        raise ValueError(f"grouped block FP8 quantizes [group, rows, cols], got shape {tuple(weights.shape)}")
+    group, rows, cols = weights.shape
+    br, bc = max(1, min(block[0], rows)), max(1, min(block[1], cols))  # a weight within one block: the block
+    grid = (math.ceil(rows / br), math.ceil(cols / bc))
+    padded = weights
+    if rows % br or cols % bc:
+        padded = weights.new_zeros(group, grid[0] * br, grid[1] * bc)
+        padded[:, :rows, :cols] = weights
+    values, scale = cast_blocks(padded.view(group, grid[0], br, grid[1], bc), (2, 4), ue8m0=ue8m0)
+    values = values.view(group, grid[0] * br, grid[1] * bc)
+    if values.shape[1:] != (rows, cols):
+        values = values[:, :rows, :cols].contiguous()
+    return values, scale.view(group, *grid)
 
 
 def cast_blocks(blocks: Tensor, dims: tuple[int, int], *, ue8m0: bool = False) -> tuple[Tensor, Tensor]:

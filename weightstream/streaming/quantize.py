@@ -18,7 +18,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8, cast_blocks
+from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8, quantize_block_fp8_grouped
 from weightstream.converters.mapping import Converter
 from weightstream.converters.ops import OpContext, TensorOp
 from weightstream.errors import ConversionError
@@ -27,7 +27,12 @@ from weightstream.streaming import fp8_cast
 from weightstream.streaming.bucket import Shard
 from weightstream.streaming.fp8_cast import BlockCast, CastJob
 
-__all__ = ["Quantization", "convert_quantized", "block_cast", "QuantizeBatch"]
+__all__ = ["Quantization", "convert_quantized", "block_cast", "QuantizeBatch", "GROUP_BYTES"]
+
+
+# The most source bytes quantized in one set of whole-tensor operations (their float32 temporaries are a few
+# times as large).
+GROUP_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -100,8 +105,9 @@ def convert_quantized(op: TensorOp, tensor: Tensor, ctx: OpContext, flags: Seque
 
 def block_cast(jobs: Sequence[CastJob], fp8: BlockFP8) -> Callable[[], None]:
     """Every job quantized, in one call: one kernel launch per source dtype on a CUDA device with Triton
-    (:class:`~weightstream.streaming.fp8_cast.BlockCast`), whole-tensor operations elsewhere. Either way the
-    arithmetic of :func:`~weightstream.converters.fp8.quantize_block_fp8`, bit for bit."""
+    (:class:`~weightstream.streaming.fp8_cast.BlockCast`), elsewhere (any device) one set of whole-tensor
+    operations per group of same-shaped tensors. Either way the arithmetic of
+    :func:`~weightstream.converters.fp8.quantize_block_fp8`, bit for bit."""
     if jobs and fp8_cast.available(jobs[0].source.device):
         return BlockCast(jobs, fp8)
     return partial(_cast_with_torch, list(jobs), fp8)
@@ -125,44 +131,27 @@ class QuantizeBatch:
 
 
 def _cast_with_torch(jobs: list[CastJob], fp8: BlockFP8) -> None:
-    """The jobs whose shapes are whole blocks, per dtype at once (:func:`_cast_gridded`); the others one by one.
-    A source whose rows are not one stride apart is reshaped (copied) to its values' shape first."""
-    br, bc = fp8.block
-    gridded: dict[torch.dtype, list[tuple[Tensor, CastJob]]] = {}
+    """The jobs in groups of one device, dtype and shape (a layer's experts of one projection; the same
+    projection of every layer in the bucket), each group quantized as one ``[group, rows, cols]`` tensor
+    (:func:`~weightstream.converters.fp8.quantize_block_fp8_grouped`) in runs of at most :data:`GROUP_BYTES`."""
+    groups: dict[tuple[torch.device, torch.dtype, tuple[int, ...]], list[CastJob]] = {}
     for job in jobs:
-        x = job.source.reshape(job.values.shape)
-        if x.shape[0] % br == 0 and x.shape[1] % bc == 0:
-            gridded.setdefault(x.dtype, []).append((x, job))
-        else:
-            q, s = fp8.quantize(x)
-            job.values.copy_(q)
-            job.scales.view(s.shape).copy_(s)
-    for group in gridded.values():
-        _cast_gridded(group, fp8)
+        groups.setdefault((job.source.device, job.source.dtype, tuple(job.values.shape)), []).append(job)
+    for (_, _, shape), group in groups.items():
+        step = max(1, GROUP_BYTES // max(1, math.prod(shape) * group[0].source.element_size()))
+        for first in range(0, len(group), step):
+            _cast_group(group[first:first + step], fp8)
 
 
-def _blocks(t: Tensor, block: tuple[int, int]) -> Tensor:
-    """A 2-D tensor (any strides) as (row blocks, rows, column blocks, cols)."""
-    br, bc = block
-    s0, s1 = t.stride()
-    return t.as_strided((t.shape[0] // br, br, t.shape[1] // bc, bc), (br * s0, s0, bc * s1, s1), t.storage_offset())
-
-
-def _cast_gridded(jobs: list[tuple[Tensor, CastJob]], fp8: BlockFP8) -> None:
-    """2-D tensors of one dtype whose shapes are whole blocks: each copied block-major into one staging buffer
-    (one batched copy), every block's amax, scale and values in a few whole-buffer kernels, and the values and
-    scales copied to their places (two batched copies)."""
-    br, bc = fp8.block
-    grids = [(x.shape[0] // br, x.shape[1] // bc) for x, _ in jobs]
-    counts = [r * c for r, c in grids]
-    x0 = jobs[0][0]
-    staging = torch.empty(sum(counts), br, bc, dtype=x0.dtype, device=x0.device)
-    parts = list(staging.split(counts))
-    block_major = [p.view(r, c, br, bc).permute(0, 2, 1, 3) for p, (r, c) in zip(parts, grids, strict=True)]
-    torch._foreach_copy_(block_major, [_blocks(x, fp8.block) for x, _ in jobs])
-    cast, kept = cast_blocks(staging, (1, 2), ue8m0=fp8.scale_fmt == "ue8m0")
-    values, scale = cast.view(torch.uint8), kept.view(-1)
-    torch._foreach_copy_([_blocks(j.values.view(torch.uint8), fp8.block) for _, j in jobs],
-                         [p.view(r, c, br, bc).permute(0, 2, 1, 3)
-                          for p, (r, c) in zip(values.split(counts), grids, strict=True)])
-    torch._foreach_copy_([j.scales.view(-1) for _, j in jobs], list(scale.split(counts)))
+def _cast_group(jobs: list[CastJob], fp8: BlockFP8) -> None:
+    """Jobs of one device, dtype and shape: their sources copied into one ``[group, rows, cols]`` staging tensor
+    (one batched copy), quantized in one set of whole-tensor operations, and the values and scales copied to their
+    places (two batched copies)."""
+    rows, cols = jobs[0].values.shape
+    x0 = jobs[0].source
+    staging = torch.empty(len(jobs), rows, cols, dtype=x0.dtype, device=x0.device)
+    torch._foreach_copy_(list(staging.unbind(0)), [j.source.reshape(rows, cols) for j in jobs])
+    values, scales = quantize_block_fp8_grouped(staging, fp8.block, ue8m0=fp8.scale_fmt == "ue8m0")
+    del staging
+    torch._foreach_copy_([j.values.view(torch.uint8) for j in jobs], list(values.view(torch.uint8).unbind(0)))
+    torch._foreach_copy_([j.scales.view(-1) for j in jobs], list(scales.view(len(jobs), -1).unbind(0)))
