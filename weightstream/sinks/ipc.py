@@ -20,6 +20,10 @@ Two ways, by what the engine declares:
   the CPU these handles name shared memory, which an engine that keeps control channels maps only from
   the processes at the other end of one: each colocated rank opens one first (:meth:`IPCSink._announce`).
 
+Which of these an update takes, who announces and what is kept between updates is decided once, when it
+opens: an :class:`~weightstream.sinks.ipc_plan.IPCPlan` (:func:`~weightstream.sinks.ipc_plan.plan_ipc`), which
+the methods below read.
+
 The last control channel of an update stays open until the next update replaces it, or this sink
 disconnects: it is this trainer rank's lease on what the engine keeps mapped of it (the kept buffers; this
 trainer's mapping of the engine's weights is its own). When it closes, however this process ends, the
@@ -48,6 +52,7 @@ from weightstream.engines.base import IPC, IPC_AHEAD, EngineAdapter, IPCAheadEng
 from weightstream.errors import UpdateError
 from weightstream.models.spec import dtype_from_name
 from weightstream.sinks.base import Delivery
+from weightstream.sinks.ipc_plan import EngineOffer, IPCOptions, IPCPlan, Purpose, Route, StreamShape, plan_ipc
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.delta import Snapshot
 from weightstream.wire.channel import Channel, ChannelError, Listener
@@ -101,22 +106,15 @@ class IPCSink:
         keeps every bucket's bytes to apply the next delta to), ahead only."""
         self.engine = implementing(engine, IPC, IPCEngine)
         self.delta = delta
-        self.ahead = ahead  # use the engine's ipc_ahead where it has it
-        self.direct = direct  # write into the engine's weights where it offers them (ahead only)
-        self.checksums = checksums
+        self.options = IPCOptions(ahead=ahead, direct=direct, checksums=checksums)
         self.timeout_s = timeout_s
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.engine_tp = 1
-        self.ahead_used = False
-        self._engine_holds = False  # the engine may keep buffers of this client mapped (released at disconnect)
+        self.plan = IPCPlan()  # the last update's (or preparation's), decided when it opened (:meth:`_decide`)
         self._client = uuid.uuid4().hex  # names this trainer's buffers to the engine (rank 0's, on every rank)
         self._listener: Listener | None = None
         self._channel: Channel | None = None  # this update's
         self._lease: Channel | None = None  # the last update's, kept open: the engine holds our buffers while it is
-        self._announces = False  # per bucket on the CPU, to an engine that takes the control channel
-        self._announced = False  # (every rank) the colocated ranks' leases are open
-        self._keeps_channels = False  # the engine declares ipc_ahead (rank 0 asked it; every rank is told)
         self._pool: ThreadPoolExecutor | None = None
         self._ahead: Future | None = None
         self._events: list[torch.cuda.Event] | None = None  # CUDA: ready[0], ready[1], done[0], done[1]
@@ -132,21 +130,19 @@ class IPCSink:
         self._targets: dict[str, torch.Tensor] | None = None
         self._targets_id: str | None = None
         self._into_plans: list[weakref.ref] = []
-        self.writing = False  # this update writes straight into the engine's weights (one copy)
 
     # -- per update ------------------------------------------------------------------------------
 
     def open(self, stream: BucketStream) -> None:
-        self._decide(stream)
+        plan = self._decide(stream, Purpose.UPDATE)
         self._sent = 0
         self.waited = 0.0
-        self.writing = False
         self._outstanding.clear()
-        if self.ahead_used:
+        if plan.metadata_ahead:
             self._open_ahead(stream)
-        elif self._announces and not self._announced:
+        elif plan.announce:
             self._announce(stream)
-        if self.writing:  # the engine backs up what we overwrite first: its stream's event, or (CPU) its word
+        if self.plan.writes:  # the engine backs up what we overwrite first: its stream's event, or (CPU) its word
             self._receive(Ready, "connect", "the engine's word that it is ready for the writes")
             if self._events is not None:
                 torch.cuda.current_stream(stream.device).wait_event(self._events[2])
@@ -156,14 +152,12 @@ class IPCSink:
         ahead learns this plan's layout now, and either exports its weights for the stream to write into or
         maps this trainer's two kept buffers, so that the first update sends none of it. The engine keeps
         serving meanwhile."""
-        self._decide(stream)
-        if not (self.ahead_used and (stream.can_write_into() or stream.kept_buffers())):
+        if not self._decide(stream, Purpose.PREPARE).prepares:
             return
         self._open_ahead(stream, prepare=True)
-        writes, self.writing = self.writing, False
-        if self.rank < self.engine_tp:
+        if self.plan.sends:
             # Written into the engine's weights: no buffers of ours to map (nor to allocate).
-            kept = [] if writes else stream.kept_buffers()
+            kept = [] if self.plan.route is Route.DIRECT else stream.kept_buffers()
             named = [self._name_buffer(b.untyped_storage(), b.device, keep=True) for b in kept]
             # Bucket k is packed into kept buffer k % 2 from its start: the engine makes its copies out of it now.
             frame = KeptBuffers(buffers=tuple(n.buffer for n in named), slots=tuple(n.buffer.id for n in named),
@@ -176,57 +170,50 @@ class IPCSink:
         """Per bucket on the CPU, to an engine that takes the control channel: before the first payload, this
         rank opens one (the engine's preparation, with no buffers and no writes), which tells the engine, by
         the kernel's word, which process made the shared memory the payloads name; kept as the lease."""
-        self._open_ahead(stream, prepare=True, direct=False)
-        if self.rank < self.engine_tp:
+        self._open_ahead(stream, prepare=True)
+        if self.plan.sends:
             self._control().send(KeptBuffers(buffers=(), slots=(), drop=()))
             self._receive(BuffersHeld, "connect", "the engine's answer to this trainer's announcement")
         self._end_ahead("connect")
-        self._announced = True
 
-    def _decide(self, stream) -> None:
-        """Rank 0 asks the engine (its TP size; whether it takes the metadata ahead) and tells every rank."""
-        if stream.mode != "full":
-            raise ValueError("IPCSink sends whole tensors: it needs a full stream")
+    def _decide(self, stream: BucketStream, purpose: Purpose) -> IPCPlan:
+        """This update's plan (:func:`plan_ipc`): rank 0 asks the engine (its TP size; whether it takes the
+        metadata ahead) and tells every rank, which plans alike."""
         info: list[Any] = [None]
         if self.rank == 0:
             i = self.engine.info()
-            channel = capable(self.engine, IPC_AHEAD, IPCAheadEngine) is not None
-            info = [(i.tp_size, channel, self._client)]
+            info = [(i.tp_size, capable(self.engine, IPC_AHEAD, IPCAheadEngine) is not None, self._client)]
         if self.world > 1:
             dist.broadcast_object_list(info, group_src=0)
-        self.engine_tp, channel, self._client = int(info[0][0]), bool(info[0][1]), info[0][2]
-        self._keeps_channels = channel
-        if self.engine_tp > self.world:
-            raise ValueError(f"engine TP {self.engine_tp} needs as many colocated trainer ranks; "
-                             f"the job has {self.world}")
-        self.ahead_used = self.ahead and channel and len(stream) > 0
-        if self._delta_active() and not self.ahead_used and len(stream) > 0:
-            raise ValueError(f"a delta update over IPC goes ahead: the engine at {self.engine.url} must declare "
-                             f"ipc_ahead{'' if channel else ' (it does not)'} and the sync send the metadata "
-                             f"ahead{'' if self.ahead else ' (metadata_ahead=False)'}")
-        self._announces = bool(channel) and not self.ahead_used and stream.device.type == "cpu" and len(stream) > 0
-        self._engine_holds = self._engine_holds or self.ahead_used or self._announces
+        tp, channels, self._client = int(info[0][0]), bool(info[0][1]), info[0][2]
+        shape = StreamShape(full=stream.mode == "full", buckets=len(stream), on_cpu=stream.device.type == "cpu",
+                            writable=stream.can_write_into(),
+                            reuses_buffers=stream.reuse_buffers and stream.shared is not None,
+                            deltas=self.delta is not None and self.delta.active)
+        self.plan = plan_ipc(self.options, EngineOffer(self.engine.url, tp, channels), shape, rank=self.rank,
+                             world=self.world, purpose=purpose, before=self.plan)
+        return self.plan
 
-    def _open_ahead(self, stream, prepare: bool = False, direct: bool = True) -> None:
+    def _open_ahead(self, stream, prepare: bool = False) -> None:
         """The engine's request (the update, or with ``prepare`` its preparation) goes from rank 0; each
         engine rank connects to its trainer rank's control channel and is told the plan's layout if it does
-        not know it. ``direct``: this rank may take the engine's offer to write into its weights."""
+        not know it."""
         listener: Listener | None = None  # where this rank sends: the engine rank of its TP rank connects to it
-        if self.rank < self.engine_tp:
+        if self.plan.sends:
             if self._listener is None:
                 self._listener = Listener()
             listener = self._listener
         everyone = self._gather(listener.address if listener is not None else None)
         if self.rank == 0:
             self._pool = self._pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="ws-ipc")
-            channels = everyone[: self.engine_tp]
+            channels = everyone[: self.plan.engine_tp]
             engine = self._ahead_engine()
             if prepare:
                 self._ahead = self._pool.submit(engine.prepare_ipc_ahead, stream.metadata_digest(), len(stream),
                                                 channels, self._client, self.timeout_s)
             else:
                 self._ahead = self._pool.submit(engine.receive_ipc_ahead, stream.metadata_digest(), len(stream),
-                                                channels, self._client, self.timeout_s, self._delta_active())
+                                                channels, self._client, self.timeout_s, self.plan.deltas)
         if listener is None:
             return
         channel = self._channel = listener.accept(self.timeout_s, abandon=self._engine_gave_up)
@@ -238,17 +225,17 @@ class IPCSink:
             channel.send(self._ahead_engine().ipc_plan_frame([stream.bucket_metas(i) for i in range(len(stream))]))
         if stream.device.type == "cuda" and self._events is None:
             self._events = [torch.cuda.Event(interprocess=True) for _ in range(4)]
-        self._answer_offer(stream, direct)
+        self._answer_offer(stream)
 
-    def _answer_offer(self, stream, direct: bool = True) -> None:
+    def _answer_offer(self, stream) -> None:
         """The engine offers its weights to write into where it can take the plan so. This rank takes the offer
         where the stream can write into them (it makes every tensor itself; no checksums asked for, as no
         transport copy is left to check), naming the export of the engine's weights it holds; the engine
         answers with its export's id, and with the export itself unless that is the one held (mapped here
         then), and the stream writes into it. On the CPU the export's storages come as descriptors."""
         offer = self._receive(Offer, "connect", "the engine's offer of direct writes")
-        use = (offer.direct and direct and self.direct and not self.checksums and not self._delta_active()
-               and stream.can_write_into())
+        self.plan = self.plan.offered(offer.direct)
+        use = self.plan.route is Route.DIRECT
         events = self._event_handles() if use and self._events is not None else ()
         self._control().send(OfferAnswer(direct=use, have=self._targets_id, events=events))
         if not use:
@@ -270,7 +257,6 @@ class IPCSink:
         stream.write_into(self._targets, self._targets_id)
         if all(p() is not stream.shared for p in self._into_plans):
             self._into_plans.append(weakref.ref(stream.shared))
-        self.writing = True
 
     def _event_handles(self) -> tuple[str, ...]:
         """This sink's interprocess CUDA events as the engine opens them (handles, base64)."""
@@ -294,15 +280,15 @@ class IPCSink:
     def send(self, bucket: Bucket) -> None:
         if bucket.written:  # already in the engine's weights
             return
-        if not self.ahead_used:
+        if not self.plan.metadata_ahead:
             self._send_one_request(bucket)
             return
-        if self.rank >= self.engine_tp:
+        if not self.plan.sends:
             return
         k = self._sent
         self._sent += 1
         buffer, record, keep = bucket.buffer, None, bucket.kept
-        if self._delta_active():
+        if self.plan.deltas:
             header, buffer = self._snapshot().encode(bucket.index, bucket.buffer, bucket.word)
             record = DeltaRecord(bucket.index, header.encoding, header.word, header.total, header.count,
                                  header.nbytes)
@@ -311,7 +297,7 @@ class IPCSink:
                 buffer, keep = self._empty_payload(buffer.device), True
         self._device = buffer.device
         named = self._name_buffer(buffer.untyped_storage(), buffer.device, keep=keep)
-        digest = checksum(buffer) if self.checksums else None
+        digest = checksum(buffer) if self.options.checksums else None
         events: tuple[str, ...] = ()
         if buffer.is_cuda:
             if k == 0:
@@ -432,10 +418,6 @@ class IPCSink:
 
     # -- what only some states have, checked ------------------------------------------------------
 
-    def _delta_active(self) -> bool:
-        """This update's buckets go through the delta snapshot (a delta-mode update, full or not)."""
-        return self.delta is not None and self.delta.active
-
     def _snapshot(self) -> Snapshot:
         if self.delta is None:
             raise RuntimeError("IPCSink: a delta-mode bucket, but this sink was made without a snapshot")
@@ -457,7 +439,7 @@ class IPCSink:
     def _ahead_engine(self) -> IPCAheadEngine:
         """The engine as one that keeps control channels: reached only where :meth:`_decide` found that it
         declares ipc_ahead (and has ``receive_ipc_ahead``); its info says so, not its type."""
-        if not self._keeps_channels:
+        if not self.plan.keeps_channels:
             raise RuntimeError(f"IPCSink: the engine at {self.engine.url} does not declare ipc_ahead")
         return cast(IPCAheadEngine, self.engine)
 
@@ -488,12 +470,12 @@ class IPCSink:
 
     def _finish(self, phase: str) -> None:
         """What :meth:`close` does, for an update or for :meth:`prepare` (an error raised as one of ``phase``)."""
-        if not self.ahead_used:
+        if not self.plan.metadata_ahead:
             return
         try:
             while self._outstanding:
                 self._settle()
-            if self.writing:
+            if self.plan.writes:
                 self._finish_writes()
         except BaseException:
             self._drop_channel()
@@ -505,12 +487,12 @@ class IPCSink:
         bytes of trainer rank r, whose checksums (its snapshot's) go to rank 0's snapshot (``Snapshot.expected``),
         which checks each engine rank against them. The ranks build the same tensors, but a bucket's bytes
         between its tensors (alignment) are each rank's own."""
-        if not self._delta_active():
+        if not self.plan.deltas:
             return
         snapshot = self._snapshot()
-        everyone = self._gather(snapshot.digests if self.rank < self.engine_tp else None)
+        everyone = self._gather(snapshot.digests if self.plan.sends else None)
         if self.rank == 0:
-            snapshot.expected = {self.engine.url: everyone[: self.engine_tp]}
+            snapshot.expected = {self.engine.url: everyone[: self.plan.engine_tp]}
 
     def _keep_lease(self) -> None:
         """This update's channel becomes the lease, in place of the last one."""
@@ -539,15 +521,14 @@ class IPCSink:
         """Nothing to form ahead: each update opens its control channels (:meth:`open`)."""
 
     def delivery(self) -> Delivery:
-        return Delivery(metadata_ahead=self.ahead_used, direct=self.writing, waited_s=self.waited)
+        return Delivery(metadata_ahead=self.plan.metadata_ahead, direct=self.plan.writes, waited_s=self.waited)
 
     def abort(self) -> None:
         """After a failure: the channel is closed (the engine stops waiting at once) and this sink is done.
         Writes into the engine's weights already queued finish first, so that none lands after the engine
         has put its backup back."""
-        if self.writing and self._events is not None and self._targets:
+        if self.plan.writes and self._events is not None and self._targets:
             torch.cuda.current_stream(self._device_of_targets()).synchronize()
-        self.writing = False
         self._outstanding.clear()
         self._ahead = None
         self.disconnect()
@@ -559,14 +540,13 @@ class IPCSink:
             if end is not None:
                 end.close()
         self._channel = self._lease = self._listener = None
-        self._announced = False
+        plan, self.plan = self.plan, self.plan.released()
         self._known.clear()
         self.forget_targets()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
-        if self._engine_holds and self.rank == 0:
-            self._engine_holds = False
+        if plan.engine_holds and self.rank == 0:
             try:
                 self._ahead_engine().release_ipc_buffers(self._client, timeout_s=min(self.timeout_s, seconds or 10.0))
             except Exception as exc:  # noqa: BLE001 -- best effort: the engine may be gone
@@ -579,14 +559,14 @@ class IPCSink:
             # The engine reads the buffer from another process, outside this stream's order.
             torch.cuda.current_stream(bucket.buffer.device).synchronize()
         mine: Any = None
-        if self.rank < self.engine_tp:
-            mine = (self.engine.encode_ipc(bucket), checksum(bucket.buffer) if self.checksums else None)
+        if self.plan.sends:
+            mine = (self.engine.encode_ipc(bucket), checksum(bucket.buffer) if self.options.checksums else None)
         everyone = self._gather(mine)
         status: list[Any] = [None]
         if self.rank == 0:
             try:
-                payloads = [p for p, _ in everyone[: self.engine_tp]]
-                digests = [d for _, d in everyone[: self.engine_tp]] if self.checksums else None
+                payloads = [p for p, _ in everyone[: self.plan.engine_tp]]
+                digests = [d for _, d in everyone[: self.plan.engine_tp]] if self.options.checksums else None
                 self.engine.receive_ipc(bucket.index, payloads, digests)
             except Exception as exc:  # noqa: BLE001 — shared with the other ranks below
                 status[0] = UpdateError(f"bucket {bucket.index}", str(exc), [self.engine.url])
