@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from tests.helpers.delta_workers import HFAdamTrainer, run_delta_updates
-from tests.helpers.faults import hide_capabilities, serve_with_fault
+from tests.helpers.faults import HeldWeights, hide_capabilities, serve_with_fault
 from tests.helpers.workers import Case
 from weightstream import WeightSync
 from weightstream.jobs import Layout
 from weightstream.launch import launch
 from weightstream.models.presets import preset_config, save_random_checkpoint
+from weightstream.reference_engine.protocol import DeltaChecksums
 from weightstream.reference_engine.server import stop
 
 SMALL = 120_000  # bytes per bucket: the tiny model travels in several buckets
@@ -63,7 +64,7 @@ def _whole(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
 
 
 def assert_engine_holds(server, trainer: Trainer) -> None:
-    assert_held(server.engine.call("held_weights"), trainer.tensors())
+    assert_held(server.engine.call(HeldWeights()), trainer.tensors())
 
 
 def assert_held(ranks: list[dict[str, torch.Tensor]], ours: dict[str, torch.Tensor]) -> None:
@@ -186,7 +187,7 @@ def test_megatron_trainer_delta_updates(sources, engine_dir, trainer_tp, engine_
     case = Case(sources["tiny-qwen3"], Layout(trainer_tp), dtype="bfloat16", bucket_bytes=SMALL)
     with engine(engine_dir, tp=engine_tp) as server:
         results = launch(trainer_tp, run_delta_updates, case, server.url, 6, LR, transport)
-        held = server.engine.call("held_weights")
+        held = server.engine.call(HeldWeights())
     reports = results[0]["reports"]
     assert {r.transport for r in reports} == {"broadcast" if transport == "broadcast" else "p2p"}
     assert all(("resharded P2P" in r.reason) == resharded for r in reports), reports[0].reason
@@ -210,7 +211,7 @@ def test_several_engines_by_p2p_delta_updates(sources, engine_dir, engines, tp):
     with contextlib.ExitStack() as stack:
         servers = [stack.enter_context(engine(engine_dir, tp=tp)) for _ in range(engines)]
         results = launch(2, run_delta_updates, case, [s.url for s in servers], 4, LR)
-        held = [s.engine.call("held_weights") for s in servers]
+        held = [s.engine.call(HeldWeights()) for s in servers]
     reports = results[0]["reports"]
     assert all(r.transport == "p2p" and r.reason.startswith(f"{engines} engines at the trainer's TP {tp}")
                for r in reports), reports[0].reason
@@ -229,7 +230,7 @@ def test_resharded_moe_ep2_delta_updates(tmp_path):
     case = Case(src, Layout(1, 1, ep=2), dtype="bfloat16", bucket_bytes=SMALL)
     with engine(model_dir, tp=1) as server:
         results = launch(2, run_delta_updates, case, server.url, 3, LR)
-        held = server.engine.call("held_weights")
+        held = server.engine.call(HeldWeights())
     reports = results[0]["reports"]
     assert all(r.transport == "p2p" and "resharded P2P" in r.reason for r in reports), reports[0].reason
     assert [(r.delta.full, r.delta.checked) for r in reports] == [(True, True), (False, True), (False, True)]
@@ -259,7 +260,7 @@ def test_resharded_corrupted_delta_caught(sources, engine_dir):
     with engine(engine_dir, fault="corrupt_delta@1") as server:
         server.routes[("GET", "/get_server_info")] = server.server_info  # every capability, as a faultless one
         results = launch(2, run_delta_updates, case, server.url, 3, LR)
-        held = server.engine.call("held_weights")
+        held = server.engine.call(HeldWeights())
     first, caught, after = (r.delta for r in results[0]["reports"])
     assert "resharded P2P" in results[0]["reports"][1].reason
     assert all(r.metadata_ahead for r in results[0]["reports"])  # the corrupted part's header came on the wire
@@ -343,7 +344,7 @@ def test_two_engines_one_at_tp2(engine_dir):
             assert (d.full, d.checked) == (step == 0, True), d.summary()
             for server in (a, b):
                 assert_engine_holds(server, trainer)
-        assert len(a.engine.call("delta_checksums")) == 2
+        assert len(a.engine.call(DeltaChecksums())) == 2
 
 
 def test_moe_delta_updates(tmp_path):

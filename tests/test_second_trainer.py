@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.helpers.conflict_workers import run_first_trainer, run_second_trainer
+from tests.helpers.faults import HeldWeights
 from tests.helpers.workers import Case
 from tests.test_delta_updates import assert_held, engine
 from weightstream.jobs import Layout
@@ -50,7 +51,7 @@ def test_a_second_trainer_is_refused_and_leaves_the_first_untouched(sources, eng
         finally:
             (tmp_path / "b-done").touch()
         [ours] = first.result(timeout=300)
-        held = server.engine.call("held_weights")
+        held = server.engine.call(HeldWeights())
         version = server.engine.weight_version
     assert "report" not in second, second["report"].summary()
     if transport == "ipc":

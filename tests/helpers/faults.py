@@ -18,7 +18,7 @@ Faults, as ``KIND`` or ``KIND@N``:
   trainer rank's part) has its last
   value changed as it arrives (with ``checksums=True`` the transfer's own checksum catches it first).
 
-Every faulty worker also answers ``held_weights``: the tensors its model holds, by name, on the CPU.
+Every faulty worker also answers :class:`HeldWeights`: the tensors its model holds, by name, on the CPU.
 
 ``python -m tests.helpers.faults FAULT ARGS...`` runs ``weightstream ARGS...`` (its ``engine`` command, as users
 run it) with the fault.
@@ -30,11 +30,14 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 
+from weightstream.receiver.plan import RankBucket
 from weightstream.reference_engine import server as server_module
+from weightstream.reference_engine.protocol import InitGroup
 from weightstream.reference_engine.server import EngineServer, serve
 from weightstream.reference_engine.worker import Worker, worker_main
 from weightstream.streaming.bucket import Bucket
@@ -42,17 +45,20 @@ from weightstream.streaming.bucket import Bucket
 INFO_ROUTE = ("GET", "/get_server_info")
 
 
+@dataclass(frozen=True, slots=True)
+class HeldWeights:
+    """A request a :class:`FaultyWorker` answers: the weights it holds (:meth:`FaultyWorker.held_weights`)."""
+
+
 class FaultyWorker(Worker):
     """A worker that misbehaves as :attr:`fault` says (set in its process before the worker is made)."""
 
     fault = ""
 
-    def init_group(self, master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s,
-                   warm: str = "", warm_senders: int = 1):
+    def init_group(self, r: InitGroup):
         if self.fault == f"skip_join@{self.rank}":
-            return f"rank {rank_offset + self.rank} skipped joining {group_name} (test fault)"
-        return super().init_group(master_address, master_port, rank_offset, world_size, group_name, backend,
-                                  timeout_s, warm, warm_senders)
+            return f"rank {r.rank_offset + self.rank} skipped joining {r.group_name} (test fault)"
+        return super().init_group(r)
 
     def _load_dense(self, program, raw, expected_checksum, kept: bool = False):
         """Every bucket through :meth:`_apply`, where the fault strikes (never the batched copies)."""
@@ -63,10 +69,10 @@ class FaultyWorker(Worker):
         self._strike(self.bucket_count, bucket.buffer)
         return super()._apply(bucket, expected_checksum, foreign)
 
-    def update_p2p_pieces(self, group_name, parts, load: bool = True):
+    def _receive_parts(self, group, parts: tuple[RankBucket, ...], load: bool = True):
         """A resharded bucket (sent ahead or not): ``die`` and ``stall`` strike before its pieces are received."""
         self._strike(self.bucket_count, torch.empty(0, dtype=torch.uint8))
-        return super().update_p2p_pieces(group_name, parts, load)
+        return super()._receive_parts(group, parts, load)
 
     def _can_take_writes(self, programs) -> bool:
         return False  # the trainer sends buckets (where the fault strikes), it does not write into the weights
@@ -95,9 +101,10 @@ class FaultyWorker(Worker):
             self.struck_delta = True
         return raw
 
-    def _pieces_from_deltas(self, parts: list[dict], layouts: list, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _pieces_from_deltas(self, parts: tuple[RankBucket, ...], layouts: list,
+                            payloads: list[torch.Tensor]) -> list[torch.Tensor]:
         for part, payload in zip(parts, payloads, strict=True):  # resharded: the first delta part of bucket K
-            d = part.get("delta") or {}
+            d = part.delta or {}
             if (self.fault == f"corrupt_delta@{d.get('index')}" and not self.struck_delta
                     and d.get("encoding") != "dense" and d.get("nbytes")):
                 payload[int(d["nbytes"]) - 1] ^= 0x5A
@@ -109,8 +116,8 @@ class FaultyWorker(Worker):
         return {n.replace(".linear.", "."): t.detach().cpu().clone()
                 for n, t in self.model.model.state_dict().items()}
 
-    def commands(self):
-        return {**super().commands(), "held_weights": self.held_weights}
+    def handlers(self):
+        return {**super().handlers(), HeldWeights: lambda _: self.held_weights()}
 
     def _strike(self, index: int, buffer: torch.Tensor) -> None:
         kind, _, at = self.fault.partition("@")

@@ -32,14 +32,17 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, cast
 
 import torch
 
-from weightstream.receiver.programs import dense_layout
+from weightstream.receiver.backups import BackupPlace
+from weightstream.receiver.model import LoadableModel
+from weightstream.receiver.pieces import Weight
+from weightstream.receiver.programs import dense_layout, verify_checksum
 from weightstream.receiver.schema import delta_problems, int_lists, unknown_dtypes
 from weightstream.streaming.bucket import TensorMeta, view_tensor
 from weightstream.streaming.delta import DeltaHeader, apply, encoded_bytes
@@ -48,7 +51,7 @@ from weightstream.wire.handles import checksum
 
 __all__ = [
     "BACKEND_NAME", "ENGINE_CLASS_NAME", "WORKER_EXTENSION", "log", "ChecksumMismatch", "WeightstreamInitInfo",
-    "WeightstreamUpdateInfo", "Layout", "HeldBuckets", "receive_bucket", "reprepack_cpu_moe",
+    "WeightstreamUpdateInfo", "Layout", "HeldBuckets", "receive_bucket", "reprepack_cpu_moe", "VllmLoaded", "VllmModel",
     "WeightstreamWorkerExtension", "register"
 ]
 
@@ -218,12 +221,8 @@ def receive_bucket(group, info: WeightstreamUpdateInfo, device: torch.device, he
     delta = info.delta()
     buffer = torch.empty(total if delta is None else delta[1].nbytes, dtype=torch.uint8, device=device)
     group.broadcast(buffer, 0).wait()
-    if info.checksum is not None:
-        got = checksum(buffer)
-        if got != info.checksum:
-            raise ChecksumMismatch(
-                f"bucket of {len(metas)} tensors arrived corrupted (checksum {got} != sender's {info.checksum}); "
-                f"nothing of it was loaded; its tensors: {[m.name for m in metas]}")
+    verify_checksum(buffer, info.checksum, f"bucket of {len(metas)} tensors",
+                    lambda: f"; its tensors: {[m.name for m in metas]}", ChecksumMismatch)
     if delta is not None:
         if held is None:
             raise ValueError(f"delta bucket {delta[0]}: this worker keeps no bytes for deltas")
@@ -281,20 +280,72 @@ def _join_group(init_info: WeightstreamInitInfo, rank: int, device: torch.device
     return group
 
 
-def _load_bucket(group: Any, info: WeightstreamUpdateInfo, device: torch.device, model: Any,
-                 held: HeldBuckets | None = None) -> set[str]:
+@dataclass(frozen=True, slots=True)
+class VllmLoaded:
+    """What a load into vLLM's model answers (vLLM raises where a tensor does not fit: no problems returned)."""
+
+    loaded: tuple[str, ...]
+    problems: tuple[str, ...] = ()
+
+
+class VllmModel:
+    """vLLM's model as the receiver layer's :class:`~weightstream.receiver.model.LoadableModel`: every tensor goes
+    through vLLM's own ``load_weights`` (no copy targets), a session is vLLM's layerwise reload (begun, then
+    finalised, the CPU fused-MoE layers it loaded into re-packed), and keeps no rollback copies (vLLM cannot put
+    its weights back: after a failure the layers that received nothing keep their old tensors). ``target``: the
+    model an update goes into now, and its config (vLLM may set another: ``set_weight_update_target``)."""
+
+    def __init__(self, target: Callable[[], tuple[Any, Any]]) -> None:
+        self.target = target
+        self.touched_moe: set[str] = set()  # the MoE modules (``..experts``) the open session loaded into
+        self.reloading = False
+
+    def whole_targets(self, metas: Any) -> None:
+        return None
+
+    def load_weights(self, weights: Iterable[Weight]) -> VllmLoaded:
+        tensors = [(name, tensor) for name, tensor, _ in weights]
+        self.target()[0].load_weights(tensors)
+        self.touched_moe |= {moe for name, _ in tensors if (moe := _moe_module(name)) is not None}
+        return VllmLoaded(tuple(name for name, _ in tensors))
+
+    def begin_session(self) -> BackupPlace:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        self.touched_moe = set()
+        initialize_layerwise_reload(self.target()[0])
+        self.reloading = True
+        return BackupPlace("none", "vLLM keeps no rollback copies")
+
+    def commit_session(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        if not self.reloading:
+            return
+        self.reloading = False
+        model, model_config = self.target()
+        finalize_layerwise_reload(model, model_config)
+        touched, self.touched_moe = self.touched_moe, set()
+        _repack_touched(model, touched)
+
+    def rollback_session(self) -> int:
+        """The reload finalised as a commit is (layers that received nothing get their old tensors back); nothing
+        is restored."""
+        self.commit_session()
+        return 0
+
+
+def _load_bucket(group: Any, info: WeightstreamUpdateInfo, device: torch.device, model: LoadableModel,
+                 held: HeldBuckets | None = None) -> None:
     """One bucket received through ``group`` (None before /init_weight_transfer_engine: an error) and loaded
-    into ``model`` (a delta bucket: its new bytes from ``held``, loaded whole); the MoE modules (``..experts``)
-    it loaded into."""
+    into ``model`` (a delta bucket: its new bytes from ``held``, loaded whole)."""
     if group is None:
         raise RuntimeError("no weightstream group: call /init_weight_transfer_engine first")
     t0 = time.perf_counter()
     tensors, nbytes = receive_bucket(group, info, device, held)
-    model.load_weights(tensors)
-    touched = {moe for name, _ in tensors if (moe := _moe_module(name)) is not None}
+    model.load_weights((name, tensor, None) for name, tensor in tensors)
     log.info("weightstream: loaded %d tensors (%d bytes) in %.3f s", len(tensors), nbytes,
              time.perf_counter() - t0)
-    return touched
 
 
 def _repack_touched(model: torch.nn.Module, touched: set[str]) -> None:
@@ -304,10 +355,10 @@ def _repack_touched(model: torch.nn.Module, touched: set[str]) -> None:
         log.info("weightstream: re-packed %d CPU MoE layers", n)
 
 
-def _finish_after_failure(finish: Callable[[], None]) -> None:
+def _finish_after_failure(finish: Callable[[], object]) -> None:
     """Called while a failed update's error is handled. vLLM ends the session on any error there, so
     /finish_weight_update would be refused and the model would keep the meta tensors of the layerwise reload:
-    ``finish`` (the engine's ``finish_weight_update``) finalises it now (layers that received nothing get their
+    ``finish`` (the model's ``rollback_session``) finalises it now (layers that received nothing get their
     old tensors back). The server keeps serving."""
     log.exception("weightstream: update failed; finalising the reload before re-raising")
     try:
@@ -360,8 +411,7 @@ def _transfer_engine_class(base: Any, init_cls: type, update_cls: type) -> type:
             super().__init__(config, vllm_config, device, model)
             self.group = None
             self.rank: int | None = None
-            self._touched_moe: set[str] = set()
-            self._reloading = False
+            self.loadable = VllmModel(lambda: (self.model, self.model_config))
             self.held = HeldBuckets()  # the bytes of each bucket applied, for delta updates
 
         def init_transfer_engine(self, init_info) -> None:
@@ -371,22 +421,11 @@ def _transfer_engine_class(base: Any, init_cls: type, update_cls: type) -> type:
             self.group = _join_group(init_info, self.rank, self.device)
 
         def start_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-            self._touched_moe = set()
             self.held.begin()
-            initialize_layerwise_reload(self.model)
-            self._reloading = True
+            self.loadable.begin_session()
 
         def finish_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-            if not self._reloading:
-                return
-            self._reloading = False
-            finalize_layerwise_reload(self.model, self.model_config)
-            touched, self._touched_moe = self._touched_moe, set()
-            _repack_touched(self.model, touched)
+            self.loadable.commit_session()
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
             # The base class ends with torch.accelerator.synchronize(), which raises on a CPU-only host.
@@ -395,11 +434,11 @@ def _transfer_engine_class(base: Any, init_cls: type, update_cls: type) -> type:
                 if self.device.type != "cpu" and torch.accelerator.is_available():
                     torch.accelerator.synchronize()
             except BaseException:
-                _finish_after_failure(self.finish_weight_update)
+                _finish_after_failure(self.loadable.rollback_session)
                 raise
 
         def receive_weights(self, update_info) -> None:
-            self._touched_moe |= _load_bucket(self.group, update_info, self.device, self.model, self.held)
+            _load_bucket(self.group, update_info, self.device, self.loadable, self.held)
 
         def shutdown(self) -> None:
             group, self.group = self.group, None

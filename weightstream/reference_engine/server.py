@@ -48,6 +48,15 @@ import torch
 
 from weightstream.common.processes import free_port, process_context, start_process
 from weightstream.engines.reference import ENGINE_NAME
+from weightstream.receiver.plan import (
+    DenseBucket,
+    IpcReceive,
+    RankBucket,
+    Receive,
+    ReceivePlan,
+    TensorReceive,
+    Transport,
+)
 from weightstream.receiver.schema import (
     MAX_JSON_DEPTH,
     bucket_problems,
@@ -61,7 +70,32 @@ from weightstream.receiver.schema import (
     token_rows,
 )
 from weightstream.receiver.values import DEFAULT_CHECKS, LoadChecks
-from weightstream.reference_engine.protocol import START_ID, Command, Outcome, Reply
+from weightstream.reference_engine.protocol import (
+    START_ID,
+    AbortSession,
+    BeginSession,
+    Command,
+    CommitSession,
+    DeltaChecksums,
+    DestroyAllGroups,
+    DestroyGroup,
+    ForgetDelta,
+    Generate,
+    InitGroup,
+    Layout,
+    Logits,
+    Memory,
+    Outcome,
+    PrepareSession,
+    ReleaseIpc,
+    ReleaseMemory,
+    Reply,
+    ResumeMemory,
+    Shutdown,
+    UpdatePhases,
+    WeightChecksums,
+    name_of,
+)
 from weightstream.reference_engine.worker import worker_main
 from weightstream.wire.channel import address_problem
 from weightstream.wire.handles import gpu_uuid
@@ -425,9 +459,10 @@ class Engine:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
-    def call(self, command: str, per_rank: list[dict] | None = None, *, wait_s: float | None = None,
-             committed: bool = False, work_s: float | None = None, **kwargs) -> list[Any]:
-        """Run ``command`` on every worker; returns their results or raises naming the failing ranks.
+    def call(self, request: Any, *, wait_s: float | None = None, committed: bool = False,
+             work_s: float | None = None) -> list[Any]:
+        """Run ``request`` (a :data:`~weightstream.reference_engine.protocol.Request`; a list: one per worker) on every
+        worker; returns their results or raises naming the failing ranks.
         Waits at most ``wait_s`` (default ``command_timeout_s``) for the workers to be free, and as
         long again for their answers. ``committed``: the command reads the weights, and must see the
         committed ones only (:class:`UpdateInFlight` while an open session has started loading).
@@ -440,7 +475,8 @@ class Engine:
         if committed:
             self.check_settled()
         if not self.lock.acquire(timeout=timeout):
-            raise EngineFailure(f"{command}: the workers stayed busy for {timeout:.0f} s")
+            raise EngineFailure(f"{name_of(request[0] if isinstance(request, list) else request)}: the workers "
+                                f"stayed busy for {timeout:.0f} s")
         self.busy += 1
         try:
             if committed:
@@ -448,7 +484,7 @@ class Engine:
             self._drop_late_replies()
             if (problem := self.unanswered_problem()) is not None:
                 raise EngineUnavailable(problem)
-            sent = self._send(command, per_rank, kwargs, work_s)
+            sent = self._send(request, work_s)
             deadline = time.monotonic() + timeout
             replies = [self._reply(rank, c, deadline) for rank, c in enumerate(sent)]
         finally:
@@ -458,8 +494,8 @@ class Engine:
             self.lock.release()
         return _results(replies)
 
-    def _send(self, name: str, per_rank: list[dict] | None, kwargs: dict, work_s: float | None) -> list[Command]:
-        """Send one command (one id) to every worker, each its own arguments where ``per_rank`` gives them."""
+    def _send(self, request: Any, work_s: float | None) -> list[Command]:
+        """Send one command (one id) to every worker, each its own request where ``request`` is a list of them."""
         for rank, proc in enumerate(self.procs):
             if not proc.is_alive():
                 raise EngineFailure(f"engine rank {rank} is not running (exit code {proc.exitcode})")
@@ -467,7 +503,7 @@ class Engine:
         deadline = None if work_s is None else time.monotonic() + work_s
         sent = []
         for rank, conn in enumerate(self.conns):
-            command = Command(number, name, per_rank[rank] if per_rank is not None else kwargs, deadline)
+            command = Command(number, request[rank] if isinstance(request, list) else request, deadline)
             conn.send(command)
             self.unanswered[rank] = Unanswered(command, time.monotonic())
             sent.append(command)
@@ -556,7 +592,7 @@ class Engine:
         with self.session_lock:
             if self.session_open:
                 raise EngineFailure("a weight update session is already open")
-            self.call("begin_session")
+            self.call(BeginSession())
             self.session_open, self.session_failed, self.session_loaded, self.pending_version = True, None, 0, None
             self.session_touched = False
             self.session_delta = self.session_plain = False
@@ -569,7 +605,7 @@ class Engine:
         restorable (an abort puts the last committed weights back). Returns the version a commit will serve."""
         with self.session_lock:
             self._check_committable()
-            self.call("prepare_session")
+            self.call(PrepareSession())
             self.last_activity = time.monotonic()
             return self.pending_version if self.pending_version is not None else self.weight_version
 
@@ -586,7 +622,7 @@ class Engine:
     def commit_session(self) -> str:
         with self.session_lock:
             self._check_committable()
-            self.call("commit_session")
+            self.call(CommitSession())
             self.session_open = False
             self.weights_released = False
             if self.pending_version is not None:
@@ -599,7 +635,7 @@ class Engine:
         loaded other buckets leaves them behind the weights (dropped)."""
         if self.session_plain:
             if self.delta_version is not None or self.session_delta:
-                self.call("forget_delta")
+                self.call(ForgetDelta())
             self.delta_version = None
         elif self.session_delta:
             self.delta_version = self.weight_version
@@ -629,7 +665,7 @@ class Engine:
         self.session_open = False
         if self.session_delta:  # the workers drop the bytes the session changed
             self.delta_version = None
-        self.call("abort_session")
+        self.call(AbortSession())
 
     def watch_sessions(self) -> None:
         """A session whose trainer went quiet for longer than the bound it gave is given up: the last
@@ -646,7 +682,7 @@ class Engine:
             if idle >= self.session_timeout_s + SESSION_GRACE_S:
                 try:
                     self.abort_session(f"no word from the trainer for {idle:.0f} s")
-                    self.call("destroy_all_groups", wait_s=10.0)
+                    self.call(DestroyAllGroups(), wait_s=10.0)
                 except EngineFailure as exc:
                     log(f"could not abort the idle session: {exc}")
                 self.paused.clear()
@@ -663,7 +699,7 @@ class Engine:
         for rank, conn in enumerate(self.conns):
             try:
                 if self.procs[rank].is_alive():
-                    conn.send(Command(next(self.command_ids), "shutdown"))
+                    conn.send(Command(next(self.command_ids), Shutdown()))
             except (BrokenPipeError, OSError):
                 pass
         deadline = time.monotonic() + grace_s
@@ -956,6 +992,21 @@ class _ReserveHandler(_Handler):
     reserve = True
 
 
+def _group_name(b: dict) -> str:
+    return b.get("group_name", "weight_update_group")
+
+
+def _dense_bucket(x: dict, checksum: str | None = None, delta: dict | None = None) -> DenseBucket:
+    """A broadcast bucket as a request names it (``names``, ``dtypes``, ``shapes``: checked before)."""
+    return DenseBucket(tuple(x["names"]), tuple(x["dtypes"]), tuple(tuple(s) for s in x["shapes"]), checksum, delta)
+
+
+def _rank_bucket(r: dict) -> RankBucket:
+    """A per-rank bucket (or part of one) as a request names it (``src``, ``metas``, ``nbytes``, optional
+    ``checksum`` and ``delta``)."""
+    return RankBucket(int(r["src"]), tuple(r["metas"]), int(r["nbytes"]), r.get("checksum"), r.get("delta"))
+
+
 def _entry_problems(entries: list) -> list[str]:
     """What is wrong with a per-rank bucket's entries: each must give ``src`` (int), ``metas`` (list) and
     ``nbytes`` (int)."""
@@ -1011,7 +1062,7 @@ class EngineServer(ThreadingHTTPServer):
             ("POST", "/weightstream/logits"): self.logits,
             ("POST", "/release_memory_occupation"): self.release_memory,
             ("POST", "/resume_memory_occupation"): self.resume_memory,
-            ("GET", "/weightstream/memory"): lambda b: (200, {"ranks": self.engine.call("memory")}),
+            ("GET", "/weightstream/memory"): lambda b: (200, {"ranks": self.engine.call(Memory())}),
             ("GET", "/weightstream/delta_checksums"): self.delta_checksums,
             ("GET", "/weightstream/update_phases"): self.update_phases,
             ("GET", "/weightstream/layout"): self.layout,
@@ -1105,17 +1156,16 @@ class EngineServer(ThreadingHTTPServer):
 
     def init_group(self, b):
         timeout_s = float(b.get("timeout_s") or 60.0)  # the trainer's bound: the workers give up at it
-        msgs = self.engine.call(
-            "init_group", wait_s=timeout_s + 5.0, master_address=b["master_address"],
-            master_port=int(b["master_port"]), rank_offset=int(b["rank_offset"]), world_size=int(b["world_size"]),
-            group_name=b.get("group_name", "weight_update_group"), backend=b.get("backend", "nccl"),
-            timeout_s=timeout_s, warm=b.get("weightstream_warm", ""),
+        msgs = self.engine.call(InitGroup(
+            master_address=b["master_address"], master_port=int(b["master_port"]), rank_offset=int(b["rank_offset"]),
+            world_size=int(b["world_size"]), group_name=b.get("group_name", "weight_update_group"),
+            backend=b.get("backend", "nccl"), timeout_s=timeout_s, warm=b.get("weightstream_warm", ""),
             warm_senders=int(b.get("weightstream_warm_senders", 1)),
-        )
+        ), wait_s=timeout_s + 5.0)
         return 200, {"success": True, "message": " | ".join(msgs)}
 
     def destroy_group(self, b):
-        self.engine.call("destroy_group", group_name=b.get("group_name", "weight_update_group"))
+        self.engine.call(DestroyGroup(b.get("group_name", "weight_update_group")))
         return 200, {"success": True, "message": "destroyed"}
 
     def _in_session(self, what: str) -> None:
@@ -1152,18 +1202,16 @@ class EngineServer(ThreadingHTTPServer):
 
     def update_distributed(self, b):
         self._in_session("update_weights_from_distributed")
-        return self._guarded(lambda: self.engine.call(
-            "update_distributed", names=list(b["names"]), dtypes=list(b["dtypes"]),
-            shapes=[list(s) for s in b["shapes"]], group_name=b.get("group_name", "weight_update_group"),
-            load_format=b.get("load_format"), expected_checksum=b.get("weightstream_checksum"),
-            delta=b.get("weightstream_delta"),
-        ), b)
+        bucket = _dense_bucket(b, b.get("weightstream_checksum"), b.get("weightstream_delta"))
+        receive = Receive(ReceivePlan(Transport.BROADCAST, delta=bucket.delta is not None), _group_name(b),
+                          (bucket,), b.get("load_format"))
+        return self._guarded(lambda: self.engine.call(receive), b)
 
     def delta_checksums(self, b):
         """What the open (or last) session's delta buckets left in each worker: the checksum of each bucket's
         bytes, per engine rank, by bucket index; and what this engine holds (``delta_base``)."""
         e = self.engine
-        ranks = e.call("delta_checksums")
+        ranks = e.call(DeltaChecksums())
         indices = sorted({i for r in ranks for i in r})
         return 200, {"instance": e.instance, "delta_base": e.delta_base,
                      "buckets": {str(i): [r.get(i) for r in ranks] for i in indices}}
@@ -1171,16 +1219,13 @@ class EngineServer(ThreadingHTTPServer):
     def update_phases(self, b):
         """Where the last update session's time went on each engine rank: seconds per phase (the worker's
         ``update_phases``), rank by rank."""
-        return 200, {"ranks": self.engine.call("update_phases")}
+        return 200, {"ranks": self.engine.call(UpdatePhases())}
 
     def update_distributed_ahead(self, b):
         self._in_session("update_weights_from_distributed_ahead")
-        return self._guarded(lambda: self.engine.call(
-            "update_distributed_ahead", buckets=[{"names": list(x["names"]), "dtypes": list(x["dtypes"]),
-                                                  "shapes": [list(s) for s in x["shapes"]]} for x in b["buckets"]],
-            group_name=b.get("group_name", "weight_update_group"), load_format=b.get("load_format"),
-            delta=b.get("weightstream_delta_mode") is True,
-        ), b)
+        plan = ReceivePlan(Transport.BROADCAST, ahead=True, delta=b.get("weightstream_delta_mode") is True)
+        receive = Receive(plan, _group_name(b), tuple(_dense_bucket(x) for x in b["buckets"]), b.get("load_format"))
+        return self._guarded(lambda: self.engine.call(receive), b)
 
     def update_tensor(self, b):
         self._in_session("update_weights_from_tensor")
@@ -1189,36 +1234,33 @@ class EngineServer(ThreadingHTTPServer):
             payloads = [payloads]
         if len(payloads) != self.engine.tp:
             raise EngineFailure(f"got {len(payloads)} payloads for {self.engine.tp} engine TP ranks")
-        per_rank = [{"payload": p, "load_format": b.get("load_format"),
-                     "expected_checksum": (b.get("weightstream_checksums") or [None] * self.engine.tp)[r]}
-                    for r, p in enumerate(payloads)]
-        return self._guarded(lambda: self.engine.call("update_tensor", per_rank=per_rank), b)
+        checksums = b.get("weightstream_checksums") or [None] * self.engine.tp
+        per_rank = [TensorReceive(p, b.get("load_format"), checksums[r]) for r, p in enumerate(payloads)]
+        return self._guarded(lambda: self.engine.call(per_rank), b)
 
     def update_ipc_ahead(self, b):
         self._in_session("update_weights_from_ipc_ahead")
-        timeout_s, per_rank = self._ipc_ranks(b)
-        for r in per_rank:
-            r["delta"] = b.get("weightstream_delta_mode") is True
+        timeout_s, per_rank = self._ipc_ranks(b, delta=b.get("weightstream_delta_mode") is True)
         # The workers answer once the last bucket is loaded: each frame waits at most timeout_s.
         bound = timeout_s * (b["num_buckets"] + 3)
-        return self._guarded(lambda: self.engine.call("update_ipc_ahead", per_rank=per_rank, wait_s=bound), b)
+        return self._guarded(lambda: self.engine.call(per_rank, wait_s=bound), b)
 
     def prepare_ipc_ahead(self, b):
         """Outside any session: the workers learn a trainer's plan and map its kept buffers."""
-        timeout_s, per_rank = self._ipc_ranks(b)
-        held = self.engine.call("prepare_ipc_ahead", per_rank=per_rank, wait_s=timeout_s * 4)
+        timeout_s, per_rank = self._ipc_ranks(b, prepare=True)
+        held = self.engine.call(per_rank, wait_s=timeout_s * 4)
         return 200, {"success": True, "message": f"prepared; IPC buffers held per rank: {[h['held'] for h in held]}"}
 
-    def _ipc_ranks(self, b) -> tuple[float, list[dict]]:
-        """The bound of each wait on the trainer, and each worker's arguments (its channel)."""
+    def _ipc_ranks(self, b, delta: bool = False, prepare: bool = False) -> tuple[float, list[IpcReceive]]:
+        """The bound of each wait on the trainer, and each worker's receive (its channel)."""
         if len(b["channels"]) != self.engine.tp:
             raise EngineFailure(f"got {len(b['channels'])} control channels for {self.engine.tp} engine TP ranks")
         timeout_s = float(b.get("timeout_s") or self.engine.session_timeout_s)
-        return timeout_s, [{"plan": b["plan"], "num_buckets": b["num_buckets"], "channel": c, "client": b["client"],
-                            "timeout_s": timeout_s} for c in b["channels"]]
+        return timeout_s, [IpcReceive(b["plan"], b["num_buckets"], c, b["client"], timeout_s, delta, prepare)
+                           for c in b["channels"]]
 
     def release_ipc(self, b):
-        released = sum(r["released"] for r in self.engine.call("release_ipc", client=b["client"]))
+        released = sum(r["released"] for r in self.engine.call(ReleaseIpc(b["client"])))
         return 200, {"success": True, "message": f"closed {released} IPC buffers of this client"}
 
     def update_p2p(self, b):
@@ -1231,10 +1273,9 @@ class EngineServer(ThreadingHTTPServer):
         problems = [f"rank {k}: {p}" for k, r in enumerate(ranks) for p in delta_problems(r.get("delta"))]
         if problems:
             raise BadRequest(HTTPStatus.BAD_REQUEST, "bad delta headers: " + "; ".join(problems))
-        group = b.get("group_name", "weight_update_group")
-        per_rank = [{"group_name": group, "src": int(r["src"]), "metas": r["metas"], "nbytes": int(r["nbytes"]),
-                     "expected_checksum": r.get("checksum"), "delta": r.get("delta")} for r in ranks]
-        return self._guarded(lambda: self.engine.call("update_p2p", per_rank=per_rank), b)
+        per_rank = [Receive(ReceivePlan(Transport.P2P, delta=r.get("delta") is not None), _group_name(b),
+                            (_rank_bucket(r),)) for r in ranks]
+        return self._guarded(lambda: self.engine.call(per_rank), b)
 
     def update_p2p_ahead(self, b):
         """Every per-rank bucket of an update: per bucket, one entry per engine rank (``src``, ``metas``,
@@ -1246,55 +1287,55 @@ class EngineServer(ThreadingHTTPServer):
                     for p in (_entry_problems(x) if isinstance(x, list) else ["not a list of entries"])]
         if problems:
             raise BadRequest(HTTPStatus.BAD_REQUEST, "bad P2P buckets: " + "; ".join(problems[:8]))
-        group = b.get("group_name", "weight_update_group")
+        group = _group_name(b)
         delta = b.get("weightstream_delta_mode") is True
         if any("rank" in e for x in buckets for e in x):
             per_bucket = [self._parts_per_rank(x) for x in buckets]
-            per_rank = [{"group_name": group, "buckets": [parts[r] for parts in per_bucket], "delta": delta}
-                        for r in range(self.engine.tp)]
-            return self._guarded(lambda: self.engine.call("update_p2p_pieces_ahead", per_rank=per_rank), b)
+            pieces = ReceivePlan(Transport.PIECES, ahead=True, delta=delta)
+            per_rank = [Receive(pieces, group, tuple(parts[r] for parts in per_bucket)) for r in range(self.engine.tp)]
+            return self._guarded(lambda: self.engine.call(per_rank), b)
         problems = [f"bucket {i}: {len(x)} entries, the engine has {self.engine.tp} ranks"
                     for i, x in enumerate(buckets) if len(x) != self.engine.tp]
         if problems:
             raise BadRequest(HTTPStatus.BAD_REQUEST, "bad P2P buckets: " + "; ".join(problems[:8]))
-        per_rank = [{"group_name": group, "buckets": [{"src": x[r]["src"], "metas": x[r]["metas"],
-                                                       "nbytes": x[r]["nbytes"]} for x in buckets], "delta": delta}
-                    for r in range(self.engine.tp)]
-        return self._guarded(lambda: self.engine.call("update_p2p_ahead", per_rank=per_rank), b)
+        plan = ReceivePlan(Transport.P2P, ahead=True, delta=delta)
+        per_rank = [Receive(plan, group, tuple(RankBucket(x[r]["src"], tuple(x[r]["metas"]), x[r]["nbytes"])
+                                               for x in buckets)) for r in range(self.engine.tp)]
+        return self._guarded(lambda: self.engine.call(per_rank), b)
 
     def _update_p2p_pieces(self, b):
         """A resharded bucket: each entry names the engine rank it is for (``rank``) and the trainer rank it
         comes from (``src``); an engine rank may hear several trainer ranks, or none."""
-        group = b.get("group_name", "weight_update_group")
-        per_rank = [{"group_name": group, "parts": p} for p in self._parts_per_rank(b["ranks"])]
-        return self._guarded(lambda: self.engine.call("update_p2p_pieces", per_rank=per_rank), b)
+        delta = any(isinstance(r, dict) and r.get("delta") is not None for r in b["ranks"])
+        per_rank = [Receive(ReceivePlan(Transport.PIECES, delta=delta), _group_name(b), (parts,))
+                    for parts in self._parts_per_rank(b["ranks"])]
+        return self._guarded(lambda: self.engine.call(per_rank), b)
 
-    def _parts_per_rank(self, entries: list) -> list[list[dict]]:
+    def _parts_per_rank(self, entries: list) -> list[tuple[RankBucket, ...]]:
         """A resharded bucket's entries (each ``rank``, ``src``, ``metas``, ``nbytes``, optional ``checksum`` and
         ``delta``) as the parts each engine rank receives; every problem in one error."""
         problems = [f"part {k}: {p}" for k, r in enumerate(entries) for p in delta_problems(r.get("delta"))]
         if problems:
             raise BadRequest(HTTPStatus.BAD_REQUEST, "bad delta headers: " + "; ".join(problems))
-        parts: list[list[dict]] = [[] for _ in range(self.engine.tp)]
+        parts: list[list[RankBucket]] = [[] for _ in range(self.engine.tp)]
         for r in entries:
             rank = r.get("rank")
             if not isinstance(rank, int) or not 0 <= rank < self.engine.tp:
                 raise EngineFailure(f"a part for engine rank {rank!r}; the engine has ranks 0..{self.engine.tp - 1}")
-            parts[rank].append({"src": int(r["src"]), "metas": r["metas"], "nbytes": int(r["nbytes"]),
-                                "checksum": r.get("checksum"), "delta": r.get("delta")})
-        return parts
+            parts[rank].append(_rank_bucket(r))
+        return [tuple(p) for p in parts]
 
     def layout(self, b):
         """How the engine holds the checkpoint's tensors over its ranks (weightstream's resharding reads it): the dim
         each split tensor is split on, and the rank that holds each tensor one rank holds alone (experts under EP)."""
-        declared = self.engine.call("layout")[0]
+        declared = self.engine.call(Layout())[0]
         return 200, {"tp_size": self.engine.tp, "ep_size": self.engine.ep, "dims": declared["dims"],
                      "owners": declared["owners"]}
 
     def weight_checksums(self, b):
         """Per rank, the checksum of the bytes it holds of each of ``names`` (those it holds; its part of a split
         tensor): what a check of an update compares with the trainer's tensors."""
-        return 200, {"ranks": self.engine.call("weight_checksums", names=b["names"], committed=True)}
+        return 200, {"ranks": self.engine.call(WeightChecksums(b["names"]), committed=True)}
 
     def begin(self, b):
         """``pause`` (a mode): pause generation first, as ``/pause_generation`` does (one request for both)."""
@@ -1345,14 +1386,14 @@ class EngineServer(ThreadingHTTPServer):
         if self.engine.session_open:
             raise EngineFailure("cannot release memory during a weight update session")
         tags = self._tags(b)
-        ranks = self.engine.call("release_memory", tags=tags)
+        ranks = self.engine.call(ReleaseMemory(tuple(tags)))
         if "weights" in tags:
             self.engine.weights_released = True
         return 200, {"success": True, "message": f"released {sum(r['freed_bytes'] for r in ranks)} bytes",
                      "ranks": ranks}
 
     def resume_memory(self, b):
-        ranks = self.engine.call("resume_memory", tags=self._tags(b))
+        ranks = self.engine.call(ResumeMemory(tuple(self._tags(b))))
         return 200, {"success": True, "message": f"re-created {sum(r['restored_bytes'] for r in ranks)} bytes",
                      "ranks": ranks}
 
@@ -1415,7 +1456,7 @@ class EngineServer(ThreadingHTTPServer):
         (413, naming the bound)."""
         limit = self.limits.max_request_s
         try:
-            return self.engine.call("generate", rows=rows, max_new_tokens=new_tokens, committed=True, work_s=limit,
+            return self.engine.call(Generate(rows, new_tokens), committed=True, work_s=limit,
                                     wait_s=self.engine.command_timeout_s + limit)[0]
         except WorkOutOfTime as exc:
             raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, (
@@ -1427,7 +1468,7 @@ class EngineServer(ThreadingHTTPServer):
         self._check_work(b["input_ids"], 0)  # rows of one length (check_body)
         self.engine.check_settled()
         self._wait_unpaused()
-        out = self.engine.call("logits", input_ids=b["input_ids"], committed=True)[0]
+        out = self.engine.call(Logits(b["input_ids"]), committed=True)[0]
         return 200, {"shape": list(out.shape), "dtype": "float32",
                      "logits_b64": base64.b64encode(out.tobytes()).decode(),
                      "weight_version": self.engine.weight_version}

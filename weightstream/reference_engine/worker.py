@@ -24,7 +24,7 @@ from datetime import timedelta
 from functools import partial
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,22 +34,56 @@ from weightstream.common.processes import die_with_parent
 from weightstream.converters.fp8 import block_fp8_of
 from weightstream.converters.registry import get_converter
 from weightstream.models.spec import dtype_from_name, dtype_name
+from weightstream.receiver.control import (
+    answer_error,
+    closing,
+    failures_answered,
+    receive_frame,
+    receive_one,
+)
 from weightstream.receiver.deltas import HeldDeltas
+from weightstream.receiver.model import program_for
 from weightstream.receiver.pieces import assemble, engine_layout, piece_problems
+from weightstream.receiver.plan import DenseBucket, IpcReceive, RankBucket, Receive, TensorReceive, Transport
 from weightstream.receiver.programs import (
     CopyProgram,
     PiecesProgram,
     ProgramCache,
     WeightExport,
-    copy_program,
     dense_layout,
     plan_metas,
     verify_checksum,
     wire_meta,
 )
 from weightstream.receiver.schema import ep_problem, routed_experts, unknown_dtypes
+from weightstream.receiver.transfer import Pipeline, ReceiveBuffers, receive_header, receive_payload
 from weightstream.receiver.values import DEFAULT_CHECKS, LoadChecks, check_values
-from weightstream.reference_engine.protocol import START_ID, Command, Outcome, OutOfTime, Reply
+from weightstream.reference_engine.protocol import (
+    START_ID,
+    AbortSession,
+    BeginSession,
+    Command,
+    CommitSession,
+    DeltaChecksums,
+    DestroyAllGroups,
+    DestroyGroup,
+    ForgetDelta,
+    Generate,
+    InitGroup,
+    Layout,
+    Logits,
+    Memory,
+    Outcome,
+    OutOfTime,
+    PrepareSession,
+    ReleaseIpc,
+    ReleaseMemory,
+    Reply,
+    ResumeMemory,
+    Shutdown,
+    UpdatePhases,
+    WeightChecksums,
+)
 from weightstream.streaming.bucket import (
     Bucket,
     TensorMeta,
@@ -60,17 +94,14 @@ from weightstream.streaming.bucket import (
 )
 from weightstream.streaming.copies import warm_kernel
 from weightstream.streaming.delta import HEADER_WORDS, DeltaHeader
-from weightstream.wire.channel import Channel, ChannelError, fd_peer
+from weightstream.wire.channel import Channel, fd_peer
 from weightstream.wire.frames import (
     BucketLoaded,
     BucketSent,
     BuffersHeld,
     DeltaRecord,
-    Error,
     Export,
     ExportedWeights,
-    Frame,
-    FrameError,
     Hello,
     KeptBuffers,
     LentBuffer,
@@ -80,140 +111,15 @@ from weightstream.wire.frames import (
     Ready,
     WritesApplied,
     WritesDone,
-    expect,
 )
 from weightstream.wire.groups import destroy_group, init_custom_process_group, tcp_store, warm_device, warm_group
 from weightstream.wire.handles import ShmGrant, checksum, dumps_b64, loads_b64, map_fd, share_fd
 
-__all__ = ["F", "MAX_ERROR_CHARS", "PROGRAM_TENSORS_PER_WEIGHT", "MAX_PLANS", "Worker", "worker_main"]
-
-
-F = TypeVar("F", bound=Frame)
-MAX_ERROR_CHARS = 4000  # of the reason an error frame gives
-
-
-@contextmanager
-def _closing(fds: list[int]) -> Iterator[None]:
-    """Descriptors that came with a frame are closed once it is handled (what was mapped keeps its own)."""
-    try:
-        yield
-    finally:
-        _close(fds)
-
-
-def _answer_error(chan: Channel, reason: str, bucket: int | None = None) -> None:
-    """Tell the trainer why this update ends here (an :class:`Error` frame), where the channel still takes it."""
-    try:
-        chan.send(Error(reason[:MAX_ERROR_CHARS], bucket))
-    except ChannelError:
-        pass  # the trainer is gone: its end of the update has ended already
-
-
-@contextmanager
-def _failures_answered(chan: Channel, bucket: int | None = None):
-    """A failure inside is answered on the control channel (an :class:`Error` frame naming ``bucket``), then
-    raised."""
-    try:
-        yield
-    except Exception as exc:
-        _answer_error(chan, f"{type(exc).__name__}: {exc}", bucket)
-        raise
-
-
-def _receive(chan: Channel, kind: type[F], timeout_s: float, what: str, bucket: int | None = None,
-             ) -> tuple[F, list[int]]:
-    """The trainer's next frame, which must be a ``kind``, and the descriptors that came with it. A frame
-    that is malformed, or of another kind, is answered with an :class:`Error` frame naming the problem and
-    raised (:class:`FrameError`); the trainer's own :class:`Error` frame is raised, not answered."""
-    try:
-        frame, fds = chan.recv_fds(timeout_s, what)
-    except FrameError as exc:
-        _answer_error(chan, f"{what}: {exc}", bucket)
-        raise
-    if isinstance(frame, Error):
-        _close(fds)
-        raise RuntimeError(f"the trainer gave the update up ({what}): {frame.message}")
-    try:
-        return expect(frame, kind, what), fds
-    except FrameError as exc:
-        _close(fds)
-        _answer_error(chan, str(exc), bucket)
-        raise
-
-
-def _receive_one(chan: Channel, kind: type[F], timeout_s: float, what: str) -> F:
-    """:func:`_receive` of a frame that comes with no descriptors (any that came are closed, and refused)."""
-    frame, fds = _receive(chan, kind, timeout_s, what)
-    if fds:
-        _close(fds)
-        problem = f"{what}: {len(fds)} descriptors came with a {kind.kind!r} frame, which takes none"
-        _answer_error(chan, problem)
-        raise FrameError(kind.kind, [problem])
-    return frame
-
-
-def _close(fds: list[int]) -> None:
-    for fd in fds:
-        os.close(fd)
+__all__ = ["PROGRAM_TENSORS_PER_WEIGHT", "MAX_PLANS", "Worker", "worker_main"]
 
 
 PROGRAM_TENSORS_PER_WEIGHT = 4  # the bucket programs a worker keeps: at most this many times its model's tensors
 MAX_PLANS = 4  # the IPC plans (their programs) and the exports of our weights a worker keeps, most recent first
-
-
-def _take(tensor: torch.Tensor, group, src: int | None) -> None:
-    """``tensor`` filled from the wire: broadcast from group rank 0 (``src`` None), or sent by group rank ``src``."""
-    if src is None:
-        dist.broadcast(tensor, group=group, group_src=0)
-    else:
-        dist.recv(tensor, group=group, group_src=src)
-
-
-class _Pipeline:
-    """Receiving bucket k + 1 while bucket k is loaded, on a GPU: two receive buffers kept by the worker,
-    the loads on a stream of their own, and an event per buffer that the next receive into it waits for
-    (on the device, not the host). On a CPU the steps simply run in turn."""
-
-    def __init__(self, worker: Worker, largest: int):
-        self.worker = worker
-        self.cuda = worker.device.type == "cuda"
-        if not self.cuda:
-            return
-        bufs = worker.receive_buffers
-        if len(bufs) != 2 or bufs[0].numel() < largest:
-            worker.receive_buffers = bufs = [typed_buffer(largest, worker.device) for _ in range(2)]
-        if worker.load_stream is None:
-            worker.load_stream = torch.cuda.Stream(worker.device)
-        self.load_stream = worker.load_stream  # the worker's, kept across updates
-        self.loaded = [torch.cuda.Event(), torch.cuda.Event()]
-        self.main = torch.cuda.current_stream(worker.device)
-
-    def receive(self, i: int, nbytes: int, group, src: int | None = None) -> torch.Tensor:
-        """Bucket ``i``'s ``nbytes``: broadcast from group rank 0, or sent by group rank ``src``."""
-        if not self.cuda:
-            raw = typed_buffer(nbytes, self.worker.device)
-        else:
-            raw = self.worker.receive_buffers[i % 2]
-            self.main.wait_event(self.loaded[i % 2])  # bucket i - 2 was loaded out of this buffer
-        _take(raw.narrow(0, 0, nbytes), group, src)  # after it, on a GPU: this stream has the bytes
-        return raw
-
-    @contextmanager
-    def loading(self, i: int):
-        if not self.cuda:
-            yield
-            return
-        stream = self.load_stream
-        stream.wait_stream(self.main)
-        try:
-            with torch.cuda.stream(stream):
-                yield
-        finally:
-            self.loaded[i % 2].record(stream)
-
-    def finish(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.worker.device)
 
 
 class Worker:
@@ -255,8 +161,7 @@ class Worker:
         self.exports: dict[str, WeightExport] = {}
         self.direct_updates = 0  # updates the trainer wrote straight into our weights
         # GPU: broadcast buckets sent ahead are received into two kept buffers, loaded on a stream of their own.
-        self.receive_buffers: list[torch.Tensor] = []
-        self.load_stream: torch.cuda.Stream | None = None
+        self.receive_buffers = ReceiveBuffers(device)
         # Buckets loaded before (dense broadcast ones by names, dtypes, shapes; per-rank and resharded ones by their
         # layout): the parameters they load into, checked once, and how to cut the received buffer; an update
         # repeats the same buckets. Only a bucket that loaded is kept, within PROGRAM_TENSORS_PER_WEIGHT times the
@@ -293,9 +198,11 @@ class Worker:
 
     # -- commands ----------------------------------------------------------------------------
 
-    def init_group(self, master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s,
-                   warm: str = "", warm_senders: int = 1):
+    def init_group(self, r: InitGroup):
         """Join the group; ``warm``: then run its first, tiny transfer with the trainer (see ``warm_group``)."""
+        master_address, master_port, rank_offset, world_size = r.master_address, r.master_port, r.rank_offset, \
+            r.world_size
+        group_name, backend, timeout_s, warm = r.group_name, r.backend, r.timeout_s, r.warm
         if group_name in self.groups:  # another trainer's (nothing of it is touched)
             raise RuntimeError(f"weight-update group {group_name!r} is already held here, joined with the trainer at "
                                f"{self.group_masters.get(group_name)}: that trainer must leave it first (its "
@@ -306,7 +213,7 @@ class Worker:
         )
         if warm:
             try:
-                warm_group(group, warm, warm_senders, warm_device(backend, self.device), timeout_s)
+                warm_group(group, warm, r.warm_senders, warm_device(backend, self.device), timeout_s)
             except BaseException:
                 destroy_group(group)
                 raise
@@ -329,51 +236,142 @@ class Worker:
             raise RuntimeError(f"no weight-update group {name!r} (call init_weights_update_group first)")
         return self.groups[name]
 
-    def update_distributed(self, names, dtypes, shapes, group_name, load_format, expected_checksum, delta=None):
-        group = self._group(group_name)
-        if delta is not None:
-            return self._update_delta(self._dense_program(names, dtypes, shapes), group, delta, expected_checksum)
-        if load_format == "flattened_bucket":
-            program = self._dense_program(names, dtypes, shapes)
+    # -- receives: one pipeline per transport, its plan saying how the buckets come (ahead, deltas) --------------
+
+    def receive(self, r: Receive):
+        """One receive over a weight-update group, by its plan's transport."""
+        group = self._group(r.group_name)
+        if r.plan.transport is Transport.BROADCAST:
+            return self._receive_broadcast(group, r)
+        if r.plan.transport is Transport.P2P:
+            return self._receive_p2p(group, r)
+        return self._receive_pieces(group, r)
+
+    def _receive_broadcast(self, group, r: Receive):
+        """Broadcast buckets: sent ahead, back to back (:meth:`_receive_buckets`); one per request, a delta's new
+        bytes (:meth:`_receive_bucket_delta`), a flattened bucket, or each tensor broadcast alone."""
+        if r.plan.ahead:
+            if r.load_format != "flattened_bucket":
+                raise ValueError(f"load_format {r.load_format!r}: buckets sent ahead are flattened buckets")
+            programs = [self._dense_program(b) for b in r.buckets]
+            return self._receive_buckets(group, programs, [(p.total, None) for p in programs], r.plan.delta)
+        bucket = r.buckets[0]
+        if bucket.delta is not None or r.load_format == "flattened_bucket":
+            program = self._dense_program(bucket)
+            if bucket.delta is not None:
+                return self._receive_bucket_delta(group, program.metas, bucket, program)
             with self.clock("receive"):
-                raw = self._receive_dense(program, group)
+                raw = typed_buffer(program.total, self.device)
+                dist.broadcast(raw.narrow(0, 0, program.total), group=group, group_src=0)
             with self.clock("load"):
-                return self._load_dense(program, raw, expected_checksum)
+                return self._load_dense(program, raw, bucket.checksum)
         tensors = []
-        for name, dt, shape in zip(names, dtypes, shapes, strict=True):
-            t = torch.empty(tuple(shape), dtype=dtype_from_name(dt), device=self.device)
+        for name, dt, shape in zip(bucket.names, bucket.dtypes, bucket.shapes, strict=True):
+            t = torch.empty(shape, dtype=dtype_from_name(dt), device=self.device)
             dist.broadcast(t, group=group, group_src=0)
             tensors.append((name, t, None))
         return self._load(tensors)
 
-    def _update_delta(self, program, group, delta: dict, expected_checksum):
-        """A broadcast bucket of a delta update: its new bytes (:meth:`_delta_bytes`), loaded. Its header is checked
-        against the bucket before its payload is received, as one sent ahead is (:meth:`DeltaHeader.from_request`)."""
-        header, index = DeltaHeader.from_request(delta, program.total, program.total)
+    def _receive_p2p(self, group, r: Receive):
+        """Per-rank buckets, each sent by its trainer rank: ahead, back to back (:meth:`_receive_buckets`); one per
+        request, a delta's new bytes or the bucket as it came."""
+        if r.plan.ahead:
+            programs = [self._p2p_program(tuple(map(wire_meta, b.metas)), b.nbytes) for b in r.buckets]
+            return self._receive_buckets(group, programs, [(b.nbytes, b.src) for b in r.buckets], r.plan.delta)
+        bucket = r.buckets[0]
+        metas = tuple(map(wire_meta, bucket.metas))
+        if bucket.delta is not None:
+            return self._receive_bucket_delta(group, metas, bucket)
+        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
         with self.clock("receive"):
-            received = self._receive_delta(group, header, index)
-        with self.clock("apply delta"):
-            raw = self.deltas.new_bytes(index, program.metas, program.total, header, received, expected_checksum)
+            dist.recv(buffer, group=group, group_src=bucket.src)
         with self.clock("load"):
-            return self._load_dense(program, raw, None)
+            return self._apply(Bucket(self.bucket_count, buffer, metas), bucket.checksum)
+
+    def _receive_bucket_delta(self, group, metas: tuple[TensorMeta, ...], bucket: DenseBucket | RankBucket,
+                              program: CopyProgram | None = None):
+        """A bucket of a delta update, its header in the request: checked against the bucket before its payload is
+        received (:meth:`DeltaHeader.from_request`), the payload applied to the bytes held of it
+        (:meth:`HeldDeltas.new_bytes`) and the new bytes loaded (by ``program``, a broadcast bucket's)."""
+        assert bucket.delta is not None  # (the caller's branch)
+        src = bucket.src if isinstance(bucket, RankBucket) else None
+        total = extent(metas)
+        header, index = DeltaHeader.from_request(bucket.delta, total, total)
+        with self.clock("receive"):
+            received = self._receive_delta(group, header, index, src)
+        with self.clock("apply delta"):
+            raw = self.deltas.new_bytes(index, metas, total, header, received, bucket.checksum)
+        with self.clock("load"):
+            if program is not None:
+                return self._load_dense(program, raw, None)
+            return self._apply(Bucket(self.bucket_count, raw.narrow(0, 0, total), metas), None)
+
+    def _receive_buckets(self, group, programs: list[CopyProgram], wire: list[tuple[int, int | None]],
+                         delta: bool):
+        """``programs``' buckets sent ahead, received back to back (``wire``: each one's bytes, and the group rank that
+        sends it, None: broadcast from rank 0). Whole buckets are received while the last is loaded
+        (:class:`Pipeline`); in delta mode each bucket's header comes first (:meth:`DeltaHeader.as_words`), then
+        its payload, applied to the bytes held of it. After a failure to apply or load, the rest are still received
+        but not loaded, and the failure raised at the end; a header that cannot be read leaves the size of what
+        follows unknown, and is raised at once (the sender's transfers then fail within their bound)."""
+        pipe = None if delta else Pipeline(self.receive_buffers, max((n for n, _ in wire), default=0))
+        words = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device) if delta else None
+        loaded, failure = 0, None
+        for i, program in enumerate(programs):
+            with self.clock("receive"):
+                header = None if words is None else receive_header(group, words, wire[i][1], program.total,
+                                                                         wire[i][0], i)
+                raw = (pipe.receive(i, wire[i][0], group, wire[i][1]) if pipe is not None
+                       else self._receive_delta(group, header, i, wire[i][1]))  # type: ignore[arg-type]
+            if failure is not None:
+                continue
+            try:
+                loaded += self._load_received(i, program, raw, header, pipe)
+            except Exception as exc:  # noqa: BLE001 -- the rest is drained, then this is raised
+                failure = f"bucket {i}: {exc}"
+        if pipe is not None:
+            with self.clock("device finish"):
+                pipe.finish()
+        if failure is not None:
+            raise RuntimeError(failure)
+        return {"loaded": loaded}
+
+    def _load_received(self, i: int, program: CopyProgram, raw: torch.Tensor, header: DeltaHeader | None,
+                       pipe: Pipeline | None) -> int:
+        """Bucket ``i`` sent ahead, loaded: a delta's new bytes (``header``), or the bucket out of the pipeline's
+        buffer (on a GPU, a kept buffer: its copies made once)."""
+        if header is not None:
+            with self.clock("apply delta"):
+                raw = self.deltas.new_bytes(i, program.metas, program.total, header, raw, None)
+            with self.clock("load"):
+                return self._load_dense(program, raw, None)["loaded"]
+        assert pipe is not None  # whole buckets come through the pipeline
+        with self.clock("load"), pipe.loading(i):
+            return self._load_dense(program, raw, None, kept=pipe.cuda)["loaded"]
+
+    def _receive_pieces(self, group, r: Receive):
+        """Resharded buckets, each this rank's parts from several trainer ranks (:meth:`_receive_parts`): one per
+        request, or sent ahead one after the other with no request between (in delta mode each part's header first
+        on the wire: :meth:`_delta_parts`). After a failure the rest are still received (the trainer sends them all)
+        but not loaded; the failure is raised at the end."""
+        if not r.plan.ahead:
+            return self._receive_parts(group, r.buckets[0])
+        loaded, failure = 0, None
+        for i, parts in enumerate(r.buckets):
+            if r.plan.delta:
+                parts = self._delta_parts(group, i, parts)
+            try:
+                done = self._receive_parts(group, parts, load=failure is None)
+                loaded += int(done["loaded"]) if done else 0
+            except Exception as exc:  # noqa: BLE001 -- the rest is drained, then this is raised
+                failure = failure or str(exc)
+        if failure is not None:
+            raise RuntimeError(failure)
+        return {"loaded": loaded}
 
     def _receive_delta(self, group, header: DeltaHeader, index: int, src: int | None = None) -> torch.Tensor:
-        """Delta bucket ``index``'s payload, broadcast (or sent by group rank ``src``) into a buffer of ours (that
-        views as any dtype)."""
-        raw = typed_buffer(header.nbytes, self.device)
-        _take(raw.narrow(0, 0, header.nbytes), group, src)
-        return raw
-
-    def _receive_header(self, group, words: torch.Tensor, src: int | None, total: int, limit: int,
-                        index: int) -> DeltaHeader:
-        """Bucket ``index``'s delta header, read off the wire before its payload (``words``: a buffer of
-        :data:`HEADER_WORDS`; ``src`` as :meth:`_receive_delta`), for ``total`` bucket bytes and a payload of at most
-        ``limit``; raises where it cannot be (every field named) or is another bucket's."""
-        _take(words, group, src)
-        header, got = DeltaHeader.from_words(words.tolist(), total, limit)
-        if got != index:
-            raise ValueError(f"bucket {index} of the update came with the delta header of bucket {got}")
-        return header
+        """Delta bucket ``index``'s payload (:func:`receive_payload`)."""
+        return receive_payload(group, header, src, self.device)
 
     def delta_checksums(self) -> dict[int, str]:
         """The checksum of each bucket's bytes the open (or last) session applied (:meth:`HeldDeltas.checksums`)."""
@@ -382,50 +380,6 @@ class Worker:
     def forget_delta(self) -> str:
         """Drop the bytes kept for deltas (the weights were loaded otherwise: they no longer match them)."""
         return f"dropped {self.deltas.forget()} buckets"
-
-    def update_distributed_ahead(self, buckets, group_name, load_format, delta: bool = False):
-        """Every bucket of an update, received back to back. After a failure the rest are still received
-        (the sender broadcasts them all) but not loaded; the failure is raised at the end, naming the bucket.
-        ``delta``: a delta-mode update (:meth:`_receive_deltas_ahead`)."""
-        if load_format != "flattened_bucket":
-            raise ValueError(f"load_format {load_format!r}: buckets sent ahead are flattened buckets")
-        programs = [self._dense_program(b["names"], b["dtypes"], b["shapes"]) for b in buckets]
-        receive = self._receive_deltas_ahead if delta else self._receive_ahead
-        return receive(self._group(group_name), programs, [(p.total, None) for p in programs])
-
-    def update_p2p_ahead(self, group_name, buckets, delta: bool = False):
-        """Every per-rank bucket of an update, each sent by its trainer rank (``src``), received back to back (as
-        :meth:`update_distributed_ahead`)."""
-        programs = [self._p2p_program(tuple(wire_meta(m) for m in b["metas"]), int(b["nbytes"])) for b in buckets]
-        receive = self._receive_deltas_ahead if delta else self._receive_ahead
-        return receive(self._group(group_name), programs, [(int(b["nbytes"]), int(b["src"])) for b in buckets])
-
-    def _receive_deltas_ahead(self, group, programs: list, wire: list[tuple[int, int | None]]):
-        """A delta-mode update's buckets received back to back (``wire``: each one's dense bytes and its sender, as
-        :meth:`_receive_ahead`): per bucket its header (:meth:`DeltaHeader.as_words`), then its payload, applied to
-        the bytes held of the bucket (:meth:`_delta_bytes`) and loaded. After a failure to apply or load, the rest
-        are still received but not loaded, and the failure raised at the end; a header that cannot be read leaves
-        the size of what follows unknown, and is raised at once (the sender's transfers then fail within their
-        bound)."""
-        loaded, failure = 0, None
-        words = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
-        for i, program in enumerate(programs):
-            nbytes, src = wire[i]
-            with self.clock("receive"):
-                header = self._receive_header(group, words, src, program.total, nbytes, i)
-                received = self._receive_delta(group, header, i, src)
-            if failure is not None:
-                continue
-            try:
-                with self.clock("apply delta"):
-                    raw = self.deltas.new_bytes(i, program.metas, program.total, header, received, None)
-                with self.clock("load"):
-                    loaded += self._load_dense(program, raw, None)["loaded"]
-            except Exception as exc:  # noqa: BLE001 -- the rest is drained, then this is raised
-                failure = f"bucket {i}: {exc}"
-        if failure is not None:
-            raise RuntimeError(failure)
-        return {"loaded": loaded}
 
     def _p2p_program(self, metas: tuple[TensorMeta, ...], nbytes: int) -> CopyProgram:
         """A per-rank bucket's program (kept by its metadata once it has loaded), of ``nbytes`` on the wire."""
@@ -436,35 +390,12 @@ class Worker:
             raise ValueError(f"a per-rank bucket of {nbytes} bytes whose tensors take {program.total}")
         return program
 
-    def _receive_ahead(self, group, programs: list, wire: list[tuple[int, int | None]]):
-        """``programs``' buckets received back to back (``wire``: each one's bytes, and the group rank that sends it,
-        None: broadcast from rank 0) while the last is loaded; after a failure the rest are still received but not
-        loaded, and the failure raised at the end."""
-        pipe = _Pipeline(self, max((n for n, _ in wire), default=0))
-        loaded, failure = 0, None
-        for i, program in enumerate(programs):
-            with self.clock("receive"):
-                raw = pipe.receive(i, wire[i][0], group, wire[i][1])
-            if failure is not None:
-                continue
-            try:
-                with self.clock("load"), pipe.loading(i):  # (on a GPU, out of a kept buffer: copies made once)
-                    loaded += self._load_dense(program, raw, None, kept=pipe.cuda)["loaded"]
-            except Exception as exc:  # noqa: BLE001 -- the rest is drained, then this is raised
-                failure = f"bucket {i}: {exc}"
-        with self.clock("device finish"):
-            pipe.finish()
-        if failure is not None:
-            raise RuntimeError(failure)
-        return {"loaded": loaded}
-
-    def _dense_program(self, names, dtypes, shapes) -> CopyProgram:
+    def _dense_program(self, bucket: DenseBucket) -> CopyProgram:
         """A dense bucket's program: the one kept of an earlier bucket of the same names, dtypes and shapes, else a
         new one (kept once it has loaded: :meth:`_load_dense`)."""
-        key = (tuple(names), tuple(dtypes), tuple(tuple(s) for s in shapes))
-        program = self.programs.get(key)
+        program = self.programs.get(bucket.key)
         if program is None:
-            program = self._program(dense_layout(names, dtypes, shapes), key=key)
+            program = self._program(dense_layout(bucket.names, bucket.dtypes, bucket.shapes), key=bucket.key)
         return program
 
     def _ipc_plan(self, plan: str, num_buckets: int, frame: Plan) -> list | str:
@@ -483,12 +414,6 @@ class Worker:
         gc.freeze()  # kept as long as the plan: see prepare_ipc_ahead
         return programs
 
-    def _receive_dense(self, program, group) -> torch.Tensor:
-        """The bucket's bytes, broadcast into a buffer of ours (that views as any dtype)."""
-        raw = typed_buffer(program.total, self.device)
-        dist.broadcast(raw.narrow(0, 0, program.total), group=group, group_src=0)
-        return raw
-
     def _load_dense(self, program, raw, expected_checksum, kept: bool = False):
         """``kept``: ``raw`` is a buffer this worker holds across updates (its addresses stay), so the copies
         out of it are made once, per buffer (:func:`~weightstream.streaming.copies.batched_copy`)."""
@@ -505,7 +430,14 @@ class Worker:
             self.programs.put(program.key, program, len(program.metas))
         return done
 
-    def update_ipc_ahead(self, plan, num_buckets, channel, client, timeout_s, delta=False):
+    def receive_ipc(self, r: IpcReceive):
+        """A colocated receive (:class:`IpcReceive`): an update (:meth:`_receive_ipc`), or, ``prepare``, what comes
+        before a trainer's first one (:meth:`_prepare_ipc`)."""
+        if r.prepare:
+            return self._prepare_ipc(r.plan, r.num_buckets, r.channel, r.client, r.timeout_s)
+        return self._receive_ipc(r.plan, r.num_buckets, r.channel, r.client, r.timeout_s, r.delta)
+
+    def _receive_ipc(self, plan, num_buckets, channel, client, timeout_s, delta=False):
         """Every bucket of a colocated update, announced ahead; per bucket the trainer sends one small frame
         on the control ``channel`` naming the buffer (a handle is opened once per kept buffer) and, on a GPU,
         this worker's stream waits for the trainer's event instead of either side synchronising. The reply
@@ -529,8 +461,8 @@ class Worker:
         events = None
         for k, program in enumerate(programs):
             with self.clock("wait"):
-                frame, fds = _receive(chan, BucketSent, timeout_s, f"the frame of bucket {k} from the trainer", k)
-            with self.clock("load"), _closing(fds), _failures_answered(chan, k):
+                frame, fds = receive_frame(chan, BucketSent, timeout_s, f"the frame of bucket {k} from the trainer", k)
+            with self.clock("load"), closing(fds), failures_answered(chan, k):
                 if self.device.type == "cuda" and frame.events:
                     events = self._open_events(frame.events)
                 loaded += self._load_sent(k, program, frame, fds, events, delta)
@@ -596,15 +528,15 @@ class Worker:
             raise RuntimeError(f"the trainer named buffer {named.id}, which this engine does not hold")
         return held
 
-    def prepare_ipc_ahead(self, plan, num_buckets, channel, client, timeout_s):
+    def _prepare_ipc(self, plan, num_buckets, channel, client, timeout_s):
         """Before a trainer's first update: learn its plan's layout, map its kept buffers and make each
         bucket's copies out of the buffer it will arrive in, so that the update itself does none of it. One
         :class:`KeptBuffers` frame, answered with :class:`BuffersHeld`."""
         chan, programs = self._ipc_connect(plan, num_buckets, channel, client, timeout_s)
         with self._leased(chan):
             self._offer_writes(chan, plan, programs, timeout_s)
-            frame, fds = _receive(chan, KeptBuffers, timeout_s, "the trainer's kept buffers")
-            with _closing(fds), _failures_answered(chan):
+            frame, fds = receive_frame(chan, KeptBuffers, timeout_s, "the trainer's kept buffers")
+            with closing(fds), failures_answered(chan):
                 self._keep_buffers(frame, fds, programs)
             chan.send(BuffersHeld(len(self.ipc_kept)))
         return {"held": len(self.ipc_kept)}
@@ -701,10 +633,10 @@ class Worker:
         them. Returns the export and the answer where it will, else None. ``offer`` False: none is made."""
         can = offer and self._can_take_writes(programs)
         chan.send(Offer(can))
-        answer = _receive_one(chan, OfferAnswer, timeout_s, "the trainer's answer to the offer of direct writes")
+        answer = receive_one(chan, OfferAnswer, timeout_s, "the trainer's answer to the offer of direct writes")
         if not answer.direct:
             return None
-        with _failures_answered(chan):
+        with failures_answered(chan):
             if not can:
                 raise RuntimeError("the trainer asked to write into weights this engine did not offer")
             export = self._export(plan, programs)
@@ -764,7 +696,7 @@ class Worker:
         on), and wait for its :class:`WritesDone` (on a GPU: our stream waits on its event, then the device
         finishes before we answer :class:`WritesApplied`)."""
         cuda = self.device.type == "cuda"
-        with _failures_answered(chan):
+        with failures_answered(chan):
             events = self._open_events(answer.events) if cuda else []
             if cuda and len(events) != 4:
                 raise RuntimeError("the trainer sent no CUDA events")
@@ -774,12 +706,12 @@ class Worker:
                 events[2].record(torch.cuda.current_stream(self.device))
         chan.send(Ready())
         with self.clock("wait"):  # the trainer writes (on a GPU: queues its writes)
-            _receive_one(chan, WritesDone, bound_s, "the trainer's writes into our weights")
+            receive_one(chan, WritesDone, bound_s, "the trainer's writes into our weights")
         if cuda:
             with self.clock("device finish"):
                 torch.cuda.current_stream(self.device).wait_event(events[0])
                 torch.cuda.synchronize(self.device)
-        with self.clock("check"), _failures_answered(chan):  # what it wrote, checked as a bucket is (rolled back)
+        with self.clock("check"), failures_answered(chan):  # what it wrote, checked as a bucket is (rolled back)
             self._check_values(list(zip(export.names, export.targets, strict=True)))
         self.direct_updates += 1
         chan.send(WritesApplied(len(export.names)))
@@ -806,9 +738,9 @@ class Worker:
             chan.send(Hello(self.rank, client, tuple(sorted(self.ipc_kept)), programs is not None))
             if programs is None:  # the layout of every bucket, once per plan of this trainer
                 made = self._ipc_plan(plan, num_buckets,
-                                      _receive_one(chan, Plan, timeout_s, "bucket metadata from the trainer"))
+                                      receive_one(chan, Plan, timeout_s, "bucket metadata from the trainer"))
                 if isinstance(made, str):
-                    _answer_error(chan, made)
+                    answer_error(chan, made)
                     raise ValueError(made)
                 programs = made
         except BaseException:
@@ -816,33 +748,14 @@ class Worker:
             raise
         return chan, programs
 
-    def update_p2p(self, group_name, src, metas, nbytes, expected_checksum, delta=None):
-        group = self._group(group_name)
-        metas = tuple(wire_meta(m) for m in metas)
-        if delta is not None:  # a delta of this rank's bucket: its new bytes, then loaded as a received bucket
-            total = extent(metas)
-            header, index = DeltaHeader.from_request(delta, total, total)
-            with self.clock("receive"):
-                received = self._receive_delta(group, header, index, src)
-            with self.clock("apply delta"):
-                raw = self.deltas.new_bytes(index, metas, total, header, received, expected_checksum)
-            with self.clock("load"):
-                return self._apply(Bucket(self.bucket_count, raw.narrow(0, 0, total), metas), None)
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        with self.clock("receive"):
-            dist.recv(buffer, group=group, group_src=src)
-        with self.clock("load"):
-            return self._apply(Bucket(self.bucket_count, buffer, metas), expected_checksum)
-
-    def update_p2p_pieces(self, group_name, parts, load: bool = True):
+    def _receive_parts(self, group, parts: tuple[RankBucket, ...], load: bool = True):
         """A resharded per-rank bucket: ``parts`` from several trainer ranks (each ``src``, ``metas``, ``nbytes``,
         ``checksum``), every piece placed in its whole tensor; received together, checked to tile this rank's
         part of each tensor exactly, put together and loaded, or refused whole (nothing loaded), naming every
         problem. ``load`` False: received and dropped (after a failure, so that the sends complete)."""
-        group = self._group(group_name)
-        buffers = [torch.empty(int(p["nbytes"]), dtype=torch.uint8, device=self.device) for p in parts]
+        buffers = [torch.empty(p.nbytes, dtype=torch.uint8, device=self.device) for p in parts]
         with self.clock("receive"):
-            works = [dist.irecv(b, group=group, group_src=int(p["src"])) for b, p in zip(buffers, parts, strict=True)]
+            works = [dist.irecv(b, group=group, group_src=p.src) for b, p in zip(buffers, parts, strict=True)]
             for w in works:
                 if w is not None:
                     w.wait()
@@ -850,16 +763,16 @@ class Worker:
         self.bucket_count += 1
         if not load:
             return None
-        layouts = [tuple(map(wire_meta, p["metas"])) for p in parts]
-        if any(p.get("delta") is not None for p in parts):
+        layouts = [tuple(map(wire_meta, p.metas)) for p in parts]
+        if any(p.delta is not None for p in parts):
             with self.clock("apply delta"):
                 buffers = self._pieces_from_deltas(parts, layouts, buffers)
         problems: list[str] = []
         pieces: list[tuple[TensorMeta, torch.Tensor]] = []
         for buffer, part, layout in zip(buffers, parts, layouts, strict=True):
-            if (part.get("delta") is None and part.get("checksum") is not None
-                    and checksum(buffer) != part["checksum"]):
-                problems.append(f"the bytes from trainer rank {part['src']} arrived corrupted (checksum)")
+            if (part.delta is None and part.checksum is not None
+                    and checksum(buffer) != part.checksum):
+                problems.append(f"the bytes from trainer rank {part.src} arrived corrupted (checksum)")
             pieces.extend((meta, view_tensor(buffer, meta)) for meta in layout)
         if problems:
             raise ValueError(f"bucket {index} refused, nothing of it loaded: " + "; ".join(problems))
@@ -893,47 +806,27 @@ class Worker:
         self.programs.put(key, program, len(metas))
         return program
 
-    def update_p2p_pieces_ahead(self, group_name, buckets, delta: bool = False):
-        """Every resharded bucket of an update (per bucket, this rank's parts as :meth:`update_p2p_pieces` takes
-        them), one after the other with no request between. After a failure the rest are still received (the
-        trainer sends them all) but not loaded; the failure is raised at the end, naming the bucket. ``delta``: a
-        delta-mode update, each part's header first on the wire (:meth:`_delta_parts`)."""
-        loaded, failure = 0, None
-        for i, parts in enumerate(buckets):
-            if delta:
-                parts = self._delta_parts(group_name, i, parts)
-            try:
-                done = self.update_p2p_pieces(group_name, parts, load=failure is None)
-                loaded += int(done["loaded"]) if done else 0
-            except Exception as exc:  # noqa: BLE001 -- the rest is drained, then this is raised
-                failure = failure or str(exc)
-        if failure is not None:
-            raise RuntimeError(failure)
-        return {"loaded": loaded}
-
-    def _delta_parts(self, group_name, index: int, parts: list[dict]) -> list[dict]:
+    def _delta_parts(self, group, index: int, parts: tuple[RankBucket, ...]) -> tuple[RankBucket, ...]:
         """Resharded bucket ``index``'s parts of a delta-mode update sent ahead: each part's header, read from its
         sender before its payload (:meth:`DeltaHeader.as_words`), into the part as a per-bucket request carries it
         (``delta``, and the payload's ``nbytes``). A header that cannot be is raised at once (what follows it is of
         unknown size; the senders' transfers then fail within their bound)."""
-        group = self._group(group_name)
         words = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
         out = []
         with self.clock("receive"):
             for part in parts:
-                layout = tuple(map(wire_meta, part["metas"]))
-                header = self._receive_header(group, words, int(part["src"]), extent(layout), int(part["nbytes"]),
-                                              index)
-                out.append({**part, "nbytes": header.nbytes, "delta": {**header.as_json(), "index": index}})
-        return out
+                layout = tuple(map(wire_meta, part.metas))
+                header = receive_header(group, words, part.src, extent(layout), part.nbytes, index)
+                out.append(replace(part, nbytes=header.nbytes, delta={**header.as_json(), "index": index}))
+        return tuple(out)
 
-    def _pieces_from_deltas(self, parts: list[dict], layouts: list[tuple[TensorMeta, ...]],
+    def _pieces_from_deltas(self, parts: tuple[RankBucket, ...], layouts: list[tuple[TensorMeta, ...]],
                             payloads: list[torch.Tensor]) -> list[torch.Tensor]:
         """A resharded delta-mode bucket: each trainer rank's part (laid out as its ``layouts`` entry), its new
         bytes from its payload, held per bucket and trainer rank (:meth:`_delta_bytes`)."""
-        if any(p.get("delta") is None for p in parts):
+        if any(p.delta is None for p in parts):
             raise ValueError("a resharded bucket with deltas from some trainer ranks, not from others")
-        deltas = [p["delta"] for p in parts]
+        deltas = [p.delta for p in parts if p.delta is not None]
         indices = {int(d["index"]) for d in deltas}
         if len(indices) != 1:
             raise ValueError(f"the parts of one resharded bucket name buckets {sorted(indices)}")
@@ -942,8 +835,8 @@ class Worker:
         for part, layout, delta, payload in zip(parts, layouts, deltas, payloads, strict=True):
             total = extent(layout)
             header, _ = DeltaHeader.from_request(delta, total, min(total, payload.numel()))
-            out.append(self.deltas.new_bytes((index, int(part["src"])), layout, total, header, payload,
-                                         part.get("checksum")))
+            out.append(self.deltas.new_bytes((index, part.src), layout, total, header, payload,
+                                         part.checksum))
         return out
 
     def layout(self) -> dict[str, dict[str, int | None] | dict[str, int]]:
@@ -959,11 +852,11 @@ class Worker:
         held = {n: self.model.params[n][0] for n in names if n in self.model.params}
         return {n: checksum(t.contiguous().reshape(-1).view(torch.uint8)) for n, t in held.items()}
 
-    def update_tensor(self, payload, load_format, expected_checksum):
+    def receive_tensor(self, r: TensorReceive):
         """SGLang's ``/update_weights_from_tensor`` payload, unpickled through the allow-list: named shared
         memory (the CPU) only from the processes :meth:`_grant` knows."""
         with self.clock("load"):
-            return self._update_tensor(payload, load_format, expected_checksum)
+            return self._update_tensor(r.payload, r.load_format, r.expected_checksum)
 
     def _update_tensor(self, payload, load_format, expected_checksum):
         obj = loads_b64(payload, self._grant())
@@ -991,9 +884,9 @@ class Worker:
         return self._load([(m.name, view_tensor(bucket.buffer, m), m.shard) for m in bucket.metas], foreign)
 
     def _program(self, metas: list[TensorMeta], key: tuple | None = None) -> CopyProgram:
-        """The copy program of a bucket of ``metas`` into this model (:func:`copy_program`); ``key``: where it is
+        """The copy program of a bucket of ``metas`` into this model (:func:`program_for`); ``key``: where it is
         kept in :attr:`programs` once a bucket has loaded by it."""
-        return copy_program(metas, self.model.whole_targets(metas) if metas else None, key)
+        return program_for(self.model, metas, key)
 
     def _report(self, report):
         if report.problems:
@@ -1086,7 +979,7 @@ class Worker:
         must then load every tensor before the engine serves again); this engine keeps no KV cache and
         captures no CUDA graphs, so ``kv_cache`` and ``cuda_graph`` free nothing."""
         self._forget_weight_views()
-        self.receive_buffers = []
+        self.receive_buffers.clear()
         freed = self.model.release_weights() if "weights" in tags else 0
         return {"freed_bytes": freed, **self.memory()}
 
@@ -1166,25 +1059,21 @@ class Worker:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def commands(self) -> dict[str, Callable[..., Any]]:
-        """What the server may ask of this worker, by the command's name."""
+    def handlers(self) -> dict[type, Callable[[Any], Any]]:
+        """What the server may ask of this worker: per request type, what runs it (given the request)."""
         return {
-            "init_group": self.init_group, "destroy_group": self.destroy_group,
-            "destroy_all_groups": self.destroy_all_groups, "update_distributed": self.update_distributed,
-            "update_distributed_ahead": self.update_distributed_ahead, "update_tensor": self.update_tensor,
-            "update_p2p_ahead": self.update_p2p_ahead, "update_p2p_pieces_ahead": self.update_p2p_pieces_ahead,
-            "update_ipc_ahead": self.update_ipc_ahead, "prepare_ipc_ahead": self.prepare_ipc_ahead,
-            "update_p2p": self.update_p2p, "release_ipc": self.release_ipc, "begin_session": self.begin_session,
-            "prepare_session": self.prepare_session, "commit_session": self.commit_session,
-            "abort_session": self.abort_session,
-            "release_memory": self.release_memory, "resume_memory": self.resume_memory, "memory": self.memory,
-            "logits": self.logits, "generate": self.generate, "delta_checksums": self.delta_checksums,
-            "update_phases": self.update_phases,
-            "update_p2p_pieces": self.update_p2p_pieces, "layout": self.layout,
-            "weight_checksums": self.weight_checksums,
-            "forget_delta": self.forget_delta,
+            InitGroup: self.init_group, DestroyGroup: lambda r: self.destroy_group(r.group_name),
+            DestroyAllGroups: lambda _: self.destroy_all_groups(), Receive: self.receive,
+            IpcReceive: self.receive_ipc, TensorReceive: self.receive_tensor,
+            ReleaseIpc: lambda r: self.release_ipc(r.client), BeginSession: lambda _: self.begin_session(),
+            PrepareSession: lambda _: self.prepare_session(), CommitSession: lambda _: self.commit_session(),
+            AbortSession: lambda _: self.abort_session(), ReleaseMemory: lambda r: self.release_memory(r.tags),
+            ResumeMemory: lambda r: self.resume_memory(r.tags), Memory: lambda _: self.memory(),
+            Logits: lambda r: self.logits(r.input_ids), Generate: lambda r: self.generate(r.rows, r.max_new_tokens),
+            DeltaChecksums: lambda _: self.delta_checksums(), UpdatePhases: lambda _: self.update_phases(),
+            Layout: lambda _: self.layout(), WeightChecksums: lambda r: self.weight_checksums(r.names),
+            ForgetDelta: lambda _: self.forget_delta(),
         }
-
 
 def _fixed_mmap_threshold() -> None:
     """glibc raises its mmap threshold after each large free, after which buffers of a bucket's size come
@@ -1245,7 +1134,7 @@ def worker_main(rank, size, model_dir, port, backend, device, dtype, conn, rollb
 def _serve(worker: Worker, conn: Connection) -> None:
     """Run the server's commands until it says ``shutdown`` (or its end of the pipe closes), answering each with
     one :class:`Reply` that carries the command's id."""
-    commands = worker.commands()
+    handlers = worker.handlers()
     while True:
         start = time.perf_counter()
         try:
@@ -1254,21 +1143,22 @@ def _serve(worker: Worker, conn: Connection) -> None:
             return
         if worker.in_session:
             worker.clock.add("idle", time.perf_counter() - start)
-        if command.name == "shutdown":
+        if isinstance(command.request, Shutdown):
             conn.send(Reply(command.id, Outcome.DONE, "bye"))
             return
-        conn.send(_run(worker, commands, command))
+        conn.send(_run(worker, handlers, command))
 
 
-def _run(worker: Worker, commands: dict[str, Callable[..., Any]], command: Command) -> Reply:
+def _run(worker: Worker, handlers: dict[type, Callable[[Any], Any]], command: Command) -> Reply:
     """One command's reply: what it returned, or why it failed or stopped at its deadline."""
-    run = commands.get(command.name)
+    run = handlers.get(type(command.request))
     if run is None:
+        known = ", ".join(sorted(t.__name__ for t in handlers))
         return Reply(command.id, Outcome.FAILED,
-                     f"unknown command {command.name!r} (known: {', '.join(sorted(commands))})")
+                     f"unknown request {type(command.request).__name__} (known: {known})")
     worker.deadline = command.deadline
     try:
-        return Reply(command.id, Outcome.DONE, run(**command.args))
+        return Reply(command.id, Outcome.DONE, run(command.request))
     except OutOfTime as exc:
         return Reply(command.id, Outcome.OUT_OF_TIME, str(exc))
     except BaseException as exc:  # noqa: BLE001 — reported to the server, the worker lives on
