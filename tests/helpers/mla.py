@@ -1,5 +1,5 @@
-"""Rank functions for the DeepSeek-V3 family: a model reloaded under Transformer Engine's names (whole down
-projections), and the family's whole two-process job."""
+"""A rank function for the DeepSeek-V3 family: a model reloaded under Transformer Engine's names (whole down
+projections)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers.fp8_truth import same_bits
-from tests.helpers.workers import Case, _build, present_te_names, run_case, run_error_case
+from tests.helpers.workers import Case, _build, present_te_names
 from weightstream.checks.megatron_models import load_hf_weights
 from weightstream.common.hf_files import CheckpointReader
 from weightstream.sources.megatron import unwrap
@@ -38,20 +38,3 @@ def run_te_reload(case: Case) -> dict:
             "kv_down_shape": tuple(attn.linear_kv_down_proj.weight.shape),
             "te_names": sorted(n for n, _ in attn.named_parameters())}
 
-
-def run_family_cases(cases: list[Case], te_reloads: list[Case] = (), errors: list[tuple] = ()) -> list[dict]:
-    """``cases`` through :func:`run_case`, ``te_reloads`` through :func:`run_te_reload`, then the error cases."""
-    return ([run_case(c) for c in cases] + [run_te_reload(c) for c in te_reloads]
-            + [run_error_case(*e) for e in errors])
-
-
-def run_family_job(cases: list[Case], te_reloads: list[Case], errors: list[tuple], saves: list[tuple[Case, str]],
-                   update: tuple, fsdp: list[tuple]) -> dict:
-    """One job: the family's cases, Megatron checkpoints saved (both formats), an update into an engine, and
-    transformers' model under FSDP2 streamed."""
-    from tests.helpers.fsdp_workers import run_fsdp_cases
-    from tests.helpers.megatron_saves import run_saves
-    from tests.helpers.workers import run_update
-
-    return {"cases": run_family_cases(cases, te_reloads, errors), "saves": run_saves(saves),
-            "update": run_update(*update), "fsdp": run_fsdp_cases(fsdp)}
