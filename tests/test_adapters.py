@@ -64,20 +64,20 @@ def test_sglang_adapter_does_not_claim_what_sglang_lacks():
 
 
 def test_weight_layout_must_match_every_engine():
-    from weightstream.converters.fp8 import BlockFP8, block_fp8_of
-    from weightstream.update import _check_formats
+    from weightstream.update import check_formats
+    from weightstream.wire.fp8 import BlockFP8, block_fp8_of
 
     fp8 = BlockFP8()
     plain = Declared("http://plain", EngineInfo("x"))
     quantized = Declared("http://fp8", EngineInfo("x", fp8=fp8))
-    _check_formats([plain], None)
-    _check_formats([quantized], fp8)
+    check_formats([plain], None)
+    check_formats([quantized], fp8)
     with pytest.raises(ValueError, match=r"sends unquantized weights, but engine http://fp8 serves block FP8"):
-        _check_formats([plain, quantized], None)
+        check_formats([plain, quantized], None)
     with pytest.raises(ValueError, match=r"sends block FP8 \(128, 128\).*http://plain serves unquantized"):
-        _check_formats([plain, quantized], fp8)
+        check_formats([plain, quantized], fp8)
     with pytest.raises(ValueError, match=r"http://fp8 serves block FP8 .*\(ue8m0 scales\)"):
-        _check_formats([Declared("http://fp8", EngineInfo("x", fp8=BlockFP8(scale_fmt="ue8m0")))], fp8)
+        check_formats([Declared("http://fp8", EngineInfo("x", fp8=BlockFP8(scale_fmt="ue8m0")))], fp8)
     assert block_fp8_of({"quant_method": "fp8", "weight_block_size": [128, 128]}) == fp8
     assert block_fp8_of({"quant_method": "fp8", "weight_block_size": [64, 32], "scale_fmt": "ue8m0"}) == BlockFP8(
         (64, 32), "ue8m0")

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.checks import engine_python, run_engine_check
-from weightstream.converters.fp8 import BlockFP8
-from weightstream.engines.base import StatedFormat
+from weightstream.engines.formats import StatedFormat
 from weightstream.engines.lmdeploy import LMDeployEngine
 from weightstream.engines.sglang import SGLangEngine
 from weightstream.engines.vllm import VLLMEngine
-from weightstream.update import WeightSync, _check_formats
+from weightstream.update import WeightSync, check_formats
+from weightstream.wire.fp8 import BlockFP8
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,12 +89,12 @@ def test_sglang_reports_no_layout(quantization):
     info = engine.info()
     assert info.fp8 is None and info.tp_size == 2 and info.quantization == quantization
     if quantization is None:
-        _check_formats([engine], None)
+        check_formats([engine], None)
         return
     with pytest.raises(ValueError, match="serves fp8 weights without saying their block layout"):
-        _check_formats([engine], None)
+        check_formats([engine], None)
     with pytest.raises(ValueError, match="serves fp8 weights without saying their block layout"):
-        _check_formats([engine], BlockFP8())
+        check_formats([engine], BlockFP8())
 
 
 def test_sglang_adapter_reads_a_reported_quantization_config():
@@ -112,7 +112,7 @@ def test_vllm_reports_no_layout():
     info = engine.info()
     assert info.fp8 is None and info.quantization == "fp8" and engine.server_info()["quantization"] == "fp8"
     with pytest.raises(ValueError, match="sends unquantized weights, but engine .* serves fp8 weights without"):
-        _check_formats([engine], None)
+        check_formats([engine], None)
 
 
 def test_vllm_online_quantization_takes_unquantized_updates():
@@ -121,7 +121,7 @@ def test_vllm_online_quantization_takes_unquantized_updates():
     engine = _answering(VLLMEngine, {"/server_info?config_format=json": reply})
     info = engine.info()
     assert info.fp8 is None and info.quantization is None
-    _check_formats([engine], None)
+    check_formats([engine], None)
 
 
 def test_lmdeploy_reports_no_layout():
@@ -135,9 +135,9 @@ def test_fp8_update_to_an_engine_that_does_not_say_is_refused():
                _answering(LMDeployEngine, {"/distserve/engine_info": LMDEPLOY_ENGINE_INFO})]
     for engine in engines:
         with pytest.raises(ValueError, match="serves (unquantized weights|fp8 weights without saying)"):
-            _check_formats([engine], BlockFP8())
+            check_formats([engine], BlockFP8())
         if engine.info().quantization is None:  # an engine that holds float8 weights takes no unquantized update
-            _check_formats([engine], None)
+            check_formats([engine], None)
 
 
 @pytest.fixture(scope="module")
@@ -174,14 +174,14 @@ def test_a_stated_layout_lets_block_fp8_through_to_each_engine():
     for engine in _engines(fp8=BlockFP8()):
         info = engine.info()
         assert info.fp8 == BlockFP8() and info.fp8_conflicts == ()
-        _check_formats([engine], BlockFP8())
+        check_formats([engine], BlockFP8())
         with pytest.raises(ValueError, match=r"sends unquantized weights, but engine .* serves block FP8 \(128, 128\)"):
-            _check_formats([engine], None)
+            check_formats([engine], None)
         with pytest.raises(ValueError, match=r"sends block FP8 \(128, 128\) \(ue8m0 scales\), but engine .* serves "
                                              r"block FP8 \(128, 128\) \(float scales\)"):
-            _check_formats([engine], BlockFP8(scale_fmt="ue8m0"))
+            check_formats([engine], BlockFP8(scale_fmt="ue8m0"))
         with pytest.raises(ValueError, match=r"serves block FP8 \(128, 128\)"):
-            _check_formats([engine], BlockFP8((64, 64)))
+            check_formats([engine], BlockFP8((64, 64)))
 
 
 @pytest.mark.unit
@@ -192,12 +192,12 @@ def test_the_served_models_config_states_the_layout(tmp_path):
         assert engine.info().fp8 == BlockFP8(scale_fmt="ue8m0") and engine.info().fp8_conflicts == ()
         assert engine.stated == StatedFormat(BlockFP8(scale_fmt="ue8m0"),
                                              f"the quantization_config of {fp8_dir / 'config.json'}")
-        _check_formats([engine], BlockFP8(scale_fmt="ue8m0"))
+        check_formats([engine], BlockFP8(scale_fmt="ue8m0"))
     plain = _model_dir(tmp_path / "bf16", None)  # stated unquantized
     sglang, vllm, lmdeploy = _engines({"vllm": None}, model_path=plain)
     for engine in (sglang, vllm, lmdeploy):
         assert engine.info().fp8 is None and engine.info().fp8_conflicts == ()
-        _check_formats([engine], None)
+        check_formats([engine], None)
 
 
 @pytest.mark.unit
@@ -238,7 +238,7 @@ def test_a_statement_that_contradicts_the_engine_is_refused_naming_every_engine(
     for engine, why in cases:
         assert why in engine.info().fp8_conflicts[0], engine.info().fp8_conflicts
     with pytest.raises(ValueError) as err:
-        _check_formats([engine for engine, _ in cases], stated)
+        check_formats([engine for engine, _ in cases], stated)
     message = str(err.value)
     assert message.startswith("the update sends block FP8 (128, 128) (float scales), but engine ")
     for _, why in cases:
@@ -251,7 +251,7 @@ def test_an_fp8_update_to_an_engine_nobody_stated_says_how_to_state_it():
     with pytest.raises(ValueError, match=r"serves unquantized weights \(where an engine does not report its layout, "
                                          r"state it: fp8= or model_path= on its adapter, engine_fp8= or "
                                          r"engine_model_path= on WeightSync\)"):
-        _check_formats([_engines()[2]], BlockFP8())
+        check_formats([_engines()[2]], BlockFP8())
 
 
 @pytest.mark.unit

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
         Topology,
         stream_hf_weights,
     )
-    from weightstream.update import UpdateReport, WeightSync, update_weights
+    from weightstream.update import SyncOptions, UpdateReport, WeightSync, update_weights
 
 # Each public name and the module it comes from, imported on first use.
 _HOMES: dict[str, str] = {
@@ -56,7 +56,7 @@ _HOMES: dict[str, str] = {
     **dict.fromkeys(("CheckpointFormatError", "MegatronCheckpointSource"), "weightstream.sources.megatron_checkpoint"),
     **dict.fromkeys(("Bucket", "BucketStream", "Shard", "TensorMeta", "Topology", "stream_hf_weights"),
                     "weightstream.streaming"),
-    **dict.fromkeys(("UpdateReport", "WeightSync", "update_weights"), "weightstream.update"),
+    **dict.fromkeys(("SyncOptions", "UpdateReport", "WeightSync", "update_weights"), "weightstream.update"),
 }
 
 
@@ -76,7 +76,7 @@ __all__ = [
     "register_converter", "save_hf_checkpoint", "stream_hf_weights",
     "EngineAdapter", "EngineError", "EngineInfo", "LMDeployEngine", "ReferenceEngine", "SGLangEngine", "UpdateError",
     "VLLMEngine", "UpdateReport",
-    "WeightSync", "update_weights",
+    "SyncOptions", "WeightSync", "update_weights",
     "CheckpointFormatError", "CheckpointReport", "ConvertReport", "DTensorSource", "MegatronCheckpointSource", "Source",
     "convert_checkpoint",
 ]
