@@ -15,10 +15,10 @@ from torch import nn
 from weightstream.checks.megatron_models import build_gpt_model, initialize_parallel, load_hf_weights, megatron_logits
 from weightstream.common.hf_files import CheckpointReader
 from weightstream.common.progress import ProgressFile
-from weightstream.converters.fp8 import BlockFP8
 from weightstream.models.parallel import Layout
 from weightstream.models.spec import dtype_from_name, load_hf_config
-from weightstream.sinks.safetensors import save_hf_checkpoint
+from weightstream.sinks.safetensors import CheckpointReport, save_hf_checkpoint
+from weightstream.wire.fp8 import BlockFP8
 
 __all__ = ["dump_job"]
 
@@ -77,11 +77,8 @@ def dump_job(
     built = time.perf_counter() - start
     update_report = None
     if engine_url is not None:
-        from weightstream.update import update_weights
-
         reporter.phase("updating the engine")
-        update_report = update_weights(chunks, cfg, engine_url, transport="auto", bucket_bytes=bucket_bytes,
-                                       checksums=True, api_key=engine_key)
+        update_report = _update_engine(chunks, cfg, engine_url, bucket_bytes, engine_key)
     reporter.phase("streaming to disk")
     bar, update = _progress_bar("streaming") if progress_file is None else (None, reporter.count)
     start = time.perf_counter()
@@ -91,7 +88,26 @@ def dump_job(
     if bar is not None:
         bar.close()
     reporter.close()
-    result: dict[str, Any] = {
+    result = _result(report, seconds, built, update_report)
+    if logits_input is not None:
+        ids = torch.tensor(logits_input, dtype=torch.long)
+        result["logits"] = megatron_logits(chunks, ids, cfg.vocab_size)
+    return result
+
+
+def _update_engine(chunks: list[nn.Module], cfg: Any, url: str, bucket_bytes: int, api_key: str | None) -> Any:
+    """The engine at ``url`` updated with the model's weights (transport chosen, every bucket checked); its
+    :class:`~weightstream.update.UpdateReport`."""
+    from weightstream.update import EngineOptions, SafetyOptions, SyncOptions, TransferOptions, update_weights
+
+    options = SyncOptions(EngineOptions(api_key=api_key), TransferOptions(transport="auto", bucket_bytes=bucket_bytes),
+                          safety=SafetyOptions(checksums=True))
+    return update_weights(chunks, cfg, url, options=options)
+
+
+def _result(report: CheckpointReport, seconds: float, built: float, update_report: Any) -> dict[str, Any]:
+    """What a dump job returns on every rank: what was written, how long it took, the engine update's report."""
+    return {
         "tensors": report.tensors,
         "bytes": report.total_size,
         "buckets": report.stats.buckets,
@@ -103,7 +119,3 @@ def dump_job(
         "update": update_report,
         "copied": report.copied,  # the HF directory's other files (tokenizer, ...), copied beside the shards
     }
-    if logits_input is not None:
-        ids = torch.tensor(logits_input, dtype=torch.long)
-        result["logits"] = megatron_logits(chunks, ids, cfg.vocab_size)
-    return result
