@@ -48,6 +48,13 @@ fitted: they are the measured per-bucket figures (``DELTA_*_MS``).
 
     PYTHONPATH=. python tools/multinode_model.py [--nic-gbps 400] [--nics 8 1] [--efficiency 0.8] [--bucket-mb 512]
         [--changed 0.02 0.03] [--presets qwen3-30b-a3b qwen3-235b-a22b] [--json F]
+
+Against a measured wire (``--check F.json ...``): the rows of ``weightstream bench --json`` (full updates) and
+``weightstream bench --delta --json`` (each learning rate's delta updates) by broadcast, each modelled on its own
+link (``--wire socket``: NCCL's socket transport over loopback, a wire like one between nodes), the link's rate
+that of the row's ceiling, a plain broadcast of the same bytes in the same run; model against measured per row.
+
+    PYTHONPATH=. python tools/multinode_model.py --check gpu-out/broadcast_*wiresocket*.json [--host H100]
 """
 
 from __future__ import annotations
@@ -637,6 +644,79 @@ def markdown(r: Report, nics: Sequence[int], nic_gbps: float) -> str:
     return "\n".join(lines)
 
 
+# -- against a measured wire (--check) ---------------------------------------------------------------------------
+
+
+def on_link(preset: str, precision: Precision, buckets: int, link_gbps: float, host: Host, c: Costs,
+            delta: DeltaCost | None = None, wire_fraction: float | None = None) -> Estimate:
+    """A broadcast between two GPUs over a link of ``link_gbps`` GB/s: trainer and engine at TP 1, the stream
+    reading bf16, the engine receiving bucket k + 1 while it loads k (a full update); a delta update (``delta``,
+    ``wire_fraction`` of the bytes on the wire) encoded by the sender and applied by the engine, each bucket's wire
+    and load in turn."""
+    m = model_bytes(preset)
+    copy = host.copy_gbps * GB
+    read, moved, tensors = m.total("bf16"), m.total(precision), m.count(precision)
+    pack = c.pack_factor * read / copy * 1e3 + c.pack_us_per_tensor * m.tensors / 1e3
+    load = moved / copy * 1e3 + c.engine_ms_per_bucket * buckets + c.engine_us_per_tensor * tensors / 1e3
+    wire = moved * (1.0 if wire_fraction is None else wire_fraction) / (link_gbps * GB) * 1e3
+    serial: tuple[str, ...] = ()
+    if delta is not None:
+        pack += delta.sender_copies * moved / copy * 1e3
+        load += delta.engine_copies * moved / copy * 1e3
+        serial = ("wire", "load")
+    return pipeline({"pack": pack / buckets, "wire": wire / buckets, "load": load / buckets}, buckets, serial=serial)
+
+
+def _measured(row: dict) -> list[tuple[str, float, Precision, float | None, float | None]]:
+    """A bench JSON row as (what, best ms, precision, words changed, wire fraction): a full row once; a delta row
+    per learning rate (its best delta update, its mean share of words changed and of the bytes on the wire)."""
+    if "updates" not in row:
+        precision: Precision = "fp8" if "block FP8" in row["transport"] else "bf16"
+        return [("full update", row["best_s"] * 1e3, precision, None, None)]
+    out: list[tuple[str, float, Precision, float | None, float | None]] = []
+    for lr in dict.fromkeys(u["lr"] for u in row["updates"] if u["lr"] is not None):
+        steps = [u for u in row["updates"] if u["lr"] == lr and not u["full"]]
+        if steps:
+            changed = sum(u["changed_fraction"] for u in steps) / len(steps)
+            wire = sum(u["wire_bytes"] for u in steps) / len(steps) / row["bytes"]
+            out.append((f"delta, lr {lr:g}", min(u["seconds"] for u in steps) * 1e3, "bf16", changed, wire))
+    return out
+
+
+def check_rows(paths: Sequence[str], host: Host, c: Costs) -> list[dict]:
+    """Every broadcast row of the bench JSON files ``paths``, modelled on its own link (:func:`on_link`)."""
+    out = []
+    for path in paths:
+        with open(path) as f:
+            rows = json.load(f)
+        for row in rows:
+            if not row["transport"].startswith("broadcast") or not row.get("ceiling_s"):
+                continue
+            preset = row["preset"].split(" (")[0]
+            link = row["bytes"] / row["ceiling_s"] / GB
+            for what, ms, precision, changed, wire in _measured(row):
+                delta = None if changed is None else delta_cost(changed)
+                est = on_link(preset, precision, row["buckets"], link, host, c, delta, wire)
+                out.append({"file": path, "preset": preset, "update": what, "precision": precision,
+                            "wire": row.get("wire", "default"), "link_gbps": round(link, 3),
+                            "ceiling_ms": row["ceiling_s"] * 1e3, "measured_ms": ms, "model_ms": round(est.ms, 1),
+                            "error": round(est.ms / ms - 1, 3), "bound": est.bound, "stages": est.stages})
+    return out
+
+
+def check_markdown(rows: Sequence[dict], host: Host) -> str:
+    lines = [f"Model against measured rows on their own links ({host.name} copy rate; the link's rate: the row's "
+             "plain broadcast of the same bytes)", "",
+             "| row | wire | link | ceiling | measured | measured / ceiling | model | error | bound |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = r["measured_ms"] / r["ceiling_ms"]
+        lines.append(f"| {r['preset']} {r['update']} ({r['precision']}) | {r['wire']} | {r['link_gbps']:.2f} GB/s | "
+                     f"{r['ceiling_ms']:.1f} ms | {r['measured_ms']:.1f} ms | {ratio:.2f}x "
+                     f"| {r['model_ms']:.1f} ms | {r['error']:+.1%} | {r['bound']} |")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--presets", nargs="+", default=["qwen3-30b-a3b", "qwen3-235b-a22b"])
@@ -646,7 +726,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--bucket-mb", type=float, default=512)
     ap.add_argument("--changed", nargs="*", type=float, default=[0.02, 0.03], help="delta rows: words changed")
     ap.add_argument("--json", help="write everything computed here as JSON")
+    ap.add_argument("--check", nargs="+", metavar="F.json", help="bench --json files: model vs measured per row")
+    ap.add_argument("--host", choices=["H100", "H200"], default="H100", help="--check: the GPUs the rows ran on")
     a = ap.parse_args(argv)
+    if a.check:
+        host = {"H100": H100, "H200": H200}[a.host]
+        rows = check_rows(a.check, host, fit())
+        print(check_markdown(rows, host))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     cluster = Cluster(nic_gbps=a.nic_gbps, efficiency=a.efficiency)
     report = run(a.presets, a.nics, cluster, a.changed, int(a.bucket_mb * MIB))
     print(markdown(report, a.nics, a.nic_gbps))
