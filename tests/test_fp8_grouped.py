@@ -90,7 +90,7 @@ def _jobs(fp8: BlockFP8) -> list[CastJob]:
 def test_a_buckets_casts_go_by_groups_bit_for_bit(monkeypatch, group_bytes):
     """Every job's values and scales those of the tensor quantized alone, whether a group is cast at once or
     (a smaller :data:`~weightstream.streaming.quantize.GROUP_BYTES`) in runs."""
-    monkeypatch.setattr(quantize, "GROUP_BYTES", group_bytes)
+    monkeypatch.setitem(quantize.GROUP_BYTES, "cpu", group_bytes)
     fp8 = BlockFP8((16, 16))
     jobs = _jobs(fp8)
     batch = QuantizeBatch(fp8)
@@ -100,3 +100,41 @@ def test_a_buckets_casts_go_by_groups_bit_for_bit(monkeypatch, group_bytes):
     for job in jobs:
         q, s = fp8.quantize(job.source.reshape(job.values.shape))
         assert torch.equal(_bits(job.values), _bits(q)) and torch.equal(_bits(job.scales.view(s.shape)), _bits(s))
+
+
+@pytest.mark.unit
+def test_the_kernels_table_rows_made_once_per_form_are_each_jobs_own():
+    """The Triton kernel's table (:class:`~weightstream.streaming.fp8_cast.BlockCast`) is made per form of job
+    (dtype, shapes and strides: a layer's experts of one projection), its checks and row layout once per form:
+    each job's row and fast-form choice are still those of the job alone (its own addresses,
+    :func:`~weightstream.streaming.fp8_cast.takes_aligned`, :func:`~weightstream.streaming.fp8_cast.row_layout`).
+    Made on the CPU (the tables are plain integers); the kernel itself runs on GPUs (tools/gpu_fp8_kernel.py)."""
+    from weightstream.streaming.fp8_cast import _form_rows, _forms, row_layout, takes_aligned
+
+    fp8 = BlockFP8((16, 16))
+    g = torch.Generator().manual_seed(9)
+    fc1 = torch.randn(3, 64, 32, generator=g).to(torch.bfloat16)
+    flat = torch.randn(2 * 32 * 32 + 1, generator=g).to(torch.bfloat16)
+    sources = ([fc1[e, :32] for e in range(3)] + [fc1[e, 32:] for e in range(3)]  # experts' gate and up
+               + [flat[1:1 + 32 * 32].view(32, 32), flat[:32 * 32].view(32, 32)]  # one off 16-byte alignment
+               + [torch.randn(48, 40, generator=g).t(), torch.randn(33, 70, generator=g)]  # strided; ragged fp32
+               + [torch.randn(2, 3, 16, 32, generator=g)[:, 0]])  # rows in two strides
+    jobs = []
+    for s in sources:
+        shape = (s.numel() // s.shape[-1], s.shape[-1])
+        jobs.append(CastJob(s, torch.empty(shape, dtype=FP8), torch.empty(fp8.scale_shape(shape))))
+    made = {}
+    for form in _forms(jobs):
+        for job, (aligned, row, blocks) in zip(form, _form_rows(form, fp8), strict=True):
+            made[id(job)] = (aligned, row, blocks)
+    assert len(made) == len(jobs) and len(_forms(jobs)) < len(jobs)
+    kinds = set()
+    for job in jobs:
+        aligned = takes_aligned(job.source, tuple(job.values.shape), job.values.data_ptr(), fp8)
+        outer, inner_rows, inner, step = row_layout(job.source)
+        (n, m), grid, u = job.values.shape, fp8.scale_shape(tuple(job.values.shape)), 16 if aligned else 1
+        row = [job.source.data_ptr() // u, outer // u, inner // u, step, inner_rows, n, m // u,
+               job.values.data_ptr() // u, job.scales.data_ptr(), grid[1]]
+        assert made[id(job)] == (aligned, row, grid[0] * grid[1])
+        kinds.add(aligned)
+    assert kinds == {True, False}
