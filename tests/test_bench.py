@@ -6,6 +6,9 @@ from __future__ import annotations
 import math
 import re
 
+import pytest
+import torch
+
 from weightstream.bench.speed import run_bench
 
 
@@ -66,17 +69,19 @@ def test_an_fp8_ipc_row_writes_into_the_float8_engine_and_checks_it():
     assert diff <= 1e-4, res.check
 
 
-def test_delta_row_on_real_adam_steps(tmp_path, capsys):
+@pytest.mark.parametrize("optimizer", [[], ["--optimizer-on-host"]], ids=["adam-on-device", "adam-on-host"])
+def test_delta_row_on_real_adam_steps(tmp_path, capsys, optimizer):
     """``bench --delta``: the first update full, ``repeats`` forced full ones of the same weights, then per learning
     rate real Adam steps (Megatron's own loss, backward, fp32 masters) each followed by a delta update: every update
     checked by the engine's checksums, fewer words changed at the smaller rate, the bytes on the wire those of the
-    encodings, and the engine's logits the Megatron model's after the last. Printed and saved as JSON."""
+    encodings, and the engine's logits the Megatron model's after the last. Printed and saved as JSON. The same with
+    Adam's states kept in host memory, each parameter stepped in turn (``--optimizer-on-host``)."""
     import json
 
     from weightstream.cli import main
 
     argv = ["bench", "--delta", "--transport", "broadcast", "--preset", "tiny-qwen3", "--bucket-mb", "0.125",
-            "--lr", "1e-6,1e-4", "--steps", "2", "--repeats", "1", "--json", str(tmp_path / "d.json")]
+            "--lr", "1e-6,1e-4", "--steps", "2", "--repeats", "1", "--json", str(tmp_path / "d.json"), *optimizer]
     assert main(argv) == 0
     out = capsys.readouterr().out
     (row,) = json.loads((tmp_path / "d.json").read_text())
@@ -90,3 +95,118 @@ def test_delta_row_on_real_adam_steps(tmp_path, capsys):
     assert row["snapshot_bytes"] == row["bytes"]
     assert float(re.search(r"max \|diff\| (\S+)", row["check"]).group(1)) <= 0.1 and row["check_ok"] is True
     assert "lr 1e-06 step 2:" in out and "check (passed)" in out
+    assert row["optimizer"] == ("host" if optimizer else "device")
+    assert f"Adam's states on the {row['optimizer']}" in out
+    # tools/multinode_model.py --check takes the row: per learning rate, its best delta update on the row's link
+    model = _multinode_model()
+    checked = model.check_rows([str(tmp_path / "d.json")], model.H100, model.fit())
+    assert [(r["update"], r["measured_ms"]) for r in checked] == [
+        (f"delta, lr {lr:g}", min(u["seconds"] for u in updates if u["lr"] == lr) * 1e3) for lr in (1e-6, 1e-4)]
+
+
+@pytest.mark.unit
+def test_adam_states_on_the_host_step_as_one_adam_over_all():
+    """Adam's states kept per parameter and stepped one parameter at a time (``optimizer="host"``) give the
+    masters and the model's parameters of one Adam over every parameter, bit for bit (on the CPU both take torch's
+    single-tensor Adam), step after step."""
+    from torch import nn
+
+    from weightstream.bench.delta import _Adam
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 4))
+
+    chunks = {"device": [model()], "host": [model()]}
+    adams = {where: _Adam(chunks[where], "device", 1e-2, states=where) for where in chunks}
+    for step in range(3):
+        for where, adam in adams.items():
+            for k, p in enumerate(adam.params):
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + k))
+            with torch.no_grad():
+                (adam._step_each if where == "host" else adam._step_all)()
+        for a, b in zip(adams["device"].masters, adams["host"].masters, strict=True):
+            assert torch.equal(a, b)
+        for a, b in zip(chunks["device"][0].parameters(), chunks["host"][0].parameters(), strict=True):
+            assert torch.equal(a, b) and a.grad is None and b.grad is None
+    assert len(adams["host"].opts) == 4 and len(adams["device"].opts) == 1
+
+
+def _multinode_model():
+    """tools/multinode_model.py as a module."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "multinode_model.py"
+    spec = importlib.util.spec_from_file_location("multinode_model", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["multinode_model"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _environment(names: list[str]) -> dict[str, str | None]:
+    import os
+
+    return {n: os.environ.get(n) for n in names}
+
+
+def test_a_socket_wire_row_is_refused_on_gloo_and_its_environment_reaches_every_process(monkeypatch):
+    """``--wire socket`` runs NCCL on its socket transport over loopback: without a CUDA device (gloo) a row is
+    refused before anything runs, with every problem in one error, by ``run_bench``, ``run_delta_bench`` and the
+    command. The settings it gives every process of a row reach a launched rank, and are undone after."""
+    import os
+
+    from weightstream.bench.delta import run_delta_bench
+    from weightstream.bench.speed import SOCKET_WIRE, on_wire
+    from weightstream.cli import main
+    from weightstream.launch import launch
+
+    gloo = ("--wire socket runs NCCL on its socket transport over loopback: NCCL only, and without a CUDA device "
+            "the bench runs gloo")
+    if torch.cuda.is_available():
+        pytest.skip("the refusal is for machines without CUDA")
+    with pytest.raises(ValueError) as e:
+        run_bench("tiny-qwen3", "broadcast", wire="socket")
+    assert str(e.value) == f"bench: {gloo}"
+    with pytest.raises(ValueError) as e:
+        run_bench("tiny-qwen3", "ipc", wire="socket")
+    assert str(e.value) == ("bench: --wire socket times a transfer between devices (broadcast, p2p), not "
+                            f"--transport ipc; {gloo}")
+    with pytest.raises(ValueError) as e:
+        run_delta_bench("tiny-qwen3", "broadcast", wire="socket")
+    assert str(e.value) == f"bench --delta: {gloo}"
+    assert main(["bench", "--transport", "broadcast,p2p", "--wire", "socket"]) == 2
+    names = sorted(SOCKET_WIRE)
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NCCL_NET", "IB")  # one set before: it comes back after
+    with on_wire("socket"):
+        (seen,) = launch(1, _environment, names, backend="gloo")
+    assert seen == SOCKET_WIRE
+    assert _environment(names) == {n: ("IB" if n == "NCCL_NET" else None) for n in names}
+    assert os.environ["NCCL_NET"] == "IB"
+
+
+def test_the_multinode_model_checked_against_a_broadcast_rows_json(tmp_path, capsys):
+    """``tools/multinode_model.py --check F.json``: a broadcast row of ``bench --json`` modelled on its own link
+    (the rate of its ceiling, a plain broadcast of the same bytes in the same run), the model's time and the
+    measured one side by side. Here a CPU row (gloo, the link the machine's memory): only the arithmetic is checked,
+    not the model's calibration (fitted on GPUs)."""
+    import json
+
+    from weightstream.bench.speed import write_json
+
+    model = _multinode_model()
+    res = run_bench("tiny-qwen3", "broadcast", dtype="bfloat16", bucket_bytes=64 << 10, repeats=1)
+    write_json([res], tmp_path / "rows.json")
+    model.main(["--check", str(tmp_path / "rows.json"), "--json", str(tmp_path / "check.json")])
+    (row,) = json.loads((tmp_path / "check.json").read_text())
+    link = res.bytes / res.ceiling_s / 1e9
+    assert row["link_gbps"] == round(link, 3) and row["measured_ms"] == res.best_s * 1e3
+    want = model.on_link("tiny-qwen3", "bf16", res.buckets, link, model.H100, model.fit())
+    assert row["model_ms"] == round(want.ms, 1) and row["bound"] == want.bound
+    assert model.model_bytes("tiny-qwen3").total("bf16") == res.bytes  # the model's bytes are the row's
+    out = capsys.readouterr().out
+    assert f"| tiny-qwen3 full update (bf16) | default | {link:.2f} GB/s |" in out

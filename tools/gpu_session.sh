@@ -17,6 +17,15 @@
 # Delta updates on real Adam steps (issue 22's goal row, two GPUs): bash tools/gpu_run.sh bench --delta --transport
 #   broadcast --preset qwen3-4b --lr 1e-6,1e-5 --steps 3 (one GPU: --transport ipc; qwen3-8b needs --masters host,
 #   whose Adam steps over 8 B fp32 masters on the host outran a 185 s row bound on the H200 x2: give it 400 s alone).
+#   On 80 GB cards Adam's states on the device ran out of memory for qwen3-4b: keep them on the host, each parameter
+#   stepped on the device in turn (--optimizer-on-host; qwen3-8b with --masters host too, its masters brought over
+#   per parameter as well): qwen3-4b:broadcast:"--delta --optimizer-on-host --lr 1e-6,1e-5 --steps 3".
+# A wire like a link between two nodes, on one host (nvidia-h100-x2): NCCL's socket transport over loopback for every
+#   process of the row (--wire socket: no P2P, no shared memory, no InfiniBand; NCCL_SOCKET_IFNAME=lo), its ceiling a
+#   plain NCCL broadcast of the same bytes over that link in the same run. Qwen3-8B full bf16, delta at lr 1e-6 and
+#   block FP8, then the multi-node model against them:
+#   ROW_TIMEOUT=500 ... qwen3-8b:broadcast:"--wire socket" qwen3-8b:broadcast:"--wire socket --delta --masters host
+#   --optimizer-on-host --lr 1e-6 --steps 3" qwen3-8b:broadcast:"--wire socket --quantize fp8-block" wire-check
 # The block-FP8 kernel alone (bits against the whole-tensor arithmetic, speed against a device copy): the word fp8-kernel.
 # The delta word kernels (bits against the torch operations, then each step per 512 MiB bucket): the word word-kernels;
 #   delta updates on real Adam steps on an 80 GB GPU: bash tools/gpu_run.sh bench --delta --transport ipc --preset
@@ -39,6 +48,11 @@ for row in "$@"; do
   fi
   if [ "$row" = fp8-kernel ]; then
     PYTHONPATH="/tmp/site:$PWD" timeout 300 python3 tools/gpu_fp8_kernel.py --json "$OUT/fp8_kernel.json" | tail -12
+    continue
+  fi
+  if [ "$row" = wire-check ]; then  # the multi-node model against every --wire socket row of this call
+    PYTHONPATH="/tmp/site:$PWD" timeout 120 python3 tools/multinode_model.py --check "$OUT"/broadcast_*wiresocket*.json \
+      | tee "$OUT/wire_check.md"
     continue
   fi
   if [ "$row" = word-kernels ]; then

@@ -385,6 +385,12 @@ def _bench_transport_args(bench: argparse.ArgumentParser) -> None:
                        help="where --delta keeps the fp32 master weights and Adam's state (default device)")
     bench.add_argument("--snapshot", choices=["device", "host"], default="device",
                        help="where the sender keeps the bytes it computes deltas against (default device)")
+    bench.add_argument("--optimizer-on-host", action="store_true",
+                       help="--delta: Adam's states in host memory, each parameter stepped on the device in turn "
+                            "(the device holds one parameter's states at a time; with --masters host, its masters too)")
+    bench.add_argument("--wire", choices=["default", "socket"], default="default",
+                       help="--transport broadcast/p2p on GPUs: socket puts every process of the row on NCCL's "
+                            "socket transport over loopback (a link like one between nodes), its ceiling that link's")
     bench.add_argument("--replicas", type=_positive, default=1,
                        help="engines updated at once, each of --engine-tp ranks: by broadcast, through one group with "
                             "every engine rank from one trainer; by p2p, from a trainer of as many data-parallel "
@@ -1029,7 +1035,8 @@ def _bench_delta(args: argparse.Namespace, progress: Progress) -> int:
         progress.phase(f"row {i + 1}/{len(args.transport)}: delta updates by {transport} on {args.preset}")
         res = run_delta_bench(args.preset, transport, tiny=args.tiny, dtype=args.megatron_dtype,
                               bucket_bytes=args.bucket_mb or _mb(BUCKET_MB), lrs=args.lr, steps=args.steps,
-                              repeats=args.repeats, masters=args.masters, snapshot=args.snapshot, tp=args.tp)
+                              repeats=args.repeats, masters=args.masters, snapshot=args.snapshot, tp=args.tp,
+                              optimizer="host" if args.optimizer_on_host else "device", wire=args.wire)
         print(res.render(), flush=True)
         results.append(res)
     if args.json:
@@ -1062,6 +1069,12 @@ def _bench_problems(args: argparse.Namespace) -> list[str]:
         problems.append("--plot needs matplotlib, which is not installed (pip install matplotlib)")
     if args.plot and args.soak is not None:
         problems.append("--plot charts --transport and --from-json rows, not a --soak report")
+    if args.wire != "default":
+        from weightstream.bench.speed import wire_problems
+
+        problems += dict.fromkeys(p for t in args.transport or () for p in wire_problems(args.wire, t))
+        if args.soak is not None:
+            problems.append(f"--wire {args.wire} times --transport and --delta rows, not --soak")
     missing = [f for f in args.from_json or () if not Path(f).is_file()]
     if missing:
         problems.append(f"--from-json: no such file: {', '.join(missing)}")
@@ -1113,7 +1126,7 @@ def _bench_transports(args: argparse.Namespace, progress: Progress) -> int:
                         reuse_buffers=args.reuse_buffers, rollback=not args.no_rollback,
                         ahead=not args.per_bucket, tp=args.tp, engine_tp=args.engine_tp, ep=args.ep,
                         prepare=args.prepare, direct=not args.no_direct, quantize=_quantize(args),
-                        replicas=args.replicas)
+                        replicas=args.replicas, wire=args.wire)
         print(res.render(), flush=True)
         results.append(res)
     if args.json:

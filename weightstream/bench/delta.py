@@ -2,7 +2,8 @@
 same weights in the same run.
 
 The trainer is the preset's Megatron-Core model in bf16 with fp32 master weights (on its device, or in host
-memory with ``masters="host"`` where the device cannot hold them and Adam's state), Adam over the masters, the
+memory with ``masters="host"`` where the device cannot hold them and Adam's state), Adam over the masters (its
+states in host memory with ``optimizer="host"``, each parameter stepped on the device in turn), the
 masters copied into the model after each step; each step's gradient is that of the model's own language-model
 loss on a random batch (forward and backward through Megatron). One ``WeightSync(delta=True)`` into a reference
 engine makes, in order: ``prepare()`` (the plan, the group, on a GPU the copy and word kernels compiled: timed
@@ -12,7 +13,8 @@ report gives the share of words changed, the bytes on the wire, its encodings, i
 check of its bytes (every engine rank's checksum of every bucket against the trainer's). The row's check: every
 update checked, and the engine's logits after the last one equal to the Megatron model's forward (within the
 tolerance of :func:`~weightstream.bench.speed.logits_check`). The ceiling of the same run: a device copy of the
-full update's bytes (IPC) or a plain broadcast of them (broadcast).
+full update's bytes (IPC) or a plain broadcast of them (broadcast). ``wire="socket"``: as
+:mod:`weightstream.bench.speed`'s ``--wire socket``, every process on NCCL's socket transport over loopback.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ from weightstream.bench.speed import (
     broadcast_ceiling,
     copy_ceiling,
     logits_check,
+    on_wire,
     send_recv_ceiling,
     serving,
+    wire_problems,
 )
 from weightstream.sinks.delta import DeltaTracker
 
@@ -74,6 +78,8 @@ class DeltaBenchResult:
     bucket_bytes: int
     masters: str
     snapshot: str
+    optimizer: str = "device"  # where Adam's states are kept ("host": each parameter stepped on the device in turn)
+    wire: str = "default"  # speed.WIRES
     bytes: int = 0  # of a full update
     buckets: int = 0
     snapshot_bytes: int = 0  # what the sender kept to compute deltas
@@ -111,7 +117,8 @@ class DeltaBenchResult:
         lines = [
             f"weightstream bench --delta: {self.preset}, {self.transport}, {self.dtype}, {self.device}, "
             f"buckets of {self.bucket_bytes / 2**20:g} MiB; fp32 masters on the {self.masters}, "
-            f"snapshot on the {self.snapshot}",
+            f"Adam's states on the {self.optimizer}, snapshot on the {self.snapshot}"
+            + (", NCCL socket transport over loopback" if self.wire == "socket" else ""),
             f"  full update       {self.full_s * 1e3:9.1f} ms   {self.bytes / 1e6:.1f} MB, {self.buckets} buckets "
             f"(best warm; ceiling {self.ceiling_s * 1e3:.1f} ms: {self.ceiling}; "
             f"ratio {self.full_s / self.ceiling_s if self.ceiling_s else float('nan'):.2f}x)",
@@ -137,33 +144,87 @@ class DeltaBenchResult:
 
 class _Adam:
     """fp32 master weights of ``chunks``' parameters (on ``where``: "device" or "host") with Adam over them; a
-    step copies them into the model's (bf16) parameters."""
+    step copies them into the model's (bf16) parameters. ``states="host"``: Adam's two states of each parameter
+    are kept in host memory (pinned), and each parameter steps in turn on the model's device, its states (and its
+    masters where they are on the host) brought there and back: the device then holds one parameter's states, fp32
+    gradient (and masters) at a time, not the model's (three times its fp32 masters; four with them)."""
 
-    def __init__(self, chunks: list[nn.Module], where: str, lr: float):
+    def __init__(self, chunks: list[nn.Module], where: str, lr: float, states: str = "device"):
         self.params = [p for c in chunks for p in c.parameters()]
         host = where == "host" and self.params[0].is_cuda
         self.masters = [p.detach().float().to("cpu" if host else p.device).clone() for p in self.params]
         if host:
             self.masters = [m.pin_memory() for m in self.masters]
-        self.opt = torch.optim.Adam(self.masters, lr=lr)
+        self.states_on_host = states == "host"
+        groups = [[m] for m in self.masters] if self.states_on_host else [self.masters]
+        self.opts = [torch.optim.Adam(g, lr=lr) for g in groups]
+        self.kept: dict[int, dict[str, torch.Tensor]] = {}  # per parameter: its states' pinned host tensors
 
     def set_lr(self, lr: float) -> None:
-        for group in self.opt.param_groups:
-            group["lr"] = lr
+        for opt in self.opts:
+            for group in opt.param_groups:
+                group["lr"] = lr
 
     def step(self, chunks: list[nn.Module], vocab_size: int, gen: torch.Generator) -> float:
         """One step on the loss of a random batch: its loss."""
         loss = _loss(chunks, vocab_size, gen)
         loss.backward()
         with torch.no_grad():
-            for p, m in zip(self.params, self.masters, strict=True):
-                m.grad = (p.grad if p.grad is not None else torch.zeros_like(p)).to(m.device, torch.float32)
-                p.grad = None
-            self.opt.step()
-            for p, m in zip(self.params, self.masters, strict=True):
-                p.copy_(m)
-                m.grad = None
+            if self.states_on_host:
+                self._step_each()
+            else:
+                self._step_all()
         return float(loss)
+
+    def _step_all(self) -> None:
+        """Every parameter's fp32 gradient made, one Adam step over all, every masters copied into the model."""
+        for p, m in zip(self.params, self.masters, strict=True):
+            m.grad = _fp32_grad(p, m)
+            p.grad = None
+        self.opts[0].step()
+        for p, m in zip(self.params, self.masters, strict=True):
+            p.copy_(m)
+            m.grad = None
+
+    def _step_each(self) -> None:
+        """Parameter by parameter on the model's device: its masters and states brought there, its fp32 gradient,
+        its step, the masters copied into the model, then masters and states back into their host tensors."""
+        for k, (p, m, opt) in enumerate(zip(self.params, self.masters, self.opts, strict=True)):
+            held, moved = m.data, m.device != p.device
+            if moved:
+                m.data = held.to(p.device, non_blocking=True)
+            m.grad = _fp32_grad(p, m)
+            p.grad = None
+            state = opt.state.get(m, {})
+            for name in _STATES:
+                if name in state:
+                    state[name] = state[name].to(p.device, non_blocking=True)
+            opt.step()
+            p.copy_(m)
+            m.grad = None
+            if moved:
+                held.copy_(m.data)
+                m.data = held
+            self._keep_on_host(k, opt.state[m])
+
+    def _keep_on_host(self, k: int, state: dict) -> None:
+        kept = self.kept.setdefault(k, {})
+        for name in _STATES:
+            t = state[name]
+            if t.device.type == "cpu":
+                continue
+            host = kept.get(name)
+            if host is None:
+                host = kept[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t)
+            state[name] = host
+
+
+_STATES = ("exp_avg", "exp_avg_sq")  # Adam's states of a parameter (torch.optim.Adam's names)
+
+
+def _fp32_grad(p: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return (p.grad if p.grad is not None else torch.zeros_like(p)).to(m.device, torch.float32)
 
 
 def _loss(chunks: list[nn.Module], vocab_size: int, gen: torch.Generator) -> torch.Tensor:
@@ -183,7 +244,7 @@ def _loss(chunks: list[nn.Module], vocab_size: int, gen: torch.Generator) -> tor
 
 
 def delta_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype: str, lrs: list[float],
-              steps: int, repeats: int, masters: str, snapshot: str, tp: int = 1) -> dict:
+              steps: int, repeats: int, masters: str, snapshot: str, tp: int = 1, optimizer: str = "device") -> dict:
     """Trainer rank (TP ``tp``): the updates of the run (module docstring), each as :class:`DeltaStep`
     fields; the Megatron model's logits after the last (or why its forward failed)."""
     from weightstream.checks.megatron_models import megatron_logits
@@ -192,7 +253,7 @@ def delta_job(cfg_dir: str, url: str, transport: str, bucket_bytes: int, dtype: 
 
     cfg = load_hf_config(cfg_dir)
     chunks, device = _trainer(cfg, dtype, tp)
-    adam = _Adam(chunks, masters, lrs[0])
+    adam = _Adam(chunks, masters, lrs[0], optimizer)
     gen = torch.Generator().manual_seed(0)
     updates: list[dict] = []
 
@@ -242,15 +303,16 @@ def _tracker(tracker: DeltaTracker | None) -> DeltaTracker:
 def run_delta_bench(preset: str, transport: str, *, tiny: bool = False, dtype: str = "bfloat16",
                     bucket_bytes: int = 512 << 20, lrs: tuple[float, ...] = (1e-6, 1e-5), steps: int = 3,
                     repeats: int = 2, masters: str = "device", snapshot: str = "device",
-                    engine_device: str | None = None, tp: int = 1) -> DeltaBenchResult:
+                    engine_device: str | None = None, tp: int = 1, optimizer: str = "device",
+                    wire: str = "default") -> DeltaBenchResult:
     """One ``bench --delta`` row (module docstring)."""
-    from weightstream.launch import launch
-
     problems = []
     if transport not in DELTA_TRANSPORTS:
         problems.append(f"transport must be one of {DELTA_TRANSPORTS}, got {transport!r}")
-    if masters not in ("device", "host") or snapshot not in ("device", "host"):
-        problems.append(f"masters and snapshot are kept on 'device' or 'host', got {masters!r}, {snapshot!r}")
+    if {masters, snapshot, optimizer} - {"device", "host"}:
+        problems.append(f"masters, snapshot and the optimizer's states are kept on 'device' or 'host', got "
+                        f"{masters!r}, {snapshot!r}, {optimizer!r}")
+    problems += wire_problems(wire, transport)
     if steps < 1 or not lrs or any(lr <= 0 for lr in lrs):
         problems.append(f"at least one step and positive learning rates, got steps {steps}, lrs {list(lrs)}")
     if problems:
@@ -258,12 +320,22 @@ def run_delta_bench(preset: str, transport: str, *, tiny: bool = False, dtype: s
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     cfg = bench_config(preset, tiny, dtype)
     res = DeltaBenchResult(preset + (" (tiny widths)" if tiny else ""), transport, "", dtype, bucket_bytes,
-                           masters, snapshot)
+                           masters, snapshot, optimizer, wire)
+    with on_wire(wire):
+        return _run_delta(res, cfg, transport, backend, lrs, steps, repeats, engine_device, tp)
+
+
+def _run_delta(res: DeltaBenchResult, cfg, transport: str, backend: str, lrs: tuple[float, ...],
+               steps: int, repeats: int, engine_device: str | None, tp: int) -> DeltaBenchResult:
+    """The row's engine and trainer ranks, its check and its ceiling (:func:`run_delta_bench`)."""
+    from weightstream.launch import launch
+
+    dtype, bucket_bytes = res.dtype, res.bucket_bytes
     engine_tp = 1 if transport == "broadcast" else tp
     devices = _engine_devices(engine_device, transport, tp, engine_tp, 1)
     with serving(cfg, devices, engine_tp, dtype) as (tmp, (url,)):
-        ranks = launch(tp, delta_job, tmp, url, transport, bucket_bytes, dtype, list(lrs), steps, repeats, masters,
-                       snapshot, tp, backend=backend, timeout_s=3600)
+        ranks = launch(tp, delta_job, tmp, url, transport, bucket_bytes, dtype, list(lrs), steps, repeats,
+                       res.masters, res.snapshot, tp, res.optimizer, backend=backend, timeout_s=3600)
         r = ranks[0]
         text, ok = logits_check(url, r["logits"], dtype)
     res.device = f"trainer {r['device']}, engine {devices[0]}"

@@ -10,6 +10,11 @@ the same machine, measured in the same run on the same bytes.
 
 ``--tiny`` keeps a preset's topology (layers, experts, tensor count) at small widths, so that the
 per-tensor overhead can be measured on a CPU.
+
+``--wire socket`` (broadcast and P2P rows, NCCL only): every process of the row (trainer ranks, engines, the
+ceiling's ranks) runs NCCL on its socket transport over loopback (:data:`SOCKET_WIRE`), a wire like a link between
+two nodes on one host; the ceiling, a plain NCCL broadcast (or sends) of the same bytes in the same run, is then
+that link's own rate, and the row's ratio is to it.
 """
 
 from __future__ import annotations
@@ -32,12 +37,18 @@ from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8, dequantize_
 __all__ = [
     "TRANSPORTS", "IDS", "TINY", "BenchResult", "bench_config", "copy_ceiling", "stream_job", "update_job",
     "logits_check", "raw_send_recv_job", "raw_reshard_job", "raw_broadcast_job", "run_bench", "fp8_config", "serving",
-    "broadcast_ceiling", "send_recv_ceiling", "checkpoint_job", "write_json", "plot"
+    "broadcast_ceiling", "send_recv_ceiling", "checkpoint_job", "write_json", "plot", "WIRES", "SOCKET_WIRE",
+    "wire_problems", "on_wire"
 ]
 
 
 TRANSPORTS = ("stream", "broadcast", "ipc", "p2p", "checkpoint")
 IDS = [[3, 14, 15, 92, 65, 35, 89, 79]]
+WIRES = ("default", "socket")
+# NCCL's socket transport over loopback: no peer-to-peer or shared-memory path between the GPUs, no InfiniBand; the
+# bytes go through the kernel's TCP stack as between two nodes.
+SOCKET_WIRE = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket",
+               "NCCL_SOCKET_IFNAME": "lo"}
 TINY = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, vocab_size=1024, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8)
 
@@ -69,10 +80,16 @@ class BenchResult:
     engine_cold_phases: dict[str, float] = field(default_factory=dict)
     check: str = ""  # what was checked after the runs, and how it came out
     check_ok: bool | None = None  # whether it passed; a row whose check fails or cannot run has failed
+    wire: str = "default"  # WIRES: "socket" where every process ran NCCL's socket transport over loopback
 
     @property
     def failed(self) -> bool:
         return self.check_ok is False
+
+    @property
+    def ceiling_gbps(self) -> float:
+        """The row's bytes over the ceiling's time, GB/s: on a broadcast or P2P row, the wire's own rate."""
+        return self.bytes / self.ceiling_s / 1e9 if self.ceiling_s else float("nan")
 
     @property
     def best_s(self) -> float:
@@ -84,7 +101,7 @@ class BenchResult:
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        d.update(best_s=self.best_s, ratio=self.ratio)
+        d.update(best_s=self.best_s, ratio=self.ratio, ceiling_gbps=self.ceiling_gbps)
         return d
 
     @classmethod
@@ -102,7 +119,8 @@ class BenchResult:
             f"buckets of {self.bucket_bytes / 2**20:g} MiB",
             f"  {self.bytes / 1e6:.1f} MB, {self.tensors} tensors, {self.buckets} buckets",
             f"  ours (best warm)  {self.best_s * 1e3:9.1f} ms   ({us:.2f} us per tensor)",
-            f"  ceiling           {self.ceiling_s * 1e3:9.1f} ms   ({self.ceiling})",
+            f"  ceiling           {self.ceiling_s * 1e3:9.1f} ms   ({self.ceiling}"
+            + (f"; {self.ceiling_gbps:.2f} GB/s)" if self.transport.startswith(("broadcast", "p2p")) else ")"),
             f"  ratio             {self.ratio:9.2f}x",
             f"  cold (first)      {self.cold_s * 1e3:9.1f} ms   ({self.cold_s / self.best_s:.2f}x warm)"
             + (f", after prepare() {self.prepare_s * 1e3:.1f} ms" if self.prepare_s is not None else ""),
@@ -486,12 +504,14 @@ def run_bench(preset: str, transport: str, *, tiny: bool = False, dtype: str = "
               bucket_bytes: int = 512 << 20, repeats: int = 3, engine_device: str | None = None,
               reuse_buffers: bool = False, rollback: bool = True, ahead: bool = True, tp: int = 1,
               engine_tp: int | None = None, ep: int = 1, prepare: bool = False, direct: bool = True,
-              quantize: BlockFP8 | None = None, replicas: int = 1) -> BenchResult:
+              quantize: BlockFP8 | None = None, replicas: int = 1, wire: str = "default") -> BenchResult:
     """One row of the benchmark table (see the module docstring)."""
     from weightstream.launch import launch
 
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    problems = [] if transport in TRANSPORTS else [f"transport must be one of {TRANSPORTS}, got {transport!r}"]
+    problems += wire_problems(wire, transport)
+    if problems:
+        raise ValueError("bench: " + "; ".join(problems))
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
     cfg = bench_config(preset, tiny, dtype)
@@ -524,8 +544,45 @@ def run_bench(preset: str, transport: str, *, tiny: bool = False, dtype: str = "
         res.transport += f" (trainer TP {tp}{f' EP {ep}' if ep > 1 else ''}, engine TP {engine_tp or tp})"
     if replicas > 1:
         res.transport += f" ({replicas} engines)"
-    return _update_bench(res, cfg, transport, dtype, bucket_bytes, repeats, engine_device, backend, rollback, ahead,
-                         tp, engine_tp or tp, ep, prepare, direct, quantize, replicas)
+    if wire == "socket":
+        res.transport += " (NCCL socket transport over loopback)"
+    res.wire = wire
+    with on_wire(wire):
+        return _update_bench(res, cfg, transport, dtype, bucket_bytes, repeats, engine_device, backend, rollback,
+                             ahead, tp, engine_tp or tp, ep, prepare, direct, quantize, replicas)
+
+
+def wire_problems(wire: str, transport: str) -> list[str]:
+    """What keeps a row of ``transport`` from running on ``wire`` (:data:`WIRES`)."""
+    if wire not in WIRES:
+        return [f"--wire must be one of {', '.join(WIRES)}, got {wire!r}"]
+    if wire == "default":
+        return []
+    problems = []
+    if transport not in ("broadcast", "p2p"):
+        problems.append(f"--wire socket times a transfer between devices (broadcast, p2p), not --transport {transport}")
+    if not torch.cuda.is_available():
+        problems.append("--wire socket runs NCCL on its socket transport over loopback: NCCL only, and without a "
+                        "CUDA device the bench runs gloo")
+    return problems
+
+
+@contextmanager
+def on_wire(wire: str) -> Iterator[None]:
+    """Inside, every process started (trainer ranks, engines and their workers, the ceiling's ranks: each takes this
+    process's environment) runs on ``wire``: for "socket", NCCL with :data:`SOCKET_WIRE`. The environment as it was
+    after."""
+    env = SOCKET_WIRE if wire == "socket" else {}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _engine_memory(url: str) -> tuple[int | None, str]:
