@@ -64,8 +64,8 @@ def test_sglang_adapter_does_not_claim_what_sglang_lacks():
 
 
 def test_weight_layout_must_match_every_engine():
-    from weightstream.converters.fp8 import BlockFP8, block_fp8_of
     from weightstream.update import check_formats
+    from weightstream.wire.fp8 import BlockFP8, block_fp8_of
 
     fp8 = BlockFP8()
     plain = Declared("http://plain", EngineInfo("x"))

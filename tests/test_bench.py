@@ -55,7 +55,7 @@ def test_an_fp8_ipc_row_writes_into_the_float8_engine_and_checks_it():
     values and scales), the colocated trainer quantizes straight into them (one copy), and the row's check verifies
     every bucket's checksum and the engine's logits against the Megatron model's own forward with the weights the
     engine serves (each FP8 tensor fp8 × scale), to float32 rounding."""
-    from weightstream.converters.fp8 import BlockFP8
+    from weightstream.wire.fp8 import BlockFP8
 
     res = run_bench("tiny-qwen3", "ipc", dtype="float32", bucket_bytes=64 << 10, repeats=1,
                     quantize=BlockFP8((16, 16)))

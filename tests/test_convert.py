@@ -131,7 +131,7 @@ def test_convert_to_block_fp8(saved, model, fmt, procs, tmp_path):
     """A Megatron checkpoint on disk converted to block FP8: every tensor equals the source's, those the family
     declares FP8 quantized (values and scales bit for bit), with the matching quantization_config."""
     from tests.helpers.fp8_truth import same_bits, truth_of
-    from weightstream.converters.fp8 import BlockFP8
+    from weightstream.wire.fp8 import BlockFP8
 
     fp8 = BlockFP8(block=(16, 16))
     src, root, _ = saved[model]

@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from tests.test_engine_hardening import KEY, in_thread, logits, request, trainer_group
-from weightstream.converters.fp8 import SCALE_SUFFIX, BlockFP8
 from weightstream.models.presets import preset_config, random_hf_model, save_random_checkpoint
 from weightstream.models.spec import dtype_name
 from weightstream.receiver.programs import ProgramCache
@@ -32,6 +31,7 @@ from weightstream.receiver.values import DEFAULT_CHECKS, MAX_FP8_SCALE, LoadChec
 from weightstream.reference_engine.server import EngineServer, serve, stop
 from weightstream.sinks.safetensors import save_hf_checkpoint
 from weightstream.streaming.delta import DeltaHeader
+from weightstream.wire.fp8 import SCALE_SUFFIX, BlockFP8
 
 HIDDEN = preset_config("tiny-qwen3").hidden_size
 NORM = "model.norm.weight"

@@ -41,7 +41,6 @@ from weightstream.common.layout import ALIGN
 from weightstream.convert import convert_checkpoint
 from weightstream.converters import NotRepresentable, OpContext, get_converter, model_spec
 from weightstream.converters.expected import expected_hf_shapes
-from weightstream.converters.fp8 import BlockFP8
 from weightstream.converters.qwen2 import QWEN2
 from weightstream.errors import ConversionError
 from weightstream.jobs import Layout
@@ -50,6 +49,7 @@ from weightstream.models.presets import preset_config, random_hf_model, save_ran
 from weightstream.models.spec import Llama3Rope
 from weightstream.streaming.plan import plan_buckets
 from weightstream.streaming.stream import stream_hf_weights
+from weightstream.wire.fp8 import BlockFP8
 
 FULL, ASSEMBLES, EXPERTS = "full", "assembles", "experts"  # what a layout's streams are checked against
 FP8 = BlockFP8(block=(16, 16))  # the tiny models' shapes are not multiples of 128

@@ -9,13 +9,8 @@ import pytest
 import torch
 
 from tests.helpers.checks import engine_python
-from weightstream.converters.fp8 import (
-    FP8,
-    BlockFP8,
-    ceil_to_ue8m0,
-    dequantize_block_fp8,
-    quantize_block_fp8,
-)
+from weightstream.converters.fp8 import ceil_to_ue8m0, dequantize_block_fp8, quantize_block_fp8
+from weightstream.wire.fp8 import FP8, BlockFP8
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = ROOT / "tests" / "engines" / "fp8_check.py"

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.checks import engine_python, run_engine_check
-from weightstream.converters.fp8 import BlockFP8
-from weightstream.engines.base import StatedFormat
+from weightstream.engines.formats import StatedFormat
 from weightstream.engines.lmdeploy import LMDeployEngine
 from weightstream.engines.sglang import SGLangEngine
 from weightstream.engines.vllm import VLLMEngine
 from weightstream.update import WeightSync, check_formats
+from weightstream.wire.fp8 import BlockFP8
 
 ROOT = Path(__file__).resolve().parents[1]
 

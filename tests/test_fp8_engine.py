@@ -19,7 +19,7 @@ from tests.helpers.checks import INPUT_IDS, assert_experts_held_by_owners, exper
 from tests.helpers.fp8_workers import run_fp8_delta_updates, run_fp8_updates
 from tests.helpers.workers import Case
 from weightstream.common.hf_files import CheckpointReader
-from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8, dequantize_block_fp8
+from weightstream.converters.fp8 import dequantize_block_fp8, quantize_weight
 from weightstream.engines import EngineError, ReferenceEngine
 from weightstream.jobs import Layout
 from weightstream.launch import launch
@@ -27,6 +27,7 @@ from weightstream.models.presets import preset_config, random_hf_model, save_ran
 from weightstream.reference_engine.server import serve, stop
 from weightstream.sinks.safetensors import save_hf_checkpoint
 from weightstream.streaming.bucket import Bucket
+from weightstream.wire.fp8 import FP8, SCALE_SUFFIX, BlockFP8
 
 SMALL = BlockFP8(block=(16, 16))  # divides every dimension of the tiny presets (and their TP-2 shards)
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
@@ -102,7 +103,7 @@ def test_what_does_not_fit_the_layout_is_refused(dense_dirs):
     with CheckpointReader(dense_dirs["fp8"]) as reader:
         rows, cols = reader.shape(Q_PROJ)
     weight = torch.randn(rows, cols) * 0.02
-    values, scales = SMALL.quantize(weight)
+    values, scales = quantize_weight(SMALL, weight)
     scale = (Q_PROJ + SCALE_SUFFIX, scales)
     with engines((dense_dirs["fp8"], 1), (dense_dirs["dequantized"], 1)) as (fp8, plain):
         _refused(fp8, [norm, (Q_PROJ, values)], f"{Q_PROJ}: float8 without its scale {Q_PROJ + SCALE_SUFFIX} "
@@ -241,7 +242,7 @@ def test_an_fp8_engine_started_without_weights_knows_its_fp8_weights_from_the_fa
     with CheckpointReader(dense_dirs["fp8"]) as reader:
         rows, cols = reader.shape(Q_PROJ)
     weight = torch.randn(rows, cols) * 0.02
-    values, scales = SMALL.quantize(weight)
+    values, scales = quantize_weight(SMALL, weight)
     with engines((bare, 1)) as (server,):
         eng = ReferenceEngine(server.url)
         assert eng.info().fp8 == SMALL

@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightstream.converters.fp8 import FP8, BlockFP8, quantize_block_fp8, quantize_block_fp8_grouped
+from weightstream.converters.fp8 import quantize_block_fp8, quantize_block_fp8_grouped, quantize_weight
 from weightstream.streaming import quantize
 from weightstream.streaming.fp8_cast import CastJob
 from weightstream.streaming.quantize import QuantizeBatch
+from weightstream.wire.fp8 import FP8, BlockFP8
 
 SHAPES = [(256, 384), (300, 130), (5, 7), (128, 128), (129, 257), (1, 1000), (768, 200)]
 
@@ -98,7 +99,7 @@ def test_a_buckets_casts_go_by_groups_bit_for_bit(monkeypatch, group_bytes):
         batch.add(job)
     batch.run()
     for job in jobs:
-        q, s = fp8.quantize(job.source.reshape(job.values.shape))
+        q, s = quantize_weight(fp8, job.source.reshape(job.values.shape))
         assert torch.equal(_bits(job.values), _bits(q)) and torch.equal(_bits(job.scales.view(s.shape)), _bits(s))
 
 

@@ -14,13 +14,14 @@ from tests.helpers.checks import assert_full_exact, assert_per_rank_assembles, b
 from tests.helpers.fp8_truth import same_bits
 from tests.helpers.workers import Case, run_cases
 from weightstream.converters import Converter, register_converter, unregister_converter
-from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8
+from weightstream.converters.fp8 import quantize_weight
 from weightstream.converters.qwen3 import QWEN3
 from weightstream.errors import ConversionError
 from weightstream.jobs import Layout
 from weightstream.launch import launch
 from weightstream.models.presets import preset_config, random_hf_model, save_random_checkpoint
 from weightstream.streaming.stream import stream_hf_weights
+from weightstream.wire.fp8 import FP8, SCALE_SUFFIX, BlockFP8
 
 SMALL = BlockFP8(block=(16, 16))  # divides every dimension of the tiny presets (and their TP-2 shards)
 
@@ -83,7 +84,7 @@ def test_plain_transformers_model_quantized_bit_for_bit():
     assert set(got) == expected | {n + SCALE_SUFFIX for n in quantized}
     for name in expected:
         if name in quantized:
-            values, scales = SMALL.quantize(held[name])
+            values, scales = quantize_weight(SMALL, held[name])
             assert got[name].dtype == FP8 and same_bits(got[name], values), name
             assert same_bits(got[name + SCALE_SUFFIX], scales), name
         else:
@@ -127,7 +128,7 @@ def test_checkpoint_loads_in_transformers_with_its_fp8_config(tmp_path, preset):
                                                   quantization_config=FineGrainedFP8Config(dequantize=True)).eval()
     got = dict(loaded.state_dict())
     name = "model.layers.1.self_attn.o_proj.weight"
-    values, scales = SMALL.quantize(dict(model.state_dict())[name])
+    values, scales = quantize_weight(SMALL, dict(model.state_dict())[name])
     assert same_bits(got[name], dequantize_block_fp8(values, scales, SMALL.block))
     ids = torch.tensor(INPUT_IDS)
     with torch.no_grad():

@@ -56,6 +56,19 @@ def test_every_sink_has_the_interface_s_signatures():
     assert wrong == []
 
 
+def test_every_sink_defines_every_method_of_the_interface_itself():
+    """No sink's method is the protocol's documented stub: each comes from the sink's own class or a base of
+    weightstream's sinks (PipelinedSink)."""
+    methods = [m for m in vars(Sink) if not m.startswith("_") and callable(getattr(Sink, m))]
+    stubs = []
+    for cls in _sink_classes():
+        for method in methods:
+            owner = next(c for c in cls.__mro__ if method in vars(c))
+            if owner is Sink or not owner.__module__.startswith("weightstream.sinks."):
+                stubs.append(f"{cls.__name__}.{method} from {owner.__qualname__}")
+    assert stubs == []
+
+
 def test_each_sink_is_a_sink_with_its_name(tmp_path):
     engine = ReferenceEngine("http://127.0.0.1:9")
     sinks = [BroadcastSink([engine]), P2PSink([engine], Topology()), IPCSink(engine), ReshardSink(engine, Topology()),

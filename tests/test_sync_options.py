@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from weightstream.converters.fp8 import BlockFP8
 from weightstream.streaming.stream import DEFAULT_BUCKET_BYTES
 from weightstream.update import (
     EngineOptions,
@@ -22,6 +21,7 @@ from weightstream.update import (
     WeightSync,
 )
 from weightstream.update import options as options_module
+from weightstream.wire.fp8 import BlockFP8
 
 pytestmark = pytest.mark.unit  # in-process, no peer processes: the fast subset
 

@@ -14,8 +14,9 @@ import time
 
 import torch
 
-from weightstream.converters.fp8 import FP8, BlockFP8, quantize_block_fp8
+from weightstream.converters.fp8 import quantize_block_fp8
 from weightstream.streaming.fp8_cast import BlockCast, CastJob
+from weightstream.wire.fp8 import FP8, BlockFP8
 
 
 def _sources(dtype: torch.dtype, device: str) -> list[torch.Tensor]:

@@ -24,10 +24,10 @@ if TYPE_CHECKING:
     import torch
 
     from weightstream.common.progress import Progress
-    from weightstream.converters.fp8 import BlockFP8
     from weightstream.models.parallel import Layout
     from weightstream.models.spec import ModelSpec
     from weightstream.reference_engine.server import EngineServer
+    from weightstream.wire.fp8 import BlockFP8
 
 __all__ = [
     "DEMO_INPUT", "DTYPES", "BUCKET_MB", "TINY_BUCKET_MB", "UsageError", "build_parser", "BENCH_TRANSPORTS",
@@ -308,7 +308,7 @@ def _block(text: str) -> tuple[int, int]:
 
 
 def _quantize(args: argparse.Namespace) -> BlockFP8 | None:
-    from weightstream.converters.fp8 import BlockFP8
+    from weightstream.wire.fp8 import BlockFP8
 
     return BlockFP8(args.fp8_block, args.fp8_scales) if args.quantize == "fp8-block" else None
 

@@ -19,11 +19,11 @@ import torch
 
 from weightstream.checks.compare import Comparison, compare_checkpoints
 from weightstream.common.staging import check_target, clean_leftovers
-from weightstream.converters.fp8 import BlockFP8
 from weightstream.errors import WeightstreamError
 from weightstream.models.spec import load_hf_config
 from weightstream.sinks.safetensors import DEFAULT_SHARD_BYTES, CheckpointReport, save_hf_checkpoint
 from weightstream.sources.megatron_checkpoint import MegatronCheckpointSource
+from weightstream.wire.fp8 import BlockFP8
 
 __all__ = ["DEFAULT_CONVERT_BUCKET_BYTES", "ConvertReport", "convert_checkpoint"]
 

@@ -15,10 +15,10 @@ from torch import nn
 from weightstream.checks.megatron_models import build_gpt_model, initialize_parallel, load_hf_weights, megatron_logits
 from weightstream.common.hf_files import CheckpointReader
 from weightstream.common.progress import ProgressFile
-from weightstream.converters.fp8 import BlockFP8
 from weightstream.models.parallel import Layout
 from weightstream.models.spec import dtype_from_name, load_hf_config
 from weightstream.sinks.safetensors import CheckpointReport, save_hf_checkpoint
+from weightstream.wire.fp8 import BlockFP8
 
 __all__ = ["dump_job"]
 

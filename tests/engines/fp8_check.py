@@ -27,7 +27,8 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 
-from weightstream.converters.fp8 import FP8, quantize_block_fp8  # noqa: E402
+from weightstream.converters.fp8 import quantize_block_fp8  # noqa: E402
+from weightstream.wire.fp8 import FP8  # noqa: E402
 
 SHAPES = [(256, 384), (320, 200), (1000, 130), (128, 128), (7, 300)]
 

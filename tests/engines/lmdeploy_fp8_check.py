@@ -60,12 +60,13 @@ def bf16_weights() -> dict[str, torch.Tensor]:
 
 
 def fp8_tensors() -> list[tuple[str, torch.Tensor]]:
-    from weightstream.converters.fp8 import BlockFP8
+    from weightstream.converters.fp8 import quantize_weight
+    from weightstream.wire.fp8 import BlockFP8
 
     g = torch.Generator().manual_seed(78)
     out = [(NORM, torch.randn(HIDDEN, generator=g).to(torch.bfloat16))]
     for name, w in bf16_weights().items():
-        q, s = BlockFP8().quantize(w)
+        q, s = quantize_weight(BlockFP8(), w)
         out += [(name, q), (name + "_scale_inv", s)]
     return out
 
@@ -248,11 +249,12 @@ def check_own_quantization(qc: dict) -> dict:
     """c: bf16 weights LMDeploy quantizes itself against the same weights sent as our FP8."""
     from lmdeploy.lite.quantization.weight.quant_utils import quant_blocked_fp8
 
-    from weightstream.converters.fp8 import BlockFP8
+    from weightstream.converters.fp8 import quantize_weight
+    from weightstream.wire.fp8 import BlockFP8
 
     out: dict = {}
     for name, w in bf16_weights().items():
-        q, s = BlockFP8().quantize(w)
+        q, s = quantize_weight(BlockFP8(), w)
         lq, ls = quant_blocked_fp8(w, torch.float8_e4m3fn, 128)
         out[name] = {"scales_differ": int((ls != s).sum()), "values_differ": int((lq.view(torch.uint8) != q.view(
             torch.uint8)).sum()), "blocks": s.numel()}
@@ -287,7 +289,7 @@ def main() -> None:
     import lmdeploy
 
     from weightstream.common.layout import ALIGN
-    from weightstream.converters.fp8 import BlockFP8
+    from weightstream.wire.fp8 import BlockFP8
 
     result: dict = {"lmdeploy_version": lmdeploy.__version__}
     named_list = fp8_tensors()

@@ -43,10 +43,12 @@ BLOCK = 128
 def hf_tensors(fp8) -> list[tuple[str, torch.Tensor]]:
     """A bf16 norm and every projection quantized by weightstream, each weight followed by its scales (the order
     the stream lays out a dense bucket)."""
+    from weightstream.converters.fp8 import quantize_weight
+
     g = torch.Generator().manual_seed(2024)
     out = [(f"{PREFIX}.post_attention_layernorm.weight", torch.randn(HIDDEN, generator=g).to(torch.bfloat16))]
     for name, (shape, _) in WEIGHTS.items():
-        q, s = fp8.quantize(torch.randn(shape, generator=g).to(torch.bfloat16) * 0.05)
+        q, s = quantize_weight(fp8, torch.randn(shape, generator=g).to(torch.bfloat16) * 0.05)
         out += [(f"{PREFIX}.{name}.weight", q), (f"{PREFIX}.{name}.weight_scale_inv", s)]
     return out
 
@@ -127,8 +129,8 @@ def check_format(scale_fmt: str) -> dict:
     from sglang.srt.layers.quantization.fp8 import Fp8Config
     from sglang.srt.models.qwen3 import Qwen3ForCausalLM
 
-    from weightstream.converters.fp8 import BlockFP8
     from weightstream.streaming.bucket import Bucket
+    from weightstream.wire.fp8 import BlockFP8
 
     fp8 = BlockFP8((BLOCK, BLOCK), scale_fmt)  # type: ignore[arg-type]
     ours = hf_tensors(fp8)

@@ -40,7 +40,8 @@ sys.path.insert(0, str(HERE.parents[1]))  # weightstream from this checkout
 
 import torch  # noqa: E402
 
-from weightstream.converters.fp8 import BlockFP8, quantize_block_fp8  # noqa: E402
+from weightstream.converters.fp8 import quantize_block_fp8, quantize_weight  # noqa: E402
+from weightstream.wire.fp8 import BlockFP8  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 256, 4, 2, 64
 CONFIG = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": HIDDEN,
@@ -166,10 +167,10 @@ def backend_path(cfg) -> dict:
     """c: an FP8 bucket through the weightstream backend's receiving path into vLLM's FP8 layers."""
     from types import SimpleNamespace
 
-    from weightstream.converters.fp8 import BlockFP8
     from weightstream.engines.vllm import VLLMEngine
     from weightstream.integrations.vllm_backend import WeightstreamUpdateInfo, _load_bucket
     from weightstream.streaming.bucket import Bucket
+    from weightstream.wire.fp8 import BlockFP8
 
     g = torch.Generator().manual_seed(11)
     shapes = {"self_attn.q_proj": (HEADS * HEAD_DIM, HIDDEN), "self_attn.k_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
@@ -177,7 +178,7 @@ def backend_path(cfg) -> dict:
               "mlp.gate_proj": (384, HIDDEN), "mlp.up_proj": (384, HIDDEN), "mlp.down_proj": (HIDDEN, 384)}
     ours = [("model.layers.0.post_attention_layernorm.weight", torch.randn(HIDDEN, generator=g).to(torch.bfloat16))]
     for name, shape in shapes.items():
-        q, s = BlockFP8().quantize(torch.randn(shape, generator=g).to(torch.bfloat16))
+        q, s = quantize_weight(BlockFP8(), torch.randn(shape, generator=g).to(torch.bfloat16))
         ours += [(f"model.layers.0.{name}.weight", q), (f"model.layers.0.{name}.weight_scale_inv", s)]
     bucket = Bucket.pack(ours, index=0, align=1)
     sent: list = []

@@ -11,7 +11,7 @@ import torch
 
 from tests.helpers.fp8_truth import same_bits, truth_of
 from weightstream.common.hf_files import CheckpointReader
-from weightstream.converters.fp8 import BlockFP8
+from weightstream.wire.fp8 import BlockFP8
 
 # The prompts every logits check feeds (token ids below every tiny vocabulary).
 INPUT_IDS = [[3, 14, 159, 265, 358, 979, 323, 846, 26, 433], [999, 0, 1, 2, 500, 501, 77, 88, 99, 111]]

@@ -9,9 +9,10 @@ from contextlib import contextmanager
 import torch
 
 from weightstream.common.hf_files import CheckpointReader
-from weightstream.converters.fp8 import SCALE_SUFFIX, BlockFP8
+from weightstream.converters.fp8 import quantize_weight
 from weightstream.converters.registry import get_converter
 from weightstream.models.spec import load_hf_config
+from weightstream.wire.fp8 import SCALE_SUFFIX, BlockFP8
 
 
 class QuantizedTruth:
@@ -27,9 +28,9 @@ class QuantizedTruth:
 
     def get(self, name: str) -> torch.Tensor:
         if name.endswith(SCALE_SUFFIX):
-            return self.fp8.quantize(self.reader.get(name.removesuffix(SCALE_SUFFIX)))[1]
+            return quantize_weight(self.fp8, self.reader.get(name.removesuffix(SCALE_SUFFIX)))[1]
         if self.converter.quantizes(name):
-            return self.fp8.quantize(self.reader.get(name))[0]
+            return quantize_weight(self.fp8, self.reader.get(name))[0]
         return self.reader.get(name)
 
 

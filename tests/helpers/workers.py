@@ -15,13 +15,13 @@ from tests.helpers.checks import INPUT_IDS  # (the prompts every logits check us
 from tests.helpers.fp8_truth import same_bits, truth_of
 from weightstream.checks.megatron_models import build_gpt_model, initialize_parallel, load_hf_weights, megatron_logits
 from weightstream.common.hf_files import CheckpointReader
-from weightstream.converters.fp8 import BlockFP8
 from weightstream.errors import WeightstreamError
 from weightstream.jobs import Layout
 from weightstream.models.spec import load_hf_config
 from weightstream.sinks.safetensors import save_hf_checkpoint
 from weightstream.sources.megatron import unwrap
 from weightstream.streaming.stream import stream_hf_weights
+from weightstream.wire.fp8 import BlockFP8
 
 
 @dataclass

@@ -41,8 +41,8 @@ def main() -> None:
     import weightstream as ws
     from weightstream.checks.megatron_models import build_gpt_model, initialize_parallel, load_hf_weights
     from weightstream.common.hf_files import CheckpointReader
-    from weightstream.converters.fp8 import BlockFP8
     from weightstream.engines import ReferenceEngine
+    from weightstream.wire.fp8 import BlockFP8
 
     quantize = BlockFP8(block=(args.fp8_block, args.fp8_block)) if args.fp8_block else None
     initialize_parallel(args.tp, args.pp, ep=args.ep)

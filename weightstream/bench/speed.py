@@ -32,7 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8, dequantize_block_fp8
+from weightstream.converters.fp8 import dequantize_block_fp8, quantize_weight
+from weightstream.wire.fp8 import FP8, SCALE_SUFFIX, BlockFP8
 
 __all__ = [
     "TRANSPORTS", "IDS", "TINY", "BenchResult", "bench_config", "copy_ceiling", "stream_job", "update_job",
@@ -252,7 +253,7 @@ def _want(expected: dict[str, torch.Tensor], scales: dict[str, torch.Tensor], na
         return scales.pop(name)
     want = expected.pop(name, None)
     if want is not None and quantize is not None and got.dtype == FP8:
-        want, scales[name + SCALE_SUFFIX] = quantize.quantize(want)
+        want, scales[name + SCALE_SUFFIX] = quantize_weight(quantize, want)
     return want
 
 

@@ -1,9 +1,6 @@
-"""Block FP8: a 2-D weight as ``float8_e4m3fn`` values and one float32 scale per block.
-
-The layout of the published block-FP8 checkpoints (DeepSeek-V3, ``Qwen3-*-FP8``) and of the engines' block-FP8
-loaders: ``X.weight`` of the weight's shape in ``float8_e4m3fn`` and ``X.weight_scale_inv`` in float32 of shape
-``[ceil(rows / 128), ceil(cols / 128)]``, with ``w ≈ fp8 × scale_inv`` within each 128×128 block (the name is
-historical: it is the inverse of the quantization scale ``448 / amax``).
+"""Block FP8's arithmetic: a 2-D weight as ``float8_e4m3fn`` values and one float32 scale per block, in the
+layout :mod:`weightstream.wire.fp8` describes (``X.weight_scale_inv``: the name is historical, it is the inverse
+of the quantization scale ``448 / amax``).
 
 The arithmetic is DeepGEMM's ``per_block_cast_to_fp8`` (vLLM's copy and its ``fp8_per_block`` online method
 compute the same; SGLang's is the same with power-of-two scales) as it runs on a GPU: the ragged edge padded
@@ -17,66 +14,25 @@ whose kernels take exponent-only scales.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
 
+from weightstream.wire.fp8 import FP8, BlockFP8
+
 __all__ = [
-    "FP8", "FP8_MAX", "MIN_AMAX", "ScaleFormat", "SCALE_SUFFIX", "BlockFP8", "block_fp8_of", "ceil_to_ue8m0",
-    "quantize_block_fp8", "quantize_block_fp8_grouped", "cast_blocks", "dequantize_block_fp8"
+    "FP8_MAX", "MIN_AMAX", "quantize_weight", "ceil_to_ue8m0", "quantize_block_fp8", "quantize_block_fp8_grouped",
+    "cast_blocks", "dequantize_block_fp8"
 ]
 
 
-FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 MIN_AMAX = 1e-4  # an all-zero block's amax (its scale then 1e-4 / 448)
-ScaleFormat = Literal["float", "ue8m0"]
-SCALE_SUFFIX = "_scale_inv"  # ``X.weight`` -> ``X.weight_scale_inv``
 
 
-@dataclass(frozen=True)
-class BlockFP8:
-    """How weights are quantized: the block (rows, cols) and the scales' format."""
-
-    block: tuple[int, int] = (128, 128)
-    scale_fmt: ScaleFormat = "float"
-
-    def __post_init__(self) -> None:
-        rows, cols = self.block
-        if rows <= 0 or cols <= 0:
-            raise ValueError(f"block must be two positive sizes, got {self.block}")
-        if self.scale_fmt not in ("float", "ue8m0"):
-            raise ValueError(f"scale_fmt must be 'float' or 'ue8m0', got {self.scale_fmt!r}")
-
-    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
-        """The shape of the scales of a weight of ``shape``."""
-        rows, cols = _two_dims(shape)
-        return math.ceil(rows / self.block[0]), math.ceil(cols / self.block[1])
-
-    def quantize(self, weight: Tensor) -> tuple[Tensor, Tensor]:
-        """``weight`` (2-D, any float dtype) as (fp8 values of its shape, float32 scales)."""
-        return quantize_block_fp8(weight, self.block, ue8m0=self.scale_fmt == "ue8m0")
-
-    def config(self, not_converted: list[str]) -> dict:
-        """The ``quantization_config`` of a checkpoint quantized so (transformers' and the engines' keys)."""
-        out: dict = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                     "weight_block_size": list(self.block), "modules_to_not_convert": not_converted}
-        if self.scale_fmt == "ue8m0":
-            out["scale_fmt"] = "ue8m0"
-        return out
-
-
-def block_fp8_of(quantization_config: dict | None) -> BlockFP8 | None:
-    """The block-FP8 layout an HF ``quantization_config`` declares (None: the model is not block FP8)."""
-    if not quantization_config or quantization_config.get("quant_method") != "fp8":
-        return None
-    block = quantization_config.get("weight_block_size")
-    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) for b in block)):
-        return None  # per-tensor FP8: not a block layout
-    fmt: ScaleFormat = "ue8m0" if quantization_config.get("scale_fmt") == "ue8m0" else "float"
-    return BlockFP8((int(block[0]), int(block[1])), fmt)
+def quantize_weight(fp8: BlockFP8, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """``weight`` (2-D, any float dtype) as (fp8 values of its shape, float32 scales), in ``fp8``'s layout."""
+    return quantize_block_fp8(weight, fp8.block, ue8m0=fp8.scale_fmt == "ue8m0")
 
 
 def _two_dims(shape: tuple[int, ...]) -> tuple[int, int]:

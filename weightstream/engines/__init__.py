@@ -5,14 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from weightstream.engines.base import (
-    EngineAdapter,
-    EngineError,
-    EngineInfo,
-    GroupSpec,
-    HTTPEngine,
-    RankBucket,
-)
+from weightstream.engines.base import EngineAdapter, EngineError, EngineInfo, GroupSpec, RankBucket
+from weightstream.engines.http import HTTPEngine
 from weightstream.engines.lmdeploy import LMDeployEngine
 from weightstream.engines.reference import ENGINE_NAME, ReferenceEngine
 from weightstream.engines.sglang import SGLangEngine

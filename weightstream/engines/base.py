@@ -6,33 +6,41 @@ bytes travel through, opening, committing and aborting a versioned update, pausi
 releasing and resuming memory. ``update.py`` picks a transport from the adapter's :class:`EngineInfo`
 (sizes, GPUs, capabilities), never from an engine's name. Each engine is one adapter module; adding an
 engine adds one module and touches no sink.
+
+This module holds the interface only: the capabilities, the records its methods take and return, the
+protocols, each method saying who calls it, when in an update and on which trainer ranks, and the one way a
+sink reaches a capability's protocol (:func:`capable`, :func:`require`, :func:`implementing`). The HTTP
+plumbing adapters share:
+:mod:`weightstream.engines.http`; a user's statement of the model's block-FP8 layout:
+:mod:`weightstream.engines.formats`.
+
+An update, as :class:`~weightstream.update.WeightSync` runs it against one engine (every call here from
+trainer rank 0 unless said otherwise): ``info`` (the transport is chosen); ``pause`` and ``begin_update`` (or
+``pause_and_begin``); the sink's calls of the chosen capability per bucket (a group joined before the first
+bucket by ``join_group``; the metadata ahead where declared); ``prepare_commit`` where several engines are
+updated; ``commit_update`` (or ``commit_and_resume``); ``resume``. A failure: ``abort_update``, then ``resume``.
 """
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from weightstream.converters.fp8 import BlockFP8, block_fp8_of
 from weightstream.errors import WeightstreamError
 from weightstream.streaming.bucket import Bucket, TensorMeta
 from weightstream.streaming.delta import DeltaHeader
 from weightstream.streaming.reshard import EngineLayout
+from weightstream.wire.fp8 import BlockFP8
 from weightstream.wire.frames import Plan
 
 __all__ = [
     "BROADCAST", "IPC", "P2P", "RESHARD", "ROLLBACK", "RELEASE_MEMORY", "SINGLE_DTYPE", "BROADCAST_AHEAD", "P2P_AHEAD",
     "IPC_AHEAD", "COMMIT_AND_RESUME", "PAUSE_AND_BEGIN", "PREPARE_COMMIT", "DELTA", "DELTA_AHEAD", "WARM_GROUP",
-    "EngineError", "EngineUnreachable", "EngineInfo", "StatedFormat", "stated_format", "describe_format",
-    "settle_format", "GroupSpec", "RankBucket", "EngineAdapter", "GroupEngine", "BroadcastEngine", "P2PEngine",
-    "ReshardEngine", "IPCEngine", "MemoryEngine", "BroadcastAheadEngine", "P2PAheadEngine", "IPCAheadEngine",
-    "CommitsAndResumes", "PreparesCommits", "PausesAndBegins", "DeltaChecks", "DeltaEngine", "CAPABILITY_PROTOCOLS",
-    "implementing", "capable", "require", "HTTPEngine"
+    "EngineError", "EngineUnreachable", "EngineInfo", "GroupSpec", "RankBucket", "EngineAdapter", "GroupEngine",
+    "BroadcastEngine", "P2PEngine", "ReshardEngine", "IPCEngine", "MemoryEngine", "BroadcastAheadEngine",
+    "P2PAheadEngine", "IPCAheadEngine", "CommitsAndResumes", "PreparesCommits", "PausesAndBegins", "DeltaChecks",
+    "DeltaEngine", "CAPABILITY_PROTOCOLS", "implementing", "capable", "require",
 ]
 
 
@@ -110,73 +118,6 @@ class EngineInfo:
 
 
 @dataclass(frozen=True)
-class StatedFormat:
-    """The weight layout of an engine's model as its user states it, for engines that do not report it
-    (SGLang, vLLM, LMDeploy): block FP8 in ``fp8``'s layout, or unquantized (``fp8`` None, from a model whose
-    ``config.json`` has no ``quantization_config``). ``source`` says where the statement came from."""
-
-    fp8: BlockFP8 | None
-    source: str
-
-
-def stated_format(fp8: BlockFP8 | None, model_path: str | Path | None) -> StatedFormat | None:
-    """What an adapter's ``fp8=`` and ``model_path=`` state (None: neither given). ``model_path``: the served
-    model's directory (or its ``config.json``), whose ``quantization_config`` says the layout. Raises one
-    ``ValueError`` where the model's config cannot be read, names a quantization other than block FP8, or
-    disagrees with ``fp8``."""
-    if model_path is None:
-        return None if fp8 is None else StatedFormat(fp8, f"fp8={fp8}")
-    path = Path(model_path)
-    config_file = path / "config.json" if path.is_dir() else path
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"model_path {str(model_path)!r}: cannot read the served model's config.json "
-                         f"({exc})") from None
-    qc = config.get("quantization_config") if isinstance(config, dict) else None
-    from_config = block_fp8_of(qc if isinstance(qc, dict) else None)
-    problems = []
-    if qc and from_config is None:
-        method = qc.get("quant_method") if isinstance(qc, dict) else qc
-        problems.append(f"its quantization_config names {method!r} without a weight_block_size: weightstream "
-                        "sends block FP8 or unquantized weights only")
-    if fp8 is not None and fp8 != from_config:
-        problems.append(f"it declares {describe_format(from_config)}, but fp8={fp8} was stated")
-    if problems:
-        raise ValueError(f"the model at {str(config_file)!r}: " + "; ".join(problems))
-    return StatedFormat(from_config, f"the quantization_config of {config_file}")
-
-
-def describe_format(fp8: BlockFP8 | None) -> str:
-    return "unquantized weights" if fp8 is None else f"block FP8 {fp8.block} ({fp8.scale_fmt} scales)"
-
-
-def settle_format(stated: StatedFormat | None, reported: BlockFP8 | None, method: str | None, *,
-                  reports_layout: bool, names_fp8_method: bool) -> tuple[BlockFP8 | None, tuple[str, ...]]:
-    """An engine's block-FP8 layout (``EngineInfo.fp8``) and what a statement contradicts in its report.
-
-    ``reported``: the layout the engine reports where it reports one (``reports_layout``: a
-    ``quantization_config`` in its reply, null for an unquantized model). ``method``: the FP8 method it names
-    (``EngineInfo.quantization``) or any other quantization method it names. ``names_fp8_method``: the engine
-    always names ``fp8`` for a block-FP8 checkpoint (vLLM), so naming nothing contradicts a stated layout.
-    Without a statement the engine's report stands (None where it says nothing)."""
-    if stated is None:
-        return reported, ()
-    said = f"stated ({stated.source}): {describe_format(stated.fp8)}"
-    if reports_layout:
-        if reported != stated.fp8:
-            return reported, (f"{said}, but the engine reports {describe_format(reported)}",)
-        return reported, ()
-    if stated.fp8 is not None and method not in ("fp8", None):
-        return stated.fp8, (f"{said}, but the engine names quantization {method!r}",)
-    if stated.fp8 is not None and method is None and names_fp8_method:
-        return stated.fp8, (f"{said}, but the engine names no FP8 method (its model is not quantized)",)
-    if stated.fp8 is None and method is not None:
-        return stated.fp8, (f"{said}, but the engine names quantization {method!r}",)
-    return stated.fp8, ()
-
-
-@dataclass(frozen=True)
 class GroupSpec:
     """One weight-update group: the trainer's sender is rank 0 and hosts the store at
     ``master_address:master_port``; this engine's TP rank r joins as ``rank_offset + r``."""
@@ -214,33 +155,51 @@ class RankBucket:
 class EngineAdapter(Protocol):
     """One engine (all its ranks) as every update sees it: what it is, its generation, and versioned update
     sessions. What moves the bytes is a capability (below), declared by the engine in :class:`EngineInfo` and
-    implemented by the adapter; :func:`capable` ties the two. Every call is bounded (``timeout_s`` of the
-    adapter unless given) and raises :class:`EngineError` naming the engine and the step."""
+    implemented by the adapter; :func:`capable` ties the two. Every call is
+    bounded (``timeout_s`` of the adapter unless given) and raises :class:`EngineError` naming the engine and
+    the step."""
 
     url: str
     group_name: str
 
-    def info(self, refresh: bool = False) -> EngineInfo: ...
+    def info(self, refresh: bool = False) -> EngineInfo:
+        """What the engine is: sizes, GPUs, capabilities, block-FP8 layout. Asked by the transport's choice
+        before every update and by the sinks (trainer rank 0, or every rank of a resharding or delta sink); an
+        adapter asks its engine once and answers from then on what it said, unless ``refresh``."""
 
-    def pause(self, mode: str = "abort") -> None: ...
+    def pause(self, mode: str = "abort") -> None:
+        """Trainer rank 0, first of an update (or before its memory is released): generation stops (``mode``:
+        what becomes of the requests in flight, as the engine names it)."""
 
-    def resume(self, timeout_s: float | None = None) -> None: ...
+    def resume(self, timeout_s: float | None = None) -> None:
+        """Trainer rank 0, last: generation resumes, after :meth:`commit_update` (or after
+        :meth:`abort_update`, within ``timeout_s``)."""
 
-    def begin_update(self, version: str | None, timeout_s: float | None = None) -> None: ...
+    def begin_update(self, version: str | None, timeout_s: float | None = None) -> None:
+        """Trainer rank 0, after :meth:`pause` and before the sink opens: a session that will serve
+        ``version`` once committed; what the sink delivers goes into it."""
 
     def commit_update(self) -> str | None:
-        """Load what was received for good; returns the weight version the engine now reports."""
+        """Trainer rank 0, once every rank's sink closed without error: load what was received for good;
+        returns the weight version the engine now reports."""
 
-    def abort_update(self, timeout_s: float | None = None) -> None: ...
+    def abort_update(self, timeout_s: float | None = None) -> None:
+        """Trainer rank 0, after a failure anywhere (every rank's sink aborted): the session ends without a
+        commit (an engine that declares :data:`ROLLBACK` puts the committed weights back); within ``timeout_s``."""
 
 
 @runtime_checkable
 class GroupEngine(EngineAdapter, Protocol):
     """Joins and leaves the process group that bytes travel through (:data:`BROADCAST`, :data:`P2P`)."""
 
-    def join_group(self, spec: GroupSpec) -> None: ...
+    def join_group(self, spec: GroupSpec) -> None:
+        """The sink's ``connect`` (trainer rank 0 for a broadcast; the rank that forms the group of a
+        per-rank sink), on a thread while the trainer forms its side of ``spec`` at the same time; kept
+        across updates."""
 
-    def leave_group(self, timeout_s: float | None = None) -> None: ...
+    def leave_group(self, timeout_s: float | None = None) -> None:
+        """The sink's ``disconnect`` (or ``abort``), while the trainer destroys its side at the same time
+        (NCCL's teardown waits for its peers); within ``timeout_s``."""
 
 
 @runtime_checkable
@@ -248,14 +207,18 @@ class BroadcastEngine(GroupEngine, Protocol):
     """:data:`BROADCAST`: receives each bucket's flat buffer by a broadcast over the joined group."""
 
     def receive_broadcast(self, bucket: Bucket, checksum: str | None) -> None:
-        """Tell the engine the bucket being broadcast now (it receives it and loads it)."""
+        """Trainer rank 0, per bucket, on a thread while it broadcasts the bucket: the bucket being broadcast
+        now (the engine receives it and loads it); not called where the metadata went ahead."""
 
 
 @runtime_checkable
 class P2PEngine(GroupEngine, Protocol):
     """:data:`P2P`: each engine TP rank receives its own per-rank bucket from trainer TP rank r."""
 
-    def receive_p2p(self, index: int, ranks: Sequence[RankBucket]) -> None: ...
+    def receive_p2p(self, index: int, ranks: Sequence[RankBucket]) -> None:
+        """Trainer rank 0 of the replica that serves the engine, per bucket, while the trainer ranks send:
+        what each engine rank receives of bucket ``index`` (one :class:`RankBucket` per engine rank); not
+        called where the buckets went ahead."""
 
 
 @runtime_checkable
@@ -263,7 +226,8 @@ class ReshardEngine(P2PEngine, Protocol):
     """:data:`RESHARD`: per-rank buckets into an engine of another layout; it declares how it holds each tensor."""
 
     def layout(self) -> EngineLayout:
-        """How the engine splits the HF tensors over its ranks."""
+        """Trainer rank 0, when the resharding sink connects (told to every rank): how the engine splits the
+        HF tensors over its ranks."""
 
 
 @runtime_checkable
@@ -271,18 +235,25 @@ class IPCEngine(EngineAdapter, Protocol):
     """:data:`IPC`: receives each bucket as CUDA IPC handles / shared-memory files of the colocated ranks."""
 
     def encode_ipc(self, bucket: Bucket) -> Any:
-        """This trainer rank's bucket as the engine's IPC payload (called on every colocated rank)."""
+        """Every colocated trainer rank (rank r < the engine's TP size), per bucket, where no metadata went
+        ahead: this rank's bucket as the engine's IPC payload, gathered on trainer rank 0."""
 
-    def receive_ipc(self, index: int, payloads: Sequence[Any], checksums: Sequence[str | None] | None) -> None: ...
+    def receive_ipc(self, index: int, payloads: Sequence[Any], checksums: Sequence[str | None] | None) -> None:
+        """Trainer rank 0, per bucket, after :meth:`encode_ipc` on every colocated rank: every engine rank's
+        payload (and checksum); every trainer rank holds its buffer until this returns."""
 
 
 @runtime_checkable
 class MemoryEngine(EngineAdapter, Protocol):
     """:data:`RELEASE_MEMORY`: frees weights / KV cache while the trainer runs, re-creates them after."""
 
-    def release_memory(self, tags: Sequence[str] | None = None) -> None: ...
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Trainer rank 0, after :meth:`pause`, between updates (``WeightSync.release_memory``): the memory of
+        ``tags`` is freed."""
 
-    def resume_memory(self, tags: Sequence[str] | None = None) -> None: ...
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Trainer rank 0: the weights re-created right after the next update's :meth:`begin_update` (before
+        the sink writes into them), the rest after its commit."""
 
 
 @runtime_checkable
@@ -291,8 +262,10 @@ class BroadcastAheadEngine(EngineAdapter, Protocol):
 
     def receive_broadcast_ahead(self, buckets: Sequence[Sequence[TensorMeta]], timeout_s: float,
                                 delta: bool = False) -> None:
-        """The metadata of every bucket of this update, in order, before the first is broadcast; ``delta``
-        (:data:`DELTA_AHEAD`): each bucket's delta header is broadcast right before its payload."""
+        """Trainer rank 0, when the broadcast sink opens, on a thread: the metadata of every bucket of this
+        update, in order, before the first is broadcast; returns once the engine loaded the last (within
+        ``timeout_s``). ``delta`` (:data:`DELTA_AHEAD`): each bucket's delta header is broadcast right before
+        its payload."""
 
 
 @runtime_checkable
@@ -302,8 +275,10 @@ class P2PAheadEngine(EngineAdapter, Protocol):
 
     def receive_p2p_ahead(self, buckets: Sequence[Sequence[RankBucket]], timeout_s: float,
                           delta: bool = False) -> None:
-        """``delta`` (:data:`DELTA_AHEAD`): each rank's bucket comes as its delta header, then its payload, from its
-        ``src``."""
+        """Trainer rank 0 of the serving replica (the resharding sink: the first rank of its roster), when the
+        sink opens, on a thread; returns once the engine loaded the last bucket (within ``timeout_s``).
+        ``delta`` (:data:`DELTA_AHEAD`): each rank's bucket comes as its delta header, then its payload, from
+        its ``src``."""
 
 
 @runtime_checkable
@@ -313,36 +288,48 @@ class IPCAheadEngine(EngineAdapter, Protocol):
 
     def receive_ipc_ahead(self, plan: str, num_buckets: int, channels: Sequence[str], client: str,
                           timeout_s: float, delta: bool = False) -> None:
-        """``delta``: every bucket comes as a delta payload (:class:`~weightstream.wire.frames.DeltaRecord`)."""
+        """Trainer rank 0, when the IPC sink opens, on a thread: engine rank r connects to ``channels[r]``
+        (trainer rank r's), where the buckets' frames follow; returns once every bucket is loaded. ``delta``:
+        every bucket comes as a delta payload (:class:`~weightstream.wire.frames.DeltaRecord`)."""
 
     def prepare_ipc_ahead(self, plan: str, num_buckets: int, channels: Sequence[str], client: str,
-                          timeout_s: float) -> None: ...
+                          timeout_s: float) -> None:
+        """Trainer rank 0, before the first update (the sink's ``prepare``) or, on the CPU per bucket, to
+        announce the colocated ranks: as :meth:`receive_ipc_ahead` with no buckets; the engine keeps serving."""
 
-    def release_ipc_buffers(self, client: str, timeout_s: float | None = None) -> None: ...
+    def release_ipc_buffers(self, client: str, timeout_s: float | None = None) -> None:
+        """Trainer rank 0, when the IPC sink disconnects: the engine lets go of the buffers of ``client`` it
+        keeps mapped."""
 
     def ipc_plan_frame(self, buckets: Sequence[Sequence[TensorMeta]]) -> Plan:
-        """The layout of every bucket of the plan, as the engine reads it on the control channel."""
+        """Each colocated trainer rank, once its engine rank connected and said it does not know the plan: the
+        layout of every bucket, as the engine reads it on the control channel."""
 
 
 @runtime_checkable
 class CommitsAndResumes(EngineAdapter, Protocol):
     """:data:`COMMIT_AND_RESUME`: commits an update and resumes generation in one request."""
 
-    def commit_and_resume(self) -> str | None: ...
+    def commit_and_resume(self) -> str | None:
+        """Trainer rank 0, in place of :meth:`~EngineAdapter.commit_update` then
+        :meth:`~EngineAdapter.resume`; returns the version the engine now reports."""
 
 
 @runtime_checkable
 class PreparesCommits(EngineAdapter, Protocol):
     """:data:`PREPARE_COMMIT`: the first phase of a commit; returns the version the commit will serve."""
 
-    def prepare_commit(self) -> str | None: ...
+    def prepare_commit(self) -> str | None:
+        """Trainer rank 0, updating several engines, after every sink closed and before any engine commits:
+        whatever the commit could fail on, the session kept restorable."""
 
 
 @runtime_checkable
 class PausesAndBegins(EngineAdapter, Protocol):
     """:data:`PAUSE_AND_BEGIN`: pauses generation and opens an update session in one request."""
 
-    def pause_and_begin(self, mode: str, version: str | None, timeout_s: float | None = None) -> None: ...
+    def pause_and_begin(self, mode: str, version: str | None, timeout_s: float | None = None) -> None:
+        """Trainer rank 0, in place of :meth:`~EngineAdapter.pause` then :meth:`~EngineAdapter.begin_update`."""
 
 
 @dataclass(frozen=True)
@@ -363,10 +350,12 @@ class DeltaEngine(EngineAdapter, Protocol):
     bucket's :attr:`~weightstream.streaming.bucket.Bucket.delta`), keeps the bytes it applied, and reports them."""
 
     def delta_base(self) -> str | None:
-        """``instance/version`` of the committed update whose bytes the engine holds (None: it holds none)."""
+        """Trainer rank 0, before a delta-mode update's stream: ``instance/version`` of the committed update
+        whose bytes the engine holds (None: it holds none)."""
 
     def delta_checks(self) -> DeltaChecks:
-        """What the open session applied (:class:`DeltaChecks`)."""
+        """Trainer rank 0, after every rank's sink closed and before the commit: what the open session
+        applied (:class:`DeltaChecks`)."""
 
 
 # What an adapter implements for each capability its engine may declare.
@@ -407,71 +396,3 @@ def require(engine: EngineAdapter, capability: str, protocol: type[_P], why: str
         raise EngineError(engine.url, why, f"the engine does not declare {capability!r} "
                           f"(it declares {', '.join(sorted(engine.info().capabilities)) or 'nothing'})")
     return found
-
-
-class HTTPEngine:
-    """Bounded JSON-over-HTTP calls to one engine; the plumbing every HTTP adapter shares."""
-
-    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 60.0,
-                 group_name: str = "weight_update_group", fp8: BlockFP8 | None = None,
-                 model_path: str | Path | None = None):
-        self.url = url.rstrip("/")
-        self.api_key = api_key
-        self.timeout_s = timeout_s
-        self.group_name = group_name
-        # The layout of the served model as the user states it (``fp8=``, or the ``quantization_config`` of
-        # ``model_path``'s config.json): what an engine that does not report its layout serves.
-        self.stated = stated_format(fp8, model_path)
-        self._info: EngineInfo | None = None
-        self._server_info: dict | None = None  # what the engine said it is (each adapter asks in its own way)
-        self._session = False  # a session this client opened and has not ended
-        self._version: str | None = None  # the weight version of that session
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.url!r})"
-
-    def request(self, method: str, path: str, body: Any = None, *, step: str | None = None,
-                timeout_s: float | None = None) -> Any:
-        step = step or path.strip("/")
-        timeout = timeout_s or self.timeout_s
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method)
-        req.add_header("Content-Type", "application/json")
-        if self.api_key:
-            req.add_header("Authorization", f"Bearer {self.api_key}")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")
-            try:
-                parsed = json.loads(detail)
-                detail = parsed.get("message") or (parsed.get("error") or {}).get("message") or detail
-            except (ValueError, AttributeError):
-                pass
-            raise EngineError(self.url, step, f"HTTP {exc.code}: {detail}") from None
-        except (urllib.error.URLError, OSError, TimeoutError) as exc:
-            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-            raise EngineUnreachable(self.url, step,
-                                    f"unreachable or no answer within {timeout:.0f} s ({reason})") from None
-        try:
-            reply = json.loads(raw) if raw else {}
-        except ValueError:
-            reply = raw.decode(errors="replace")
-        if isinstance(reply, dict) and reply.get("success") is False:
-            raise EngineError(self.url, step, reply.get("message", "success=false"))
-        return reply
-
-    def info(self, refresh: bool = False) -> EngineInfo:
-        """What the engine is (each engine's adapter asks it in its own way)."""
-        raise NotImplementedError
-
-    def post(self, path: str, body: Any = None, **kw) -> Any:
-        return self.request("POST", path, body if body is not None else {}, **kw)
-
-    def get(self, path: str, **kw) -> Any:
-        return self.request("GET", path, **kw)
-
-    @property
-    def tp_size(self) -> int:
-        return self.info().tp_size

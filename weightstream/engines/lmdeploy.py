@@ -28,20 +28,12 @@ from typing import Any
 import torch
 from torch.multiprocessing import reductions
 
-from weightstream.converters.fp8 import BlockFP8, block_fp8_of
-from weightstream.engines.base import (
-    BROADCAST,
-    IPC,
-    RELEASE_MEMORY,
-    SINGLE_DTYPE,
-    EngineError,
-    EngineInfo,
-    GroupSpec,
-    HTTPEngine,
-    settle_format,
-)
+from weightstream.engines.base import BROADCAST, IPC, RELEASE_MEMORY, SINGLE_DTYPE, EngineError, EngineInfo, GroupSpec
+from weightstream.engines.formats import settle_format
+from weightstream.engines.http import HTTPEngine
 from weightstream.models.spec import dtype_name
 from weightstream.streaming.bucket import Bucket
+from weightstream.wire.fp8 import BlockFP8, block_fp8_of
 
 __all__ = ["log", "TAGS", "ipc_payload", "LMDeployEngine"]
 

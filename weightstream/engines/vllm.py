@@ -14,19 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
-from weightstream.converters.fp8 import BlockFP8
-from weightstream.engines.base import (
-    BROADCAST,
-    DELTA,
-    DeltaChecks,
-    EngineError,
-    EngineInfo,
-    GroupSpec,
-    HTTPEngine,
-    settle_format,
-)
+from weightstream.engines.base import BROADCAST, DELTA, DeltaChecks, EngineError, EngineInfo, GroupSpec
+from weightstream.engines.formats import settle_format
+from weightstream.engines.http import HTTPEngine
 from weightstream.models.spec import dtype_name
 from weightstream.streaming.bucket import Bucket
+from weightstream.wire.fp8 import BlockFP8
 
 __all__ = [
     "PAUSE_MODES", "ONLINE_QUANTIZATION", "BACKEND", "WORKER_EXTENSION", "log", "WorkerDelta", "worker_deltas",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from weightstream.converters.fp8 import SCALE_SUFFIX
+from weightstream.wire.fp8 import SCALE_SUFFIX
 
 __all__ = ["DEFAULT_CHECKS", "MAX_FP8_SCALE", "LoadChecks", "ValuesReport", "check_values", "nonfinite_names",
            "scale_problems"]

@@ -37,13 +37,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from weightstream.common.host_memory import return_free_memory
-from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8, dequantize_block_fp8
+from weightstream.converters.fp8 import dequantize_block_fp8
 from weightstream.converters.mapping import Converter
 from weightstream.converters.registry import get_converter, known_model_types, model_spec
 from weightstream.models.spec import ModelSpec
 from weightstream.receiver.backups import BackupPlace, place_for
 from weightstream.receiver.schema import ep_problem
 from weightstream.streaming.bucket import Shard, TensorMeta
+from weightstream.wire.fp8 import FP8, SCALE_SUFFIX, BlockFP8
 
 __all__ = [
     "Weight", "COLUMN", "ROW", "VOCAB", "RowParallelLinear", "Float8Linear", "EXPERT_SCALES", "Float8Experts",

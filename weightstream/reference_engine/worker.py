@@ -31,7 +31,6 @@ import torch.distributed as dist
 
 from weightstream.common.phases import PhaseClock
 from weightstream.common.processes import die_with_parent
-from weightstream.converters.fp8 import block_fp8_of
 from weightstream.converters.registry import get_converter
 from weightstream.models.spec import dtype_from_name, dtype_name
 from weightstream.receiver.control import (
@@ -95,6 +94,7 @@ from weightstream.streaming.bucket import (
 from weightstream.streaming.copies import warm_kernel
 from weightstream.streaming.delta import HEADER_WORDS, DeltaHeader
 from weightstream.wire.channel import Channel, fd_peer
+from weightstream.wire.fp8 import block_fp8_of
 from weightstream.wire.frames import (
     BucketLoaded,
     BucketSent,

@@ -24,7 +24,8 @@ from weightstream.engines.base import (
     capable,
     implementing,
 )
-from weightstream.sinks.base import Delivery, InFlight, PipelinedSink, Sends, deltas_ahead, header_tensor
+from weightstream.sinks.base import Delivery
+from weightstream.sinks.pipelined import InFlight, PipelinedSink, Sends, deltas_ahead, header_tensor
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.delta import Snapshot
 from weightstream.wire.groups import WARM_BROADCAST, GroupLayout, init_custom_process_group

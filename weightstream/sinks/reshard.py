@@ -40,8 +40,9 @@ from weightstream.engines.base import (
     implementing,
 )
 from weightstream.errors import UpdateError
-from weightstream.sinks.base import Delivery, InFlight, PipelinedSink, Sends, deltas_ahead, header_tensor
+from weightstream.sinks.base import Delivery
 from weightstream.sinks.broadcast import default_backend
+from weightstream.sinks.pipelined import InFlight, PipelinedSink, Sends, deltas_ahead, header_tensor
 from weightstream.sources.topology import Topology
 from weightstream.streaming.bucket import Bucket, typed_buffer, view_tensor
 from weightstream.streaming.delta import DeltaHeader, Key, Snapshot, word_size

@@ -28,13 +28,13 @@ from torch import nn
 
 from weightstream.common.hf_files import INDEX_NAME, non_weight_files, shard_name
 from weightstream.common.staging import OutputDirectoryError, StagedDirectory, writing
-from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8
 from weightstream.errors import WeightstreamError
 from weightstream.models.spec import ConfigFields, dtype_name, load_hf_config
 from weightstream.sinks.base import Delivery
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.plan import plan_buckets
 from weightstream.streaming.stream import DEFAULT_BUCKET_BYTES, BucketStream, StreamStats, stream_hf_weights
+from weightstream.wire.fp8 import FP8, SCALE_SUFFIX, BlockFP8
 
 __all__ = ["DEFAULT_SHARD_BYTES", "SafetensorsFileWriter", "CheckpointReport", "SafetensorsSink", "save_hf_checkpoint"]
 

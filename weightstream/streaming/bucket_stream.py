@@ -15,7 +15,6 @@ from torch import Tensor
 
 from weightstream.common.cyclic_gc import no_cyclic_gc
 from weightstream.common.layout import ALIGN
-from weightstream.converters.fp8 import BlockFP8
 from weightstream.converters.ops import OpContext, convert_into
 from weightstream.models.spec import ModelSpec
 from weightstream.sources.base import CollectiveCounts, Mode, Source
@@ -37,6 +36,7 @@ from weightstream.streaming.programs import (
     target_copies,
 )
 from weightstream.streaming.quantize import Quantization, QuantizeBatch, convert_quantized
+from weightstream.wire.fp8 import BlockFP8
 
 __all__ = ["StreamStats", "BucketStream"]
 

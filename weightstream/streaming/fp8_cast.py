@@ -28,7 +28,8 @@ import torch
 from torch import Tensor
 
 from weightstream.common.triton_kernel import LazyKernel
-from weightstream.converters.fp8 import FP8, FP8_MAX, MIN_AMAX, BlockFP8
+from weightstream.converters.fp8 import FP8_MAX, MIN_AMAX
+from weightstream.wire.fp8 import FP8, BlockFP8
 
 __all__ = ["CastJob", "available", "BlockCast", "takes_aligned", "warm_kernel", "row_layout"]
 

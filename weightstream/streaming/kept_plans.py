@@ -15,7 +15,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from weightstream.converters.expected import hf_model_shapes
-from weightstream.converters.fp8 import BlockFP8
 from weightstream.converters.mapping import Converter
 from weightstream.converters.registry import get_converter
 from weightstream.models.spec import ModelSpec
@@ -26,6 +25,7 @@ from weightstream.streaming.items import StreamItem, check_blocks, make_item, no
 from weightstream.streaming.plan import BucketPlan, plan_buckets
 from weightstream.streaming.programs import CopyProgram
 from weightstream.streaming.quantize import Quantization
+from weightstream.wire.fp8 import BlockFP8
 
 __all__ = ["StreamPlan", "PlanSettings", "kept_or_new_plan", "make_plan", "clear_plans"]
 

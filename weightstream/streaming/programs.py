@@ -12,13 +12,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from weightstream.converters.fp8 import BlockFP8
 from weightstream.converters.ops import OpContext, hf_views
 from weightstream.streaming.bucket import TensorMeta, typed_runs, typed_views, view_tensor
 from weightstream.streaming.copies import batched_copy
 from weightstream.streaming.fp8_cast import CastJob, row_layout
 from weightstream.streaming.items import StreamItem
 from weightstream.streaming.quantize import block_cast
+from weightstream.wire.fp8 import BlockFP8
 
 __all__ = ["ItemView", "CopyProgram", "item_views", "make_program", "buffer_copies", "target_copies"]
 

@@ -18,7 +18,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from weightstream.converters.fp8 import FP8, SCALE_SUFFIX, BlockFP8, quantize_block_fp8_grouped
+from weightstream.converters.fp8 import quantize_block_fp8_grouped
 from weightstream.converters.mapping import Converter
 from weightstream.converters.ops import OpContext, TensorOp
 from weightstream.errors import ConversionError
@@ -26,6 +26,7 @@ from weightstream.sources.table import HFOut
 from weightstream.streaming import fp8_cast
 from weightstream.streaming.bucket import Shard
 from weightstream.streaming.fp8_cast import BlockCast, CastJob
+from weightstream.wire.fp8 import FP8, SCALE_SUFFIX, BlockFP8
 
 __all__ = ["Quantization", "convert_quantized", "block_cast", "QuantizeBatch", "GROUP_BYTES"]
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 import torch
 
 from weightstream.common.layout import ALIGN, layout
-from weightstream.converters.fp8 import FP8
 from weightstream.errors import ConversionError
 from weightstream.streaming.bucket import Shard, TensorMeta, extent
+from weightstream.wire.fp8 import FP8
 
 __all__ = [
     "EngineLayout", "Piece", "Route", "full_shape", "plan_bucket", "coverage_problems", "tiling_problems",

@@ -45,7 +45,6 @@ from typing import Any
 from torch import nn
 
 from weightstream.common.layout import ALIGN
-from weightstream.converters.fp8 import BlockFP8
 from weightstream.converters.registry import model_spec
 from weightstream.models.spec import load_hf_config
 from weightstream.sources import as_source
@@ -54,6 +53,7 @@ from weightstream.sources.topology import Topology
 from weightstream.streaming.bucket_stream import BucketStream, StreamStats
 from weightstream.streaming.items import entry_mode
 from weightstream.streaming.kept_plans import PlanSettings, StreamPlan, clear_plans, kept_or_new_plan
+from weightstream.wire.fp8 import BlockFP8
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES", "StreamStats", "StreamPlan", "BucketStream", "stream_hf_weights", "clear_plans",

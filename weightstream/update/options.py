@@ -10,9 +10,9 @@ from dataclasses import dataclass, field, fields
 from numbers import Real
 from typing import Any, TypedDict
 
-from weightstream.converters.fp8 import BlockFP8
 from weightstream.engines import ADAPTERS
 from weightstream.streaming.stream import DEFAULT_BUCKET_BYTES
+from weightstream.wire.fp8 import BlockFP8
 
 __all__ = [
     "TRANSPORTS", "PAUSE_MODES", "SNAPSHOTS", "BACKENDS", "EngineOptions", "TransferOptions", "PayloadOptions",

@@ -8,7 +8,8 @@ from typing import TypedDict
 
 from weightstream.engines.base import EngineAdapter
 from weightstream.sinks import BroadcastSink, IPCSink, P2PSink
-from weightstream.sinks.base import PipelinedSink, Sink
+from weightstream.sinks.base import Sink
+from weightstream.sinks.pipelined import PipelinedSink
 from weightstream.sinks.reshard import ReshardSink
 from weightstream.sources.topology import Topology
 from weightstream.streaming.delta import Snapshot

@@ -11,13 +11,14 @@ from dataclasses import dataclass
 import torch
 
 from weightstream.common.layout import ALIGN
-from weightstream.converters.fp8 import BlockFP8
 from weightstream.converters.registry import get_converter
-from weightstream.engines.base import BROADCAST, IPC, P2P, RESHARD, EngineAdapter, EngineInfo, describe_format
+from weightstream.engines.base import BROADCAST, IPC, P2P, RESHARD, EngineAdapter, EngineInfo
+from weightstream.engines.formats import describe_format
 from weightstream.models.spec import ModelSpec
 from weightstream.sources.base import Mode
 from weightstream.sources.topology import Topology
 from weightstream.update.options import TRANSPORTS
+from weightstream.wire.fp8 import BlockFP8
 from weightstream.wire.handles import gpu_uuid
 
 __all__ = ["Decision", "choose_transport", "reshards", "check_formats"]
