@@ -349,7 +349,7 @@ def check_fp8(named_by_rank: dict) -> dict:
     named = named_by_rank[0]
     dense = Bucket.pack(named, index=0, align=1)
     ipc_buckets = {rank: Bucket.pack(t, index=1) for rank, t in named_by_rank.items()}
-    payloads = [SGLangEngine.encode_ipc(None, ipc_buckets[r]) for r in range(TP_SIZE)]
+    payloads = [SGLangEngine("http://sglang.check").encode_ipc(ipc_buckets[r]) for r in range(TP_SIZE)]
     sent = capture_requests(dense, payloads, [checksum(ipc_buckets[r].buffer) for r in range(TP_SIZE)])
     body = json.loads(next(s for s in sent if s["path"] == "/update_weights_from_distributed")["json"])
     res: dict = {"dtypes_sent": body["dtypes"], "shapes_sent": body["shapes"],
@@ -391,7 +391,7 @@ def main() -> None:
     dense = Bucket.pack(named, index=0, align=1)
     ipc_named = {rank: original_tensors(rank) for rank in range(TP_SIZE)}  # each TP rank its own bucket
     ipc_buckets = {rank: Bucket.pack(t, index=1) for rank, t in ipc_named.items()}
-    payloads = [SGLangEngine.encode_ipc(None, ipc_buckets[r]) for r in range(TP_SIZE)]
+    payloads = [SGLangEngine("http://sglang.check").encode_ipc(ipc_buckets[r]) for r in range(TP_SIZE)]
     sums = [checksum(ipc_buckets[r].buffer) for r in range(TP_SIZE)]
 
     sent = capture_requests(dense, payloads, sums)

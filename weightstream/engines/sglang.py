@@ -10,9 +10,10 @@ from typing import Any
 
 import torch
 
-from weightstream.engines.base import BROADCAST, IPC, RELEASE_MEMORY, EngineInfo, GroupSpec
+from weightstream.engines.base import BROADCAST, IPC, RELEASE_MEMORY, EngineError, EngineInfo, GroupSpec
 from weightstream.engines.formats import settle_format
 from weightstream.engines.http import HTTPEngine
+from weightstream.engines.sglang_inside import LoaderClient, bucket_payload
 from weightstream.models.spec import dtype_name
 from weightstream.streaming.bucket import Bucket
 from weightstream.wire.fp8 import BlockFP8, block_fp8_of
@@ -28,6 +29,13 @@ class SGLangEngine(HTTPEngine):
     """One SGLang server (all its TP ranks) behind one HTTP address."""
 
     name = "sglang"
+
+    def __init__(self, url: str, *, custom_loader: str | None = None, **options: Any):
+        """``custom_loader``: the server was started with ``--custom-weight-loader`` naming weightstream's loader
+        (:data:`~weightstream.engines.sglang_inside.LOADER`); IPC buckets then go through it (checksums verified
+        and deltas applied inside SGLang, every TP rank's outcome read back)."""
+        super().__init__(url, **options)
+        self.loader = None if custom_loader is None else LoaderClient(custom_loader, self.timeout_s)
 
     # -- what the engine is ------------------------------------------------------------------
 
@@ -87,8 +95,28 @@ class SGLangEngine(HTTPEngine):
         """Open a versioned session. ``timeout_s``: how long an engine that can may wait for this trainer
         between two steps before it gives the session up (SGLang ignores the field)."""
         self._version = version
+        opening = self._loader_open_body(version) if self.loader is not None else None
         self.post("/begin_weight_update", {"timeout_s": timeout_s} if timeout_s else {}, step="begin_weight_update")
         self._session = True
+        if opening is not None:
+            self._open_loader(opening)
+
+    def _loader_open_body(self, version: str | None) -> dict[str, Any]:
+        """The request that opens the session on every TP rank's loader; a server that cannot take it is refused
+        before anything is sent."""
+        assert self.loader is not None
+        try:
+            return self.loader.open_body(self.server_info(), version)
+        except ValueError as exc:
+            raise EngineError(self.url, "custom weight loader", str(exc)) from None
+
+    def _open_loader(self, body: dict[str, Any]) -> None:
+        """Every TP rank's loader learns this session and where to report (``open``); each rank's answer read."""
+        assert self.loader is not None
+        self.post("/update_weights_from_tensor", body, step="update_weights_from_tensor (open the loader)")
+        problem = self.loader.problem("open", self.tp_size)
+        if problem:
+            raise EngineError(self.url, "custom weight loader (open)", problem)
 
     def commit_update(self) -> str | None:
         self.post("/end_weight_update", {}, step="end_weight_update")
@@ -138,7 +166,10 @@ class SGLangEngine(HTTPEngine):
 
     def encode_ipc(self, bucket: Bucket) -> str:
         """SGLang's flattened-bucket payload for ``/update_weights_from_tensor``: offsets and ``numel`` in
-        bytes, as SGLang's own ``FlattenedTensorBucket`` writes them (over its ``uint8`` buffer)."""
+        bytes, as SGLang's own ``FlattenedTensorBucket`` writes them (over its ``uint8`` buffer); with
+        ``custom_loader``, the loader's payload (:func:`~weightstream.engines.sglang_inside.bucket_payload`)."""
+        if self.loader is not None:
+            return bucket_payload(bucket)
         metadata = [
             SimpleNamespace(name=m.name, shape=torch.Size(m.shape), dtype=m.dtype, start_idx=m.offset,
                             end_idx=m.offset + m.nbytes, numel=m.nbytes)
@@ -147,6 +178,13 @@ class SGLangEngine(HTTPEngine):
         return dumps_b64({"flattened_tensor": bucket.buffer, "metadata": metadata})
 
     def receive_ipc(self, index: int, payloads: Sequence[Any], checksums: Sequence[str | None] | None) -> None:
+        if self.loader is not None:
+            step = f"update_weights_from_tensor (bucket {index}, custom weight loader)"
+            self.post("/update_weights_from_tensor", self.loader.body(payloads, self._version), step=step)
+            problem = self.loader.problem(str(index), self.tp_size)
+            if problem:
+                raise EngineError(self.url, step, problem)
+            return
         self.post("/update_weights_from_tensor", {
             "serialized_named_tensors": list(payloads), "load_format": "flattened_bucket",
             "flush_cache": False, "weight_version": self._version,

@@ -1,0 +1,215 @@
+"""weightstream's custom weight loader inside SGLang (``weightstream.integrations.sglang_loader``).
+
+In this process: the header's one decode listing every problem, and :func:`load_bucket` taking sessions, plain
+and delta buckets into a real torch model while reporting each rank's outcome to the trainer's TCP store (a
+corrupted bucket reported, never raised). Against SGLang's own code: tests/engines/sglang_loader_check.py
+(run by ``WEIGHTSTREAM_SGLANG_PYTHON``; skipped without it, failed instead when ``WEIGHTSTREAM_REQUIRE_SGLANG=1``)
+drives an :class:`SGLangEngine` made with ``custom_loader`` through SGLang's request decoding, deserializer,
+``ServerArgs`` and ``WeightUpdater.update_weights_from_tensor`` in one process per TP rank.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.checks import engine_python, run_engine_check
+from weightstream.engines.sglang_inside import (
+    LOADER,
+    PREFIX,
+    HeaderError,
+    LoaderClient,
+    LoaderHeader,
+    ReplyChannel,
+    decode_header,
+    failures,
+    loader_problems,
+)
+from weightstream.integrations import sglang_loader
+from weightstream.streaming.bucket import Bucket
+from weightstream.streaming.delta import encode
+from weightstream.wire.handles import checksum
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECK = ROOT / "tests" / "engines" / "sglang_loader_check.py"
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)))
+
+
+class Model(torch.nn.Module):
+    """Mixed dtypes; ``load_weights`` as SGLang's models take HF-named tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(4, 6, dtype=torch.bfloat16), requires_grad=False)
+        self.b = torch.nn.Parameter(torch.zeros(5), requires_grad=False)
+        self.c = torch.nn.Parameter(torch.zeros(3, 3, dtype=torch.int8), requires_grad=False)
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for name, t in weights:
+            params[name].data.copy_(t)
+
+
+def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(n, torch.randint(0, 256, (p.numel() * p.element_size(),), generator=g, dtype=torch.uint8)
+             .view(p.dtype).view(p.shape)) for n, p in Model().named_parameters()]
+
+
+@pytest.fixture
+def channel():
+    sglang_loader.receiver().held = None  # this process's receiver, as a fresh scheduler has it
+    ch = ReplyChannel(timeout_s=5.0)
+    model = Model()
+    sglang_loader.load_bucket(model, [(ch.open_headers(1)[0].encode(), torch.empty(0, dtype=torch.uint8))])
+    assert ch.outcomes("open", 1)[0].ok
+    return ch, model
+
+
+def _load(ch, model, bucket: Bucket, buffer: torch.Tensor | None = None, op_id: str = "op"):
+    header = LoaderHeader("load", op_id=op_id, index=bucket.index, metas=bucket.metas, nbytes=bucket.nbytes,
+                          checksum=checksum(bucket.buffer), delta=bucket.delta)
+    sglang_loader.load_bucket(model, [(header.encode(), bucket.buffer if buffer is None else buffer)])
+    return ch.outcomes(str(bucket.index), 1)[0]
+
+
+@pytest.mark.unit
+def test_header_round_trip():
+    b = Bucket.pack(_weights(1), index=4)
+    h = LoaderHeader("load", op_id="x", index=4, metas=b.metas, nbytes=b.nbytes, checksum=checksum(b.buffer))
+    assert decode_header(h.encode()) == h
+    assert h.encode().startswith(PREFIX)
+
+
+@pytest.mark.unit
+def test_header_problems_listed_together():
+    bad = PREFIX + json.dumps({"op": "load", "op_id": "", "index": 2, "names": ["a", "b"], "dtypes": ["float99"],
+                               "shapes": [[2]], "offsets": [0], "nbytes": -1, "checksum": 7, "delta": None})
+    with pytest.raises(HeaderError) as info:
+        decode_header(bad)
+    assert info.value.index == 2
+    assert list(info.value.problems) == [
+        "op_id must be a non-empty string", "names, dtypes, shapes differ in length (2, 1, 1)",
+        "unknown dtypes ['float99']", "offsets must be one non-negative integer per tensor",
+        "nbytes must be a non-negative integer", "checksum must be a string or null"]
+    with pytest.raises(HeaderError, match="header version '2' is not this loader's"):
+        decode_header("weightstream/2:{}")
+    with pytest.raises(HeaderError, match="lie outside the bucket's 8"):
+        decode_header(PREFIX + json.dumps({"op": "load", "op_id": "x", "index": 0, "names": ["a"],
+                                           "dtypes": ["float32"], "shapes": [[3]], "offsets": [0], "nbytes": 8,
+                                           "checksum": None, "delta": None}))
+
+
+@pytest.mark.unit
+def test_plain_bucket_loads_bit_for_bit_and_reports(channel):
+    ch, model = channel
+    want = _weights(1)
+    b = Bucket.pack(want, index=0)
+    got = _load(ch, model, b)
+    assert (got.ok, got.error, got.loaded, got.nbytes, got.digest) == (True, None, 3, b.nbytes, checksum(b.buffer))
+    assert all(_same_bits(dict(model.named_parameters())[n], t) for n, t in want)
+
+
+@pytest.mark.unit
+def test_corrupted_bucket_reported_not_raised(channel):
+    ch, model = channel
+    b = Bucket.pack(_weights(2), index=1)
+    wrong = b.buffer.clone()
+    wrong[0] ^= 1
+    got = _load(ch, model, b, wrong)  # returns: SGLang's scheduler goes on
+    assert not got.ok and "bucket 1 arrived corrupted" in got.error and "nothing of it was loaded" in got.error
+    assert all(int(p.view(-1).view(torch.uint8).abs().sum()) == 0 for p in model.parameters())
+    assert failures(ch_outcomes := [got]) == f"1 of 1 TP ranks failed: rank 0: {ch_outcomes[0].error}"
+
+
+@pytest.mark.unit
+def test_delta_rounds_and_second_runner(channel):
+    ch, model = channel
+    w1, w2 = _weights(3), _weights(3)
+    w2[0][1].view(-1)[:3] = torch.tensor([1.5, -2.0, float("nan")], dtype=torch.bfloat16)
+    full1, full2 = Bucket.pack(w1, index=5), Bucket.pack(w2, index=5)
+    header, payload = encode(full1.buffer, torch.zeros_like(full1.buffer), full1.word, ("dense",))
+    assert _load(ch, model, Bucket(5, payload, full1.metas, delta=header)).ok
+    header, payload = encode(full2.buffer, full1.buffer, full2.word)
+    assert header.encoding != "dense"
+    delta = Bucket(5, payload, full2.metas, delta=header)
+    got = _load(ch, model, delta, op_id="d")
+    assert (got.ok, got.digest) == (True, checksum(full2.buffer))
+    draft = Model()  # SGLang's second runner, same payload: loads what was received, applies nothing again
+    assert _load(ch, draft, delta, op_id="d").ok
+    for m in (model, draft):
+        assert all(_same_bits(dict(m.named_parameters())[n], t) for n, t in w2)
+
+
+@pytest.mark.unit
+def test_delta_without_held_bytes_reported(channel):
+    ch, model = channel
+    full = Bucket.pack(_weights(4), index=9)
+    changed = full.buffer.clone()
+    changed[:2] ^= 0x11
+    header, payload = encode(changed, full.buffer, full.word)
+    assert header.encoding == "indices"
+    got = _load(ch, model, Bucket(9, payload, full.metas, delta=header))
+    assert not got.ok and "holds no bytes of that bucket" in got.error
+    assert all(int(p.view(-1).view(torch.uint8).abs().sum()) == 0 for p in model.parameters())
+
+
+@pytest.mark.unit
+def test_server_without_the_loader_refused():
+    assert loader_problems({"custom_weight_loader": [LOADER], "tp_size": 2}, LOADER) == []
+    problems = loader_problems({"custom_weight_loader": None, "dp_size": 2}, LOADER)
+    assert problems == [
+        f"the server was not started with --custom-weight-loader {LOADER} (it lists []): SGLang would refuse "
+        "the request by ending its scheduler",
+        "dp_size 2: the custom loader reports per TP rank (run it at 1)"]
+    with pytest.raises(ValueError, match="weightstream's SGLang loader is"):
+        LoaderClient("os.system", 5.0)
+
+
+# -- against SGLang's own code --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def result() -> dict:
+    return run_engine_check(engine_python("sglang", "sglang, transformers"), CHECK, ROOT)
+
+
+def test_sglang_parses_the_flag_and_decodes_the_requests(result):
+    assert result["server_args"]["parsed"] == [LOADER]
+    assert result["load_formats"] == [LOADER, "weightstream.integrations.sglang_loader.other"]
+    assert result["unknown_fields"] == []
+    assert result["raised_outside_unlisted"] == []  # nothing reached SGLang as an exception
+    assert result["sglang_answers"] == [[True, "Success"]]
+
+
+def test_rounds_load_bit_for_bit(result):
+    assert result["dtypes"] == ["torch.bfloat16", "torch.float32", "torch.float8_e4m3fn", "torch.int8"]
+    for key in ("plain", "dense", "sparse"):
+        assert result[f"{key}_error"] is None, result[f"{key}_error"]
+        assert result[f"{key}_equal"] == {f"{r}/{m}": True for r in range(2) for m in ("target", "draft")}
+    assert set(result["sparse_encodings"]) <= {"indices", "bitmap"}
+
+
+def test_failures_reported_by_rank(result):
+    err = result["corrupt_error"]
+    assert "1 of 2 TP ranks failed: rank 1: ChecksumError: bucket 0 arrived corrupted" in err, err
+    assert result["corrupt_rank0_loaded"] == {"0/target": True, "0/draft": True}
+    assert result["corrupt_rank1_unchanged"] == {"1/target": True, "1/draft": True}
+    assert "2 of 2 TP ranks failed" in result["unheld_error"] and "holds no bytes" in result["unheld_error"]
+    assert result["unheld_unchanged"] and result["ranks_alive"]
+    err = result["malformed_error"]
+    assert "2 of 2 TP ranks failed" in err and "names, dtypes, shapes differ in length (2, 1, 1)" in err
+    assert "unknown dtypes ['float99']" in err
+
+
+def test_unlisted_loader_refused(result):
+    assert result["unlisted_raised"] == [
+        "NotImplementedError: Unknown load_format=weightstream.integrations.sglang_loader.other"] * 2
+    assert "was not started with --custom-weight-loader" in result["no_flag_error"]
+    assert result["no_flag_sent"] == ["/get_server_info"]  # refused before the session is opened
