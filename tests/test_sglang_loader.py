@@ -10,13 +10,17 @@ drives an :class:`SGLangEngine` made with ``custom_loader`` through SGLang's req
 
 from __future__ import annotations
 
+import base64
 import json
+import pickle
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.helpers.checks import engine_python, run_engine_check
+from weightstream.engines.base import EngineError
+from weightstream.engines.sglang import SGLangEngine
 from weightstream.engines.sglang_inside import (
     LOADER,
     PREFIX,
@@ -171,6 +175,45 @@ def test_server_without_the_loader_refused():
         "dp_size 2: the custom loader reports per TP rank (run it at 1)"]
     with pytest.raises(ValueError, match="weightstream's SGLang loader is"):
         LoaderClient("os.system", 5.0)
+
+
+class _InProcess(SGLangEngine):
+    """An SGLangEngine at TP 1 whose ``/update_weights_from_tensor`` runs the loader in this process, as SGLang's
+    runner would with the payload unpickled (the rest of SGLang: tests/engines/sglang_loader_check.py)."""
+
+    def __init__(self, model, **kw):
+        super().__init__("http://sglang.in-process", custom_loader=LOADER, timeout_s=5.0, **kw)
+        self.model, self.paths = model, []
+
+    def request(self, method, path, body=None, *, step=None, timeout_s=None):
+        self.paths.append(path)
+        if path == "/get_server_info":
+            return {"tp_size": 1, "custom_weight_loader": [LOADER]}
+        if path == "/update_weights_from_tensor":
+            assert body["load_format"] == LOADER
+            sglang_loader.load_bucket(self.model, pickle.loads(base64.b64decode(body["serialized_named_tensors"][0])))
+        return {"weight_version": self._version} if path == "/model_info" else {}
+
+
+@pytest.mark.unit
+def test_adapter_sends_through_the_loader_and_raises_for_failed_ranks():
+    sglang_loader.receiver().held = None
+    model = Model()
+    engine = _InProcess(model)
+    want = _weights(7)
+    bucket = Bucket.pack(want, index=0)
+    engine.begin_update("v1")
+    engine.receive_ipc(0, [engine.encode_ipc(bucket)], None)
+    assert engine.commit_update() == "v1"
+    assert all(_same_bits(dict(model.named_parameters())[n], t) for n, t in want)
+    other = Bucket.pack(_weights(8), index=1)
+    payload = engine.encode_ipc(other)
+    other.buffer[3] ^= 0x40  # after its checksum was taken
+    with pytest.raises(EngineError, match=r"1 of 1 TP ranks failed: rank 0: ChecksumError: bucket 1 arrived "
+                                          r"corrupted") as info:
+        engine.receive_ipc(1, [payload], None)
+    assert info.value.step == "update_weights_from_tensor (bucket 1, custom weight loader)"
+    assert all(_same_bits(dict(model.named_parameters())[n], t) for n, t in want)  # nothing of bucket 1 loaded
 
 
 # -- against SGLang's own code --------------------------------------------------------------------------------
