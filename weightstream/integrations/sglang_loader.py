@@ -60,7 +60,7 @@ class SGLangModel(Protocol):
 @dataclass
 class Receiver:
     """What this process keeps between calls: the open session (its name, this TP rank, the trainer's store),
-    the bytes held for deltas, and the bucket last received (its index and views) for the next runner's call."""
+    the bytes held for deltas, and the payload last received (its ``op_id`` and views) for the next runner's call."""
 
     session: str = ""
     tp_rank: int = 0
@@ -92,7 +92,7 @@ def load_bucket(model: SGLangModel, named_tensors: Iterable[tuple[str, torch.Ten
     for name, tensor in named_tensors:
         try:
             _one(model, name, tensor)
-        except BaseException:
+        except Exception:  # an exception here would end SGLang's scheduler process
             log.exception("weightstream: the loader failed and could not report it")
 
 
