@@ -4,22 +4,23 @@ copies out of a kept buffer), the programs kept across updates, and the checksum
 
 from __future__ import annotations
 
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from weightstream.models.spec import dtype_from_name
+from weightstream.models.spec import dtype_from_name, dtype_name
 from weightstream.streaming.bucket import Shard, TensorMeta, typed_runs, typed_views
 from weightstream.streaming.copies import batched_copy
-from weightstream.wire.frames import BucketLayout, ExportedWeights
-from weightstream.wire.handles import checksum
+from weightstream.wire.frames import BucketLayout, Export, ExportedWeights
+from weightstream.wire.handles import checksum, dumps_b64, share_fd
 
 __all__ = [
     "ChecksumError", "verify_checksum", "dense_layout", "wire_meta", "plan_metas", "Run", "CopyProgram",
-    "copy_program", "PiecesProgram", "WeightExport", "ProgramCache", "KEPT_COPIES"
+    "copy_program", "PiecesProgram", "WeightExport", "export_weights", "ProgramCache", "KEPT_COPIES"
 ]
 
 KEPT_COPIES = 4  # the batched copies a program keeps, one set per kept buffer it is loaded out of
@@ -133,6 +134,39 @@ class WeightExport:
     names: tuple[str, ...]
     targets: tuple[torch.Tensor, ...]
     wholes: tuple[torch.Tensor, ...]
+
+    def frame(self) -> tuple[Export, list[int]]:
+        """The export as a trainer that does not hold it gets it: on the CPU the storages' descriptors (the same each
+        time); on a GPU their CUDA IPC handles, pickled for this trainer (each pickle is one receiver's reference)."""
+        if self.weights.sizes is not None:  # the CPU's: storages in shared-memory files
+            fds = [share_fd(w.untyped_storage())[0] for w in self.wholes]
+            return Export(self.id, self.weights), fds
+        return Export(self.id, replace(self.weights, payload=dumps_b64(list(self.wholes)))), []
+
+
+def export_weights(programs: Sequence[CopyProgram], device: torch.device) -> WeightExport:
+    """The export of the weights ``programs`` copy into (every tensor of them a whole weight): each storage once,
+    each tensor's place in it. On the CPU each storage moves into an unnamed shared-memory file, in place (our views
+    follow it): what is sent is its descriptor, which no later trainer's exit or kill can take away."""
+    names = [n for program in programs for n in program.names]
+    targets = [t for program in programs for group in program.targets for t in group]
+    storages: dict[int, int] = {}
+    wholes: list[torch.Tensor] = []
+    where: list[int] = []
+    for t in targets:
+        st = t.untyped_storage()
+        idx = storages.get(st._cdata)
+        if idx is None:
+            idx = storages[st._cdata] = len(wholes)
+            wholes.append(torch.empty(0, dtype=torch.uint8, device=device).set_(st))
+        where.append(idx)
+    sizes = tuple(share_fd(w.untyped_storage())[1] for w in wholes) if device.type == "cpu" else None
+    weights = ExportedWeights(
+        names=tuple(names), storages=tuple(where),
+        offsets=tuple(int(t.storage_offset()) * t.element_size() for t in targets),
+        numels=tuple(int(t.numel()) for t in targets), dtypes=tuple(dtype_name(t.dtype) for t in targets),
+        sizes=sizes, payload=None)
+    return WeightExport(uuid.uuid4().hex, weights, tuple(names), tuple(targets), tuple(wholes))
 
 
 class ProgramCache:

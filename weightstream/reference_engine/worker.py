@@ -15,7 +15,6 @@ import socket
 import sys
 import time
 import traceback
-import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,7 +31,7 @@ import torch.distributed as dist
 from weightstream.common.phases import PhaseClock
 from weightstream.common.processes import die_with_parent
 from weightstream.converters.registry import get_converter
-from weightstream.models.spec import dtype_from_name, dtype_name
+from weightstream.models.spec import dtype_from_name
 from weightstream.receiver.control import (
     answer_error,
     closing,
@@ -50,6 +49,7 @@ from weightstream.receiver.programs import (
     ProgramCache,
     WeightExport,
     dense_layout,
+    export_weights,
     plan_metas,
     verify_checksum,
     wire_meta,
@@ -101,7 +101,6 @@ from weightstream.wire.frames import (
     BuffersHeld,
     DeltaRecord,
     Export,
-    ExportedWeights,
     Hello,
     KeptBuffers,
     LentBuffer,
@@ -113,7 +112,7 @@ from weightstream.wire.frames import (
     WritesDone,
 )
 from weightstream.wire.groups import destroy_group, init_custom_process_group, tcp_store, warm_device, warm_group
-from weightstream.wire.handles import ShmGrant, checksum, dumps_b64, loads_b64, map_fd, share_fd
+from weightstream.wire.handles import ShmGrant, checksum, loads_b64, map_fd
 
 __all__ = ["PROGRAM_TENSORS_PER_WEIGHT", "MAX_PLANS", "Worker", "worker_main"]
 
@@ -640,7 +639,7 @@ class Worker:
             if not can:
                 raise RuntimeError("the trainer asked to write into weights this engine did not offer")
             export = self._export(plan, programs)
-            frame, fds = (Export(export.id, None), []) if answer.have == export.id else self._export_frame(export)
+            frame, fds = (Export(export.id, None), []) if answer.have == export.id else export.frame()
         chan.send(frame, fds)
         return export, answer
 
@@ -650,45 +649,13 @@ class Worker:
         return not (self.model.released_bytes or not programs or any(p.runs is None for p in programs))
 
     def _export(self, plan, programs) -> WeightExport:
-        """The export of ``plan``'s weights (``id``, ``weights``: what :class:`ExportedWeights` says of them,
-        and the plan's ``names`` with the ``targets`` they go into), made once per plan and weight storage."""
+        """The export of ``plan``'s weights (:func:`export_weights`), made once per plan and weight storage."""
         made = self.exports.get(plan)
-        if made is not None:
-            return made
-        names = [n for program in programs for n in program.names]
-        targets = [t for program in programs for group in program.targets for t in group]
-        storages: dict[int, int] = {}
-        wholes: list[torch.Tensor] = []
-        where: list[int] = []
-        for t in targets:
-            st = t.untyped_storage()
-            idx = storages.get(st._cdata)
-            if idx is None:
-                idx = storages[st._cdata] = len(wholes)
-                wholes.append(torch.empty(0, dtype=torch.uint8, device=self.device).set_(st))
-            where.append(idx)
-        # On the CPU each storage moves into an unnamed shared-memory file, in place (our views follow it): what
-        # is sent is its descriptor, which no later trainer's exit or kill can take away (nothing is named).
-        sizes = tuple(share_fd(w.untyped_storage())[1] for w in wholes) if self.device.type == "cpu" else None
-        weights = ExportedWeights(
-            names=tuple(names), storages=tuple(where),
-            offsets=tuple(t.storage_offset() * t.element_size() for t in targets),
-            numels=tuple(t.numel() for t in targets), dtypes=tuple(dtype_name(t.dtype) for t in targets),
-            sizes=sizes, payload=None)
-        made = self.exports[plan] = WeightExport(uuid.uuid4().hex, weights, tuple(names), tuple(targets),
-                                                tuple(wholes))
-        while len(self.exports) > MAX_PLANS:
-            self.exports.pop(next(iter(self.exports)))
+        if made is None:
+            made = self.exports[plan] = export_weights(programs, self.device)
+            while len(self.exports) > MAX_PLANS:
+                self.exports.pop(next(iter(self.exports)))
         return made
-
-    def _export_frame(self, export: WeightExport) -> tuple[Export, list[int]]:
-        """The export as a trainer that does not hold it gets it: on the CPU the storages' descriptors (the
-        same each time); on a GPU their CUDA IPC handles, pickled for this trainer (each pickle is one
-        receiver's reference)."""
-        if self.device.type == "cpu":
-            fds = [share_fd(w.untyped_storage())[0] for w in export.wholes]
-            return Export(export.id, export.weights), fds
-        return Export(export.id, replace(export.weights, payload=dumps_b64(export.wholes))), []
 
     def _take_writes(self, chan: Channel, export: WeightExport, answer: OfferAnswer, bound_s: float) -> dict:
         """The trainer writes every tensor of the plan into our weights (``export``): we back up what it
