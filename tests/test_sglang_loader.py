@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.helpers.checks import engine_python, run_engine_check
-from weightstream.engines.base import EngineError
+from weightstream.engines.base import DELTA, DeltaChecks, DeltaEngine, EngineError, implementing
 from weightstream.engines.sglang import SGLangEngine
 from weightstream.engines.sglang_inside import (
     LOADER,
@@ -27,14 +27,17 @@ from weightstream.engines.sglang_inside import (
     HeaderError,
     LoaderClient,
     LoaderHeader,
+    RankDelta,
+    RankOutcome,
     ReplyChannel,
     decode_header,
+    engine_delta,
     failures,
     loader_problems,
 )
 from weightstream.integrations import sglang_loader
 from weightstream.streaming.bucket import Bucket
-from weightstream.streaming.delta import encode
+from weightstream.streaming.delta import Snapshot, encode
 from weightstream.wire.handles import checksum
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,9 +70,14 @@ def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
              .view(p.dtype).view(p.shape)) for n, p in Model().named_parameters()]
 
 
+@pytest.fixture(autouse=True)
+def fresh_receiver(monkeypatch):
+    """This process's receiver as a fresh scheduler has it (a new instance, nothing held)."""
+    monkeypatch.setattr(sglang_loader, "_RECEIVER", sglang_loader.Receiver())
+
+
 @pytest.fixture
 def channel():
-    sglang_loader.receiver().held = None  # this process's receiver, as a fresh scheduler has it
     ch = ReplyChannel(timeout_s=5.0)
     model = Model()
     sglang_loader.load_bucket(model, [(ch.open_headers(1)[0].encode(), torch.empty(0, dtype=torch.uint8))])
@@ -179,17 +187,22 @@ def test_server_without_the_loader_refused():
 
 class _InProcess(SGLangEngine):
     """An SGLangEngine at TP 1 whose ``/update_weights_from_tensor`` runs the loader in this process, as SGLang's
-    runner would with the payload unpickled (the rest of SGLang: tests/engines/sglang_loader_check.py)."""
+    runner would with the payload unpickled (the rest of SGLang: tests/engines/sglang_loader_check.py), and only
+    between ``/begin_weight_update`` and ``/end_weight_update``, as SGLang takes tensor updates."""
 
     def __init__(self, model, **kw):
         super().__init__("http://sglang.in-process", custom_loader=LOADER, timeout_s=5.0, **kw)
-        self.model, self.paths = model, []
+        self.model, self.paths, self.in_session = model, [], False
 
     def request(self, method, path, body=None, *, step=None, timeout_s=None):
         self.paths.append(path)
         if path == "/get_server_info":
             return {"tp_size": 1, "custom_weight_loader": [LOADER]}
+        if path in ("/begin_weight_update", "/end_weight_update"):
+            self.in_session = path == "/begin_weight_update"
         if path == "/update_weights_from_tensor":
+            if not self.in_session:
+                raise EngineError(self.url, step, "must run between begin_weight_update() and end_weight_update()")
             assert body["load_format"] == LOADER
             sglang_loader.load_bucket(self.model, pickle.loads(base64.b64decode(body["serialized_named_tensors"][0])))
         return {"weight_version": self._version} if path == "/model_info" else {}
@@ -197,7 +210,6 @@ class _InProcess(SGLangEngine):
 
 @pytest.mark.unit
 def test_adapter_sends_through_the_loader_and_raises_for_failed_ranks():
-    sglang_loader.receiver().held = None
     model = Model()
     engine = _InProcess(model)
     want = _weights(7)
@@ -206,6 +218,7 @@ def test_adapter_sends_through_the_loader_and_raises_for_failed_ranks():
     engine.receive_ipc(0, [engine.encode_ipc(bucket)], None)
     assert engine.commit_update() == "v1"
     assert all(_same_bits(dict(model.named_parameters())[n], t) for n, t in want)
+    engine.begin_update("v2")
     other = Bucket.pack(_weights(8), index=1)
     payload = engine.encode_ipc(other)
     other.buffer[3] ^= 0x40  # after its checksum was taken
@@ -214,6 +227,114 @@ def test_adapter_sends_through_the_loader_and_raises_for_failed_ranks():
         engine.receive_ipc(1, [payload], None)
     assert info.value.step == "update_weights_from_tensor (bucket 1, custom weight loader)"
     assert all(_same_bits(dict(model.named_parameters())[n], t) for n, t in want)  # nothing of bucket 1 loaded
+
+
+@pytest.mark.unit
+def test_state_and_commit_headers_round_trip_and_problems():
+    ch = ReplyChannel(timeout_s=5.0)
+    for op, version in (("state", None), ("commit", "v7")):
+        h = ch.query_headers(op, "q1", 2, version)[1]
+        assert (decode_header(h.encode()), h.tp_rank, h.version) == (h, 1, version)
+    bad = json.loads(ch.query_headers("commit", "q1", 1, "v")[0].encode()[len(PREFIX):])
+    bad.update(version="", session="", tp_rank=3)
+    with pytest.raises(HeaderError) as info:
+        decode_header(PREFIX + json.dumps(bad))
+    assert list(info.value.problems) == [
+        "session must be a non-empty string", "a commit's version must be non-empty printable text",
+        "tp_rank and tp_size must be integers, 0 <= tp_rank < tp_size"]
+    state = RankOutcome(1, True, delta=RankDelta("i1", None, ((0, "a"), (4, "b"))))
+    assert RankOutcome.from_json(1, state.as_json().encode()) == state
+    assert engine_delta([RankDelta("i1", "v", ((0, "a"),)), RankDelta("i2", "v", ((0, "b"), (1, "c")))]) == \
+        DeltaChecks("i1+i2", "i1+i2/v", {0: ("a", "b"), 1: ("", "c")})
+    assert engine_delta([RankDelta("i1", "v"), RankDelta("i2", None)]).base is None
+
+
+def _weights_of(model) -> list[tuple[str, torch.Tensor]]:
+    return [(n, p.detach().clone()) for n, p in model.named_parameters()]
+
+
+def _round(engine, snapshot: Snapshot, version: str, weights, full: bool) -> str | None:
+    """One delta-mode update of two buckets through the adapter, as the IPC sink sends it per bucket: the base
+    the engine holds asked in the open session (as the trainer asks before the stream), each bucket encoded by the
+    trainer's snapshot, the engine's checks compared before the commit. The base it held."""
+    engine.begin_update(version)
+    base = implementing(engine, DELTA, DeltaEngine).delta_base()
+    snapshot.begin(full=full, active=True)
+    for index, part in enumerate((weights[:1], weights[1:])):
+        bucket = Bucket.pack(part, index=index)
+        header, payload = snapshot.encode(index, bucket.buffer, bucket.word)
+        assert (header.encoding == "dense") == full
+        engine.receive_ipc(index, [engine.encode_ipc(Bucket(index, payload, bucket.metas, delta=header))], None)
+    checks = implementing(engine, DELTA, DeltaEngine).delta_checks()
+    assert checks.buckets == {i: (d,) for i, d in snapshot.digests.items()}
+    assert engine.commit_update() == version
+    return base
+
+
+@pytest.mark.unit
+def test_full_then_delta_rounds_bit_for_bit_with_the_engines_checksums():
+    model = Model()
+    engine = _InProcess(model)
+    assert engine.info().can(DELTA)
+    snapshot, weights = Snapshot(), _weights(11)
+    assert _round(engine, snapshot, "v1", weights, full=True) is None  # holds nothing yet: the first is full
+    instance = sglang_loader.receiver().instance
+    for before, version, changed in (("v1", "v2", [1.5, -2.0, float("nan")]), ("v2", "v3", [0.25, 7.0, -0.0])):
+        weights = [(n, t.clone()) for n, t in weights]
+        weights[0][1].view(-1)[:3] = torch.tensor(changed, dtype=torch.bfloat16)
+        weights[2][1].view(-1)[4] += 1
+        assert _round(engine, snapshot, version, weights, full=False) == f"{instance}/{before}"
+        assert all(_same_bits(got, want) for (_, got), (_, want) in zip(_weights_of(model), weights, strict=True))
+    assert [p for p in engine.paths if p != "/get_server_info"].count("/end_weight_update") == 3
+
+
+@pytest.mark.unit
+def test_restarted_engine_names_no_base_and_refuses_a_delta(monkeypatch):
+    model = Model()
+    engine = _InProcess(model)
+    snapshot, weights = Snapshot(), _weights(12)
+    _round(engine, snapshot, "v1", weights, full=True)
+    before = f"{sglang_loader.receiver().instance}/v1"
+    assert _round(engine, snapshot, "v2", weights, full=False) == before  # what the trainer committed: deltas
+    monkeypatch.setattr(sglang_loader, "_RECEIVER", sglang_loader.Receiver())  # the server restarted
+    engine.begin_update("v3")
+    assert engine.delta_base() is None  # not what the trainer committed: its next update is full
+    weights[0][1].view(-1)[0] += 1
+    bucket = Bucket.pack(weights[:1], index=0)
+    snapshot.begin(full=False, active=True)
+    header, payload = snapshot.encode(0, bucket.buffer, bucket.word)
+    with pytest.raises(EngineError, match="holds no bytes of that bucket"):
+        engine.receive_ipc(0, [engine.encode_ipc(Bucket(0, payload, bucket.metas, delta=header))], None)
+    engine.abort_update()
+    snapshot.forget()
+    assert _round(engine, snapshot, "v3", weights, full=True) is None  # the full update that follows
+    after = f"{sglang_loader.receiver().instance}/v3"
+    assert _round(engine, snapshot, "v4", weights, full=False) == after != f"{before[:-3]}/v3"
+    assert all(_same_bits(got, want) for (_, got), (_, want) in zip(_weights_of(model), weights, strict=True))
+
+
+@pytest.mark.unit
+def test_plain_or_aborted_session_leaves_no_base():
+    model = Model()
+    engine = _InProcess(model)
+    snapshot, weights = Snapshot(), _weights(13)
+    _round(engine, snapshot, "v1", weights, full=True)
+    engine.begin_update("v2")  # an update that is not delta-mode: its buckets go whole
+    engine.receive_ipc(0, [engine.encode_ipc(Bucket.pack(weights, index=0))], None)
+    assert engine.delta_base() is None
+    assert engine.commit_update() == "v2"
+    snapshot.forget()
+    assert _round(engine, snapshot, "v3", weights, full=True) is None
+    engine.begin_update("v4")  # a delta session that is aborted: its bytes are no committed version's
+    assert engine.delta_base() == f"{sglang_loader.receiver().instance}/v3"
+    weights[0][1].view(-1)[0] += 1
+    bucket = Bucket.pack(weights[:1], index=0)
+    snapshot.begin(full=False, active=True)
+    header, payload = snapshot.encode(0, bucket.buffer, bucket.word)
+    engine.receive_ipc(0, [engine.encode_ipc(Bucket(0, payload, bucket.metas, delta=header))], None)
+    engine.abort_update()
+    engine.begin_update("v5")
+    assert engine.delta_base() is None
 
 
 # -- against SGLang's own code --------------------------------------------------------------------------------

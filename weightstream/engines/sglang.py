@@ -10,10 +10,19 @@ from typing import Any
 
 import torch
 
-from weightstream.engines.base import BROADCAST, IPC, RELEASE_MEMORY, EngineError, EngineInfo, GroupSpec
+from weightstream.engines.base import (
+    BROADCAST,
+    DELTA,
+    IPC,
+    RELEASE_MEMORY,
+    DeltaChecks,
+    EngineError,
+    EngineInfo,
+    GroupSpec,
+)
 from weightstream.engines.formats import settle_format
 from weightstream.engines.http import HTTPEngine
-from weightstream.engines.sglang_inside import LoaderClient, bucket_payload
+from weightstream.engines.sglang_inside import LoaderClient, RankDelta, bucket_payload, engine_delta, failures
 from weightstream.models.spec import dtype_name
 from weightstream.streaming.bucket import Bucket
 from weightstream.wire.fp8 import BlockFP8, block_fp8_of
@@ -33,9 +42,11 @@ class SGLangEngine(HTTPEngine):
     def __init__(self, url: str, *, custom_loader: str | None = None, **options: Any):
         """``custom_loader``: the server was started with ``--custom-weight-loader`` naming weightstream's loader
         (:data:`~weightstream.engines.sglang_inside.LOADER`); IPC buckets then go through it (checksums verified
-        and deltas applied inside SGLang, every TP rank's outcome read back)."""
+        and deltas applied inside SGLang, every TP rank's outcome read back), and the engine takes delta updates
+        by IPC, one request per bucket (:data:`~weightstream.engines.base.DELTA`)."""
         super().__init__(url, **options)
         self.loader = None if custom_loader is None else LoaderClient(custom_loader, self.timeout_s)
+        self._delta_sent = False  # the open session sent delta buckets (the commit names their version)
 
     # -- what the engine is ------------------------------------------------------------------
 
@@ -58,7 +69,8 @@ class SGLangEngine(HTTPEngine):
         return self._info
 
     def capabilities(self, server_info: dict) -> frozenset[str]:
-        return frozenset({BROADCAST, IPC, RELEASE_MEMORY})
+        """Broadcast, IPC and memory release; with ``custom_loader``, delta buckets by IPC as well."""
+        return frozenset({BROADCAST, IPC, RELEASE_MEMORY} | ({DELTA} if self.loader is not None else set()))
 
     def weight_format(self, server_info: dict) -> BlockFP8 | None:
         """The block-FP8 layout of the served model, from the ``quantization_config`` the server reports.
@@ -94,7 +106,7 @@ class SGLangEngine(HTTPEngine):
     def begin_update(self, version: str | None, timeout_s: float | None = None) -> None:
         """Open a versioned session. ``timeout_s``: how long an engine that can may wait for this trainer
         between two steps before it gives the session up (SGLang ignores the field)."""
-        self._version = version
+        self._version, self._delta_sent = version, False
         opening = self._loader_open_body(version) if self.loader is not None else None
         self.post("/begin_weight_update", {"timeout_s": timeout_s} if timeout_s else {}, step="begin_weight_update")
         self._session = True
@@ -119,6 +131,12 @@ class SGLangEngine(HTTPEngine):
             raise EngineError(self.url, "custom weight loader (open)", problem)
 
     def commit_update(self) -> str | None:
+        """Where the session sent delta buckets, every TP rank's loader first keeps their bytes as this version's
+        (:meth:`delta_base`; a rank that misses that word keeps none: the next update is full), then SGLang ends
+        the session."""
+        delta, self._delta_sent = self._delta_sent, False
+        if delta and self._version is not None:
+            self._delta_commit(self._version)
         self.post("/end_weight_update", {}, step="end_weight_update")
         self._session = False  # a commit that failed is ended again by the abort
         self.post("/flush_cache", {}, step="flush_cache")  # cached KV entries were computed with the old weights
@@ -128,7 +146,7 @@ class SGLangEngine(HTTPEngine):
         """SGLang cannot roll back: the session is ended as it stands (the caller reports the failure)."""
         if not self._session:
             return  # none was opened (or it was already ended)
-        self._session = False
+        self._session, self._delta_sent = False, False  # the loaders keep no version of a session not committed
         self.post("/end_weight_update", {}, step="end_weight_update", timeout_s=timeout_s)
 
     # -- the group -------------------------------------------------------------------------------
@@ -169,6 +187,7 @@ class SGLangEngine(HTTPEngine):
         bytes, as SGLang's own ``FlattenedTensorBucket`` writes them (over its ``uint8`` buffer); with
         ``custom_loader``, the loader's payload (:func:`~weightstream.engines.sglang_inside.bucket_payload`)."""
         if self.loader is not None:
+            self._delta_sent = self._delta_sent or bucket.delta is not None
             return bucket_payload(bucket)
         metadata = [
             SimpleNamespace(name=m.name, shape=torch.Size(m.shape), dtype=m.dtype, start_idx=m.offset,
@@ -190,6 +209,37 @@ class SGLangEngine(HTTPEngine):
             "flush_cache": False, "weight_version": self._version,
             "weightstream_checksums": list(checksums) if checksums else None,
         }, step=f"update_weights_from_tensor (bucket {index})")
+
+    # -- delta updates (with custom_loader) --------------------------------------------------------
+
+    def _loader_query(self, op: str, version: str | None = None) -> list[RankDelta | None]:
+        """``op`` (``state`` or ``commit``) on every TP rank's loader, in the open session; each rank's answer
+        (its delta state, for ``state``). Raises :class:`EngineError` naming every rank that failed."""
+        if self.loader is None:
+            raise EngineError(self.url, f"custom weight loader ({op})", "the adapter was made without custom_loader")
+        step = f"update_weights_from_tensor (custom weight loader, {op})"
+        body, name = self.loader.query(op, self.tp_size, version)
+        self.post("/update_weights_from_tensor", body, step=step)
+        outcomes = self.loader.answers(op, name, self.tp_size)
+        missing = [o.rank for o in outcomes if o.ok and op == "state" and o.delta is None]
+        problem = failures(outcomes) or (f"TP ranks {missing} answered no delta state" if missing else None)
+        if problem:
+            raise EngineError(self.url, step, problem)
+        return [o.delta for o in outcomes]
+
+    def _delta_commit(self, version: str) -> None:
+        try:
+            self._loader_query("commit", version)
+        except EngineError as exc:  # the weights are loaded; only the base for the next delta is lost
+            log.warning("%s: the loaders keep no delta base (%s): the next update is full", self.url, exc.detail)
+
+    def delta_base(self) -> str | None:
+        """``instance/version`` of the last committed delta-mode update whose bucket bytes every TP rank keeps
+        (asked afresh: a restart, an aborted or a plain update changes it)."""
+        return self.delta_checks().base
+
+    def delta_checks(self) -> DeltaChecks:
+        return engine_delta([d for d in self._loader_query("state") if d is not None])
 
     # -- memory ----------------------------------------------------------------------------------
 

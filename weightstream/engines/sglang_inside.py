@@ -12,7 +12,9 @@ under ``PREFIX/session/step/rank``, and the trainer waits for every rank's repor
 ``open`` (one per update session, every payload made by trainer rank 0): the reply store's address, the
 session's name and the TP rank each payload is for. ``load``: one bucket (its tensors' layout, the checksum
 of the buffer's bytes, and for a delta bucket its header: the payload is applied to the bytes the rank holds of
-that bucket).
+that bucket). ``state`` and ``commit`` (delta updates, made by trainer rank 0 as ``open`` is, each under a
+query name of its own in ``session``): each rank answers what it holds for deltas (:class:`RankDelta`), or
+keeps the bytes the session applied as ``version``'s.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 
 import torch
 
+from weightstream.engines.base import DeltaChecks
 from weightstream.models.spec import dtype_from_name, dtype_name
 from weightstream.receiver.schema import (
     bucket_problems,
@@ -41,13 +44,15 @@ from weightstream.wire.handles import checksum, dumps_b64
 
 __all__ = [
     "LOADER", "HEADER_VERSION", "PREFIX", "OPS", "HeaderError", "ReplyAddress", "LoaderHeader", "decode_header",
-    "payload", "bucket_payload", "RankOutcome", "failures", "ReplyChannel", "loader_problems", "LoaderClient"
+    "payload", "bucket_payload", "RankDelta", "RankOutcome", "engine_delta", "failures", "ReplyChannel",
+    "loader_problems", "LoaderClient", "QUERIES"
 ]
 
 LOADER = "weightstream.integrations.sglang_loader.load_bucket"  # --custom-weight-loader and load_format
 HEADER_VERSION = 1
 PREFIX = f"weightstream/{HEADER_VERSION}:"
-OPS = ("open", "load")
+OPS = ("open", "load", "state", "commit")
+QUERIES = ("open", "state", "commit")  # ops whose header names the reply store, a session and a TP rank
 MAX_HEADER_CHARS = 1 << 24  # a bucket of some 100,000 tensors
 
 
@@ -72,9 +77,10 @@ class ReplyAddress:
 @dataclass(frozen=True, slots=True)
 class LoaderHeader:
     """What one TP rank's payload says (``op_id``: a name of its own). ``open``: ``session``, ``tp_rank`` of
-    ``tp_size``, ``reply``. ``load``: bucket ``index``, its tensors (``metas``, byte offsets in the buffer), the
-    buffer's ``nbytes``, the ``checksum`` of its bytes (None: unchecked) and, a delta bucket, its ``delta`` header
-    (the buffer is then the payload)."""
+    ``tp_size``, ``reply``; ``state`` and ``commit`` as well (``session``: the query's name), ``commit`` with
+    the ``version`` to keep the applied bytes as. ``load``: bucket ``index``, its tensors (``metas``, byte offsets
+    in the buffer), the buffer's ``nbytes``, the ``checksum`` of its bytes (None: unchecked) and, a delta bucket,
+    its ``delta`` header (the buffer is then the payload)."""
 
     op: str
     op_id: str = ""  # names this payload: a second call with it (another model runner) is not a new bucket
@@ -87,13 +93,16 @@ class LoaderHeader:
     nbytes: int = 0
     checksum: str | None = None
     delta: DeltaHeader | None = None
+    version: str | None = None
 
     def encode(self) -> str:
         """The header as the tensor's name carries it."""
         body: dict[str, Any] = {"op": self.op, "op_id": self.op_id}
-        if self.op == "open":
+        if self.op in QUERIES:
             body.update(session=self.session, tp_rank=self.tp_rank, tp_size=self.tp_size,
                         reply=_reply_json(self.reply))
+            if self.op == "commit":
+                body["version"] = self.version
         else:
             body.update(index=self.index, names=[m.name for m in self.metas],
                         dtypes=[dtype_name(m.dtype) for m in self.metas], shapes=[list(m.shape) for m in self.metas],
@@ -131,8 +140,8 @@ def decode_header(name: Any) -> LoaderHeader:
         raise HeaderError([f"the header is not JSON ({exc})"]) from None
     if not isinstance(body, dict):
         raise HeaderError(["the header must be a JSON object"])
-    if body.get("op") == "open":
-        return _decode_open(body)
+    if body.get("op") in QUERIES:
+        return _decode_query(body)
     if body.get("op") == "load":
         return _decode_load(body)
     raise HeaderError([f"op must be one of {list(OPS)}, got {str(body.get('op'))[:40]!r}"])
@@ -152,8 +161,11 @@ def _op_id_problems(op_id: Any) -> list[str]:
     return [problem] if problem else []
 
 
-def _decode_open(body: dict[str, Any]) -> LoaderHeader:
+def _decode_query(body: dict[str, Any]) -> LoaderHeader:
     problems = _session_problems(body.get("session")) + _op_id_problems(body.get("op_id"))
+    version = body.get("version")
+    if body["op"] == "commit" and (not isinstance(version, str) or not version or text_problem("version", version)):
+        problems.append("a commit's version must be non-empty printable text")
     if not int_lists(body.get("tp_rank"), 0) or not int_lists(body.get("tp_size"), 0) \
             or not body["tp_rank"] < body["tp_size"]:
         problems.append("tp_rank and tp_size must be integers, 0 <= tp_rank < tp_size")
@@ -173,9 +185,10 @@ def _decode_open(body: dict[str, Any]) -> LoaderHeader:
         problems.append(str(duration_problem("reply.timeout_s", timeout)))
     if problems:
         raise HeaderError(problems)
-    return LoaderHeader("open", op_id=body["op_id"], session=body["session"], tp_rank=body["tp_rank"],
+    return LoaderHeader(body["op"], op_id=body["op_id"], session=body["session"], tp_rank=body["tp_rank"],
                         tp_size=body["tp_size"],
-                        reply=ReplyAddress(reply["host"], reply["port"], reply["prefix"], float(reply["timeout_s"])))
+                        reply=ReplyAddress(reply["host"], reply["port"], reply["prefix"], float(reply["timeout_s"])),
+                        version=version if body["op"] == "commit" else None)
 
 
 def _decode_load(body: dict[str, Any]) -> LoaderHeader:
@@ -232,9 +245,33 @@ def _delta(d: dict[str, Any], nbytes: int, index: int) -> DeltaHeader:
 # -- the trainer's side -------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
+class RankDelta:
+    """What one TP rank holds for delta updates (its answer to ``state``): ``instance`` names the process (a
+    restarted server names another), ``version`` the committed update whose bucket bytes it keeps (None: none),
+    ``buckets`` the checksum of each bucket's bytes the open (or last) session applied."""
+
+    instance: str
+    version: str | None
+    buckets: tuple[tuple[int, str], ...] = ()
+
+    def as_json(self) -> dict[str, Any]:
+        return {"instance": self.instance, "version": self.version, "buckets": {str(i): d for i, d in self.buckets}}
+
+    @classmethod
+    def from_json(cls, d: Any) -> RankDelta:
+        """Raises ``ValueError`` for an answer that is not one."""
+        if not (isinstance(d, dict) and isinstance(d.get("instance"), str) and isinstance(d.get("version"), str | None)
+                and isinstance(d.get("buckets"), dict)
+                and all(isinstance(v, str) for v in d["buckets"].values())):
+            raise ValueError(f"not a delta state: {str(d)[:200]}")
+        return cls(d["instance"], d["version"], tuple(sorted((int(k), v) for k, v in d["buckets"].items())))
+
+
+@dataclass(frozen=True, slots=True)
 class RankOutcome:
     """What one TP rank reported of a step: ``ok``, the error (None where ok), the tensors loaded, the bytes
-    received and the checksum of the bytes loaded (a delta bucket: the bytes it applied)."""
+    received and the checksum of the bytes loaded (a delta bucket: the bytes it applied); a ``state``: what the
+    rank holds for deltas."""
 
     rank: int
     ok: bool
@@ -242,19 +279,35 @@ class RankOutcome:
     loaded: int = 0
     nbytes: int = 0
     digest: str | None = None
+    delta: RankDelta | None = None
 
     def as_json(self) -> str:
         return json.dumps({"rank": self.rank, "ok": self.ok, "error": self.error, "loaded": self.loaded,
-                           "nbytes": self.nbytes, "digest": self.digest})
+                           "nbytes": self.nbytes, "digest": self.digest,
+                           "delta": None if self.delta is None else self.delta.as_json()})
 
     @classmethod
     def from_json(cls, rank: int, text: bytes) -> RankOutcome:
         try:
             d = json.loads(text)
+            delta = None if d.get("delta") is None else RankDelta.from_json(d["delta"])
             return cls(rank, d["ok"] is True, d.get("error"), int(d.get("loaded") or 0), int(d.get("nbytes") or 0),
-                       d.get("digest"))
+                       d.get("digest"), delta)
         except (ValueError, TypeError, KeyError) as exc:
             return cls(rank, False, f"unreadable report {text[:80]!r} ({exc})")
+
+
+def engine_delta(ranks: Sequence[RankDelta]) -> DeltaChecks:
+    """The engine's :class:`DeltaChecks` from its TP ranks': its instance names every rank's (a restart of any
+    changes it), its base is ``instance/version`` where every rank keeps the same committed version, and each
+    bucket's checksums are per rank ("" where a rank applied none of it)."""
+    instance = "+".join(r.instance for r in ranks)
+    versions = {r.version for r in ranks}
+    version = versions.pop() if len(versions) == 1 else None
+    held = [dict(r.buckets) for r in ranks]
+    indices = sorted({i for h in held for i in h})
+    return DeltaChecks(instance, None if version is None else f"{instance}/{version}",
+                       {i: tuple(h.get(i, "") for h in held) for i in indices})
 
 
 def loader_problems(server_info: dict, loader: str) -> list[str]:
@@ -282,18 +335,24 @@ class ReplyChannel:
     def open_headers(self, tp_size: int) -> list[LoaderHeader]:
         """A new session's ``open`` header for each TP rank."""
         self.session = uuid.uuid4().hex[:16]
-        return [LoaderHeader("open", op_id=uuid.uuid4().hex, session=self.session, tp_rank=r, tp_size=tp_size,
-                             reply=self.address) for r in range(tp_size)]
+        return self.query_headers("open", self.session, tp_size)
+
+    def query_headers(self, op: str, session: str, tp_size: int, version: str | None = None) -> list[LoaderHeader]:
+        """``op``'s header (``open``, ``state``, ``commit``) for each TP rank, answered under ``session``."""
+        return [LoaderHeader(op, op_id=uuid.uuid4().hex, session=session, tp_rank=r, tp_size=tp_size,
+                             reply=self.address, version=version) for r in range(tp_size)]
 
     def open_payloads(self, tp_size: int) -> list[str]:
         """A new session's ``open`` payload for each TP rank (all of them made here, around an empty tensor)."""
         empty = torch.empty(0, dtype=torch.uint8)
         return [payload(h, empty) for h in self.open_headers(tp_size)]
 
-    def outcomes(self, step: str, tp_size: int, wait_s: float | None = None) -> list[RankOutcome]:
-        """Every rank's report of ``step`` (``open`` or a bucket index), each taken off the store; a rank that did
-        not report within ``wait_s`` is a failure that says so."""
-        keys = [f"{self.address.prefix}/{self.session}/{step}/{r}" for r in range(tp_size)]
+    def outcomes(self, step: str, tp_size: int, wait_s: float | None = None,
+                 session: str | None = None) -> list[RankOutcome]:
+        """Every rank's report of ``step`` (``open``, a bucket index, ``state``, ``commit``) in ``session`` (None:
+        the open one), each taken off the store; a rank that did not report within ``wait_s`` is a failure that
+        says so."""
+        keys = [f"{self.address.prefix}/{session or self.session}/{step}/{r}" for r in range(tp_size)]
         try:
             self.store.wait(keys, timedelta(seconds=wait_s or self.timeout_s))
         except RuntimeError:
@@ -350,6 +409,21 @@ class LoaderClient:
         """``/update_weights_from_tensor`` naming the loader (SGLang's own fields only)."""
         return {"serialized_named_tensors": list(payloads), "load_format": self.loader, "flush_cache": False,
                 "weight_version": version}
+
+    def query(self, op: str, tp_size: int, version: str | None = None) -> tuple[dict[str, Any], str]:
+        """The request of ``op`` (``state`` or ``commit`` as ``version``) to every TP rank's loader, and the query's
+        name its answers come under (:meth:`answers`)."""
+        if self.channel is None:
+            self.channel = ReplyChannel(timeout_s=self.timeout_s)
+        name = uuid.uuid4().hex[:16]
+        empty = torch.empty(0, dtype=torch.uint8)
+        headers = self.channel.query_headers(op, name, tp_size, version)
+        return self.body([payload(h, empty) for h in headers], None), name
+
+    def answers(self, op: str, name: str, tp_size: int) -> list[RankOutcome]:
+        """Every rank's answer to query ``name`` (:meth:`query`)."""
+        assert self.channel is not None  # made by query
+        return self.channel.outcomes(op, tp_size, session=name)
 
     def problem(self, step: str, tp_size: int) -> str | None:
         """What went wrong on any rank in ``step`` (``open`` or a bucket index), read from the store (None: every

@@ -9,6 +9,12 @@ checksum is verified before anything of it is loaded, a delta bucket is applied 
 that bucket, and the tensors go into the model through its own ``load_weights`` (HF names; the model fuses and
 cuts them for its TP rank).
 
+For delta updates each process keeps, besides the bytes of each bucket it applied, its ``instance`` (named when
+it starts: a restarted server names another) and ``version``, the committed update those bytes are (None: none,
+and the trainer sends a full update): a session's ``commit`` names it where the session applied delta buckets
+only, a bucket loaded whole drops the bytes held, and a session opened with no version held drops them too.
+``state`` answers all three, with the checksum of each bucket's bytes the session applied.
+
 SGLang ignores what a loader returns and ends the server when one raises, so :func:`load_bucket` raises nothing:
 each step's outcome goes to the store the trainer hosts, named by the session's ``open``
 (:class:`~weightstream.engines.sglang_inside.RankOutcome`), and the trainer turns any failure into the update's.
@@ -21,6 +27,7 @@ Nothing of SGLang is imported at module level, so ``import weightstream`` never 
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -32,6 +39,7 @@ from weightstream.engines.sglang_inside import (
     LOADER,
     HeaderError,
     LoaderHeader,
+    RankDelta,
     RankOutcome,
     ReplyAddress,
     decode_header,
@@ -60,7 +68,9 @@ class SGLangModel(Protocol):
 @dataclass
 class Receiver:
     """What this process keeps between calls: the open session (its name, this TP rank, the trainer's store),
-    the bytes held for deltas, and the payload last received (its ``op_id`` and views) for the next runner's call."""
+    the bytes held for deltas (``instance``, and ``version``: the committed update they are; ``plain``: the open
+    session loaded a bucket whole), and the payload last received (its ``op_id`` and views) for the next
+    runner's call."""
 
     session: str = ""
     tp_rank: int = 0
@@ -70,6 +80,10 @@ class Receiver:
     held: HeldDeltas | None = None
     last: tuple[str, Named] | None = None  # the op_id of the payload last received, and its tensors
     opened: set[str] = field(default_factory=set)  # sessions this process has answered ``open`` for
+    instance: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    version: str | None = None
+    plain: bool = False
+    answered: str = ""  # the op_id of the last ``state`` or ``commit`` answered (the next runner's call of it)
 
     def report(self, step: str, outcome: RankOutcome) -> None:
         """``outcome`` of ``step`` to the trainer's store (a process never opened only logs it)."""
@@ -109,6 +123,9 @@ def _one(model: SGLangModel, name: str, tensor: torch.Tensor) -> None:
     if header.op == "open":
         _open(r, header)
         return
+    if header.op in ("state", "commit"):
+        _query(r, header)
+        return
     try:
         outcome = _load(r, model, header, tensor)
     except Exception as exc:
@@ -124,13 +141,40 @@ def _open(r: Receiver, header: LoaderHeader) -> None:
     reply = header.reply
     assert reply is not None  # decode_header gives every open a reply
     problem = _rank_problem(header.tp_rank)
-    if r.reply is None or (r.reply.host, r.reply.port) != (reply.host, reply.port):
-        r.store = tcp_store(reply.host, reply.port, is_master=False, timeout=reply.timeout_s)
-    r.session, r.tp_rank, r.tp_size, r.reply, r.last = header.session, header.tp_rank, header.tp_size, reply, None
-    r.opened = {header.session}
+    _connect(r, reply)
+    r.session, r.tp_rank, r.tp_size, r.last = header.session, header.tp_rank, header.tp_size, None
+    r.opened, r.plain = {header.session}, False
     if r.held is not None:
+        if r.version is None:
+            r.held.forget()  # bytes no committed update names: the trainer sends a full update
         r.held.begin()
     r.report("open", RankOutcome(r.tp_rank, problem is None, problem))
+
+
+def _connect(r: Receiver, reply: ReplyAddress) -> None:
+    """The trainer's store at ``reply`` (connected again where its address changed)."""
+    if r.reply is None or (r.reply.host, r.reply.port) != (reply.host, reply.port):
+        r.store = tcp_store(reply.host, reply.port, is_master=False, timeout=reply.timeout_s)
+    r.reply = reply
+
+
+def _query(r: Receiver, header: LoaderHeader) -> None:
+    """``state``: what this rank holds for deltas; ``commit``: the bytes the open session applied are kept as
+    ``header.version``'s where it applied delta buckets only. Answered under the query's own name."""
+    if header.op_id == r.answered:
+        return  # the next runner's call of the same payload
+    assert header.reply is not None  # decode_header gives every query a reply
+    _connect(r, header.reply)
+    r.answered = header.op_id
+    problem = _rank_problem(header.tp_rank)
+    delta = None
+    if header.op == "commit" and problem is None and r.held is not None and r.held.changed and not r.plain:
+        r.version = header.version
+    elif header.op == "state":
+        digests = r.held.checksums() if r.held is not None else {}
+        delta = RankDelta(r.instance, r.version, tuple(sorted(digests.items())))
+    key = f"{header.reply.prefix}/{header.session}/{header.op}/{header.tp_rank}"
+    r.store.set(key, RankOutcome(header.tp_rank, problem is None, problem, delta=delta).as_json())
 
 
 def _rank_problem(tp_rank: int) -> str | None:
@@ -168,6 +212,7 @@ def _new_bytes(r: Receiver, model: SGLangModel, header: LoaderHeader, tensor: to
         raise ValueError(f"bucket {header.index}: the buffer is {tensor.dtype} {tuple(tensor.shape)}, the header "
                          f"says {header.nbytes} bytes of uint8")
     if header.delta is None:
+        r.plain, r.version = True, None
         if r.held is not None:
             r.held.forget()  # whether or not this bucket loads, the trainer no longer sends against those bytes
         verify_checksum(tensor, header.checksum, f"bucket {header.index}",
@@ -176,6 +221,7 @@ def _new_bytes(r: Receiver, model: SGLangModel, header: LoaderHeader, tensor: to
     if r.held is None:
         r.held = HeldDeltas(tensor.device, _held_limit(model, r.tp_size))
         r.held.begin()
+    r.version = None  # the held bytes change: no committed update names them until the commit
     received = tensor.clone() if header.delta.encoding == "dense" else tensor  # the trainer's memory: not kept
     return r.held.new_bytes(header.index, header.metas, header.delta.total, header.delta, received, header.checksum)
 
