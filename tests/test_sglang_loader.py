@@ -275,7 +275,7 @@ def _round(engine, snapshot: Snapshot, version: str, weights, full: bool) -> str
 def test_full_then_delta_rounds_bit_for_bit_with_the_engines_checksums():
     model = Model()
     engine = _InProcess(model)
-    assert engine.info().can(DELTA)
+    assert not engine.info().can(DELTA)  # a delta by broadcast would reach SGLang's own distributed path
     snapshot, weights = Snapshot(), _weights(11)
     assert _round(engine, snapshot, "v1", weights, full=True) is None  # holds nothing yet: the first is full
     instance = sglang_loader.receiver().instance
@@ -358,6 +358,12 @@ def test_rounds_load_bit_for_bit(result):
         assert result[f"{key}_error"] is None, result[f"{key}_error"]
         assert result[f"{key}_equal"] == {f"{r}/{m}": True for r in range(2) for m in ("target", "draft")}
     assert set(result["sparse_encodings"]) <= {"indices", "bitmap"}
+
+
+def test_delta_state_and_commit_through_sglang(result):
+    assert (result["dense_base"], result["dense_checks"], result["sparse_checks"]) == (None, True, True)
+    instances, version = result["sparse_base"].split("/")
+    assert (len(instances.split("+")), version) == (2, "v2")  # each TP rank's instance, the version committed
 
 
 def test_failures_reported_by_rank(result):

@@ -12,7 +12,8 @@ for two model runners, a target and a draft. Each runner's model is a small tran
 ``load_weights`` puts every tensor in with SGLang's ``default_weight_loader``; it holds bf16, float32, int8 and a
 float8 weight with its float32 scales. Every round's weights are random bytes (NaN and infinity patterns too),
 compared bit for bit with what the rank processes hold. Checks: ``--custom-weight-loader`` parsed by SGLang's
-``ServerArgs``; a plain round, a delta round (dense, then sparse), a corrupted buffer on one rank, a delta
+``ServerArgs``; a plain round, a delta round (dense, then sparse) with each rank's delta state (the base it holds,
+the checksums of the bytes it applied) and commit read through the loader, a corrupted buffer on one rank, a delta
 without held bytes and a malformed header, each reported by the ranks (the trainer's error names them) while
 the rank processes go on; a ``load_format`` the server does not list refused by SGLang; an adapter refusing a
 server started without the loader before it sends anything.
@@ -243,6 +244,14 @@ def delta_buckets(new, held, allowed=None):
     return out
 
 
+def checks_match(engine, per_rank) -> bool:
+    """Whether every rank's checksum of every bucket's bytes it applied (``delta_checks``) is the trainer's."""
+    from weightstream.wire.handles import checksum
+
+    want = {b.index: tuple(checksum(per_rank[r][k].buffer) for r in range(TP_SIZE)) for k, b in enumerate(per_rank[0])}
+    return engine.delta_checks().buckets == want
+
+
 def server_args() -> dict:
     """``--custom-weight-loader`` as SGLang's own argument parser reads it."""
     import argparse
@@ -266,18 +275,22 @@ def rounds(engine, ranks: Ranks, tmp: str, spec) -> dict:
     engine.commit_update()
     res["plain_equal"] = held_equal(ranks.dump(tmp), w1)
     engine.begin_update("v2")
+    res["dense_base"] = engine.delta_base()  # a plain round leaves none
     full2 = buckets(w2)
     zeros = [[type(b)(b.index, torch.zeros_like(b.buffer), b.metas) for b in row] for row in full2]
     res["dense_error"] = send(engine, delta_buckets(full2, zeros, ("dense",)))
+    res["dense_checks"] = checks_match(engine, full2)
     engine.commit_update()
     res["dense_equal"] = held_equal(ranks.dump(tmp), w2)
     w3 = [(n, t.clone()) for n, t in w2]
     for _, t in w3[::3]:
         t.view(-1).view(torch.uint8)[:5] ^= 0x5A  # a few bytes of some tensors change
     engine.begin_update("v3")
-    sparse = delta_buckets(buckets(w3), full2)
+    res["sparse_base"] = engine.delta_base()  # the ranks' instances and v2
+    sparse = delta_buckets(full3 := buckets(w3), full2)
     res["sparse_encodings"] = sorted({b.delta.encoding for b in sparse[0]})
     res["sparse_error"] = send(engine, sparse)
+    res["sparse_checks"] = checks_match(engine, full3)
     engine.commit_update()
     res["sparse_equal"] = held_equal(ranks.dump(tmp), w3)
     res.update(corrupted(engine, ranks, tmp, spec, w3))

@@ -12,7 +12,6 @@ import torch
 
 from weightstream.engines.base import (
     BROADCAST,
-    DELTA,
     IPC,
     RELEASE_MEMORY,
     DeltaChecks,
@@ -42,8 +41,9 @@ class SGLangEngine(HTTPEngine):
     def __init__(self, url: str, *, custom_loader: str | None = None, **options: Any):
         """``custom_loader``: the server was started with ``--custom-weight-loader`` naming weightstream's loader
         (:data:`~weightstream.engines.sglang_inside.LOADER`); IPC buckets then go through it (checksums verified
-        and deltas applied inside SGLang, every TP rank's outcome read back), and the engine takes delta updates
-        by IPC, one request per bucket (:data:`~weightstream.engines.base.DELTA`)."""
+        and deltas applied inside SGLang, every TP rank's outcome read back), and the adapter serves
+        :class:`~weightstream.engines.base.DeltaEngine` (:meth:`delta_base`, :meth:`delta_checks`) from the
+        loaders' answers."""
         super().__init__(url, **options)
         self.loader = None if custom_loader is None else LoaderClient(custom_loader, self.timeout_s)
         self._delta_sent = False  # the open session sent delta buckets (the commit names their version)
@@ -69,8 +69,11 @@ class SGLangEngine(HTTPEngine):
         return self._info
 
     def capabilities(self, server_info: dict) -> frozenset[str]:
-        """Broadcast, IPC and memory release; with ``custom_loader``, delta buckets by IPC as well."""
-        return frozenset({BROADCAST, IPC, RELEASE_MEMORY} | ({DELTA} if self.loader is not None else set()))
+        """Broadcast, IPC and memory release. Not :data:`~weightstream.engines.base.DELTA`, even with
+        ``custom_loader``: the capability names no transport, and SGLang takes delta buckets through the loader
+        (IPC, one request per bucket) only, while its broadcast (``/update_weights_from_distributed``) receives a
+        bucket's whole size, and the IPC sink sends deltas only where the engine declares ``ipc_ahead``."""
+        return frozenset({BROADCAST, IPC, RELEASE_MEMORY})
 
     def weight_format(self, server_info: dict) -> BlockFP8 | None:
         """The block-FP8 layout of the served model, from the ``quantization_config`` the server reports.
