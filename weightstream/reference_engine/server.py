@@ -57,17 +57,29 @@ from weightstream.receiver.plan import (
     TensorReceive,
     Transport,
 )
+from weightstream.receiver.requests import (
+    DURATION_FIELDS,
+    INT_RANGES,
+    TEXT_FIELDS,
+    UPDATE_SCHEMAS,
+    BeginRequest,
+    CommitRequest,
+    DestroyGroupRequest,
+    EmptyRequest,
+    InitGroupRequest,
+    PauseRequest,
+    RequestError,
+    Schema,
+    VersionRequest,
+    WeightChecksumsRequest,
+    update_problems,
+)
 from weightstream.receiver.schema import (
     MAX_JSON_DEPTH,
-    bucket_problems,
-    buckets_problems,
     delta_problems,
     duration_problem,
     ep_problem,
     nesting_exceeds,
-    range_problem,
-    text_problem,
-    token_rows,
 )
 from weightstream.receiver.values import DEFAULT_CHECKS, LoadChecks
 from weightstream.reference_engine.protocol import (
@@ -81,30 +93,34 @@ from weightstream.reference_engine.protocol import (
     DestroyGroup,
     ForgetDelta,
     Generate,
+    GenerateRequest,
     InitGroup,
     Layout,
     Logits,
+    LogitsRequest,
     Memory,
     Outcome,
     PrepareSession,
     ReleaseIpc,
     ReleaseMemory,
+    ReleaseMemoryRequest,
     Reply,
     ResumeMemory,
+    ResumeMemoryRequest,
     Shutdown,
     UpdatePhases,
     WeightChecksums,
     name_of,
 )
 from weightstream.reference_engine.worker import worker_main
-from weightstream.wire.channel import address_problem
 from weightstream.wire.handles import gpu_uuid
 
 __all__ = [
     "MAX_BODY_BYTES", "BULK_ROUTES", "ServerLimits", "log", "SESSION_GRACE_S", "EngineFailure", "UpdateInFlight",
     "EngineUnavailable", "WorkOutOfTime", "Unanswered", "BadRequest", "SCHEMAS", "DURATION_FIELDS", "INT_RANGES",
-    "TEXT_FIELDS", "check_body", "gloo_interface", "Engine", "bearer_matches", "announces_body", "read_chunked",
-    "parse_body", "RequestReadTimeout", "BoundedReads", "raw_reply", "EngineServer", "serve", "stop"
+    "TEXT_FIELDS", "REQUESTS", "check_body", "decode_body", "gloo_interface", "Engine", "bearer_matches",
+    "announces_body", "read_chunked", "parse_body", "RequestReadTimeout", "BoundedReads", "raw_reply", "EngineServer",
+    "serve", "stop"
 ]
 
 
@@ -192,118 +208,34 @@ class BadRequest(Exception):
         super().__init__(message)
 
 
-_NUMBER = (int, float)
-_OPT_STR = (str, type(None))
-# The body each route takes: field -> (accepted types, required). Other fields are ignored, as
-# SGLang's clients send fields of newer versions.
-SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
-    "/init_weights_update_group": {
-        "master_address": ((str,), True), "master_port": ((int,), True), "rank_offset": ((int,), True),
-        "world_size": ((int,), True), "group_name": ((str,), False), "backend": ((str,), False),
-        "timeout_s": (_NUMBER, False), "weightstream_warm": ((str,), False),
-        "weightstream_warm_senders": ((int,), False),
-    },
-    "/destroy_weights_update_group": {"group_name": ((str,), False)},
-    "/update_weights_from_distributed": {
-        "names": ((list,), True), "dtypes": ((list,), True), "shapes": ((list,), True), "group_name": ((str,), False),
-        "load_format": (_OPT_STR, False), "weight_version": (_OPT_STR, False), "flush_cache": ((bool,), False),
-        "weightstream_checksum": (_OPT_STR, False), "weightstream_delta": ((dict, type(None)), False),
-    },
-    "/weightstream/update_weights_from_distributed_ahead": {
-        "buckets": ((list,), True), "group_name": ((str,), False), "load_format": (_OPT_STR, False),
-        "weight_version": (_OPT_STR, False), "weightstream_delta_mode": ((bool,), False),
-    },
-    "/weightstream/update_weights_from_ipc_ahead": {
-        "plan": ((str,), True), "num_buckets": ((int,), True), "channels": ((list,), True),
-        "client": ((str,), True), "timeout_s": (_NUMBER, False), "weight_version": (_OPT_STR, False),
-        "weightstream_delta_mode": ((bool,), False),
-    },
-    "/weightstream/release_ipc_buffers": {"client": ((str,), True)},
-    "/update_weights_from_tensor": {
-        "serialized_named_tensors": ((list, str), True), "load_format": (_OPT_STR, False),
-        "weight_version": (_OPT_STR, False), "flush_cache": ((bool,), False),
-        "weightstream_checksums": ((list, type(None)), False),
-    },
-    "/weightstream/update_weights_from_p2p": {
-        "ranks": ((list,), True), "group_name": ((str,), False), "weight_version": (_OPT_STR, False),
-    },
-    "/weightstream/update_weights_from_p2p_ahead": {
-        "buckets": ((list,), True), "group_name": ((str,), False), "weight_version": (_OPT_STR, False),
-        "weightstream_delta_mode": ((bool,), False),
-    },
-    "/begin_weight_update": {"timeout_s": (_NUMBER + (type(None),), False), "pause": ((str,), False),
-                             "weight_version": (_OPT_STR, False)},
-    "/end_weight_update": {"resume": ((bool,), False)},
-    "/pause_generation": {"mode": ((str,), False)},
-    "/update_weight_version": {"new_version": ((str,), True)},
-    "/generate": {"input_ids": ((list,), True), "sampling_params": ((dict, type(None)), False)},
-    "/weightstream/logits": {"input_ids": ((list,), True)},
-    "/weightstream/weight_checksums": {"names": ((list,), True)},
-    "/release_memory_occupation": {"tags": ((list, type(None)), False)},
-    "/resume_memory_occupation": {"tags": ((list, type(None)), False)},
-}
+# The typed request each route other than the updates decodes its body into; a route not named here and not an
+# update reads no field (:class:`EmptyRequest`).
+_TYPED: tuple[Any, ...] = (
+    InitGroupRequest, DestroyGroupRequest, BeginRequest, CommitRequest, PauseRequest, VersionRequest,
+    WeightChecksumsRequest, ReleaseMemoryRequest, ResumeMemoryRequest, GenerateRequest, LogitsRequest)
+REQUESTS: dict[str, Callable[[dict], Any]] = {r.ROUTE: r.decode for r in _TYPED}
 
-
-# Preparing a colocated update takes the update's fields, less the weight version (no update is open).
-SCHEMAS["/weightstream/prepare_ipc_ahead"] = {
-    k: v for k, v in SCHEMAS["/weightstream/update_weights_from_ipc_ahead"].items()
-    if k not in ("weight_version", "weightstream_delta_mode")}
-
-
-# Bounds on fields of any route, checked once the field has its type: durations (finite seconds, so that
-# every wait and the session watchdog end), a few integers, and short texts (a version is echoed in replies).
-DURATION_FIELDS = frozenset({"timeout_s"})
-INT_RANGES = {"master_port": (1, 65535), "world_size": (1, 1 << 16), "rank_offset": (0, 1 << 16),
-              "num_buckets": (0, 1 << 24)}
-TEXT_FIELDS = frozenset({"weight_version", "new_version", "group_name", "client", "plan", "backend",
-                         "load_format", "pause", "mode", "master_address"})
-
-
-def _field_problem(name: str, value: Any) -> str | None:
-    if name in DURATION_FIELDS:
-        return duration_problem(name, value)
-    if name in INT_RANGES:
-        return range_problem(name, value, *INT_RANGES[name])
-    if name in TEXT_FIELDS:
-        return text_problem(name, value)
-    return None
-
-
-def _type_names(types: tuple[type, ...]) -> str:
-    return " or ".join("null" if t is type(None) else t.__name__ for t in types)
+# Every route's body schema (the update routes' and the typed requests').
+SCHEMAS: dict[str, Schema] = {**UPDATE_SCHEMAS, **{r.ROUTE: r.FIELDS for r in _TYPED}}
 
 
 def check_body(path: str, body: dict) -> None:
-    """Raise one :class:`BadRequest` listing every problem of ``body`` for ``path``."""
-    problems = []
-    for name, (types, required) in SCHEMAS.get(path, {}).items():
-        if name not in body:
-            if required:
-                problems.append(f"missing field {name!r}")
-            continue
-        value = body[name]
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            problems.append(f"field {name!r} must be {_type_names(types)}, got {type(value).__name__}")
-        elif (problem := _field_problem(name, value)) is not None:
-            problems.append(problem)
-    if not problems and path == "/update_weights_from_distributed":
-        problems += bucket_problems(body) + delta_problems(body.get("weightstream_delta"))
-    if not problems and path == "/weightstream/update_weights_from_distributed_ahead":
-        problems += buckets_problems(body["buckets"])
-    if not problems and path in ("/weightstream/update_weights_from_ipc_ahead", "/weightstream/prepare_ipc_ahead") \
-            and any(address_problem(c) for c in body["channels"]):
-        problems.append("channels must be 'unix:@NAME' addresses (the trainer ranks' control channels), one per "
-                        "engine rank")
-    if not problems and path in ("/generate", "/weightstream/logits"):
-        rows = token_rows(body["input_ids"], flat=path == "/generate")  # SGLang's /generate takes one list too
-        if isinstance(rows, str):
-            problems.append(rows)
-        elif path == "/weightstream/logits" and len({len(r) for r in rows}) != 1:
-            problems.append("the rows of input_ids must have one length")
-    if not problems and path == "/weightstream/weight_checksums" and not all(isinstance(n, str) for n in body["names"]):
-        problems.append("names must be a list of tensor names")
+    """Raise one :class:`BadRequest` listing every problem of an update route's ``body`` for ``path``."""
+    problems = update_problems(path, body)
     if problems:
         raise BadRequest(HTTPStatus.BAD_REQUEST, f"bad request to {path}: " + "; ".join(problems))
+
+
+def decode_body(path: str, body: dict) -> Any:
+    """What a route runs on: an update route's checked body (:func:`check_body`), any other route's typed request
+    (:data:`REQUESTS`); a body refused is one :class:`BadRequest` (400) listing every problem."""
+    if path in UPDATE_SCHEMAS:
+        check_body(path, body)
+        return body
+    try:
+        return REQUESTS.get(path, EmptyRequest.decode)(body)
+    except RequestError as exc:
+        raise BadRequest(HTTPStatus.BAD_REQUEST, exc.message) from None
 
 
 _SIOCGIFADDR = 0x8915
@@ -950,13 +882,12 @@ class _Handler(BaseHTTPRequestHandler):
                 if allowed:
                     raise BadRequest(HTTPStatus.METHOD_NOT_ALLOWED, f"{path} takes {', '.join(allowed)}, not {method}")
                 raise BadRequest(HTTPStatus.NOT_FOUND, f"no route {method} {path}")
-            body = self._body(path) if method == "POST" else {}
-            check_body(path, body)
+            request = decode_body(path, self._body(path) if method == "POST" else {})
         except BadRequest as exc:
             self._reply(exc.status, _error(exc))
             return
         try:
-            status, reply = route(body)
+            status, reply = route(request)
         except BadRequest as exc:
             status, reply = exc.status, _error(exc)
         except UpdateInFlight as exc:
@@ -1035,7 +966,7 @@ class EngineServer(ThreadingHTTPServer):
             log(f"WARNING: no API key: any process that can reach {self.url} can load weights into this engine, "
                 "pause it and free its memory (set WEIGHTSTREAM_API_KEY or --api-key-file)")
         e = engine
-        self.routes = {
+        self.routes: dict[tuple[str, str], Callable[[Any], tuple[int, Any]]] = {
             ("GET", "/health"): self.health,
             ("GET", "/model_info"): lambda b: (200, {"model_path": e.model_dir, "weight_version": e.weight_version,
                                                      "is_generation": True}),
@@ -1130,14 +1061,14 @@ class EngineServer(ThreadingHTTPServer):
 
     # -- routes -------------------------------------------------------------------------------
 
-    def health(self, b):
+    def health(self, r: EmptyRequest):
         """200 while every worker runs and answers; else 503 saying why (:meth:`Engine.health_problem`)."""
         problem = self.engine.health_problem()
         if problem is None:
             return 200, {}
         return HTTPStatus.SERVICE_UNAVAILABLE, {"status": "unhealthy", "message": problem}
 
-    def server_info(self, body):
+    def server_info(self, r: EmptyRequest):
         e = self.engine
         return 200, {
             "engine": ENGINE_NAME, "tp_size": e.tp, "ep_size": e.ep, "pp_size": 1, "dp_size": 1,
@@ -1154,18 +1085,16 @@ class EngineServer(ThreadingHTTPServer):
             "worker_pids": [p.pid for p in e.procs],
         }
 
-    def init_group(self, b):
-        timeout_s = float(b.get("timeout_s") or 60.0)  # the trainer's bound: the workers give up at it
-        msgs = self.engine.call(InitGroup(
-            master_address=b["master_address"], master_port=int(b["master_port"]), rank_offset=int(b["rank_offset"]),
-            world_size=int(b["world_size"]), group_name=b.get("group_name", "weight_update_group"),
-            backend=b.get("backend", "nccl"), timeout_s=timeout_s, warm=b.get("weightstream_warm", ""),
-            warm_senders=int(b.get("weightstream_warm_senders", 1)),
-        ), wait_s=timeout_s + 5.0)
+    def init_group(self, r: InitGroupRequest):
+        msgs = self.engine.call(InitGroup(  # timeout_s: the trainer's bound: the workers give up at it
+            master_address=r.master_address, master_port=r.master_port, rank_offset=r.rank_offset,
+            world_size=r.world_size, group_name=r.group_name, backend=r.backend, timeout_s=r.timeout_s,
+            warm=r.warm, warm_senders=r.warm_senders,
+        ), wait_s=r.timeout_s + 5.0)
         return 200, {"success": True, "message": " | ".join(msgs)}
 
-    def destroy_group(self, b):
-        self.engine.call(DestroyGroup(b.get("group_name", "weight_update_group")))
+    def destroy_group(self, r: DestroyGroupRequest):
+        self.engine.call(DestroyGroup(r.group_name))
         return 200, {"success": True, "message": "destroyed"}
 
     def _in_session(self, what: str) -> None:
@@ -1207,7 +1136,7 @@ class EngineServer(ThreadingHTTPServer):
                           (bucket,), b.get("load_format"))
         return self._guarded(lambda: self.engine.call(receive), b)
 
-    def delta_checksums(self, b):
+    def delta_checksums(self, r: EmptyRequest):
         """What the open (or last) session's delta buckets left in each worker: the checksum of each bucket's
         bytes, per engine rank, by bucket index; and what this engine holds (``delta_base``)."""
         e = self.engine
@@ -1216,7 +1145,7 @@ class EngineServer(ThreadingHTTPServer):
         return 200, {"instance": e.instance, "delta_base": e.delta_base,
                      "buckets": {str(i): [r.get(i) for r in ranks] for i in indices}}
 
-    def update_phases(self, b):
+    def update_phases(self, r: EmptyRequest):
         """Where the last update session's time went on each engine rank: seconds per phase (the worker's
         ``update_phases``), rank by rank."""
         return 200, {"ranks": self.engine.call(UpdatePhases())}
@@ -1325,81 +1254,71 @@ class EngineServer(ThreadingHTTPServer):
             parts[rank].append(_rank_bucket(r))
         return [tuple(p) for p in parts]
 
-    def layout(self, b):
+    def layout(self, r: EmptyRequest):
         """How the engine holds the checkpoint's tensors over its ranks (weightstream's resharding reads it): the dim
         each split tensor is split on, and the rank that holds each tensor one rank holds alone (experts under EP)."""
         declared = self.engine.call(Layout())[0]
         return 200, {"tp_size": self.engine.tp, "ep_size": self.engine.ep, "dims": declared["dims"],
                      "owners": declared["owners"]}
 
-    def weight_checksums(self, b):
+    def weight_checksums(self, r: WeightChecksumsRequest):
         """Per rank, the checksum of the bytes it holds of each of ``names`` (those it holds; its part of a split
         tensor): what a check of an update compares with the trainer's tensors."""
-        return 200, {"ranks": self.engine.call(WeightChecksums(b["names"]), committed=True)}
+        return 200, {"ranks": self.engine.call(WeightChecksums(list(r.names)), committed=True)}
 
-    def begin(self, b):
+    def begin(self, r: BeginRequest):
         """``pause`` (a mode): pause generation first, as ``/pause_generation`` does (one request for both)."""
-        if b.get("pause"):
-            self.pause(b)
-        self.engine.begin_session(b.get("timeout_s"))
-        if b.get("weight_version") is not None:  # what the commit will serve, unless a bucket says otherwise
-            self.engine.pending_version = str(b["weight_version"])
+        if r.pause:
+            self.pause(PauseRequest(r.pause))
+        self.engine.begin_session(r.timeout_s)
+        if r.weight_version is not None:  # what the commit will serve, unless a bucket says otherwise
+            self.engine.pending_version = r.weight_version
         return 200, {"success": True, "message": "weight update session opened"}
 
-    def end(self, b):
+    def end(self, r: CommitRequest):
         """``resume``: generation continues once the session is committed (one request for both)."""
         message = self.engine.commit_session()  # the engine has no cache of its own to flush
-        if b.get("resume"):
-            self.resume(b)
+        if r.resume:
+            self.resume(EmptyRequest())
         return 200, {"success": True, "message": message, "weight_version": self.engine.weight_version}
 
-    def prepare_commit(self, b):
+    def prepare_commit(self, r: EmptyRequest):
         """The first phase of a commit across engines (:meth:`Engine.prepare_session`): the version the commit
         will serve."""
         version = self.engine.prepare_session()
         return 200, {"success": True, "message": "prepared to commit; still restorable", "weight_version": version}
 
-    def abort(self, b):
+    def abort(self, r: EmptyRequest):
         return 200, {"success": True, "message": self.engine.abort_session("asked by the trainer")}
 
-    def pause(self, b):
+    def pause(self, r: PauseRequest):
         self.engine.paused.set()
         return 200, {"message": "Generation paused successfully.", "status": "ok"}
 
-    def resume(self, b):
+    def resume(self, r: EmptyRequest):
         if self.engine.session_open:  # generation continues when the session is committed or aborted
             raise UpdateInFlight("a weight update session is open: generation continues once it is committed "
                                  "(/end_weight_update with resume) or aborted")
         self.engine.paused.clear()
         return 200, {"message": "Generation continued successfully.", "status": "ok"}
 
-    MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-
-    def _tags(self, b) -> list[str]:
-        tags = b.get("tags") or list(self.MEMORY_TAGS)
-        unknown = [t for t in tags if t not in self.MEMORY_TAGS]
-        if unknown:
-            raise BadRequest(HTTPStatus.BAD_REQUEST, f"unknown memory tags {unknown}; known: {list(self.MEMORY_TAGS)}")
-        return tags
-
-    def release_memory(self, b):
+    def release_memory(self, r: ReleaseMemoryRequest):
         if self.engine.session_open:
             raise EngineFailure("cannot release memory during a weight update session")
-        tags = self._tags(b)
-        ranks = self.engine.call(ReleaseMemory(tuple(tags)))
-        if "weights" in tags:
+        ranks = self.engine.call(ReleaseMemory(r.tags))
+        if "weights" in r.tags:
             self.engine.weights_released = True
         return 200, {"success": True, "message": f"released {sum(r['freed_bytes'] for r in ranks)} bytes",
                      "ranks": ranks}
 
-    def resume_memory(self, b):
-        ranks = self.engine.call(ResumeMemory(tuple(self._tags(b))))
+    def resume_memory(self, r: ResumeMemoryRequest):
+        ranks = self.engine.call(ResumeMemory(r.tags))
         return 200, {"success": True, "message": f"re-created {sum(r['restored_bytes'] for r in ranks)} bytes",
                      "ranks": ranks}
 
-    def update_version(self, b):
-        self.engine.weight_version = str(b["new_version"])
-        return 200, {"success": True, "message": f"Weight version updated to {b['new_version']}",
+    def update_version(self, r: VersionRequest):
+        self.engine.weight_version = r.new_version
+        return 200, {"success": True, "message": f"Weight version updated to {r.new_version}",
                      "new_version": self.engine.weight_version}
 
     def _wait_unpaused(self) -> None:
@@ -1434,13 +1353,8 @@ class EngineServer(ThreadingHTTPServer):
             raise BadRequest(HTTPStatus.BAD_REQUEST,
                              f"token ids {out_of_range[:5]} are outside the vocabulary (size {vocab})")
 
-    def generate(self, b):
-        ids = b["input_ids"]
-        n = (b.get("sampling_params") or {}).get("max_new_tokens", 16)
-        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 4096:
-            raise BadRequest(HTTPStatus.BAD_REQUEST,
-                             f"sampling_params.max_new_tokens must be an integer in [0, 4096], got {n!r}")
-        batch = ids if isinstance(ids[0], list) else [ids]
+    def generate(self, r: GenerateRequest):
+        batch, n = [list(row) for row in r.rows], r.max_new_tokens
         self._check_work(batch, n)
         self.engine.check_settled()
         self._wait_unpaused()
@@ -1449,7 +1363,7 @@ class EngineServer(ThreadingHTTPServer):
             outs.append({"text": "", "output_ids": out, "meta_info": {
                 "finish_reason": {"type": "length", "length": n}, "prompt_tokens": len(seq),
                 "completion_tokens": len(out), "weight_version": self.engine.weight_version}})
-        return 200, outs if batch is ids else outs[0]
+        return 200, outs[0] if r.one_row else outs
 
     def _generated(self, rows: list[list[int]], new_tokens: int) -> list[list[int]]:
         """Each row's new tokens, the rows run by one command, stopped by the workers past ``max_request_s``
@@ -1464,11 +1378,12 @@ class EngineServer(ThreadingHTTPServer):
                 f"(max_request_s; weightstream engine --max-request-seconds), and was stopped ({exc}): "
                 "ask for fewer rows or fewer new tokens")) from None
 
-    def logits(self, b):
-        self._check_work(b["input_ids"], 0)  # rows of one length (check_body)
+    def logits(self, r: LogitsRequest):
+        rows = [list(row) for row in r.rows]  # of one length (LogitsRequest.decode)
+        self._check_work(rows, 0)
         self.engine.check_settled()
         self._wait_unpaused()
-        out = self.engine.call(Logits(b["input_ids"]), committed=True)[0]
+        out = self.engine.call(Logits(rows), committed=True)[0]
         return 200, {"shape": list(out.shape), "dtype": "float32",
                      "logits_b64": base64.b64encode(out.tobytes()).decode(),
                      "weight_version": self.engine.weight_version}
