@@ -14,6 +14,7 @@ from weightstream.receiver.requests import (
     EmptyRequest,
     InitGroupRequest,
     PauseRequest,
+    ReleaseIpcRequest,
     RequestError,
     VersionRequest,
     WeightChecksumsRequest,
@@ -119,13 +120,14 @@ def test_memory_tags():
 
 
 def test_update_problems_and_the_routes_schemas():
-    assert update_problems("/weightstream/release_ipc_buffers", {"client": 1}) == \
-        ["field 'client' must be str, got int"]
+    assert ReleaseIpcRequest.decode({"client": "c1"}) == ReleaseIpcRequest("c1")
+    assert _refusal(ReleaseIpcRequest.decode, {"client": 1}) == \
+        "bad request to /weightstream/release_ipc_buffers: field 'client' must be str, got int"
     assert update_problems("/weightstream/prepare_ipc_ahead", {"plan": "p", "num_buckets": 1, "channels": ["tcp:x"],
                                                                "client": "c"}) == \
         ["channels must be 'unix:@NAME' addresses (the trainer ranks' control channels), one per engine rank"]
     assert sorted(set(SCHEMAS) - set(REQUESTS)) == sorted([
         "/update_weights_from_distributed", "/weightstream/update_weights_from_distributed_ahead",
-        "/weightstream/update_weights_from_ipc_ahead", "/weightstream/release_ipc_buffers",
+        "/weightstream/update_weights_from_ipc_ahead",
         "/update_weights_from_tensor", "/weightstream/update_weights_from_p2p",
         "/weightstream/update_weights_from_p2p_ahead", "/weightstream/prepare_ipc_ahead"])

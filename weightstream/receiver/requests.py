@@ -27,7 +27,8 @@ from weightstream.wire.channel import address_problem
 __all__ = [
     "Schema", "NUMBER", "OPT_STR", "DURATION_FIELDS", "INT_RANGES", "TEXT_FIELDS", "RequestError", "field_problems",
     "refuse", "DEFAULT_GROUP", "EmptyRequest", "InitGroupRequest", "DestroyGroupRequest", "BeginRequest",
-    "CommitRequest", "PauseRequest", "VersionRequest", "WeightChecksumsRequest", "UPDATE_SCHEMAS", "update_problems",
+    "CommitRequest", "PauseRequest", "VersionRequest", "WeightChecksumsRequest", "ReleaseIpcRequest",
+    "UPDATE_SCHEMAS", "update_problems",
 ]
 
 Schema = Mapping[str, tuple[tuple[type, ...], bool]]
@@ -229,6 +230,20 @@ class WeightChecksumsRequest:
         return cls(tuple(names))
 
 
+@dataclass(frozen=True, slots=True)
+class ReleaseIpcRequest:
+    """``/weightstream/release_ipc_buffers``: close the IPC buffers mapped of trainer ``client``."""
+
+    ROUTE: ClassVar[str] = "/weightstream/release_ipc_buffers"
+    FIELDS: ClassVar[Schema] = {"client": ((str,), True)}
+
+    client: str
+
+    @classmethod
+    def decode(cls, body: Mapping[str, Any]) -> ReleaseIpcRequest:
+        return cls(_checked(cls.ROUTE, cls.FIELDS, body)["client"])
+
+
 # The body each update route takes (an engine decodes it into the receives of :mod:`weightstream.receiver.plan`).
 UPDATE_SCHEMAS: dict[str, Schema] = {
     "/update_weights_from_distributed": {
@@ -245,7 +260,6 @@ UPDATE_SCHEMAS: dict[str, Schema] = {
         "client": ((str,), True), "timeout_s": (NUMBER, False), "weight_version": (OPT_STR, False),
         "weightstream_delta_mode": ((bool,), False),
     },
-    "/weightstream/release_ipc_buffers": {"client": ((str,), True)},
     "/update_weights_from_tensor": {
         "serialized_named_tensors": ((list, str), True), "load_format": (OPT_STR, False),
         "weight_version": (OPT_STR, False), "flush_cache": ((bool,), False),

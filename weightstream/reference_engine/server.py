@@ -68,6 +68,7 @@ from weightstream.receiver.requests import (
     EmptyRequest,
     InitGroupRequest,
     PauseRequest,
+    ReleaseIpcRequest,
     RequestError,
     Schema,
     VersionRequest,
@@ -212,7 +213,8 @@ class BadRequest(Exception):
 # update reads no field (:class:`EmptyRequest`).
 _TYPED: tuple[Any, ...] = (
     InitGroupRequest, DestroyGroupRequest, BeginRequest, CommitRequest, PauseRequest, VersionRequest,
-    WeightChecksumsRequest, ReleaseMemoryRequest, ResumeMemoryRequest, GenerateRequest, LogitsRequest)
+    WeightChecksumsRequest, ReleaseIpcRequest, ReleaseMemoryRequest, ResumeMemoryRequest, GenerateRequest,
+    LogitsRequest)
 REQUESTS: dict[str, Callable[[dict], Any]] = {r.ROUTE: r.decode for r in _TYPED}
 
 # Every route's body schema (the update routes' and the typed requests').
@@ -1188,8 +1190,8 @@ class EngineServer(ThreadingHTTPServer):
         return timeout_s, [IpcReceive(b["plan"], b["num_buckets"], c, b["client"], timeout_s, delta, prepare)
                            for c in b["channels"]]
 
-    def release_ipc(self, b):
-        released = sum(r["released"] for r in self.engine.call(ReleaseIpc(b["client"])))
+    def release_ipc(self, r: ReleaseIpcRequest):
+        released = sum(rank["released"] for rank in self.engine.call(ReleaseIpc(r.client)))
         return 200, {"success": True, "message": f"closed {released} IPC buffers of this client"}
 
     def update_p2p(self, b):
