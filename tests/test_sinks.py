@@ -78,6 +78,26 @@ def test_each_sink_is_a_sink_with_its_name(tmp_path):
     assert all(isinstance(s, Sink) for s in sinks)
 
 
+def test_a_packed_bucket_is_its_tensors_and_zeros_whatever_memory_it_gets(monkeypatch):
+    """The bytes between tensors (alignment) are zero, not what the allocator left there: a bucket's checksum and
+    its delta against the engine's copy depend on its tensors alone."""
+    named = [("a", torch.arange(3, dtype=torch.int8)), ("b", torch.full((5,), 7.0, dtype=torch.bfloat16)),
+             ("c", torch.ones(1, dtype=torch.float32))]
+    clean = Bucket.pack(named)
+    empty = torch.empty
+
+    def dirty(*args, **kwargs):  # memory as a reused allocation hands it out: every byte set
+        return empty(*args, **kwargs).fill_(0xAB) if kwargs.get("dtype") == torch.uint8 else empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", dirty)
+    packed = Bucket.pack(named)
+    assert torch.equal(packed.buffer, clean.buffer) and checksum(packed.buffer) == checksum(clean.buffer)
+    used = torch.zeros(packed.buffer.numel(), dtype=torch.bool)
+    for m in packed.metas:
+        used[m.offset:m.offset + m.nbytes] = True
+    assert int(used.logical_not().sum()) > 0 and int(packed.buffer[~used].abs().sum()) == 0
+
+
 def test_bucket_payload_round_trip_and_refusals():
     a, b = torch.randn(3, 5), torch.arange(7, dtype=torch.int64)
     bucket = Bucket.pack([("a", a), ("b", b.to(torch.bfloat16))])

@@ -145,10 +145,14 @@ class Bucket:
         device = device if device is not None else named[0][1].device
         buffer = torch.empty(total, dtype=torch.uint8, device=device)
         metas = []
+        end = 0
         for (name, t), (off,) in zip(named, offsets, strict=True):
             meta = TensorMeta(name, t.dtype, tuple(t.shape), off)
+            buffer.narrow(0, end, off - end).zero_()  # the alignment gap: the same bytes on every pack
             view_tensor(buffer, meta).copy_(t)
             metas.append(meta)
+            end = off + meta.nbytes
+        buffer.narrow(0, end, total - end).zero_()
         return cls(index, buffer, tuple(metas))
 
     @classmethod

@@ -271,8 +271,8 @@ class BucketStream(Iterator[Bucket]):
         """The bucket's flat buffer: a new one, or (``reuse_buffers``) one of two kept with the plan, bucket
         i in buffer ``i % 2``: the consumer is done with bucket i once it asks for bucket i + 2."""
         shared = self._kept_plan
-        if shared is None:
-            return typed_buffer(total, self.device)
+        if shared is None:  # zeroed: the bytes between tensors (alignment) the same on every update
+            return typed_buffer(total, self.device).zero_()
         slot = bp.index % 2
         kept = shared.buffers[slot]
         if kept is None or kept.numel() < total or kept.device != self.device:
