@@ -168,7 +168,7 @@ def backend_path(cfg) -> dict:
     from types import SimpleNamespace
 
     from weightstream.engines.vllm import VLLMEngine
-    from weightstream.integrations.vllm_backend import WeightstreamUpdateInfo, _load_bucket
+    from weightstream.integrations.vllm_backend import VllmModel, WeightstreamUpdateInfo, _load_bucket
     from weightstream.streaming.bucket import Bucket
     from weightstream.wire.fp8 import BlockFP8
 
@@ -196,7 +196,7 @@ def backend_path(cfg) -> dict:
 
     group = SimpleNamespace(broadcast=broadcast)
     root = fp8_layer(cfg)
-    _load_bucket(group, info, torch.device("cpu"), root)
+    _load_bucket(group, info, torch.device("cpu"), VllmModel(lambda: (root, None)))  # outside a session: no reload
     layer = root.model.layers[0]
     named = dict(ours)
 
