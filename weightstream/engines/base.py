@@ -23,7 +23,7 @@ updated; ``commit_update`` (or ``commit_and_resume``); ``resume``. A failure: ``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -342,6 +342,19 @@ class DeltaChecks:
     instance: str
     base: str | None
     buckets: dict[int, tuple[str, ...]]
+
+    @classmethod
+    def of_ranks(cls, ranks: Sequence[tuple[str, str | None, Mapping[int, str]]]) -> DeltaChecks:
+        """The engine's checks from each of its ranks' (instance, committed version, bucket checksums), in rank
+        order: its instance names every rank's (a restart of any changes it), its base is ``instance/version``
+        where every rank keeps the same committed version, and each bucket's checksums are per rank ("" where a
+        rank applied none of it)."""
+        instance = "+".join(name for name, _, _ in ranks)
+        versions = {version for _, version, _ in ranks}
+        version = versions.pop() if len(versions) == 1 else None
+        indices = sorted({i for _, _, held in ranks for i in held})
+        return cls(instance, None if version is None else f"{instance}/{version}",
+                   {i: tuple(held.get(i, "") for _, _, held in ranks) for i in indices})
 
 
 @runtime_checkable

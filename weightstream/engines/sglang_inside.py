@@ -301,13 +301,7 @@ def engine_delta(ranks: Sequence[RankDelta]) -> DeltaChecks:
     """The engine's :class:`DeltaChecks` from its TP ranks': its instance names every rank's (a restart of any
     changes it), its base is ``instance/version`` where every rank keeps the same committed version, and each
     bucket's checksums are per rank ("" where a rank applied none of it)."""
-    instance = "+".join(r.instance for r in ranks)
-    versions = {r.version for r in ranks}
-    version = versions.pop() if len(versions) == 1 else None
-    held = [dict(r.buckets) for r in ranks]
-    indices = sorted({i for h in held for i in h})
-    return DeltaChecks(instance, None if version is None else f"{instance}/{version}",
-                       {i: tuple(h.get(i, "") for h in held) for i in indices})
+    return DeltaChecks.of_ranks([(r.instance, r.version, dict(r.buckets)) for r in ranks])
 
 
 def loader_problems(server_info: dict, loader: str) -> list[str]:

@@ -68,12 +68,7 @@ def engine_delta(workers: Sequence[WorkerDelta]) -> DeltaChecks:
     """The engine's :class:`DeltaChecks` from its workers': its instance names every worker's (a restart of any
     changes it), its base is ``instance/version`` where every worker keeps the same committed version, and each
     bucket's checksums are per worker ("" where a worker applied none of it)."""
-    instance = "+".join(w.instance for w in workers)
-    versions = {w.version for w in workers}
-    version = versions.pop() if len(versions) == 1 else None
-    indices = sorted({i for w in workers for i in w.buckets})
-    return DeltaChecks(instance, None if version is None else f"{instance}/{version}",
-                       {i: tuple(w.buckets.get(i, "") for w in workers) for i in indices})
+    return DeltaChecks.of_ranks([(w.instance, w.version, w.buckets) for w in workers])
 
 
 class VLLMEngine(HTTPEngine):
