@@ -27,9 +27,10 @@ from weightstream.models.presets import preset_config, random_hf_model, save_ran
 from weightstream.models.spec import dtype_name
 from weightstream.receiver.programs import ProgramCache
 from weightstream.receiver.schema import ep_problem, routed_experts
-from weightstream.receiver.values import DEFAULT_CHECKS, MAX_FP8_SCALE, LoadChecks, check_values
+from weightstream.receiver.values import DEFAULT_CHECKS, MAX_FP8_SCALE, LoadChecks, check_runs, check_values
 from weightstream.reference_engine.server import EngineServer, serve, stop
 from weightstream.sinks.safetensors import save_hf_checkpoint
+from weightstream.streaming.bucket import TensorMeta, typed_runs, typed_views
 from weightstream.streaming.delta import DeltaHeader
 from weightstream.wire.fp8 import SCALE_SUFFIX, BlockFP8
 
@@ -204,6 +205,53 @@ def test_scales_out_of_bounds_and_nonfinite_weights_are_named():
     assert default is not None and "a.weight" not in default
     strict = report.refusal(LoadChecks(refuse_nonfinite=True))
     assert strict is not None and "a.weight: holds NaN or an infinity; d.weight: holds NaN" in strict
+
+
+def _bucket_of(named: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list]:
+    """``named`` packed into one bucket (each tensor at an 8-byte boundary: gaps between them), and its runs."""
+    metas, offset = [], 0
+    for name, t in named:
+        offset = -(-offset // 8) * 8
+        metas.append(TensorMeta(name, t.dtype, tuple(t.shape), offset))
+        offset += t.numel() * t.element_size()
+    raw = torch.zeros(-(-offset // 8) * 8, dtype=torch.uint8)
+    for m, (_, t) in zip(metas, named, strict=True):
+        raw[m.offset:m.offset + m.nbytes].copy_(t.reshape(-1).view(torch.uint8))
+    runs = typed_runs((m.dtype, m.offset, m.numel, (m.name, None)) for m in metas)
+    return raw, runs
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case", ["clean", "nan weight", "inf half", "nan fp8", "nan in a gap", "bad scale"])
+def test_a_bucket_checked_by_runs_finds_what_the_per_tensor_check_finds(case):
+    """:func:`check_runs` (one reduction per run) finds exactly what :func:`check_values` finds of the same tensors,
+    and names no tensor for a NaN between two tensors."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(5, 3, generator=gen)
+    h = torch.randn(7, generator=gen).half()
+    f8 = torch.randn(9, generator=gen).to(torch.float8_e4m3fn)
+    scale = torch.rand(2, generator=gen) + 0.5
+    if case == "nan weight":
+        w[2, 1] = float("nan")
+    if case == "inf half":
+        h[6] = float("-inf")
+    if case == "nan fp8":
+        f8.view(torch.uint8)[4] = 0x7F
+    if case == "bad scale":
+        scale[1] = -2.0
+    named = [("a.weight", w), ("a2.weight", torch.randn(2, generator=gen)), ("h.weight", h), ("f.weight", f8),
+             ("f.weight" + SCALE_SUFFIX, scale),
+             ("b.weight", torch.randn(3, generator=gen))]
+    raw, runs = _bucket_of(named)
+    if case == "nan in a gap":  # between a.weight's 60 bytes and a2.weight (float32 too) at byte 64
+        raw.view(torch.float32)[15] = float("nan")
+    views = [(n, v) for dtype, sizes, payload in runs
+             for (n, _), v in zip(payload, typed_views(raw, dtype, sizes), strict=True)]
+    assert check_runs(raw, runs) == check_values(views)
+    expected = {"clean": (), "nan weight": ("a.weight",), "inf half": ("h.weight",), "nan fp8": ("f.weight",),
+                "nan in a gap": (), "bad scale": ()}[case]
+    assert check_runs(raw, runs).nonfinite == expected
+    assert bool(check_runs(raw, runs).bad_scales) == (case == "bad scale")
 
 
 @pytest.fixture(scope="module")

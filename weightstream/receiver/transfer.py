@@ -57,15 +57,23 @@ class ReceiveBuffers:
 
 
 class Pipeline:
-    """Receiving bucket k + 1 while bucket k is loaded, on a GPU: the two receive buffers ``kept`` (grown to
-    ``largest`` bytes where smaller), the loads on a stream of their own, and an event per buffer that the next
-    receive into it waits for (on the device, not the host). On a CPU the steps simply run in turn."""
+    """Receiving bucket k + 1 while bucket k is loaded, on a GPU: the two receive buffers ``kept`` (grown to the
+    largest of ``wire``'s bytes where smaller), the loads on a stream of their own, and an event per buffer that the
+    next receive into it waits for (on the device, not the host). ``wire``: each bucket's bytes and the group rank that
+    sends it (None: broadcast from rank 0), in order. Bucket k + 1's receive is queued before bucket k is handed out
+    to be loaded, so the wire carries it while the host checks and queues bucket k's loads (any wait on bucket k's
+    values then waits for bucket k's bytes alone: an event marks each receive's end). On a CPU the steps simply run
+    in turn."""
 
-    def __init__(self, kept: ReceiveBuffers, largest: int):
+    def __init__(self, kept: ReceiveBuffers, wire: list[tuple[int, int | None]], group):
         self.kept = kept
+        self.wire = wire
+        self.group = group
         self.cuda = kept.device.type == "cuda"
+        self.posted = -1  # the last bucket whose receive is queued
         if not self.cuda:
             return
+        largest = max((n for n, _ in wire), default=0)
         bufs = kept.buffers
         if len(bufs) != 2 or bufs[0].numel() < largest:
             kept.buffers = [typed_buffer(largest, kept.device) for _ in range(2)]
@@ -73,25 +81,37 @@ class Pipeline:
             kept.load_stream = torch.cuda.Stream(kept.device)
         self.load_stream = kept.load_stream  # kept across updates
         self.loaded = [torch.cuda.Event(), torch.cuda.Event()]
+        self.received = [torch.cuda.Event(), torch.cuda.Event()]
         self.main = torch.cuda.current_stream(kept.device)
 
-    def receive(self, i: int, nbytes: int, group, src: int | None = None) -> torch.Tensor:
-        """Bucket ``i``'s ``nbytes``: broadcast from group rank 0, or sent by group rank ``src``."""
+    def receive(self, i: int) -> torch.Tensor:
+        """Bucket ``i``'s bytes (in order: bucket ``i - 1`` was received before); on a GPU, bucket ``i + 1``'s receive
+        queued behind them."""
         if not self.cuda:
+            nbytes, src = self.wire[i]
             raw = typed_buffer(nbytes, self.kept.device)
-        else:
-            raw = self.kept.buffers[i % 2]
-            self.main.wait_event(self.loaded[i % 2])  # bucket i - 2 was loaded out of this buffer
-        take(raw.narrow(0, 0, nbytes), group, src)  # after it, on a GPU: this stream has the bytes
-        return raw
+            take(raw.narrow(0, 0, nbytes), self.group, src)
+            return raw
+        while self.posted < min(i + 1, len(self.wire) - 1):
+            self._post(self.posted + 1)
+        return self.kept.buffers[i % 2]
+
+    def _post(self, k: int) -> None:
+        nbytes, src = self.wire[k]
+        raw = self.kept.buffers[k % 2]
+        self.main.wait_event(self.loaded[k % 2])  # bucket k - 2 was loaded out of this buffer
+        take(raw.narrow(0, 0, nbytes), self.group, src)  # after it, on a GPU: this stream has the bytes
+        self.received[k % 2].record(self.main)
+        self.posted = k
 
     @contextmanager
     def loading(self, i: int) -> Iterator[None]:
+        """Bucket ``i``'s loads (and checks), on the load stream after its bytes (not the next bucket's) are in."""
         if not self.cuda:
             yield
             return
         stream = self.load_stream
-        stream.wait_stream(self.main)
+        stream.wait_event(self.received[i % 2])
         try:
             with torch.cuda.stream(stream):
                 yield

@@ -7,7 +7,9 @@
   bucket whole, naming every such weight.
 
 Each check is a few reductions per tensor, on the device the bucket is on (one host synchronisation per bucket); a
-tensor is examined element by element only where a reduction says it may hold something wrong."""
+tensor is examined element by element only where a reduction says it may hold something wrong. A bucket cut into
+runs of one dtype (:func:`check_runs`) is looked at one reduction per run: the span a run's tensors tile, gaps and
+all, whatever the number of tensors; only a run that may hold something wrong is looked at tensor by tensor."""
 
 from __future__ import annotations
 
@@ -18,15 +20,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from weightstream.streaming.bucket import typed_views
 from weightstream.wire.fp8 import SCALE_SUFFIX
 
-__all__ = ["DEFAULT_CHECKS", "MAX_FP8_SCALE", "LoadChecks", "ValuesReport", "check_values", "nonfinite_names",
-           "scale_problems"]
+__all__ = ["DEFAULT_CHECKS", "MAX_FP8_SCALE", "LoadChecks", "ValuesReport", "check_values", "check_runs",
+           "nonfinite_names", "scale_problems"]
 
 # A block-FP8 scale multiplies float8 values of at most 448: 448 * 2**32 (about 1.9e12) is far beyond any weight, and a
 # larger scale is a corrupted one (1e38 would make every dequantized value of its block infinite in float32).
 MAX_FP8_SCALE = 2.0**32
 Named = Sequence[tuple[str, Tensor]]
+# One dtype's run of a bucket (:func:`~weightstream.streaming.bucket.typed_runs`): its split sizes (gap, tensor, gap,
+# tensor, ...) in elements, and each tensor's name with what it loads into.
+TypedRun = tuple[torch.dtype, list[int], list[tuple[str, Tensor]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +73,42 @@ def check_values(named: Named) -> ValuesReport:
     return ValuesReport(tuple(scale_problems(scales)), tuple(nonfinite_names(weights)))
 
 
+def check_runs(raw: Tensor, runs: Sequence[TypedRun]) -> ValuesReport:
+    """:func:`check_values` of a bucket held in ``raw`` (a :func:`~weightstream.streaming.bucket.typed_buffer`) and cut
+    by ``runs``: one reduction over each stretch of the buffer that tensors of one floating-point dtype tile, padding
+    and all (:func:`_stretches`; one host synchronisation for the bucket), a run then looked at tensor by tensor only
+    where one of its stretches may hold NaN or an infinity (only tensors are named: a stretch's padding may be
+    anything). A run holding block-FP8 scales is checked tensor by tensor."""
+    scaled = {i for i, (_, _, payload) in enumerate(runs) if any(n.endswith(SCALE_SUFFIX) for n, _ in payload)}
+    stretches = [(i, raw.narrow(0, start, end - start).view(runs[i][0]))
+                 for i, start, end in _stretches(runs) if i not in scaled and runs[i][0].is_floating_point]
+    looked = set(scaled)
+    if stretches and _may_hold_nonfinite([t for _, t in stretches], whole=True):
+        looked |= {i for i, _ in stretches}
+    if not looked:
+        return ValuesReport()
+    return check_values([(n, v) for i in sorted(looked) for dtype, sizes, payload in [runs[i]]
+                         for (n, _), v in zip(payload, typed_views(raw, dtype, sizes), strict=True)])
+
+
+def _stretches(runs: Sequence[TypedRun]) -> list[tuple[int, int, int]]:
+    """``(run, first byte, end byte)`` of each stretch of consecutive tensors (in the buffer's order) of one run."""
+    spans = []
+    for i, (dtype, sizes, _) in enumerate(runs):
+        pos = 0
+        for gap, numel in zip(sizes[::2], sizes[1::2], strict=True):
+            spans.append(((pos + gap) * dtype.itemsize, (pos + gap + numel) * dtype.itemsize, i))
+            pos += gap + numel
+    spans.sort()
+    out: list[tuple[int, int, int]] = []
+    for start, end, i in spans:
+        if out and out[-1][0] == i:
+            out[-1] = (i, out[-1][1], end)
+        elif end > start:
+            out.append((i, start, end))
+    return out
+
+
 def scale_problems(scales: Named) -> list[str]:
     """``"name: what is wrong"`` for each of ``scales`` holding a value that is NaN, infinite, not positive, or above
     :data:`MAX_FP8_SCALE`."""
@@ -103,18 +145,20 @@ def nonfinite_names(weights: Named) -> list[str]:
     return [n for n, t in floats if _nonfinite(t)]
 
 
-def _may_hold_nonfinite(tensors: list[Tensor]) -> bool:
+def _may_hold_nonfinite(tensors: list[Tensor], whole: bool = False) -> bool:
     """Whether any of ``tensors`` may hold NaN or an infinity: per dtype of two bytes or more, the largest magnitude
     of each tensor in one multi-tensor reduction (non-finite exactly where the tensor holds NaN or an infinity, and
     never overflowing); float8 e4m3 values, whose only non-finite values are the NaN bytes 0x7f and 0xff, looked at
-    together as bytes; other float8 formats as float32."""
+    together as bytes (``whole``: each tensor alone, a bucket's span of them, not joined first); other float8 formats
+    as float32."""
     flags: list[Tensor] = []
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     for dtype, group in by_dtype.items():
         if dtype == torch.float8_e4m3fn:
-            flags.append(_e4m3_nan(torch.cat([t.reshape(-1) for t in group])).reshape(1))
+            flags += ([_e4m3_nan(t).reshape(1) for t in group] if whole
+                      else [_e4m3_nan(torch.cat([t.reshape(-1) for t in group])).reshape(1)])
         elif dtype.itemsize == 1:
             flags += [~t.float().isfinite().all().reshape(1) for t in group]
         else:
