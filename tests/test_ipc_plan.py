@@ -13,8 +13,9 @@ from weightstream.sinks.ipc_plan import EngineOffer, IPCOptions, IPCPlan, Purpos
 pytestmark = pytest.mark.unit
 
 URL = "http://127.0.0.1:9"
-CHANNELS = EngineOffer(URL, tp_size=1, keeps_channels=True)  # the reference engine at TP 1
+CHANNELS = EngineOffer(URL, tp_size=1, keeps_channels=True, deltas_ahead=True)  # the reference engine at TP 1
 POSTS = EngineOffer(URL, tp_size=1, keeps_channels=False)  # an engine without ipc_ahead (SGLang)
+LOADER = EngineOffer(URL, tp_size=1, deltas_per_bucket=True)  # SGLang with weightstream's loader (ipc_delta)
 GPU = StreamShape(buckets=3, writable=True, reuses_buffers=True)
 CPU = replace(GPU, on_cpu=True)
 
@@ -82,32 +83,69 @@ def test_a_preparation_runs_ahead_where_there_is_something_to_map_and_never_writ
     assert (per_bucket.prepares, per_bucket.announce, per_bucket.announced) == (False, False, False)
 
 
+def test_deltas_one_request_per_bucket_where_the_engine_takes_them_so():
+    for options, stream in itertools.product((IPCOptions(), IPCOptions(ahead=False)), (GPU, CPU)):
+        plan = plan_ipc(options, LOADER, replace(stream, deltas=True), rank=0, world=1)
+        assert plan == IPCPlan(route=Route.PER_BUCKET, engine_tp=1, sends=True, deltas=True)
+    # an engine that keeps channels but takes deltas only per bucket: a delta update goes per bucket (and, on the
+    # CPU, announces itself as any per-bucket update to such an engine), a plain one ahead
+    both = replace(LOADER, keeps_channels=True)
+    plan = plan_ipc(IPCOptions(), both, replace(CPU, deltas=True), rank=0, world=1)
+    assert plan == IPCPlan(route=Route.PER_BUCKET, engine_tp=1, sends=True, deltas=True, announce=True,
+                           keeps_channels=True, announced=True, engine_holds=True)
+    assert plan_ipc(IPCOptions(), both, GPU, rank=0, world=1).route is Route.AHEAD
+    # one that takes them both ways: ahead where the sync sends the metadata ahead
+    every = replace(both, deltas_ahead=True)
+    assert plan_ipc(IPCOptions(), every, replace(GPU, deltas=True), rank=0, world=1).route is Route.AHEAD
+    assert plan_ipc(IPCOptions(ahead=False), every, replace(GPU, deltas=True), rank=0, world=1).route \
+        is Route.PER_BUCKET
+
+
 def test_every_problem_in_one_error():
     bad = replace(GPU, full=False, deltas=True)
     with pytest.raises(ValueError) as caught:
         plan_ipc(IPCOptions(ahead=False), EngineOffer(URL, tp_size=2, keeps_channels=False), bad, rank=0, world=1)
     assert str(caught.value) == (
         "IPCSink sends whole tensors: it needs a full stream; engine TP 2 needs as many colocated trainer ranks; "
-        f"the job has 1; a delta update over IPC goes ahead: the engine at {URL} must declare ipc_ahead "
-        "(it does not) and the sync send the metadata ahead (metadata_ahead=False)")
+        f"the job has 1; a delta update over IPC goes ahead or one request per bucket: the engine at {URL} must "
+        "declare delta and ipc_ahead (it does not) with the sync sending the metadata ahead (metadata_ahead=False), "
+        "or ipc_delta (it does not)")
+    with pytest.raises(ValueError) as caught:  # channels, but no deltas on them: nor per bucket
+        plan_ipc(IPCOptions(), EngineOffer(URL, keeps_channels=True), replace(GPU, deltas=True), rank=0, world=1)
+    assert str(caught.value) == (
+        f"a delta update over IPC goes ahead or one request per bucket: the engine at {URL} must declare delta and "
+        "ipc_ahead (it does not) with the sync sending the metadata ahead, or ipc_delta (it does not)")
 
 
 def _every_input():
     flags = (False, True)
-    for ahead, direct, checksums, channels, tp, buckets, cpu, writable, reuses, deltas, rank, purpose, held in (
-            itertools.product(flags, flags, flags, flags, (1, 2), (0, 3), flags, flags, flags, flags, (0, 1),
-                              tuple(Purpose), flags)):
+    for ahead, direct, checksums, channels, deltas_ahead, per_bucket, tp, buckets, cpu, writable, reuses, deltas, \
+            rank, purpose, held in itertools.product(flags, flags, flags, flags, flags, flags, (1, 2), (0, 3), flags,
+                                                     flags, flags, flags, (0, 1), tuple(Purpose), flags):
         before = IPCPlan(announced=held, engine_holds=held)
-        yield (IPCOptions(ahead, direct, checksums), EngineOffer(URL, tp, channels),
+        yield (IPCOptions(ahead, direct, checksums), EngineOffer(URL, tp, channels, deltas_ahead, per_bucket),
                StreamShape(True, buckets, cpu, writable, reuses, deltas), rank, purpose, before)
+
+
+def _goes_ahead(options: IPCOptions, engine: EngineOffer, stream: StreamShape) -> tuple[bool, bool]:
+    """The rules, written out: (ahead, refused). Deltas go ahead where the engine takes them there, else one request
+    per bucket where it takes them so, else they are refused."""
+    can_ahead = options.ahead and engine.keeps_channels and stream.buckets > 0
+    if not (stream.deltas and stream.buckets > 0):
+        return can_ahead, False
+    if can_ahead and engine.deltas_ahead:
+        return True, False
+    if engine.deltas_per_bucket:
+        return False, False
+    return can_ahead, True
 
 
 def test_every_combination_follows_the_rules():
     planned = refused = 0
     for options, engine, stream, rank, purpose, before in _every_input():
-        ahead = options.ahead and engine.keeps_channels and stream.buckets > 0
-        if stream.deltas and stream.buckets > 0 and not ahead:
-            with pytest.raises(ValueError, match="a delta update over IPC goes ahead"):
+        ahead, refuse = _goes_ahead(options, engine, stream)
+        if refuse:
+            with pytest.raises(ValueError, match="a delta update over IPC goes ahead or one request per bucket"):
                 plan_ipc(options, engine, stream, rank=rank, world=2, purpose=purpose, before=before)
             refused += 1
             continue
@@ -128,4 +166,4 @@ def test_every_combination_follows_the_rules():
             assert after.route is (Route.DIRECT if offered and plan.takes_offer else plan.route)
             assert after.writes == (offered and plan.takes_offer and purpose is Purpose.UPDATE)
             assert after.released() == replace(plan, announce=False, announced=False, engine_holds=False)
-    assert (planned, refused) == (6656, 1536)
+    assert (planned, refused) == (29184, 3584)

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from tests.helpers.checks import engine_python, run_engine_check
-from weightstream.engines.base import DELTA, DeltaChecks, DeltaEngine, EngineError, implementing
+from weightstream import WeightSync
+from weightstream.engines.base import DELTA, IPC_DELTA, DeltaChecks, DeltaEngine, EngineError, implementing
 from weightstream.engines.sglang import SGLangEngine
 from weightstream.engines.sglang_inside import (
     LOADER,
@@ -35,7 +36,9 @@ from weightstream.engines.sglang_inside import (
     failures,
     loader_problems,
 )
+from weightstream.errors import UpdateError
 from weightstream.integrations import sglang_loader
+from weightstream.models.presets import preset_config, random_hf_model
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.delta import Snapshot, encode
 from weightstream.wire.handles import checksum
@@ -258,14 +261,14 @@ def _round(engine, snapshot: Snapshot, version: str, weights, full: bool) -> str
     the engine holds asked in the open session (as the trainer asks before the stream), each bucket encoded by the
     trainer's snapshot, the engine's checks compared before the commit. The base it held."""
     engine.begin_update(version)
-    base = implementing(engine, DELTA, DeltaEngine).delta_base()
+    base = implementing(engine, IPC_DELTA, DeltaEngine).delta_base()
     snapshot.begin(full=full, active=True)
     for index, part in enumerate((weights[:1], weights[1:])):
         bucket = Bucket.pack(part, index=index)
         header, payload = snapshot.encode(index, bucket.buffer, bucket.word)
         assert (header.encoding == "dense") == full
         engine.receive_ipc(index, [engine.encode_ipc(Bucket(index, payload, bucket.metas, delta=header))], None)
-    checks = implementing(engine, DELTA, DeltaEngine).delta_checks()
+    checks = implementing(engine, IPC_DELTA, DeltaEngine).delta_checks()
     assert checks.buckets == {i: (d,) for i, d in snapshot.digests.items()}
     assert engine.commit_update() == version
     return base
@@ -275,7 +278,9 @@ def _round(engine, snapshot: Snapshot, version: str, weights, full: bool) -> str
 def test_full_then_delta_rounds_bit_for_bit_with_the_engines_checksums():
     model = Model()
     engine = _InProcess(model)
-    assert not engine.info().can(DELTA)  # a delta by broadcast would reach SGLang's own distributed path
+    # deltas by IPC, one request per bucket; not by broadcast, which reaches SGLang's own distributed path
+    assert (engine.info().can(IPC_DELTA), engine.info().can(DELTA)) == (True, False)
+    assert not SGLangEngine("http://sglang.plain").capabilities({"tp_size": 1}) & {IPC_DELTA, DELTA}
     snapshot, weights = Snapshot(), _weights(11)
     assert _round(engine, snapshot, "v1", weights, full=True) is None  # holds nothing yet: the first is full
     instance = sglang_loader.receiver().instance
@@ -335,6 +340,74 @@ def test_plain_or_aborted_session_leaves_no_base():
     engine.abort_update()
     engine.begin_update("v5")
     assert engine.delta_base() is None
+
+
+class Served(torch.nn.Module):
+    """An engine's copy of a transformers model: ``load_weights`` puts HF-named tensors into it, as SGLang's do."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.inner = model
+
+    def load_weights(self, weights):
+        held = self.inner.state_dict()
+        for name, tensor in weights:
+            held[name].copy_(tensor)
+
+
+def _step(model: torch.nn.Module, seed: int, every: int) -> None:
+    """A training step's change: every ``every``-th word of each tensor moves (every=1: all of them)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            flat = p.view(-1)
+            flat[::every] += torch.randn(flat[::every].shape, generator=g).to(p.dtype)
+
+
+def _holds(served: Served, trainer: torch.nn.Module) -> bool:
+    ours = trainer.state_dict()
+    return sorted(served.inner.state_dict()) == sorted(ours) and all(
+        _same_bits(t, ours[n]) for n, t in served.inner.state_dict().items())
+
+
+def test_weightsync_delta_updates_by_ipc_one_request_per_bucket():
+    """WeightSync(delta=True) over IPC into SGLang with the loader (in this process): full, then deltas (dense and
+    sparse) each bucket one request, the engine's weights the trainer's bit for bit, every update checked."""
+    config = preset_config("tiny-qwen3")
+    trainer = random_hf_model(config, seed=1, dtype=torch.bfloat16)
+    served = Served(random_hf_model(config, seed=2, dtype=torch.bfloat16))
+    engine = _InProcess(served)
+    with WeightSync([engine], transport="ipc", bucket_bytes=120_000, delta=True) as sync:
+        for step, every in enumerate((1, 1, 97)):
+            _step(trainer, step, every)
+            report = sync.update(trainer, config, weight_version=f"v{step}")
+            d = report.delta
+            assert (report.transport, report.metadata_ahead, d.full, d.encoded, d.checked) == (
+                "ipc", False, step == 0, True, True), d.summary()
+            assert _holds(served, trainer)
+            if step == 1:
+                assert set(d.encodings) == {"dense"} and report.buckets > 1
+            if step > 1:
+                assert "dense" not in d.encodings and d.wire_bytes < report.bytes // 10, d.summary()
+        posts = [p for p in engine.paths if p == "/update_weights_from_tensor"]
+        # per update: open, each bucket, state (what it applied), commit; and the base asked before each delta
+        assert len(posts) == 3 * (report.buckets + 3) + 2
+
+
+@pytest.mark.unit
+def test_a_delta_by_broadcast_into_sglang_refused_before_anything_is_sent():
+    config = preset_config("tiny-qwen3")
+    engine = _InProcess(Served(random_hf_model(config, seed=2, dtype=torch.bfloat16)))
+    with WeightSync([engine], transport="broadcast", delta=True) as sync:
+        with pytest.raises(UpdateError) as caught:
+            sync.update(random_hf_model(config, seed=1, dtype=torch.bfloat16), config, weight_version="v1")
+    assert caught.value.phase == "connect"
+    assert ("a delta-mode update by broadcast into engines ['http://sglang.in-process']: they apply deltas by IPC "
+            "only, one request per bucket (they declare 'ipc_delta', not 'delta'), and what they receive by "
+            "broadcast goes to the engine's own receiver, which takes whole buckets; update them by "
+            "transport='ipc' (colocated), or without delta") in str(caught.value)
+    assert not {"/pause_generation", "/begin_weight_update", "/init_weights_update_group",
+                "/update_weights_from_tensor", "/update_weights_from_distributed"} & set(engine.paths)
 
 
 # -- against SGLang's own code --------------------------------------------------------------------------------

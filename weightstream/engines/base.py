@@ -36,7 +36,8 @@ from weightstream.wire.frames import Plan
 
 __all__ = [
     "BROADCAST", "IPC", "P2P", "RESHARD", "ROLLBACK", "RELEASE_MEMORY", "SINGLE_DTYPE", "BROADCAST_AHEAD", "P2P_AHEAD",
-    "IPC_AHEAD", "COMMIT_AND_RESUME", "PAUSE_AND_BEGIN", "PREPARE_COMMIT", "DELTA", "DELTA_AHEAD", "WARM_GROUP",
+    "IPC_AHEAD", "COMMIT_AND_RESUME", "PAUSE_AND_BEGIN", "PREPARE_COMMIT", "DELTA", "DELTA_AHEAD", "IPC_DELTA",
+    "WARM_GROUP",
     "EngineError", "EngineUnreachable", "EngineInfo", "GroupSpec", "RankBucket", "EngineAdapter", "GroupEngine",
     "BroadcastEngine", "P2PEngine", "ReshardEngine", "IPCEngine", "MemoryEngine", "BroadcastAheadEngine",
     "P2PAheadEngine", "IPCAheadEngine", "CommitsAndResumes", "PreparesCommits", "PausesAndBegins", "DeltaChecks",
@@ -69,12 +70,19 @@ PAUSE_AND_BEGIN = "pause_and_begin"  # pauses generation and opens an update ses
 # restorable, so that a trainer updating several engines commits none of them until every one has prepared
 PREPARE_COMMIT = "prepare_commit"
 # applies delta buckets (:mod:`weightstream.streaming.delta`) to the bytes of each bucket it holds from the last
-# committed update, and reports what it holds and the checksum of what it applied
+# committed update, and reports what it holds and the checksum of what it applied (:class:`DeltaEngine`): by every
+# transport it declares (broadcast, P2P; IPC where it declares ``ipc_ahead``, the deltas going ahead)
 DELTA = "delta"
 # with ``broadcast_ahead`` or ``p2p_ahead``, takes a delta-mode update's buckets ahead too: the metadata of every
 # bucket in one request, then per bucket its delta header on the wire (``DeltaHeader.as_words``: six int64 words)
 # right before its payload, from the same sender (no HTTP round trip per bucket)
 DELTA_AHEAD = "delta_ahead"
+# as ``delta``, but by IPC only, one request per bucket: :meth:`IPCEngine.encode_ipc` is given the bucket as the
+# trainer's snapshot encodes it (its ``delta`` set, its buffer the payload) and :meth:`IPCEngine.receive_ipc` sends
+# it; the engine reports as ``delta`` says (:class:`DeltaEngine`). Where an engine declares this and not ``delta``,
+# its other transports take whole buckets only (SGLang with weightstream's loader: its broadcast is SGLang's own
+# ``/update_weights_from_distributed``), and a delta-mode update by them is refused
+IPC_DELTA = "ipc_delta"
 # runs a tiny transfer of the group's kind (``GroupSpec.warm``) right after joining a group, as the trainer does, so
 # that the first update does not pay for the group's connections (NCCL makes them on a group's first use)
 WARM_GROUP = "warm_group"
@@ -359,8 +367,9 @@ class DeltaChecks:
 
 @runtime_checkable
 class DeltaEngine(EngineAdapter, Protocol):
-    """:data:`DELTA`: takes buckets whose buffer is a delta against the bytes it holds of them (a broadcast
-    bucket's :attr:`~weightstream.streaming.bucket.Bucket.delta`), keeps the bytes it applied, and reports them."""
+    """:data:`DELTA` (or :data:`IPC_DELTA`, by IPC only): takes buckets whose buffer is a delta against the bytes it
+    holds of them (a bucket's :attr:`~weightstream.streaming.bucket.Bucket.delta`), keeps the bytes it applied, and
+    reports them."""
 
     def delta_base(self) -> str | None:
         """Trainer rank 0, before a delta-mode update's stream: ``instance/version`` of the committed update
@@ -376,7 +385,7 @@ CAPABILITY_PROTOCOLS: dict[str, type] = {
     BROADCAST: BroadcastEngine, P2P: P2PEngine, RESHARD: ReshardEngine, IPC: IPCEngine, RELEASE_MEMORY: MemoryEngine,
     BROADCAST_AHEAD: BroadcastAheadEngine, IPC_AHEAD: IPCAheadEngine, P2P_AHEAD: P2PAheadEngine,
     COMMIT_AND_RESUME: CommitsAndResumes, PAUSE_AND_BEGIN: PausesAndBegins, PREPARE_COMMIT: PreparesCommits,
-    DELTA: DeltaEngine,
+    DELTA: DeltaEngine, IPC_DELTA: DeltaEngine,
 }
 
 _P = TypeVar("_P")

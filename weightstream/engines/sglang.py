@@ -13,6 +13,7 @@ import torch
 from weightstream.engines.base import (
     BROADCAST,
     IPC,
+    IPC_DELTA,
     RELEASE_MEMORY,
     DeltaChecks,
     EngineError,
@@ -41,9 +42,9 @@ class SGLangEngine(HTTPEngine):
     def __init__(self, url: str, *, custom_loader: str | None = None, **options: Any):
         """``custom_loader``: the server was started with ``--custom-weight-loader`` naming weightstream's loader
         (:data:`~weightstream.engines.sglang_inside.LOADER`); IPC buckets then go through it (checksums verified
-        and deltas applied inside SGLang, every TP rank's outcome read back), and the adapter serves
-        :class:`~weightstream.engines.base.DeltaEngine` (:meth:`delta_base`, :meth:`delta_checks`) from the
-        loaders' answers."""
+        and deltas applied inside SGLang, every TP rank's outcome read back), and the engine takes delta updates
+        by IPC, one request per bucket (:data:`~weightstream.engines.base.IPC_DELTA`; :meth:`delta_base`,
+        :meth:`delta_checks` from the loaders' answers)."""
         super().__init__(url, **options)
         self.loader = None if custom_loader is None else LoaderClient(custom_loader, self.timeout_s)
         self._delta_sent = False  # the open session sent delta buckets (the commit names their version)
@@ -69,11 +70,14 @@ class SGLangEngine(HTTPEngine):
         return self._info
 
     def capabilities(self, server_info: dict) -> frozenset[str]:
-        """Broadcast, IPC and memory release. Not :data:`~weightstream.engines.base.DELTA`, even with
-        ``custom_loader``: the capability names no transport, and SGLang takes delta buckets through the loader
-        (IPC, one request per bucket) only, while its broadcast (``/update_weights_from_distributed``) receives a
-        bucket's whole size, and the IPC sink sends deltas only where the engine declares ``ipc_ahead``."""
-        return frozenset({BROADCAST, IPC, RELEASE_MEMORY})
+        """Broadcast, IPC and memory release; with ``custom_loader``, delta buckets by IPC, one request per bucket
+        (:data:`~weightstream.engines.base.IPC_DELTA`). Never :data:`~weightstream.engines.base.DELTA`: only
+        ``/update_weights_from_tensor`` reaches the loader (SGLang's ``WeightUpdater.update_weights_from_tensor``
+        calls a listed ``load_format``), while ``/update_weights_from_distributed`` receives each bucket's whole
+        size into SGLang's own buffers and loads them through the model (``receive_weights_from_distributed``,
+        ``load_weights_from_distributed``), whatever the request names; a delta-mode update by broadcast is
+        refused."""
+        return frozenset({BROADCAST, IPC, RELEASE_MEMORY} | ({IPC_DELTA} if self.loader is not None else set()))
 
     def weight_format(self, server_info: dict) -> BlockFP8 | None:
         """The block-FP8 layout of the served model, from the ``quantization_config`` the server reports.

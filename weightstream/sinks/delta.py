@@ -3,31 +3,73 @@ after it. Runs on trainer rank 0, which holds the :class:`~weightstream.streamin
 encodes against (the broadcast's sender; in P2P and IPC every sending rank holds its own).
 
 An update is full (every bucket dense, the snapshot made anew) where it is the first, where it was forced (the
-last update failed, or its check found a mismatch), where an engine does not declare ``delta`` (over IPC: or
-``ipc_ahead``), where the engines released their weights,
+last update failed, or its check found a mismatch), where an engine does not take deltas by the transport (it
+declares ``delta``; over IPC ``delta`` and ``ipc_ahead``, or ``ipc_delta``: one request per bucket), where the
+engines released their weights,
 where the bucket plan changed, where an engine holds other bytes than this trainer last committed (restarted,
 rolled back, or updated by someone else: its ``delta_base`` differs), and every ``full_every``-th update. Every
 delta-mode update, full or not, is checked: each engine rank reports the checksum of each bucket's bytes it
 applied, which must equal the trainer's checksum of the bucket's new bytes (in per-rank mode, P2P: the bytes
-of the trainer TP rank that sends to it)."""
+of the trainer TP rank that sends to it). A delta-mode update by broadcast or P2P into an engine that applies deltas
+by IPC only (``ipc_delta`` without ``delta``: its other routes are the engine's own, which take whole buckets) is
+refused before anything is paused or sent (:meth:`DeltaTracker.refuse_transport`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from weightstream.engines.base import DELTA, IPC_AHEAD, DeltaChecks, DeltaEngine, EngineAdapter, implementing
+from weightstream.engines.base import (
+    DELTA,
+    IPC_AHEAD,
+    IPC_DELTA,
+    DeltaChecks,
+    DeltaEngine,
+    EngineAdapter,
+    EngineInfo,
+    implementing,
+)
 from weightstream.streaming.delta import Snapshot
 
-__all__ = ["DELTA_TRANSPORTS", "DeltaReport", "DeltaTracker"]
+__all__ = ["DELTA_TRANSPORTS", "DELTA_WAYS", "takes_deltas", "transport_problem", "DeltaReport", "DeltaTracker"]
 
 
 DELTA_TRANSPORTS = ("broadcast", "p2p", "ipc")
 
+# What an engine declares to take deltas by each transport: any one of these sets (by IPC: ahead, each payload
+# named on the control channel; or one request per bucket)
+DELTA_WAYS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "broadcast": ((DELTA,),), "p2p": ((DELTA,),), "ipc": ((DELTA, IPC_AHEAD), (IPC_DELTA,)),
+}
 
-def _needs(transport: str) -> tuple[str, ...]:
-    """What an engine must declare to take deltas by ``transport`` (over IPC they go ahead, through buffers)."""
-    return (DELTA, IPC_AHEAD) if transport == "ipc" else (DELTA,)
+
+def takes_deltas(info: EngineInfo, transport: str) -> bool:
+    """Whether an engine of ``info`` takes delta buckets by ``transport``."""
+    return any(all(info.can(c) for c in way) for way in DELTA_WAYS.get(transport, ()))
+
+
+def _ways(transport: str) -> str:
+    return " or ".join(" and ".join(map(repr, way)) for way in DELTA_WAYS[transport])
+
+
+def transport_problem(engines: Sequence[EngineAdapter], transport: str) -> str | None:
+    """Why a delta-mode update cannot go by ``transport`` at all (None: it can, full or not): an engine that applies
+    deltas by IPC only (``ipc_delta`` without ``delta``) would be sent delta payloads by a broadcast or P2P receiver
+    that is the engine's own and takes whole buckets."""
+    if transport == "ipc":
+        return None
+    only = [e.url for e in engines if e.info().can(IPC_DELTA) and not e.info().can(DELTA)]
+    if not only:
+        return None
+    return (f"a delta-mode update by {transport} into engines {only}: they apply deltas by IPC only, one request "
+            f"per bucket (they declare 'ipc_delta', not 'delta'), and what they receive by {transport} goes to the "
+            f"engine's own receiver, which takes whole buckets; update them by transport='ipc' (colocated), or "
+            "without delta")
+
+
+def _reporter(engine: EngineAdapter) -> DeltaEngine:
+    """The engine as the one that reports what it holds and applied (by whichever delta capability it declares)."""
+    return implementing(engine, DELTA if engine.info().can(DELTA) else IPC_DELTA, DeltaEngine)
 
 
 @dataclass
@@ -82,11 +124,9 @@ class DeltaTracker:
             return self.forced
         if transport not in DELTA_TRANSPORTS:
             return f"deltas travel by broadcast, P2P and IPC ({transport} chosen)"
-        needs = _needs(transport)
-        unable = [e.url for e in engines if not all(e.info().can(c) for c in needs)]
+        unable = [e.url for e in engines if not takes_deltas(e.info(), transport)]
         if unable:
-            return (f"engines {unable} do not apply deltas by {transport} (they do not declare "
-                    f"{' and '.join(map(repr, needs))})")
+            return f"engines {unable} do not apply deltas by {transport} (they do not declare {_ways(transport)})"
         if not self.snapshot.held:
             return "the first update"
         if weights_released:
@@ -96,17 +136,26 @@ class DeltaTracker:
         if self.full_every is not None and self.deltas_since_full >= self.full_every - 1:
             return f"every {self.full_every}-th update is full (full_every={self.full_every})"
         for e in engines:
-            held = implementing(e, DELTA, DeltaEngine).delta_base()
+            held = _reporter(e).delta_base()
             if held != self.expected.get(e.url):
                 return (f"engine {e.url} holds {held or 'nothing'} to apply deltas to, not what this trainer "
                         f"committed ({self.expected.get(e.url)}): restarted, rolled back or updated elsewhere")
         return None
 
+    def refuse_transport(self, engines: Sequence[EngineAdapter], transport: str) -> None:
+        """Rank 0, once the transport is chosen and before anything is paused or sent: raises ``ValueError`` where
+        a delta-mode update cannot go by ``transport`` into ``engines`` at all (:func:`transport_problem`)."""
+        problem = transport_problem(engines, transport)
+        if problem is not None:
+            raise ValueError(problem)
+
     def begin(self, engines: Sequence[EngineAdapter], transport: str, plan: str,
               weights_released: bool = False) -> DeltaReport:
-        """Decide this update (full or deltas) and ready the snapshot for it."""
+        """Decide this update (full or deltas) and ready the snapshot for it (a transport that cannot carry it is
+        refused: :meth:`refuse_transport`)."""
+        self.refuse_transport(engines, transport)
         why = self._full_because(engines, transport, plan, weights_released)
-        encoded = transport in DELTA_TRANSPORTS and all(e.info().can(c) for e in engines for c in _needs(transport))
+        encoded = transport in DELTA_TRANSPORTS and all(takes_deltas(e.info(), transport) for e in engines)
         self.forced = None
         self.snapshot.begin(full=why is not None, active=encoded)
         self.plan = plan
@@ -133,7 +182,7 @@ class DeltaTracker:
         """Every engine rank's checksum of every bucket against the trainer's: each problem, one line."""
         problems = []
         for e in engines:
-            checks: DeltaChecks = implementing(e, DELTA, DeltaEngine).delta_checks()
+            checks: DeltaChecks = _reporter(e).delta_checks()
             self.instances[e.url] = checks.instance
             # what engine rank r must report: the one snapshot's (broadcast), or its senders' (per-rank senders)
             ours = self.snapshot.expected.get(e.url) or [self.snapshot.digests] * e.info().tp_size

@@ -19,6 +19,9 @@ Two ways, by what the engine declares:
   gathered on trainer rank 0, which posts them; every rank holds its buffer until the engine answered. On
   the CPU these handles name shared memory, which an engine that keeps control channels maps only from
   the processes at the other end of one: each colocated rank opens one first (:meth:`IPCSink._announce`).
+  A delta-mode update goes so into an engine that declares ``ipc_delta`` (SGLang with weightstream's loader):
+  each rank encodes its bucket against its snapshot and the engine's ``encode_ipc`` is given the payload, the
+  bucket's ``delta`` header set.
 
 Which of these an update takes, who announces and what is kept between updates is decided once, when it
 opens: an :class:`~weightstream.sinks.ipc_plan.IPCPlan` (:func:`~weightstream.sinks.ipc_plan.plan_ipc`), which
@@ -48,7 +51,17 @@ import torch
 import torch.distributed as dist
 
 from weightstream.common.bounds import Deadline
-from weightstream.engines.base import IPC, IPC_AHEAD, EngineAdapter, IPCAheadEngine, IPCEngine, capable, implementing
+from weightstream.engines.base import (
+    DELTA,
+    IPC,
+    IPC_AHEAD,
+    IPC_DELTA,
+    EngineAdapter,
+    IPCAheadEngine,
+    IPCEngine,
+    capable,
+    implementing,
+)
 from weightstream.errors import UpdateError
 from weightstream.models.spec import dtype_from_name
 from weightstream.sinks.base import Delivery
@@ -103,7 +116,8 @@ class IPCSink:
                  ahead: bool = True, direct: bool = True, delta: Snapshot | None = None):
         """``delta``: this rank's snapshot of the bytes its engine rank holds; in a delta update (the snapshot
         active) each bucket goes through a buffer as the snapshot encodes it (no direct writes: the engine
-        keeps every bucket's bytes to apply the next delta to), ahead only."""
+        keeps every bucket's bytes to apply the next delta to), ahead (the engine declares ``delta`` and
+        ``ipc_ahead``) or one request per bucket (it declares ``ipc_delta``)."""
         self.engine = implementing(engine, IPC, IPCEngine)
         self.delta = delta
         self.options = IPCOptions(ahead=ahead, direct=direct, checksums=checksums)
@@ -182,16 +196,17 @@ class IPCSink:
         info: list[Any] = [None]
         if self.rank == 0:
             i = self.engine.info()
-            info = [(i.tp_size, capable(self.engine, IPC_AHEAD, IPCAheadEngine) is not None, self._client)]
+            channels = capable(self.engine, IPC_AHEAD, IPCAheadEngine) is not None
+            info = [(EngineOffer(self.engine.url, i.tp_size, channels, i.can(DELTA), i.can(IPC_DELTA)), self._client)]
         if self.world > 1:
             dist.broadcast_object_list(info, group_src=0)
-        tp, channels, self._client = int(info[0][0]), bool(info[0][1]), info[0][2]
+        offer, self._client = info[0]
         shape = StreamShape(full=stream.mode == "full", buckets=len(stream), on_cpu=stream.device.type == "cpu",
                             writable=stream.can_write_into(),
                             reuses_buffers=stream.reuse_buffers and stream.shared is not None,
                             deltas=self.delta is not None and self.delta.active)
-        self.plan = plan_ipc(self.options, EngineOffer(self.engine.url, tp, channels), shape, rank=self.rank,
-                             world=self.world, purpose=purpose, before=self.plan)
+        self.plan = plan_ipc(self.options, offer, shape, rank=self.rank, world=self.world, purpose=purpose,
+                             before=self.plan)
         return self.plan
 
     def _open_ahead(self, stream, prepare: bool = False) -> None:
@@ -555,6 +570,8 @@ class IPCSink:
     # -- one request per bucket (engines without ``ipc_ahead``) -------------------------------------
 
     def _send_one_request(self, bucket: Bucket) -> None:
+        if self.plan.deltas and self.plan.sends:
+            bucket = self._delta_bucket(bucket)
         if bucket.buffer.is_cuda:
             # The engine reads the buffer from another process, outside this stream's order.
             torch.cuda.current_stream(bucket.buffer.device).synchronize()
@@ -575,6 +592,15 @@ class IPCSink:
             dist.broadcast_object_list(status, group_src=0)
         if status[0] is not None:
             raise status[0]
+
+
+    def _delta_bucket(self, bucket: Bucket) -> Bucket:
+        """``bucket`` as this rank's snapshot encodes it: its payload, its ``delta`` header set (the same tensors
+        laid out in the decoded bytes). A payload of no bytes (no word changed) is lent as :meth:`_empty_payload`."""
+        header, payload = self._snapshot().encode(bucket.index, bucket.buffer, bucket.word)
+        if payload.untyped_storage().nbytes() == 0:
+            payload = self._empty_payload(payload.device)
+        return Bucket(bucket.index, payload, bucket.metas, delta=header)
 
 
 @dataclass(frozen=True, slots=True)

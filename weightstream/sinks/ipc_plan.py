@@ -5,7 +5,8 @@ then runs. Plain data, no torch: every combination is checked without a process 
 The routes (the module doc of :mod:`weightstream.sinks.ipc` tells each at length):
 
 - ``PER_BUCKET``: every rank's handle is gathered on trainer rank 0, which posts them, one request per bucket
-  (an engine that does not declare ``ipc_ahead``, or a sync that sends no metadata ahead, or an empty stream);
+  (an engine that does not declare ``ipc_ahead``, or a sync that sends no metadata ahead, or an empty stream; a
+  delta-mode update where the engine takes deltas so, ``ipc_delta``, and not ahead);
 - ``AHEAD``: the metadata of every bucket goes in one request; per bucket one frame on the control channel
   of each colocated rank names a lent buffer;
 - ``DIRECT``: ahead, and the trainer writes every tensor straight into the engine's weights, which the
@@ -49,11 +50,15 @@ class IPCOptions:
 @dataclass(frozen=True, slots=True)
 class EngineOffer:
     """What the engine offers, as trainer rank 0 asked it and told every rank: its TP size (engine rank r is
-    colocated with trainer rank r) and whether it takes control channels (declares ``ipc_ahead``)."""
+    colocated with trainer rank r), whether it takes control channels (declares ``ipc_ahead``), whether it takes
+    delta buckets on them (``deltas_ahead``: declares ``delta``) and whether it takes them one request per bucket
+    (``deltas_per_bucket``: declares ``ipc_delta``)."""
 
     url: str
     tp_size: int = 1
     keeps_channels: bool = False
+    deltas_ahead: bool = False
+    deltas_per_bucket: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,10 +132,10 @@ def plan_ipc(options: IPCOptions, engine: EngineOffer, stream: StreamShape, *, r
              purpose: Purpose = Purpose.UPDATE, before: IPCPlan | None = None) -> IPCPlan:
     """The plan of trainer rank ``rank`` of ``world``, after ``before`` (the last update's plan; None: the sink
     holds nothing of the engine's). Raises one ``ValueError`` naming every problem: a stream that is not full,
-    an engine of more TP ranks than the job has, a delta-mode update that cannot go ahead."""
+    an engine of more TP ranks than the job has, a delta-mode update that can go neither ahead nor per bucket."""
     kept = before or IPCPlan()
     some = stream.buckets > 0
-    ahead = options.ahead and engine.keeps_channels and some
+    ahead = _goes_ahead(options, engine, stream)
     problems = _problems(options, engine, stream, world, ahead)
     if problems:
         raise ValueError("; ".join(problems))
@@ -151,14 +156,26 @@ def plan_ipc(options: IPCOptions, engine: EngineOffer, stream: StreamShape, *, r
     )
 
 
+def _goes_ahead(options: IPCOptions, engine: EngineOffer, stream: StreamShape) -> bool:
+    """Whether the update goes ahead: where the engine takes control channels and the sync sends the metadata ahead,
+    unless its deltas go one request per bucket (the engine takes them so, and not ahead)."""
+    ahead = options.ahead and engine.keeps_channels and stream.buckets > 0
+    if stream.deltas and ahead and not engine.deltas_ahead and engine.deltas_per_bucket:
+        return False
+    return ahead
+
+
 def _problems(options: IPCOptions, engine: EngineOffer, stream: StreamShape, world: int, ahead: bool) -> list[str]:
     problems = []
     if not stream.full:
         problems.append("IPCSink sends whole tensors: it needs a full stream")
     if engine.tp_size > world:
         problems.append(f"engine TP {engine.tp_size} needs as many colocated trainer ranks; the job has {world}")
-    if stream.deltas and not ahead and stream.buckets > 0:
-        problems.append(f"a delta update over IPC goes ahead: the engine at {engine.url} must declare "
-                        f"ipc_ahead{'' if engine.keeps_channels else ' (it does not)'} and the sync send the "
-                        f"metadata ahead{'' if options.ahead else ' (metadata_ahead=False)'}")
+    carried = engine.deltas_ahead if ahead else engine.deltas_per_bucket
+    if stream.deltas and stream.buckets > 0 and not carried:
+        takes_ahead = engine.keeps_channels and engine.deltas_ahead
+        problems.append(f"a delta update over IPC goes ahead or one request per bucket: the engine at {engine.url} "
+                        f"must declare delta and ipc_ahead{'' if takes_ahead else ' (it does not)'} with the sync "
+                        f"sending the metadata ahead{'' if options.ahead else ' (metadata_ahead=False)'}, or "
+                        "ipc_delta (it does not)")
     return problems

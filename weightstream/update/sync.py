@@ -151,6 +151,8 @@ class WeightSync:
         kind, reason = choose_transport(transfer.transport, engines, job.source.topology, job.spec, transfer.colocated,
                                         p2p_source=job.source.per_rank_senders)
         check_formats(engines, self.options.payload.quantize)
+        if self.delta is not None:  # a delta-mode update the transport cannot carry: refused before any pause
+            self.delta.refuse_transport(engines, kind)
         return Decision(kind, reason, any(e.info().can(SINGLE_DTYPE) for e in engines),
                         kind == "p2p" and reshards(engines))
 
