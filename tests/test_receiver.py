@@ -114,7 +114,7 @@ def test_the_bytes_held_for_deltas_take_each_payload_and_forget_on_abort():
     layout = tuple(dense_layout(["w"], ["float32"], [[8]]))
     first, second = torch.randn(8), torch.randn(8)
     second[:5] = first[:5]
-    held = HeldDeltas(torch.device("cpu"), limit=1 << 10)
+    held = HeldDeltas(limit=1 << 10)
     held.begin()
     old = first.view(torch.uint8).clone()
     dense, payload = encode(old, torch.zeros(32, dtype=torch.uint8), 4, ("dense",))

@@ -19,9 +19,11 @@ import torch
 from tests.helpers.delta_workers import HFAdamTrainer
 from weightstream.engines.base import BROADCAST, DELTA, DeltaChecks
 from weightstream.engines.vllm import WORKER_EXTENSION, VLLMEngine, WorkerDelta, engine_delta, worker_deltas
-from weightstream.integrations.vllm_backend import HeldBuckets, WeightstreamUpdateInfo
+from weightstream.integrations.vllm_backend import WeightstreamUpdateInfo, delta_state
 from weightstream.jobs import Layout
 from weightstream.launch import free_port, launch
+from weightstream.receiver.deltas import HeldDeltas
+from weightstream.receiver.programs import dense_layout
 from weightstream.streaming.delta import Snapshot
 
 VLLM_PYTHON = os.environ.get("WEIGHTSTREAM_VLLM_PYTHON", "")
@@ -363,34 +365,38 @@ def test_vllm_update_info_lists_every_problem():
 
 
 @pytest.mark.unit
-def test_held_buckets_apply_deltas_and_keep_a_base_only_once_committed():
-    """What a vLLM worker keeps: the sender's payloads applied give the sender's bytes (and checksums); only a
-    committed session of delta buckets leaves a version; an uncommitted one leaves none and its bytes are dropped
-    when the next session opens; a plain bucket drops them at once."""
+def test_held_deltas_apply_deltas_and_keep_a_base_only_once_committed():
+    """What a vLLM worker keeps (the receiver layer's HeldDeltas, naming versions itself): the sender's payloads
+    applied give the sender's bytes (and checksums); only a committed session of delta buckets leaves a version; an
+    uncommitted one leaves none and its bytes are dropped when the next session opens; a plain bucket drops them at
+    once; what ``weightstream_delta_state`` answers says so."""
     gen = torch.Generator().manual_seed(0)
-    layout = (("w",), ("bfloat16",), ((4096,),))
+    layout = tuple(dense_layout(["w"], ["bfloat16"], [[4096]]))
     bucket = torch.randn(4096, generator=gen).to(torch.bfloat16)
-    snapshot, held = Snapshot("host"), HeldBuckets()
+    snapshot, held = Snapshot("host"), HeldDeltas(limit=2 * 8192, names_versions=True)
 
     def send(full: bool) -> torch.Tensor:
         snapshot.begin(full=full)
         header, payload = snapshot.encode(0, bucket.view(torch.uint8), 2)
-        return held.new_bytes(0, layout, header, payload.clone())
+        return held.new_bytes(0, layout, 8192, header, payload.clone(), None)
 
     held.begin()
     assert torch.equal(send(full=True), bucket.view(torch.uint8)) and held.version is None
     held.commit("v0")
     assert (held.version, held.digests) == ("v0", snapshot.digests)
+    assert delta_state(held) == {"instance": held.instance, "version": "v0", "held_bytes": 8192,
+                                 "buckets": {"0": snapshot.digests[0]}}
     held.begin()
     bucket[::50] += 1
     assert torch.equal(send(full=False), bucket.view(torch.uint8)) and snapshot.headers[0].encoding == "indices"
     assert held.version is None and held.digests == snapshot.digests
     held.begin()  # the session was not committed (aborted): its bytes are dropped, a full update must come
-    assert held.held == {} and held.state()["held_bytes"] == 0
+    assert held.held == {} and delta_state(held) == {"instance": held.instance, "version": None, "held_bytes": 0,
+                                                     "buckets": {}}
     with pytest.raises(ValueError, match="holds no bytes of that bucket"):
         send(full=False)
     held.begin()
     send(full=True)
-    held.loaded_plain()  # a bucket loaded whole in the same session: nothing is kept, no version after it
+    held.loaded_whole()  # a bucket loaded whole in the same session: nothing is kept, no version after it
     held.commit("v1")
     assert (held.held, held.version) == ({}, None)

@@ -27,14 +27,12 @@ Nothing of SGLang is imported at module level, so ``import weightstream`` never 
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-from weightstream.common.layout import ALIGN
 from weightstream.engines.sglang_inside import (
     LOADER,
     HeaderError,
@@ -44,7 +42,7 @@ from weightstream.engines.sglang_inside import (
     ReplyAddress,
     decode_header,
 )
-from weightstream.receiver.deltas import HeldDeltas
+from weightstream.receiver.deltas import HeldDeltas, held_limit
 from weightstream.receiver.programs import verify_checksum
 from weightstream.streaming.bucket import view_tensor
 from weightstream.wire.groups import tcp_store
@@ -68,22 +66,23 @@ class SGLangModel(Protocol):
 @dataclass
 class Receiver:
     """What this process keeps between calls: the open session (its name, this TP rank, the trainer's store),
-    the bytes held for deltas (``instance``, and ``version``: the committed update they are; ``plain``: the open
-    session loaded a bucket whole), and the payload last received (its ``op_id`` and views) for the next
-    runner's call."""
+    the bytes held for deltas (:class:`HeldDeltas`: with this process's ``instance`` and the committed ``version``
+    they are), and the payload last received (its ``op_id`` and views) for the next runner's call."""
 
     session: str = ""
     tp_rank: int = 0
     tp_size: int = 1
     reply: ReplyAddress | None = None
     store: Any = None  # the trainer's TCP store, connected once per session's address
-    held: HeldDeltas | None = None
+    held: HeldDeltas = field(default_factory=lambda: HeldDeltas(names_versions=True))  # bounded at its first delta
     last: tuple[str, Named] | None = None  # the op_id of the payload last received, and its tensors
     opened: set[str] = field(default_factory=set)  # sessions this process has answered ``open`` for
-    instance: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
-    version: str | None = None
-    plain: bool = False
     answered: str = ""  # the op_id of the last ``state`` or ``commit`` answered (the next runner's call of it)
+
+    @property
+    def instance(self) -> str:
+        """This process's name for delta updates (a restarted server names another)."""
+        return self.held.instance
 
     def report(self, step: str, outcome: RankOutcome) -> None:
         """``outcome`` of ``step`` to the trainer's store (a process never opened only logs it)."""
@@ -143,11 +142,8 @@ def _open(r: Receiver, header: LoaderHeader) -> None:
     problem = _rank_problem(header.tp_rank)
     _connect(r, reply)
     r.session, r.tp_rank, r.tp_size, r.last = header.session, header.tp_rank, header.tp_size, None
-    r.opened, r.plain = {header.session}, False
-    if r.held is not None:
-        if r.version is None:
-            r.held.forget()  # bytes no committed update names: the trainer sends a full update
-        r.held.begin()
+    r.opened = {header.session}
+    r.held.begin()  # bytes no committed update names are dropped: the trainer sends a full update
     r.report("open", RankOutcome(r.tp_rank, problem is None, problem))
 
 
@@ -168,11 +164,10 @@ def _query(r: Receiver, header: LoaderHeader) -> None:
     r.answered = header.op_id
     problem = _rank_problem(header.tp_rank)
     delta = None
-    if header.op == "commit" and problem is None and r.held is not None and r.held.changed and not r.plain:
-        r.version = header.version
+    if header.op == "commit" and problem is None:
+        r.held.commit(header.version)
     elif header.op == "state":
-        digests = r.held.checksums() if r.held is not None else {}
-        delta = RankDelta(r.instance, r.version, tuple(sorted(digests.items())))
+        delta = RankDelta(r.held.instance, r.held.version, tuple(sorted(r.held.checksums().items())))
     key = f"{header.reply.prefix}/{header.session}/{header.op}/{header.tp_rank}"
     r.store.set(key, RankOutcome(header.tp_rank, problem is None, problem, delta=delta).as_json())
 
@@ -212,21 +207,12 @@ def _new_bytes(r: Receiver, model: SGLangModel, header: LoaderHeader, tensor: to
         raise ValueError(f"bucket {header.index}: the buffer is {tensor.dtype} {tuple(tensor.shape)}, the header "
                          f"says {header.nbytes} bytes of uint8")
     if header.delta is None:
-        r.plain, r.version = True, None
-        if r.held is not None:
-            r.held.forget()  # whether or not this bucket loads, the trainer no longer sends against those bytes
+        r.held.loaded_whole()  # whether or not this bucket loads, the trainer no longer sends against those bytes
         verify_checksum(tensor, header.checksum, f"bucket {header.index}",
                         lambda: f"; its tensors: {[m.name for m in header.metas][:10]}")
         return tensor
-    if r.held is None:
-        r.held = HeldDeltas(tensor.device, _held_limit(model, r.tp_size))
-        r.held.begin()
-    r.version = None  # the held bytes change: no committed update names them until the commit
+    if r.held.limit is None:
+        r.held.limit = held_limit(model.parameters(), r.tp_size)
     received = tensor.clone() if header.delta.encoding == "dense" else tensor  # the trainer's memory: not kept
     return r.held.new_bytes(header.index, header.metas, header.delta.total, header.delta, received, header.checksum)
 
-
-def _held_limit(model: SGLangModel, tp_size: int) -> int:
-    """At most what this rank may hold for deltas: twice the whole model (each rank is sent every tensor whole,
-    its model holds its part of most), each tensor padded to the buckets' alignment."""
-    return 2 * tp_size * sum(p.numel() * p.element_size() + ALIGN for p in model.parameters())

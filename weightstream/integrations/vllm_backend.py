@@ -18,7 +18,8 @@ laid out back to back in ``names`` order (``weightstream.receiver.programs.dense
 Delta updates (``docs/delta.md``): a bucket whose ``update_info`` has ``weightstream_delta`` (``encoding``,
 ``word``, ``total``, ``count``, ``nbytes``, ``index``: :class:`~weightstream.streaming.delta.DeltaHeader` and the
 bucket's index in the plan) is broadcast as its payload, ``nbytes`` bytes; the worker applies it to the bytes it
-keeps of that bucket (:class:`HeldBuckets`: every bucket it last applied, one copy of the model per worker) and
+keeps of that bucket (the receiver layer's :class:`~weightstream.receiver.deltas.HeldDeltas`: every bucket it last
+applied, one copy of the model per worker, at most twice the model's size) and
 loads the bucket's new bytes as it loads a full one. With ``--worker-extension-cls`` naming
 :class:`WeightstreamWorkerExtension`, ``/collective_rpc`` reads what each worker holds and applied
 (``weightstream_delta_state``) and settles a committed update's version (``weightstream_delta_commit``).
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -40,18 +40,18 @@ from typing import Any, cast
 import torch
 
 from weightstream.receiver.backups import BackupPlace
+from weightstream.receiver.deltas import HeldDeltas, held_limit
 from weightstream.receiver.model import LoadableModel
 from weightstream.receiver.pieces import Weight
 from weightstream.receiver.programs import dense_layout, verify_checksum
 from weightstream.receiver.schema import delta_problems, int_lists, unknown_dtypes
 from weightstream.streaming.bucket import TensorMeta, view_tensor
-from weightstream.streaming.delta import DeltaHeader, apply, encoded_bytes
+from weightstream.streaming.delta import DeltaHeader, encoded_bytes
 from weightstream.wire.groups import destroy_group, init_custom_process_group
-from weightstream.wire.handles import checksum
 
 __all__ = [
     "BACKEND_NAME", "ENGINE_CLASS_NAME", "WORKER_EXTENSION", "log", "ChecksumMismatch", "WeightstreamInitInfo",
-    "WeightstreamUpdateInfo", "Layout", "HeldBuckets", "receive_bucket", "reprepack_cpu_moe", "VllmLoaded", "VllmModel",
+    "WeightstreamUpdateInfo", "receive_bucket", "delta_state", "reprepack_cpu_moe", "VllmLoaded", "VllmModel",
     "WeightstreamWorkerExtension", "register"
 ]
 
@@ -144,77 +144,10 @@ def _layout(info: WeightstreamUpdateInfo) -> list[TensorMeta]:
     return dense_layout(info.names, info.dtype_names, info.shapes)
 
 
-Layout = tuple[tuple[str, ...], tuple[str, ...], tuple[tuple[int, ...], ...]]
-
-
-def _layout_key(info: WeightstreamUpdateInfo) -> Layout:
-    return tuple(info.names), tuple(info.dtype_names), tuple(tuple(int(d) for d in s) for s in info.shapes)
-
-
-class HeldBuckets:
-    """What one worker keeps for delta updates: per bucket index, the layout and the bytes of the bucket it last
-    applied (the decoded bucket: one copy of the model per worker, on the worker's device), the checksum of each
-    bucket's bytes the open (or last) session applied, and ``version``: the committed update whose bytes these
-    are (None: none; the trainer then sends a full update). ``instance`` names this worker's life: a restarted
-    engine names another.
-
-    A session that changes the held bytes leaves no version until :meth:`commit` names it (an aborted or failed
-    session never does: vLLM cannot put its weights back, so the next update must be full); a bucket loaded
-    without a delta header (a plain update) drops them, since the weights no longer match them."""
-
-    def __init__(self) -> None:
-        self.instance = uuid.uuid4().hex[:16]
-        self.held: dict[int, tuple[Layout, torch.Tensor]] = {}
-        self.digests: dict[int, str] = {}
-        self.version: str | None = None
-        self.changed = False  # the open session changed the held bytes
-        self.plain = False  # the open session loaded buckets it did not keep
-
-    @property
-    def nbytes(self) -> int:
-        return sum(raw.numel() for _, raw in self.held.values())
-
-    def begin(self) -> None:
-        """A session opens; bytes no committed update names are dropped (a full update comes)."""
-        if self.version is None:
-            self.held = {}
-        self.digests, self.changed, self.plain = {}, False, False
-
-    def loaded_plain(self) -> None:
-        """A bucket was loaded whole, without a delta header: what is held no longer matches the weights."""
-        self.held, self.version, self.plain = {}, None, True
-
-    def new_bytes(self, index: int, layout: Layout, header: DeltaHeader, payload: torch.Tensor) -> torch.Tensor:
-        """Bucket ``index``'s new bytes: ``payload`` (``header.nbytes``) applied to the bytes held of it (or, dense,
-        the payload itself); kept, with their checksum. Raises ``ValueError`` where there is nothing to apply it
-        to, or it does not fit."""
-        self.changed, self.version = True, None
-        held = self.held.get(index)
-        if header.encoding == "dense":
-            raw = payload
-        elif held is None or held[0] != layout:
-            raise ValueError(f"delta bucket {index}: this worker holds no bytes of that bucket to apply it to "
-                             "(a full update must come first)")
-        else:
-            raw = apply(held[1], header, payload)
-        self.held[index] = (layout, raw)
-        self.digests[index] = checksum(raw)
-        return raw
-
-    def commit(self, version: str) -> None:
-        """The session was committed as ``version``: a session of delta buckets only leaves their bytes held."""
-        if self.changed and not self.plain and version:
-            self.version = version
-
-    def state(self) -> dict[str, Any]:
-        """What ``weightstream_delta_state`` answers (JSON: bucket indices as strings)."""
-        return {"instance": self.instance, "version": self.version, "held_bytes": self.nbytes,
-                "buckets": {str(i): d for i, d in sorted(self.digests.items())}}
-
-
-def receive_bucket(group, info: WeightstreamUpdateInfo, device: torch.device, held: HeldBuckets | None = None):
+def receive_bucket(group, info: WeightstreamUpdateInfo, device: torch.device, held: HeldDeltas | None = None):
     """One broadcast from rank 0 into a buffer of the dense layout (or, a delta bucket, its payload applied to
-    the bytes ``held`` of it); the ``(name, tensor)`` views. Raises :class:`ChecksumMismatch` (naming the
+    the bytes ``held`` of it: :meth:`HeldDeltas.new_bytes`; a bucket sent whole drops them:
+    :meth:`HeldDeltas.loaded_whole`); the ``(name, tensor)`` views. Raises :class:`ChecksumMismatch` (naming the
     tensors) before anything is handed out."""
     metas = _layout(info)
     total = metas[-1].offset + metas[-1].nbytes if metas else 0
@@ -226,9 +159,9 @@ def receive_bucket(group, info: WeightstreamUpdateInfo, device: torch.device, he
     if delta is not None:
         if held is None:
             raise ValueError(f"delta bucket {delta[0]}: this worker keeps no bytes for deltas")
-        buffer = held.new_bytes(delta[0], _layout_key(info), delta[1], buffer)
+        buffer = held.new_bytes(delta[0], tuple(metas), total, delta[1], buffer, None)  # its checksum: above
     elif held is not None:
-        held.loaded_plain()
+        held.loaded_whole()
     return [(m.name, view_tensor(buffer, m)) for m in metas], total
 
 
@@ -336,11 +269,13 @@ class VllmModel:
 
 
 def _load_bucket(group: Any, info: WeightstreamUpdateInfo, device: torch.device, model: LoadableModel,
-                 held: HeldBuckets | None = None) -> None:
+                 held: HeldDeltas | None = None) -> None:
     """One bucket received through ``group`` (None before /init_weight_transfer_engine: an error) and loaded
     into ``model`` (a delta bucket: its new bytes from ``held``, loaded whole)."""
     if group is None:
         raise RuntimeError("no weightstream group: call /init_weight_transfer_engine first")
+    if held is not None and held.limit is None:
+        raise RuntimeError("the bytes held for deltas have no bound: the worker's model sets it")
     t0 = time.perf_counter()
     tensors, nbytes = receive_bucket(group, info, device, held)
     model.load_weights((name, tensor, None) for name, tensor in tensors)
@@ -412,7 +347,7 @@ def _transfer_engine_class(base: Any, init_cls: type, update_cls: type) -> type:
             self.group = None
             self.rank: int | None = None
             self.loadable = VllmModel(lambda: (self.model, self.model_config))
-            self.held = HeldBuckets()  # the bytes of each bucket applied, for delta updates
+            self.held = HeldDeltas(names_versions=True)  # for delta updates (bounded at the first bucket)
 
         def init_transfer_engine(self, init_info) -> None:
             group, self.group = self.group, None
@@ -438,6 +373,8 @@ def _transfer_engine_class(base: Any, init_cls: type, update_cls: type) -> type:
                 raise
 
         def receive_weights(self, update_info) -> None:
+            if self.held.limit is None:  # every worker is sent every tensor whole; its model holds its part
+                self.held.limit = held_limit(self.model.parameters(), self.parallel_config.world_size)
             _load_bucket(self.group, update_info, self.device, self.loadable, self.held)
 
         def shutdown(self) -> None:
@@ -447,7 +384,14 @@ def _transfer_engine_class(base: Any, init_cls: type, update_cls: type) -> type:
     return WeightstreamTransferEngine
 
 
-def _held_buckets(worker: Any) -> HeldBuckets:
+def delta_state(held: HeldDeltas) -> dict[str, Any]:
+    """What ``weightstream_delta_state`` answers for a worker's bytes ``held`` (JSON: bucket indices as strings;
+    :func:`weightstream.engines.vllm.worker_deltas` reads it)."""
+    return {"instance": held.instance, "version": held.version, "held_bytes": held.nbytes,
+            "buckets": {str(i): d for i, d in sorted(held.checksums().items())}}
+
+
+def _held_deltas(worker: Any) -> HeldDeltas:
     """What the weightstream weight-transfer engine of a vLLM worker (its ``weight_transfer_engine``) keeps."""
     engine, ours = worker.weight_transfer_engine, cast(Any, _engine_class())  # ours: made when vLLM loads it
     if not isinstance(engine, ours):
@@ -462,12 +406,12 @@ class WeightstreamWorkerExtension:
 
     def weightstream_delta_state(self) -> dict[str, Any]:
         """This worker's instance, the committed version whose bucket bytes it holds, and the checksum of each
-        bucket's bytes the open (or last) session applied (:meth:`HeldBuckets.state`)."""
-        return _held_buckets(self).state()
+        bucket's bytes the open (or last) session applied (:func:`delta_state`)."""
+        return delta_state(_held_deltas(self))
 
     def weightstream_delta_commit(self, version: str) -> None:
-        """The session just finished was committed as ``version`` (:meth:`HeldBuckets.commit`)."""
-        _held_buckets(self).commit(str(version))
+        """The session just finished was committed as ``version`` (:meth:`HeldDeltas.commit`)."""
+        _held_deltas(self).commit(str(version))
 
 
 def __getattr__(name: str):

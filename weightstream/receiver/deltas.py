@@ -1,54 +1,83 @@
 """What an engine rank keeps for delta updates (``docs/delta.md``): per bucket index (a resharded bucket: per bucket
 index and trainer rank) the layout and the bytes of the bucket it last applied, to which the next delta is applied,
-and the checksum of what the open session applied, for the trainer to compare."""
+the checksum of what the open session applied, for the trainer to compare, and the committed update those bytes are.
+
+Every engine that takes deltas keeps one :class:`HeldDeltas` per rank: the reference engine's worker, the vLLM
+plugin's weight-transfer engine (one per vLLM worker) and the SGLang loader (one per TP rank's process)."""
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Iterable
+
 import torch
 
+from weightstream.common.layout import ALIGN
 from weightstream.receiver.programs import verify_checksum
 from weightstream.streaming.bucket import TensorMeta
 from weightstream.streaming.delta import DeltaHeader, Key, apply, warm_kernels
 from weightstream.wire.handles import checksum
 
-__all__ = ["HeldDeltas"]
+__all__ = ["HeldDeltas", "held_limit"]
+
+
+def held_limit(parameters: Iterable[torch.Tensor], ranks: int) -> int:
+    """At most what one rank may hold for deltas where every rank is sent every tensor whole while its model holds
+    a part of most (``parameters``: this rank's, ``ranks``: how many share the model): twice the whole model, each
+    tensor padded to the buckets' alignment. The vLLM plugin and the SGLang loader bound their bytes so."""
+    return 2 * ranks * sum(p.numel() * p.element_size() + ALIGN for p in parameters)
 
 
 class HeldDeltas:
-    """The bytes held for deltas on one rank (``device``), at most ``limit`` bytes in all; ``changed``: the open
-    session changed them (an abort leaves them unknown: they are dropped)."""
+    """The bytes one engine rank holds for deltas, at most ``limit`` bytes in all (None until the engine knows its
+    model: :meth:`new_bytes` refuses until it is set), and what they are.
 
-    def __init__(self, device: torch.device, limit: int):
-        self.device, self.limit = device, limit
+    ``instance`` names this rank's life (a restarted engine names another); ``version`` is the committed update whose
+    bytes these are (None: none; the trainer then sends a full update); ``changed``: the open session changed the
+    bytes; ``plain``: the open session loaded a bucket whole. ``names_versions``: this rank keeps the version itself
+    (the vLLM plugin, the SGLang loader), so bytes no committed update names are of no use and are dropped when a
+    session opens; the reference engine keeps it in its server, and its workers drop the bytes when it says.
+
+    The order an engine calls them in: :meth:`begin` when a session opens; per bucket, :meth:`new_bytes` (a delta
+    bucket) or :meth:`loaded_whole` (a bucket sent whole, in an engine that cannot roll back); :meth:`checksums`
+    when the trainer asks what the session applied; then :meth:`commit` (``names_versions``) once the engine committed
+    the session, or :meth:`abort` once it rolled it back; :meth:`forget` whenever the weights were loaded otherwise."""
+
+    def __init__(self, limit: int | None = None, *, names_versions: bool = False) -> None:
+        self.limit, self.names_versions = limit, names_versions
+        self.instance = uuid.uuid4().hex[:16]
+        self.version: str | None = None
         self.held: dict[Key, tuple[tuple[TensorMeta, ...], torch.Tensor]] = {}
         self.digests: dict[Key, str] = {}
         self.changed = False
-        self.warmed_words: set[int] = set()  # word sizes the delta kernels were compiled for (on a GPU)
+        self.plain = False
+        self.warmed: set[tuple[torch.device, int]] = set()  # the devices and word sizes the kernels were readied for
 
     def __len__(self) -> int:
         return len(self.held)
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes held, over every bucket."""
+        return sum(raw.numel() for _, raw in self.held.values())
+
     def begin(self) -> None:
-        """A session opens: nothing applied yet."""
-        self.digests, self.changed = {}, False
-
-    def forget(self) -> int:
-        """Drop every bucket held (the weights were loaded otherwise: they no longer match them); how many."""
-        dropped = len(self.held)
-        self.held, self.digests = {}, {}
-        return dropped
-
-    def abort(self) -> None:
-        """The session was rolled back: bytes it changed in place are no longer the committed ones."""
-        if self.changed:
+        """Caller: the engine when an update session opens, before its first bucket: nothing applied yet. Where this
+        rank names versions, bytes no committed update names are dropped (a full update comes)."""
+        if self.names_versions and self.version is None:
             self.forget()
+        self.digests, self.changed, self.plain = {}, False, False
 
     def new_bytes(self, index: Key, layout: tuple[TensorMeta, ...], total: int, header: DeltaHeader,
                   received: torch.Tensor, expected_checksum: str | None) -> torch.Tensor:
-        """Bucket ``index``'s new bytes (``total``, laid out as ``layout``): its payload ``received`` (the changed
-        words, or the whole bucket) checked against the sender's checksum where given and applied to the bytes
-        held of the bucket; they are kept for the next update, and their checksum for the trainer to compare
-        (:meth:`checksums`)."""
+        """Caller: the engine for each delta bucket of the open session, after :meth:`begin` and before the bucket is
+        loaded. Bucket ``index``'s new bytes (``total``, laid out as ``layout``): its payload ``received`` (the
+        changed words, or the whole bucket) checked against the sender's checksum where given and applied to the
+        bytes held of the bucket; they are kept for the next update, and their checksum for the trainer to compare
+        (:meth:`checksums`). No committed update names the held bytes until :meth:`commit`. Raises ``ValueError``
+        where there is nothing to apply a delta to or the bytes would exceed ``limit``."""
+        if self.limit is None:
+            raise RuntimeError(f"delta bucket {index}: no bound is set on the bytes held for deltas")
         if header.total != total:
             raise ValueError(f"delta bucket {index}: {header.total} bytes, its tensors take {total}")
         payload = received.narrow(0, 0, header.nbytes)
@@ -57,15 +86,15 @@ class HeldDeltas:
         if header.encoding != "dense" and (held is None or held[0] != layout):
             raise ValueError(f"delta bucket {index}: this engine holds no bytes of that bucket to apply it to "
                              "(a full update must come first)")
-        if held is None and sum(b.numel() for _, b in self.held.values()) + total > self.limit:
+        if held is None and self.nbytes + total > self.limit:
             raise ValueError(f"delta bucket {index}: the bytes held for deltas would exceed {self.limit} "
                              "(twice the model's size): more buckets than any plan of this model has")
-        self.changed = True
+        self.changed, self.version = True, None
         if header.encoding == "dense":
             raw = received
-            if header.word not in self.warmed_words:  # the first delta of these words then finds them compiled
-                warm_kernels(self.device, (header.word,))
-                self.warmed_words.add(header.word)
+            if (received.device, header.word) not in self.warmed:  # the first delta of these words finds them ready
+                warm_kernels(received.device, (header.word,))
+                self.warmed.add((received.device, header.word))
         else:
             raw = held[1]  # type: ignore[index]  # held is checked above
             apply(raw.narrow(0, 0, header.total), header, payload)
@@ -73,8 +102,16 @@ class HeldDeltas:
         self.digests[index] = checksum(raw.narrow(0, 0, header.total))
         return raw
 
+    def loaded_whole(self) -> None:
+        """Caller: an engine that cannot roll back (the vLLM plugin, the SGLang loader) for each bucket of the open
+        session sent whole, before loading it: the weights no longer match what is held, which is dropped, and the
+        session's :meth:`commit` names no version."""
+        self.forget()
+        self.plain = True
+
     def checksums(self) -> dict[int, str]:
-        """The checksum of each bucket's bytes the open (or last) session applied, by bucket index; a resharded
+        """Caller: the engine when the trainer asks, after the session's buckets (before or after :meth:`commit`).
+        The checksum of each bucket's bytes the open (or last) session applied, by bucket index; a resharded
         bucket's: those of its trainer ranks' parts joined with ``+`` in trainer-rank order (what the trainer's
         ``sinks.reshard.expected_digests`` joins)."""
         whole: dict[int, str] = {}
@@ -85,3 +122,24 @@ class HeldDeltas:
             else:
                 whole[key] = digest
         return {**whole, **{i: "+".join(d for _, d in sorted(ps)) for i, ps in parts.items()}}
+
+    def commit(self, version: str | None) -> None:
+        """Caller: an engine that names versions, once it committed the open session (after its last bucket): a
+        session that applied delta buckets only leaves their bytes as ``version``'s (None or empty: none; an aborted
+        or failed session never calls it, so the next session opens without them)."""
+        if self.changed and not self.plain and version:
+            self.version = version
+
+    def abort(self) -> None:
+        """Caller: the engine once it rolled the open session back: bytes it changed in place are no longer the
+        committed ones, so all are dropped."""
+        if self.changed:
+            self.forget()
+
+    def forget(self) -> int:
+        """Caller: the engine whenever its weights were loaded otherwise (the reference engine at the commit of a
+        session that loaded buckets whole): every bucket held is dropped, with the session's checksums and the
+        version; how many buckets."""
+        dropped = len(self.held)
+        self.held, self.digests, self.version = {}, {}, None
+        return dropped
