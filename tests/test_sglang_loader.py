@@ -5,7 +5,8 @@ and delta buckets into a real torch model while reporting each rank's outcome to
 corrupted bucket reported, never raised). Against SGLang's own code: tests/engines/sglang_loader_check.py
 (run by ``WEIGHTSTREAM_SGLANG_PYTHON``; skipped without it, failed instead when ``WEIGHTSTREAM_REQUIRE_SGLANG=1``)
 drives an :class:`SGLangEngine` made with ``custom_loader`` through SGLang's request decoding, deserializer,
-``ServerArgs`` and ``WeightUpdater.update_weights_from_tensor`` in one process per TP rank.
+``ServerArgs`` and ``WeightUpdater.update_weights_from_tensor`` in one process per TP rank, by hand and by
+``WeightSync(transport="ipc", delta=True)`` from two colocated trainer ranks.
 """
 
 from __future__ import annotations
@@ -437,6 +438,49 @@ def test_delta_state_and_commit_through_sglang(result):
     assert (result["dense_base"], result["dense_checks"], result["sparse_checks"]) == (None, True, True)
     instances, version = result["sparse_base"].split("/")
     assert (len(instances.split("+")), version) == (2, "v2")  # each TP rank's instance, the version committed
+
+
+EVERY_RANK = {f"{r}/{m}": True for r in range(2) for m in ("target", "draft")}
+
+
+def test_weightsync_delta_updates_through_sglang(result):
+    """Two colocated trainer ranks' WeightSync(delta=True) into the TP 2 ranks: a full update, a dense delta and a
+    sparse one, each bucket one request per rank pair, every TP rank's target and draft the trainer's bit for bit,
+    every update checked against the ranks' checksums; SGLang's code raised nothing and answered every request."""
+    rounds = result["sync"]
+    for version, r in rounds.items():
+        assert (r["error"], r["transport"], r["ahead"], r["encoded"], r["checked"], r["equal"]) == (
+            None, "ipc", False, True, True, EVERY_RANK), (version, r)
+    assert [(r["full"], r["reason"]) for r in rounds.values()] == [
+        (True, "the first update"), (False, "deltas against version s1"), (False, "deltas against version s2")]
+    assert (rounds["s1"]["encodings"], rounds["s2"]["encodings"]) == (["dense"], ["dense"])
+    assert rounds["s3"]["encodings"] and set(rounds["s3"]["encodings"]) <= {"indices", "bitmap"}
+    assert rounds["s3"]["wire_bytes"] < rounds["s3"]["bytes"] // 10 and rounds["s1"]["buckets"] > 1
+    assert (result["sync_raised"], result["sync_sglang_answers"], result["sync_unknown_fields"]) == (
+        [], [[True, "Success"]], [])
+    assert result["trainer1"]["returncode"] == 0, result["trainer1"]["log"]
+
+
+def test_weightsync_delta_against_a_base_the_ranks_do_not_hold(result):
+    """Another trainer committed this one's last version name. Buckets of another plan: every rank refuses the
+    delta, named in one error, nothing of it loaded; the next update is full. Buckets of the same plan: the check
+    finds every bucket's checksums wrong and the update goes again in full. Either way the ranks end bit for bit
+    with this trainer's weights."""
+    other, same = result["other_plan"], result["same_plan"]
+    assert (other["error"], other["equal"], same["error"], same["equal"]) == (None, EVERY_RANK, None, EVERY_RANK)
+    refusal = "delta bucket 0: this engine holds no bytes of that bucket to apply it to (a full update must come first)"
+    assert other["next"]["error"] == (
+        "weight update failed at bucket 0 (engine http://sglang.check): engine http://sglang.check: "
+        "update_weights_from_tensor (bucket 0, custom weight loader) failed: 2 of 2 TP ranks failed: "
+        f"rank 0: ValueError: {refusal}; rank 1: ValueError: {refusal}")
+    after = other["after"]
+    assert (after["error"], after["full"], after["checked"], after["reason"], after["equal"]) == (
+        None, True, True, "the last update failed (UpdateError)", EVERY_RANK)
+    wrong = ("engine http://sglang.check: the bytes it applied of buckets [0, 1, 2, 3, 4, 5, 6] differ from the "
+             "trainer's (checksums)")
+    again = same["next"]
+    assert (again["error"], again["mismatch"], again["full"], again["checked"], again["equal"]) == (
+        None, wrong, True, True, EVERY_RANK)
 
 
 def test_failures_reported_by_rank(result):

@@ -16,7 +16,11 @@ compared bit for bit with what the rank processes hold. Checks: ``--custom-weigh
 the checksums of the bytes it applied) and commit read through the loader, a corrupted buffer on one rank, a delta
 without held bytes and a malformed header, each reported by the ranks (the trainer's error names them) while
 the rank processes go on; a ``load_format`` the server does not list refused by SGLang; an adapter refusing a
-server started without the loader before it sends anything.
+server started without the loader before it sends anything. Then ``WeightSync(transport="ipc", delta=True)`` from
+two trainer ranks (this process and one more, a gloo group; trainer rank r colocated with engine rank r), one request
+per bucket: a full update, a dense and a sparse delta, bit for bit and checked; and another trainer committing this
+one's last version name, so the ranks name the expected base but hold other bytes: in another bucket plan every
+rank refuses the delta, in the same plan the check catches it and the update goes again in full.
 """
 
 from __future__ import annotations
@@ -48,10 +52,27 @@ RUNNERS = ("target", "draft")
 
 # --------------------------------------------------------------------------------------- the model (both sides)
 
+def llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
+
+
+def llama(cls, seed: int) -> torch.nn.Module:
+    """A one-layer Llama of ``cls`` in bf16, its norms float32."""
+    torch.manual_seed(seed)
+    model = cls(llama_config()).to(torch.bfloat16)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data = p.data.float()
+    return model
+
+
 def make_model() -> torch.nn.Module:
     """A one-layer Llama in bf16 (norms float32) plus an int8 table and a float8 weight with float32 scales."""
     from sglang.srt.model_loader.weight_utils import default_weight_loader
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     class CheckModel(LlamaForCausalLM):
         def load_weights(self, weights):
@@ -59,13 +80,7 @@ def make_model() -> torch.nn.Module:
             for name, tensor in weights:
                 default_weight_loader(params[name], tensor)
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
-    model = CheckModel(config).to(torch.bfloat16)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.data = p.data.float()
+    model = llama(CheckModel, 0)
     fp8 = torch.nn.Module()
     fp8.weight = torch.nn.Parameter(torch.zeros(64, 32, dtype=torch.float8_e4m3fn), requires_grad=False)
     fp8.weight_scale_inv = torch.nn.Parameter(torch.ones(2, 2), requires_grad=False)
@@ -357,6 +372,133 @@ def refusals(engine, ranks: Ranks, tmp: str, server_info: dict) -> dict:
     return res
 
 
+# --------------------------------------------------------------------------------------- WeightSync end to end
+
+SYNC_BUCKET_BYTES = 6000  # the trainer's 27 KB model in several buckets
+
+
+def train_step(model, seed: int, every: int) -> None:
+    """A step's change: every ``every``-th word of each tensor moves (1: all of them)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            flat = p.view(-1)
+            flat[::every] += torch.randn(flat[::every].shape, generator=g).to(p.dtype)
+
+
+def weights_of(model) -> list[tuple[str, torch.Tensor]]:
+    return [(n, t.detach().clone()) for n, t in model.state_dict().items()]
+
+
+def sync_update(sync, model, version: str, held) -> dict:
+    """One ``WeightSync.update`` of ``model`` (every trainer rank): what its report says (or the error it raised),
+    and ``held(model)``: on trainer rank 0, whether every engine rank's target and draft hold it bit for bit."""
+    try:
+        report = sync.update(model, llama_config(), weight_version=version)
+    except Exception as exc:  # noqa: BLE001 -- the check reports it
+        return {"error": str(exc), "equal": held(model)}
+    d = report.delta
+    return {"error": None, "transport": report.transport, "ahead": report.metadata_ahead, "buckets": report.buckets,
+            "bytes": report.bytes, "full": d.full, "encoded": d.encoded, "checked": d.checked,
+            "encodings": sorted(d.encodings), "wire_bytes": d.wire_bytes, "reason": d.reason, "mismatch": d.mismatch,
+            "equal": held(model)}
+
+
+def sync_rounds(engine_for, held) -> dict:
+    """What both trainer ranks run, in step: ``WeightSync(transport="ipc", delta=True)`` into the TP 2 engine (trainer
+    rank r colocated with engine rank r), every request through the loader: a full update, a dense delta (every word
+    moved), a sparse one; then another trainer's updates under this one's version names (:func:`clashes`).
+    ``engine_for()``: this rank's adapter (on rank 0 the one whose requests reach the rank processes)."""
+    from transformers import LlamaForCausalLM
+
+    from weightstream import WeightSync
+
+    model = llama(LlamaForCausalLM, 11)
+    res: dict = {"sync": {}}
+    with WeightSync([engine_for()], transport="ipc", delta=True, bucket_bytes=SYNC_BUCKET_BYTES) as sync:
+        for seed, (version, every) in enumerate((("s1", 1), ("s2", 1), ("s3", 89))):
+            train_step(model, seed, every)
+            res["sync"][version] = sync_update(sync, model, version, held)
+        res.update(clashes(sync, model, engine_for, held))
+    return res
+
+
+def clashes(sync, model, engine_for, held) -> dict:
+    """Another trainer commits the version this one committed last, so the ranks name the base this trainer
+    expects while holding other bytes. In buckets of another plan: this trainer's next delta is refused by every
+    rank (no bytes of that bucket in its layout), one error naming each, and the update after it is full. In
+    buckets of the same plan: the deltas apply to the other bytes, the check finds every rank's checksums wrong,
+    and the update is sent again in full."""
+    from transformers import LlamaForCausalLM
+
+    from weightstream import WeightSync
+
+    res: dict = {}
+    for name, bucket_bytes, last, seed in (("other_plan", 2 * SYNC_BUCKET_BYTES, "s3", 21),
+                                           ("same_plan", SYNC_BUCKET_BYTES, "s5", 22)):
+        with WeightSync([engine_for()], transport="ipc", delta=True, bucket_bytes=bucket_bytes) as second:
+            res[name] = sync_update(second, llama(LlamaForCausalLM, seed), last, held)
+        train_step(model, seed, 89)
+        res[name]["next"] = sync_update(sync, model, f"s{int(last[1:]) + 1}", held)
+        if name == "other_plan":
+            train_step(model, seed + 100, 89)
+            res[name]["after"] = sync_update(sync, model, "s5", held)
+    return res
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trainer_rank0(ranks: Ranks, tmp: str, server_info: dict) -> dict:
+    """This process as trainer rank 0 of two (gloo), trainer rank 1 another process of this script: the
+    :func:`sync_rounds`, and every answer SGLang's code gave their requests."""
+    port, log = free_port(), os.path.join(tmp, "trainer1.log")
+    peer = subprocess.Popen([sys.executable, __file__, "--trainer", str(port)], stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+    engines: list = []
+
+    def engine_for():
+        engines.append(harness(ranks, tmp, server_info))
+        return engines[-1]
+
+    try:
+        res = sync_rounds(engine_for, lambda model: held_equal(ranks.dump(tmp), weights_of(model)))
+    finally:
+        torch.distributed.destroy_process_group()
+        try:
+            peer.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            peer.kill()
+    answers = [a for e in engines for request in e.answers for a in request]
+    res["sync_raised"] = [a["raised"] for a in answers if a["raised"]]
+    res["sync_sglang_answers"] = sorted({tuple(x) for a in answers for x in a.get("answers", [])})
+    res["sync_unknown_fields"] = sorted({f for a in answers for f in a["unknown_fields"]})
+    res["trainer1"] = {"returncode": peer.returncode, "log": Path(log).read_text()[-3000:]}
+    return res
+
+
+def trainer_rank1(port: int) -> None:
+    """Trainer rank 1: the same :func:`sync_rounds`; its adapter posts nothing (rank 0 does), it makes the payloads
+    of engine rank 1."""
+    from weightstream.engines.sglang import SGLangEngine
+    from weightstream.engines.sglang_inside import LOADER
+
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
+    try:
+        res = sync_rounds(lambda: SGLangEngine("http://sglang.check", custom_loader=LOADER, timeout_s=20.0),
+                          lambda model: {})
+        print(json.dumps(res, default=str))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def main() -> None:
     torch.multiprocessing.set_sharing_strategy("file_system")  # CPU tensors readable by an unrelated process
     import sglang
@@ -377,6 +519,7 @@ def main() -> None:
                                                  if a["raised"]]
             result["sglang_answers"] = sorted({tuple(x) for a in answers for x in a.get("answers", [])})
             result["dtypes"] = sorted({str(d) for _, d, _ in layout()})
+            result.update(trainer_rank0(ranks, tmp, server_info))
         finally:
             ranks.close()
             result["rank_logs"] = [Path(p).read_text()[-3000:] for p in ranks.logs]
@@ -386,5 +529,7 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--rank":
         rank_process(int(sys.argv[2]))
+    elif len(sys.argv) == 3 and sys.argv[1] == "--trainer":
+        trainer_rank1(int(sys.argv[2]))
     else:
         main()
