@@ -1,6 +1,6 @@
 """The reference engine with a fault injected into its workers, from the tests' side. Each worker process runs a
-:class:`FaultyWorker` (the engine's own :class:`~weightstream.reference_engine.worker.Worker`, some of whose
-commands misbehave as the fault says: the server takes the worker processes' entry as a parameter), and the
+:class:`FaultyWorker` (the engine's own :class:`~weightstream.reference_engine.worker.Worker`, whose receiver's
+session and receives misbehave as the fault says: the server takes the worker processes' entry as a parameter), and the
 engine does not declare ``broadcast_ahead`` nor ``p2p_ahead`` (a trainer then sends one request per bucket, and
 the engine takes each bucket on its own). Every bucket goes through the path where the fault strikes: none is
 copied in a batch, none is written by the trainer straight into the engine's weights.
@@ -35,7 +35,12 @@ from functools import partial
 
 import torch
 
+from weightstream.receiver.collective import CollectiveReceiver
+from weightstream.receiver.ipc import IpcReceiver
 from weightstream.receiver.plan import RankBucket
+from weightstream.receiver.receiver import Receiver
+from weightstream.receiver.session import Facilities, UpdateSession
+from weightstream.receiver.transfer import ReceiveBuffers
 from weightstream.reference_engine import server as server_module
 from weightstream.reference_engine.protocol import InitGroup
 from weightstream.reference_engine.server import EngineServer, serve
@@ -50,52 +55,44 @@ class HeldWeights:
     """A request a :class:`FaultyWorker` answers: the weights it holds (:meth:`FaultyWorker.held_weights`)."""
 
 
-class FaultyWorker(Worker):
-    """A worker that misbehaves as :attr:`fault` says (set in its process before the worker is made)."""
+class FaultySession(UpdateSession):
+    """The session of a :class:`FaultyWorker`: every bucket loads through :meth:`apply`, where the fault strikes, and
+    the commit fails or hangs as the fault says."""
 
-    fault = ""
+    def load_dense(self, program, raw, expected_checksum, kept: bool = False):
+        """Every bucket through :meth:`apply` (never the batched copies)."""
+        return self.apply(Bucket(self.bucket_count, raw.narrow(0, 0, program.total), tuple(program.metas)),
+                          expected_checksum)
 
-    def init_group(self, r: InitGroup):
-        if self.fault == f"skip_join@{self.rank}":
-            return f"rank {r.rank_offset + self.rank} skipped joining {r.group_name} (test fault)"
-        return super().init_group(r)
+    def apply(self, bucket: Bucket, expected_checksum, foreign: bool = False):
+        _strike(self.bucket_count, bucket.buffer)
+        return super().apply(bucket, expected_checksum, foreign)
 
-    def _load_dense(self, program, raw, expected_checksum, kept: bool = False):
-        """Every bucket through :meth:`_apply`, where the fault strikes (never the batched copies)."""
-        return self._apply(Bucket(self.bucket_count, raw.narrow(0, 0, program.total), tuple(program.metas)),
-                           expected_checksum)
+    def prepare(self):
+        _fail_commit()
+        return super().prepare()
 
-    def _apply(self, bucket: Bucket, expected_checksum, foreign: bool = False):
-        self._strike(self.bucket_count, bucket.buffer)
-        return super()._apply(bucket, expected_checksum, foreign)
-
-    def _receive_parts(self, group, parts: tuple[RankBucket, ...], load: bool = True):
-        """A resharded bucket (sent ahead or not): ``die`` and ``stall`` strike before its pieces are received."""
-        self._strike(self.bucket_count, torch.empty(0, dtype=torch.uint8))
-        return super()._receive_parts(group, parts, load)
-
-    def _can_take_writes(self, programs) -> bool:
-        return False  # the trainer sends buckets (where the fault strikes), it does not write into the weights
-
-    def prepare_session(self):
-        self._fail_commit()
-        return super().prepare_session()
-
-    def _fail_commit(self) -> None:
-        if self.fault == "fail_commit":
-            raise RuntimeError("the device reported an error at the end of the update (test fault)")
-
-    def commit_session(self):
-        self._fail_commit()
-        if self.fault == "stall_commit":
+    def commit(self):
+        _fail_commit()
+        if FaultyWorker.fault == "stall_commit":
             time.sleep(3600)
-        return super().commit_session()
+        return super().commit()
+
+
+class FaultyCollective(CollectiveReceiver):
+    """The receives over groups of a :class:`FaultyWorker`: a resharded bucket struck before its pieces are
+    received, a delta payload changed as it arrives."""
 
     struck_delta = False
 
+    def _receive_parts(self, group, parts: tuple[RankBucket, ...], load: bool = True):
+        """A resharded bucket (sent ahead or not): ``die`` and ``stall`` strike before its pieces are received."""
+        _strike(self.session.bucket_count, torch.empty(0, dtype=torch.uint8))
+        return super()._receive_parts(group, parts, load)
+
     def _receive_delta(self, group, header, index: int, src: int | None = None) -> torch.Tensor:
         raw = super()._receive_delta(group, header, index, src)
-        if (self.fault == f"corrupt_delta@{index}" and not self.struck_delta and header.encoding != "dense"
+        if (FaultyWorker.fault == f"corrupt_delta@{index}" and not self.struck_delta and header.encoding != "dense"
                 and header.nbytes):
             raw[header.nbytes - 1] ^= 0x5A
             self.struck_delta = True
@@ -105,11 +102,32 @@ class FaultyWorker(Worker):
                             payloads: list[torch.Tensor]) -> list[torch.Tensor]:
         for part, payload in zip(parts, payloads, strict=True):  # resharded: the first delta part of bucket K
             d = part.delta or {}
-            if (self.fault == f"corrupt_delta@{d.get('index')}" and not self.struck_delta
+            if (FaultyWorker.fault == f"corrupt_delta@{d.get('index')}" and not self.struck_delta
                     and d.get("encoding") != "dense" and d.get("nbytes")):
                 payload[int(d["nbytes"]) - 1] ^= 0x5A
                 self.struck_delta = True
         return super()._pieces_from_deltas(parts, layouts, payloads)
+
+
+class FaultyIpc(IpcReceiver):
+    def _can_take_writes(self, programs) -> bool:
+        return False  # the trainer sends buckets (where the fault strikes), it does not write into the weights
+
+
+class FaultyWorker(Worker):
+    """A worker that misbehaves as :attr:`fault` says (set in its process before the worker is made)."""
+
+    fault = ""
+
+    def make_receiver(self, at: Facilities, max_lent_bytes: int) -> Receiver:
+        session = FaultySession(self.model, at, max_lent_bytes)
+        return Receiver(session, FaultyCollective(session, ReceiveBuffers(at.device)),
+                        FaultyIpc(session, max_lent_bytes))
+
+    def init_group(self, r: InitGroup):
+        if self.fault == f"skip_join@{self.rank}":
+            return f"rank {r.rank_offset + self.rank} skipped joining {r.group_name} (test fault)"
+        return super().init_group(r)
 
     def held_weights(self) -> dict[str, torch.Tensor]:
         """By the checkpoint's names (a row-parallel projection wraps its ``linear``)."""
@@ -119,16 +137,22 @@ class FaultyWorker(Worker):
     def handlers(self):
         return {**super().handlers(), HeldWeights: lambda _: self.held_weights()}
 
-    def _strike(self, index: int, buffer: torch.Tensor) -> None:
-        kind, _, at = self.fault.partition("@")
-        if kind not in ("corrupt", "die", "stall") or int(at or 0) != index:
-            return
-        if kind == "corrupt" and buffer.numel():
-            buffer.view(-1)[buffer.numel() // 2] ^= 0x5A
-        elif kind == "die":
-            os._exit(17)
-        elif kind == "stall":
-            time.sleep(3600)
+
+def _fail_commit() -> None:
+    if FaultyWorker.fault == "fail_commit":
+        raise RuntimeError("the device reported an error at the end of the update (test fault)")
+
+
+def _strike(index: int, buffer: torch.Tensor) -> None:
+    kind, _, at = FaultyWorker.fault.partition("@")
+    if kind not in ("corrupt", "die", "stall") or int(at or 0) != index:
+        return
+    if kind == "corrupt" and buffer.numel():
+        buffer.view(-1)[buffer.numel() // 2] ^= 0x5A
+    elif kind == "die":
+        os._exit(17)
+    elif kind == "stall":
+        time.sleep(3600)
 
 
 def faulty_worker_main(fault: str, *args) -> None:

@@ -5,8 +5,8 @@ vLLM (:class:`~weightstream.integrations.vllm_backend.VllmModel`) is another."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
 
 from torch import Tensor
 
@@ -15,7 +15,7 @@ from weightstream.receiver.pieces import Weight
 from weightstream.receiver.programs import CopyProgram, copy_program
 from weightstream.streaming.bucket import TensorMeta
 
-__all__ = ["Loaded", "LoadableModel", "program_for"]
+__all__ = ["Loaded", "LoadableModel", "HeldModel", "program_for"]
 
 
 class Loaded(Protocol):
@@ -50,6 +50,52 @@ class LoadableModel(Protocol):
 
     def rollback_session(self) -> int:
         """End the session without keeping it: put back what it overwrote where it can; how many tensors."""
+        ...
+
+
+class HeldModel(LoadableModel, Protocol):
+    """A model whose weights this layer holds views of and writes into itself (the reference engine's): besides a
+    :class:`LoadableModel`'s load and session, the table of its parameters, copies into them made ahead, a trainer's
+    writes straight into them, and a commit's first phase."""
+
+    @property
+    def params(self) -> Mapping[str, tuple[Tensor, int | None]]:
+        """This rank's parameters by checkpoint name: (its tensor, the dim it is split on over the ranks or None)."""
+        ...
+
+    @property
+    def elsewhere(self) -> Mapping[str, int]:
+        """The tensors another rank holds alone (experts under expert parallelism), by their owner."""
+        ...
+
+    @property
+    def released_bytes(self) -> int:
+        """The bytes of weights released (0: the weights are there to load into)."""
+        ...
+
+    @property
+    def rollback(self) -> bool:
+        """Whether a session backs up what it overwrites (off: an aborted session leaves weights stale)."""
+        ...
+
+    def piece_targets(self, metas: Sequence[TensorMeta]) -> list[Tensor] | None:
+        """For a resharded bucket's pieces (checked to tile this rank's parts): the view of a parameter each piece
+        fills by a plain copy, in order; None where any needs more (they then go through :meth:`load_weights`)."""
+        ...
+
+    def load_flat(self, names: Sequence[str], targets: Sequence[list[Tensor]],
+                  copies: Sequence[Callable[[], Any]]) -> Loaded:
+        """Run ``copies`` into ``targets`` (flat views from :meth:`whole_targets`, per dtype; ``names`` of all of
+        them in order), the session's backups of them kept first."""
+        ...
+
+    def begin_writes(self, names: Sequence[str], targets: Sequence[Tensor]) -> None:
+        """A colocated trainer is about to write ``names`` straight into ``targets``: back them up first, and count
+        them as loaded by the session."""
+        ...
+
+    def prepare_session(self) -> None:
+        """What could still fail at a commit, done now and undoable (the session stays open, restorable)."""
         ...
 
 

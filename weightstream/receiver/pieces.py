@@ -21,14 +21,14 @@ Weight = tuple[str, Tensor, Shard | None]
 NOBODY_ELSE: Mapping[str, int] = MappingProxyType({})  # every tensor is held (or split) by every rank
 
 
-def engine_layout(params: dict[str, tuple[Tensor, int | None]], size: int,
+def engine_layout(params: Mapping[str, tuple[Tensor, int | None]], size: int,
                   owners: Mapping[str, int] = NOBODY_ELSE) -> EngineLayout:
     """The layout an engine of ``size`` ranks declares from its table of parameters (checkpoint name ->
     (this rank's tensor, the dim it is split on or None)) and the owner of each tensor one rank holds alone."""
     return EngineLayout(size, {name: dim for name, (_, dim) in params.items() if dim is not None}, dict(owners))
 
 
-def wanted(params: dict[str, tuple[Tensor, int | None]], rank: int, size: int,
+def wanted(params: Mapping[str, tuple[Tensor, int | None]], rank: int, size: int,
            name: str) -> tuple[Shard | None, tuple[int, ...]] | None:
     """This rank's part of ``name`` (None: whole) and the whole tensor's shape; None where it holds no such
     tensor."""
@@ -55,7 +55,7 @@ def _shape_problem(meta: TensorMeta, whole: tuple[int, ...]) -> str | None:
     return None
 
 
-def piece_problems(metas: Sequence[TensorMeta], params: dict[str, tuple[Tensor, int | None]], rank: int,
+def piece_problems(metas: Sequence[TensorMeta], params: Mapping[str, tuple[Tensor, int | None]], rank: int,
                    size: int, *, elsewhere: Mapping[str, int] = NOBODY_ELSE) -> list[str]:
     """What is wrong with a resharded bucket's pieces (``metas``, each placed in its whole tensor by its ``shard``) on
     this rank: a tensor it does not hold (another rank's alone: ``elsewhere``, by owner), a piece of the wrong shape,
@@ -77,7 +77,7 @@ def piece_problems(metas: Sequence[TensorMeta], params: dict[str, tuple[Tensor, 
     return problems
 
 
-def assemble(pieces: Sequence[tuple[TensorMeta, Tensor]], params: dict[str, tuple[Tensor, int | None]], rank: int,
+def assemble(pieces: Sequence[tuple[TensorMeta, Tensor]], params: Mapping[str, tuple[Tensor, int | None]], rank: int,
              size: int, *, elsewhere: Mapping[str, int] = NOBODY_ELSE) -> tuple[list[Weight], list[str]]:
     """The tensors this rank loads from ``pieces`` (each placed in the whole tensor by its ``meta.shard``):
     per name this rank's part, with its placement; or nothing and every problem (:func:`piece_problems`)."""

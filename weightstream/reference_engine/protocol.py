@@ -16,7 +16,15 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from weightstream.receiver.plan import IpcReceive, Receive, TensorReceive
-from weightstream.receiver.requests import RequestError, Schema, field_problems, refuse
+from weightstream.receiver.requests import (
+    DestroyGroupRequest,
+    InitGroupRequest,
+    ReleaseIpcRequest,
+    RequestError,
+    Schema,
+    field_problems,
+    refuse,
+)
 from weightstream.receiver.schema import token_rows
 
 __all__ = [
@@ -36,36 +44,15 @@ class Outcome(enum.Enum):
     OUT_OF_TIME = "out_of_time"  # it stopped at its deadline (:class:`OutOfTime`); ``result`` says where
 
 
-@dataclass(frozen=True, slots=True)
-class InitGroup:
-    """Join a weight-update group; ``warm``: then run its first, tiny transfer with the trainer."""
-
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    group_name: str
-    backend: str
-    timeout_s: float
-    warm: str = ""
-    warm_senders: int = 1
-
-
-@dataclass(frozen=True, slots=True)
-class DestroyGroup:
-    group_name: str
+# Requests the worker takes as the engine's HTTP face decodes them (no command of their own).
+InitGroup = InitGroupRequest
+DestroyGroup = DestroyGroupRequest
+ReleaseIpc = ReleaseIpcRequest
 
 
 @dataclass(frozen=True, slots=True)
 class DestroyAllGroups:
     pass
-
-
-@dataclass(frozen=True, slots=True)
-class ReleaseIpc:
-    """Close the buffers trainer ``client`` kept mapped."""
-
-    client: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,16 +91,6 @@ class UpdatePhases:
 
 
 @dataclass(frozen=True, slots=True)
-class ReleaseMemory:
-    tags: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ResumeMemory:
-    tags: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
 class Memory:
     pass
 
@@ -144,18 +121,13 @@ class Shutdown:
     pass
 
 
-Request = (InitGroup | DestroyGroup | DestroyAllGroups | ReleaseIpc | BeginSession | PrepareSession | CommitSession
-           | AbortSession | ForgetDelta | DeltaChecksums | UpdatePhases | ReleaseMemory | ResumeMemory | Memory | Logits
-           | Generate | Layout | WeightChecksums | Shutdown | Receive | IpcReceive | TensorReceive)
-
-
 def name_of(request: Any) -> str:
-    """How logs and errors name a request: its type's name in words (``InitGroup``: ``init_group``), a receive by
-    its plan."""
+    """How logs and errors name a request: its type's name in words, less ``Request`` (``InitGroupRequest``:
+    ``init_group``), a receive by its plan."""
     if isinstance(request, Receive):
         plan = request.plan
         return f"receive ({plan.transport.value}{', ahead' if plan.ahead else ''}{', delta' if plan.delta else ''})"
-    name = type(request).__name__
+    name = type(request).__name__.removesuffix("Request")
     return "".join("_" + c.lower() if c.isupper() and i else c.lower() for i, c in enumerate(name))
 
 
@@ -270,3 +242,12 @@ class LogitsRequest:
             raise RequestError(f"bad request to {cls.ROUTE}: {rows}")
         refuse(cls.ROUTE, ["the rows of input_ids must have one length"] if len({len(r) for r in rows}) != 1 else [])
         return cls(tuple(tuple(r) for r in rows))
+
+
+# The memory routes' requests are the worker's commands too.
+ReleaseMemory = ReleaseMemoryRequest
+ResumeMemory = ResumeMemoryRequest
+
+Request = (InitGroup | DestroyGroup | DestroyAllGroups | ReleaseIpc | BeginSession | PrepareSession | CommitSession
+           | AbortSession | ForgetDelta | DeltaChecksums | UpdatePhases | ReleaseMemory | ResumeMemory | Memory | Logits
+           | Generate | Layout | WeightChecksums | Shutdown | Receive | IpcReceive | TensorReceive)
