@@ -372,15 +372,19 @@ def _holds(served: Served, trainer: torch.nn.Module) -> bool:
 
 
 def test_weightsync_delta_updates_by_ipc_one_request_per_bucket():
-    """WeightSync(delta=True) over IPC into SGLang with the loader (in this process): full, then deltas (dense and
-    sparse) each bucket one request, the engine's weights the trainer's bit for bit, every update checked."""
+    """WeightSync(delta=True) over IPC into SGLang with the loader (in this process): full, then deltas (dense,
+    sparse, and none changed: every payload empty) each bucket one request, the engine's weights the trainer's bit
+    for bit, every update checked."""
     config = preset_config("tiny-qwen3")
     trainer = random_hf_model(config, seed=1, dtype=torch.bfloat16)
     served = Served(random_hf_model(config, seed=2, dtype=torch.bfloat16))
     engine = _InProcess(served)
-    with WeightSync([engine], transport="ipc", bucket_bytes=120_000, delta=True) as sync:
-        for step, every in enumerate((1, 1, 97)):
-            _step(trainer, step, every)
+    # A new, zeroed buffer per bucket: a bucket packed into one of the stream's two kept buffers has in its
+    # alignment gaps what the last bucket packed there left, which changes when that bucket changed (a few words)
+    with WeightSync([engine], transport="ipc", bucket_bytes=120_000, delta=True, reuse_buffers=False) as sync:
+        for step, every in enumerate((1, 1, 97, 0)):
+            if every:
+                _step(trainer, step, every)
             report = sync.update(trainer, config, weight_version=f"v{step}")
             d = report.delta
             assert (report.transport, report.metadata_ahead, d.full, d.encoded, d.checked) == (
@@ -390,9 +394,10 @@ def test_weightsync_delta_updates_by_ipc_one_request_per_bucket():
                 assert set(d.encodings) == {"dense"} and report.buckets > 1
             if step > 1:
                 assert "dense" not in d.encodings and d.wire_bytes < report.bytes // 10, d.summary()
+        assert (d.changed, d.wire_bytes) == (0, 0)  # the last: no word changed
         posts = [p for p in engine.paths if p == "/update_weights_from_tensor"]
         # per update: open, each bucket, state (what it applied), commit; and the base asked before each delta
-        assert len(posts) == 3 * (report.buckets + 3) + 2
+        assert len(posts) == 4 * (report.buckets + 3) + 3
 
 
 @pytest.mark.unit
