@@ -20,12 +20,8 @@ import pytest
 
 from tests.helpers.checks import INPUT_IDS
 from tests.test_engine_hardening import KEY, _port, keyed_engine, read_to_end, request, second_server
-from weightstream.reference_engine.server import (
-    BoundedReads,
-    EngineServer,
-    RequestReadTimeout,
-    ServerLimits,
-)
+from weightstream.common.http_server import BoundedReads, RequestReadTimeout
+from weightstream.reference_engine.server import EngineServer, ServerLimits
 
 OTHER_IDS = [[row[-1 - i] for i in range(len(row))] for row in INPUT_IDS]  # the same tokens, reversed
 

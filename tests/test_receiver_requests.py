@@ -6,18 +6,43 @@ from __future__ import annotations
 
 import pytest
 
+from weightstream.receiver.plan import (
+    DenseBucket,
+    IpcReceive,
+    RankBucket,
+    Receive,
+    ReceivePlan,
+    TensorReceive,
+    Transport,
+)
 from weightstream.receiver.requests import (
+    BROADCAST_AHEAD_ROUTE,
+    BROADCAST_ROUTE,
     DEFAULT_GROUP,
+    IPC_AHEAD_ROUTE,
+    P2P_AHEAD_ROUTE,
+    P2P_ROUTE,
+    PREPARE_IPC_ROUTE,
+    TENSOR_ROUTE,
+    UPDATE_SCHEMAS,
+    UPDATES,
     BeginRequest,
+    BroadcastUpdate,
     CommitRequest,
     DestroyGroupRequest,
     EmptyRequest,
     InitGroupRequest,
+    IpcUpdate,
+    P2pPart,
+    P2pUpdate,
     PauseRequest,
+    RankReceives,
     ReleaseIpcRequest,
     RequestError,
+    TensorUpdate,
     VersionRequest,
     WeightChecksumsRequest,
+    decode_update,
     update_problems,
 )
 from weightstream.reference_engine.protocol import (
@@ -131,3 +156,97 @@ def test_update_problems_and_the_routes_schemas():
         "/weightstream/update_weights_from_ipc_ahead",
         "/update_weights_from_tensor", "/weightstream/update_weights_from_p2p",
         "/weightstream/update_weights_from_p2p_ahead", "/weightstream/prepare_ipc_ahead"])
+
+
+META = {"name": "w", "dtype": "float32", "shape": [2], "offset": 0}
+DELTA = {"encoding": "indices", "word": 4, "total": 8, "count": 1, "nbytes": 6, "index": 3}
+
+
+def test_broadcast_updates_decode_into_each_ranks_receive():
+    one = decode_update(BROADCAST_ROUTE, {"names": ["a", "b"], "dtypes": ["float32", "bfloat16"],
+                                          "shapes": [[2, 3], []], "group_name": "g", "load_format": "flattened_bucket",
+                                          "weight_version": "v2", "weightstream_checksum": "c",
+                                          "weightstream_delta": DELTA})
+    bucket = DenseBucket(("a", "b"), ("float32", "bfloat16"), ((2, 3), ()), "c", DELTA)
+    assert one == BroadcastUpdate((bucket,), False, "g", "flattened_bucket", "v2", False)
+    assert (one.route, one.delta, one.weight_version) == (BROADCAST_ROUTE, True, "v2")
+    receive = Receive(ReceivePlan(Transport.BROADCAST, False, True), "g", (bucket,), "flattened_bucket")
+    assert one.receives(2, 30.0) == RankReceives((receive, receive))
+    ahead = decode_update(BROADCAST_AHEAD_ROUTE, {"buckets": [{"names": ["a"], "dtypes": ["float32"],
+                                                               "shapes": [[4]]}], "load_format": "flattened_bucket"})
+    plain = DenseBucket(("a",), ("float32",), ((4,),))
+    assert ahead == BroadcastUpdate((plain,), True, DEFAULT_GROUP, "flattened_bucket", None, False)
+    assert (ahead.route, ahead.delta) == (BROADCAST_AHEAD_ROUTE, False)
+    assert ahead.receives(1, 30.0) == RankReceives((Receive(ReceivePlan(Transport.BROADCAST, True, False),
+                                                            DEFAULT_GROUP, (plain,), "flattened_bucket"),))
+
+
+def test_tensor_and_ipc_updates_fit_the_engines_ranks():
+    tensor = decode_update(TENSOR_ROUTE, {"serialized_named_tensors": ["p0", "p1"], "load_format": "flattened_bucket",
+                                          "weightstream_checksums": ["c0", None], "weight_version": "v"})
+    assert tensor == TensorUpdate(("p0", "p1"), "flattened_bucket", ("c0", None), "v")
+    assert tensor.receives(2, 1.0) == RankReceives((TensorReceive("p0", "flattened_bucket", "c0"),
+                                                    TensorReceive("p1", "flattened_bucket", None)))
+    assert _refusal(lambda b: decode_update(TENSOR_ROUTE, b).receives(3, 1.0),
+                    {"serialized_named_tensors": "p", "weightstream_checksums": ["a", "b"]}) == (
+        "bad request to /update_weights_from_tensor: got 1 payloads for 3 engine TP ranks; got 2 checksums for 3 "
+        "engine TP ranks")
+    ipc = {"plan": "d", "num_buckets": 5, "channels": ["unix:@a", "unix:@b"], "client": "c",
+           "weightstream_delta_mode": True}
+    update = decode_update(IPC_AHEAD_ROUTE, ipc)
+    assert update == IpcUpdate("d", 5, ("unix:@a", "unix:@b"), "c", None, None, True, False)
+    assert update.receives(2, 10.0) == RankReceives((IpcReceive("d", 5, "unix:@a", "c", 10.0, True, False),
+                                                     IpcReceive("d", 5, "unix:@b", "c", 10.0, True, False)), 80.0)
+    prepare = decode_update(PREPARE_IPC_ROUTE, {**ipc, "timeout_s": 2, "weight_version": 7})  # fields it has not
+    assert prepare == IpcUpdate("d", 5, ("unix:@a", "unix:@b"), "c", 2.0, None, False, True)
+    assert (prepare.route, prepare.receives(2, 10.0).wait_s) == (PREPARE_IPC_ROUTE, 8.0)
+    assert _refusal(lambda b: decode_update(IPC_AHEAD_ROUTE, b).receives(1, 1.0), ipc) == \
+        "bad request to /weightstream/update_weights_from_ipc_ahead: got 2 control channels for 1 engine TP ranks"
+
+
+def test_p2p_updates_whole_and_resharded():
+    entry = {"src": 1, "metas": [META], "nbytes": 8}
+    one = decode_update(P2P_ROUTE, {"ranks": [{**entry, "checksum": "c", "delta": DELTA}, entry], "group_name": "g"})
+    first, second = RankBucket(1, (META,), 8, "c", DELTA), RankBucket(1, (META,), 8)
+    assert one == P2pUpdate(((P2pPart(None, first), P2pPart(None, second)),), False, "g", None, False)
+    assert one.delta and one.receives(2, 1.0) == RankReceives((
+        Receive(ReceivePlan(Transport.P2P, False, True), "g", (first,)),
+        Receive(ReceivePlan(Transport.P2P, False, False), "g", (second,))))
+    pieces = decode_update(P2P_AHEAD_ROUTE, {"buckets": [[{**entry, "rank": 1}, {**entry, "src": 0, "rank": 1}],
+                                                         [{**entry, "rank": 0}]], "weightstream_delta_mode": True})
+    from_0 = RankBucket(0, (META,), 8)
+    assert pieces.route == P2P_AHEAD_ROUTE and pieces.resharded and pieces.delta
+    plan = ReceivePlan(Transport.PIECES, True, True)
+    assert pieces.receives(2, 1.0) == RankReceives((Receive(plan, DEFAULT_GROUP, ((), (second,))),
+                                                    Receive(plan, DEFAULT_GROUP, ((second, from_0), ()))))
+    assert _refusal(lambda b: decode_update(P2P_AHEAD_ROUTE, b).receives(1, 1.0),
+                    {"buckets": [[{**entry, "rank": 1}], [entry]]}) == (
+        "bad request to /weightstream/update_weights_from_p2p_ahead: bucket 0: a part for engine rank 1; the engine "
+        "has ranks 0..0; bucket 1: a part for engine rank None; the engine has ranks 0..0")
+    assert _refusal(lambda b: decode_update(P2P_ROUTE, b).receives(3, 1.0), {"ranks": [entry]}) == (
+        "bad request to /weightstream/update_weights_from_p2p: bad P2P buckets: bucket 0: 1 entries, the engine has "
+        "3 ranks")
+
+
+def test_update_bodies_list_every_problem_in_one_error():
+    assert _refusal(lambda b: decode_update(P2P_AHEAD_ROUTE, b), {"buckets": [
+        [{"src": 0, "metas": [], "nbytes": 1, "rank": -1, "checksum": 5, "delta": {"encoding": "zstd"}}], "x"]}) == (
+        "bad request to /weightstream/update_weights_from_p2p_ahead: bad P2P buckets: bucket 0: entry 0: 'rank' must "
+        "be a non-negative integer (an engine rank); bucket 0: entry 0: 'checksum' must be text or null; bucket 0: "
+        "entry 0: weightstream_delta.word must be a non-negative integer; bucket 0: entry 0: weightstream_delta.total "
+        "must be a non-negative integer; bucket 0: entry 0: weightstream_delta.count must be a non-negative integer; "
+        "bucket 0: entry 0: weightstream_delta.nbytes must be a non-negative integer; bucket 0: entry 0: "
+        "weightstream_delta.index must be a non-negative integer; bucket 0: entry 0: weightstream_delta.encoding must "
+        "be one of ['dense', 'indices', 'bitmap'], got 'zstd'")
+    assert _refusal(lambda b: decode_update(TENSOR_ROUTE, b), {"serialized_named_tensors": [1],
+                                                               "weightstream_checksums": [2]}) == (
+        "bad request to /update_weights_from_tensor: serialized_named_tensors must be one payload (text) or a list of "
+        "them, one per engine rank; weightstream_checksums must be a list of checksums (text or null), one per engine "
+        "rank")
+    assert _refusal(lambda b: decode_update(BROADCAST_ROUTE, b), {"names": ["a"], "dtypes": ["float32"],
+                                                                  "shapes": [[1]], "weightstream_delta": {}}) == (
+        "bad request to /update_weights_from_distributed: weightstream_delta.word must be a non-negative integer; "
+        "weightstream_delta.total must be a non-negative integer; weightstream_delta.count must be a non-negative "
+        "integer; weightstream_delta.nbytes must be a non-negative integer; weightstream_delta.index must be a "
+        "non-negative integer; weightstream_delta.encoding must be one of ['dense', 'indices', 'bitmap'], got 'None'")
+    assert sorted(UPDATES) == sorted(UPDATE_SCHEMAS)

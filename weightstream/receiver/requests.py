@@ -1,24 +1,37 @@
-"""The requests an engine's HTTP face decodes besides the updates themselves (:mod:`weightstream.receiver.plan`):
-a weight-update group's start and end, an update session's phases, the weight version, and checksums of the
-weights held. Each is a frozen record with one ``decode`` of a parsed JSON body, which lists every problem of the
-body in one :class:`RequestError`; fields a body adds beyond its schema are ignored (SGLang's clients send fields
-of newer versions). The update routes' bodies are checked here too (:data:`UPDATE_SCHEMAS`, :func:`update_problems`)
-before an engine decodes them into its receives.
+"""The requests an engine's HTTP face decodes: a weight-update group's start and end, an update session's phases,
+the weight version, checksums of the weights held, and the updates themselves. Each is a frozen record with one
+``decode`` of a parsed JSON body, which lists every problem of the body in one :class:`RequestError`; fields a body
+adds beyond its schema are ignored (SGLang's clients send fields of newer versions, and SGLang's bodies carry no
+version of their own). An update's request (:class:`UpdateRequest`: :class:`BroadcastUpdate`,
+:class:`TensorUpdate`, :class:`IpcUpdate`, :class:`P2pUpdate`) is checked by its route's schema and its buckets'
+checks (:data:`UPDATE_SCHEMAS`, :func:`update_problems`) as it is decoded, and gives each engine rank's receive of
+:mod:`weightstream.receiver.plan` (:meth:`UpdateRequest.receives`), checked against the engine's TP.
 
 A schema is ``field -> (accepted types, required)``; once a field has its type, its bounds are checked: durations
 (finite seconds, so that every wait ends), a few integers, and short texts (a version is echoed in replies)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
+from weightstream.receiver.plan import (
+    DenseBucket,
+    IpcReceive,
+    RankBucket,
+    Receive,
+    ReceivePlan,
+    Request,
+    TensorReceive,
+    Transport,
+)
 from weightstream.receiver.schema import (
     bucket_problems,
     buckets_problems,
     delta_problems,
     duration_problem,
+    int_lists,
     range_problem,
     text_problem,
 )
@@ -28,7 +41,9 @@ __all__ = [
     "Schema", "NUMBER", "OPT_STR", "DURATION_FIELDS", "INT_RANGES", "TEXT_FIELDS", "RequestError", "field_problems",
     "refuse", "DEFAULT_GROUP", "EmptyRequest", "InitGroupRequest", "DestroyGroupRequest", "BeginRequest",
     "CommitRequest", "PauseRequest", "VersionRequest", "WeightChecksumsRequest", "ReleaseIpcRequest",
-    "UPDATE_SCHEMAS", "update_problems",
+    "BROADCAST_ROUTE", "BROADCAST_AHEAD_ROUTE", "TENSOR_ROUTE", "IPC_AHEAD_ROUTE", "PREPARE_IPC_ROUTE", "P2P_ROUTE",
+    "P2P_AHEAD_ROUTE", "UPDATE_SCHEMAS", "update_problems", "RankReceives", "UpdateRequest", "BroadcastUpdate",
+    "TensorUpdate", "IpcUpdate", "P2pPart", "P2pUpdate", "UPDATES", "decode_update",
 ]
 
 Schema = Mapping[str, tuple[tuple[type, ...], bool]]
@@ -244,51 +259,337 @@ class ReleaseIpcRequest:
         return cls(_checked(cls.ROUTE, cls.FIELDS, body)["client"])
 
 
-# The body each update route takes (an engine decodes it into the receives of :mod:`weightstream.receiver.plan`).
+# -- the updates: each route's body decoded once into the receives of :mod:`weightstream.receiver.plan` ---------
+
+BROADCAST_ROUTE = "/update_weights_from_distributed"
+BROADCAST_AHEAD_ROUTE = "/weightstream/update_weights_from_distributed_ahead"
+TENSOR_ROUTE = "/update_weights_from_tensor"
+IPC_AHEAD_ROUTE = "/weightstream/update_weights_from_ipc_ahead"
+PREPARE_IPC_ROUTE = "/weightstream/prepare_ipc_ahead"
+P2P_ROUTE = "/weightstream/update_weights_from_p2p"
+P2P_AHEAD_ROUTE = "/weightstream/update_weights_from_p2p_ahead"
+
+# The body each update route takes.
 UPDATE_SCHEMAS: dict[str, Schema] = {
-    "/update_weights_from_distributed": {
+    BROADCAST_ROUTE: {
         "names": ((list,), True), "dtypes": ((list,), True), "shapes": ((list,), True), "group_name": ((str,), False),
         "load_format": (OPT_STR, False), "weight_version": (OPT_STR, False), "flush_cache": ((bool,), False),
         "weightstream_checksum": (OPT_STR, False), "weightstream_delta": ((dict, type(None)), False),
     },
-    "/weightstream/update_weights_from_distributed_ahead": {
+    BROADCAST_AHEAD_ROUTE: {
         "buckets": ((list,), True), "group_name": ((str,), False), "load_format": (OPT_STR, False),
         "weight_version": (OPT_STR, False), "weightstream_delta_mode": ((bool,), False),
     },
-    "/weightstream/update_weights_from_ipc_ahead": {
+    IPC_AHEAD_ROUTE: {
         "plan": ((str,), True), "num_buckets": ((int,), True), "channels": ((list,), True),
         "client": ((str,), True), "timeout_s": (NUMBER, False), "weight_version": (OPT_STR, False),
         "weightstream_delta_mode": ((bool,), False),
     },
-    "/update_weights_from_tensor": {
+    TENSOR_ROUTE: {
         "serialized_named_tensors": ((list, str), True), "load_format": (OPT_STR, False),
         "weight_version": (OPT_STR, False), "flush_cache": ((bool,), False),
         "weightstream_checksums": ((list, type(None)), False),
     },
-    "/weightstream/update_weights_from_p2p": {
+    P2P_ROUTE: {
         "ranks": ((list,), True), "group_name": ((str,), False), "weight_version": (OPT_STR, False),
     },
-    "/weightstream/update_weights_from_p2p_ahead": {
+    P2P_AHEAD_ROUTE: {
         "buckets": ((list,), True), "group_name": ((str,), False), "weight_version": (OPT_STR, False),
         "weightstream_delta_mode": ((bool,), False),
     },
 }
 # Preparing a colocated update takes the update's fields, less the weight version (no update is open).
-UPDATE_SCHEMAS["/weightstream/prepare_ipc_ahead"] = {
-    k: v for k, v in UPDATE_SCHEMAS["/weightstream/update_weights_from_ipc_ahead"].items()
-    if k not in ("weight_version", "weightstream_delta_mode")}
+UPDATE_SCHEMAS[PREPARE_IPC_ROUTE] = {k: v for k, v in UPDATE_SCHEMAS[IPC_AHEAD_ROUTE].items()
+                                     if k not in ("weight_version", "weightstream_delta_mode")}
+
+
+def _channels_problems(body: Mapping[str, Any]) -> list[str]:
+    if not any(address_problem(c) for c in body["channels"]):
+        return []
+    return ["channels must be 'unix:@NAME' addresses (the trainer ranks' control channels), one per engine rank"]
+
+
+def _tensor_problems(body: Mapping[str, Any]) -> list[str]:
+    payloads = body["serialized_named_tensors"]
+    problems = [] if isinstance(payloads, str) or all(isinstance(p, str) for p in payloads) else [
+        "serialized_named_tensors must be one payload (text) or a list of them, one per engine rank"]
+    checksums = body.get("weightstream_checksums") or []
+    if not all(isinstance(c, str | None) for c in checksums):
+        problems.append("weightstream_checksums must be a list of checksums (text or null), one per engine rank")
+    return problems
+
+
+def _entry_problems(k: int, e: Any) -> list[str]:
+    """What is wrong with entry ``k`` of a per-rank bucket: it gives ``src`` (int), ``metas`` (list) and ``nbytes``
+    (int); ``rank`` (the engine rank a resharded part is for), ``checksum`` and ``delta`` where it gives them."""
+    if not (isinstance(e, dict) and isinstance(e.get("src"), int) and isinstance(e.get("metas"), list)
+            and isinstance(e.get("nbytes"), int)):
+        return [f"entry {k}: needs 'src' (int), 'metas' (list) and 'nbytes' (int)"]
+    problems = [] if "rank" not in e or int_lists(e["rank"], 0) else [
+        f"entry {k}: 'rank' must be a non-negative integer (an engine rank)"]
+    if not isinstance(e.get("checksum"), str | None):
+        problems.append(f"entry {k}: 'checksum' must be text or null")
+    return problems + [f"entry {k}: {p}" for p in delta_problems(e.get("delta"))]
+
+
+def _p2p_problems(buckets: list) -> list[str]:
+    """Every problem of per-rank buckets' entries, in one: each bucket a list of entries (:func:`_entry_problems`)."""
+    problems = [f"bucket {i}: {p}" for i, x in enumerate(buckets)
+                for p in ([p for k, e in enumerate(x) for p in _entry_problems(k, e)] if isinstance(x, list)
+                          else ["not a list of entries"])]
+    return ["bad P2P buckets: " + "; ".join(problems[:8])] if problems else []
+
+
+_UPDATE_CHECKS: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
+    BROADCAST_ROUTE: lambda b: bucket_problems(b) + delta_problems(b.get("weightstream_delta")),
+    BROADCAST_AHEAD_ROUTE: lambda b: buckets_problems(b["buckets"]),
+    TENSOR_ROUTE: _tensor_problems,
+    IPC_AHEAD_ROUTE: _channels_problems,
+    PREPARE_IPC_ROUTE: _channels_problems,
+    P2P_ROUTE: lambda b: _p2p_problems([b["ranks"]]),
+    P2P_AHEAD_ROUTE: lambda b: _p2p_problems(b["buckets"]),
+}
 
 
 def update_problems(path: str, body: Mapping[str, Any]) -> list[str]:
-    """Every problem of an update route's ``body`` for ``path``: its schema's, then its buckets' metadata, delta
-    header and control channels."""
+    """Every problem of an update route's ``body`` for ``path``: its schema's, then (once the fields have their
+    types) its buckets' metadata, delta headers, payloads and control channels."""
     problems = field_problems(UPDATE_SCHEMAS.get(path, {}), body)
-    if not problems and path == "/update_weights_from_distributed":
-        problems += bucket_problems(body) + delta_problems(body.get("weightstream_delta"))
-    if not problems and path == "/weightstream/update_weights_from_distributed_ahead":
-        problems += buckets_problems(body["buckets"])
-    if not problems and path in ("/weightstream/update_weights_from_ipc_ahead", "/weightstream/prepare_ipc_ahead") \
-            and any(address_problem(c) for c in body["channels"]):
-        problems.append("channels must be 'unix:@NAME' addresses (the trainer ranks' control channels), one per "
-                        "engine rank")
-    return problems
+    check = _UPDATE_CHECKS.get(path)
+    return problems if problems or check is None else check(body)
+
+
+def _checked_update(route: str, body: Mapping[str, Any]) -> Mapping[str, Any]:
+    refuse(route, update_problems(route, body))
+    return body
+
+
+@dataclass(frozen=True, slots=True)
+class RankReceives:
+    """What an update asks of an engine's ranks: each rank's receive, in rank order, and how long the engine waits
+    for their answers (None: its bound on any command)."""
+
+    per_rank: tuple[Request, ...]
+    wait_s: float | None = None
+
+
+class UpdateRequest(Protocol):
+    """An update route's request, decoded from its body by :func:`decode_update`: the route it came by, the version
+    a commit serves after it (None: unchanged), whether it carries deltas (the engine then keeps the bytes it
+    applies them to), and each rank's receive (:meth:`receives`)."""
+
+    @property
+    def route(self) -> str: ...
+
+    @property
+    def weight_version(self) -> str | None: ...
+
+    @property
+    def delta(self) -> bool: ...
+
+    def receives(self, tp: int, timeout_s: float) -> RankReceives:
+        """Each of ``tp`` engine ranks' receive, each wait on the trainer bounded by the request's ``timeout_s``
+        where it gives one, else by ``timeout_s`` (the session's); one :class:`RequestError` listing everything
+        of the request that does not fit an engine of ``tp`` ranks."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class BroadcastUpdate:
+    """``/update_weights_from_distributed``: one bucket over group ``group_name``, its tensors broadcast one by one
+    (``load_format`` None) or as one buffer (``flattened_bucket``; a delta's header in the bucket); ``ahead``
+    (``/weightstream/update_weights_from_distributed_ahead``): every bucket's metadata, then the buckets back to
+    back, deltas where ``delta_mode``."""
+
+    ROUTES: ClassVar[tuple[str, ...]] = (BROADCAST_ROUTE, BROADCAST_AHEAD_ROUTE)
+
+    buckets: tuple[DenseBucket, ...]
+    ahead: bool = False
+    group_name: str = DEFAULT_GROUP
+    load_format: str | None = None
+    weight_version: str | None = None
+    delta_mode: bool = False
+
+    @property
+    def route(self) -> str:
+        return self.ROUTES[self.ahead]
+
+    @property
+    def delta(self) -> bool:
+        return self.delta_mode or any(b.delta is not None for b in self.buckets)
+
+    @classmethod
+    def decode(cls, route: str, body: Mapping[str, Any]) -> BroadcastUpdate:
+        b = _checked_update(route, body)
+        ahead = route == BROADCAST_AHEAD_ROUTE
+        buckets = [_dense_bucket(x) for x in b["buckets"]] if ahead else [
+            _dense_bucket(b, b.get("weightstream_checksum"), b.get("weightstream_delta"))]
+        return cls(tuple(buckets), ahead, b.get("group_name", DEFAULT_GROUP), b.get("load_format"),
+                   b.get("weight_version"), b.get("weightstream_delta_mode") is True)
+
+    def receives(self, tp: int, timeout_s: float) -> RankReceives:
+        plan = ReceivePlan(Transport.BROADCAST, self.ahead, self.delta)
+        return RankReceives((Receive(plan, self.group_name, self.buckets, self.load_format),) * tp)
+
+
+def _dense_bucket(x: Mapping[str, Any], checksum: str | None = None, delta: dict | None = None) -> DenseBucket:
+    """A broadcast bucket as a body names it (``names``, ``dtypes``, ``shapes``: checked before)."""
+    return DenseBucket(tuple(x["names"]), tuple(x["dtypes"]), tuple(tuple(s) for s in x["shapes"]), checksum, delta)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorUpdate:
+    """``/update_weights_from_tensor`` (SGLang's): each engine rank's ``payloads`` entry (pickled, base64), their
+    ``load_format`` and, for a flattened bucket, the sender's ``checksums`` of each rank's bytes."""
+
+    ROUTES: ClassVar[tuple[str, ...]] = (TENSOR_ROUTE,)
+
+    payloads: tuple[str, ...]
+    load_format: str | None = None
+    checksums: tuple[str | None, ...] = ()
+    weight_version: str | None = None
+
+    @property
+    def route(self) -> str:
+        return TENSOR_ROUTE
+
+    @property
+    def delta(self) -> bool:
+        return False
+
+    @classmethod
+    def decode(cls, route: str, body: Mapping[str, Any]) -> TensorUpdate:
+        b = _checked_update(route, body)
+        payloads = b["serialized_named_tensors"]
+        return cls(tuple([payloads] if isinstance(payloads, str) else payloads), b.get("load_format"),
+                   tuple(b.get("weightstream_checksums") or ()), b.get("weight_version"))
+
+    def receives(self, tp: int, timeout_s: float) -> RankReceives:
+        checksums = self.checksums or (None,) * len(self.payloads)
+        refuse(self.route, [f"got {n} {what} for {tp} engine TP ranks" for n, what in (
+            (len(self.payloads), "payloads"), (len(self.checksums) or tp, "checksums")) if n != tp])
+        return RankReceives(tuple(TensorReceive(p, self.load_format, c) for p, c in zip(self.payloads, checksums,
+                                                                                          strict=True)))
+
+
+@dataclass(frozen=True, slots=True)
+class IpcUpdate:
+    """``/weightstream/update_weights_from_ipc_ahead``: a colocated update by the trainer's ``plan`` (its digest) of
+    ``num_buckets`` buckets, each engine rank over its control channel (``channels``, in rank order) of trainer
+    ``client``, each wait bounded by ``timeout_s`` (None: the session's); deltas where ``delta``. ``prepare``
+    (``/weightstream/prepare_ipc_ahead``): no update, only the plan learnt and the trainer's kept buffers mapped."""
+
+    ROUTES: ClassVar[tuple[str, ...]] = (IPC_AHEAD_ROUTE, PREPARE_IPC_ROUTE)
+
+    plan: str
+    num_buckets: int
+    channels: tuple[str, ...]
+    client: str
+    timeout_s: float | None = None
+    weight_version: str | None = None
+    delta: bool = False
+    prepare: bool = False
+
+    @property
+    def route(self) -> str:
+        return self.ROUTES[self.prepare]
+
+    @classmethod
+    def decode(cls, route: str, body: Mapping[str, Any]) -> IpcUpdate:
+        b = _checked_update(route, body)
+        timeout_s, prepare = b.get("timeout_s"), route == PREPARE_IPC_ROUTE
+        return cls(b["plan"], b["num_buckets"], tuple(b["channels"]), b["client"],
+                   None if timeout_s is None else float(timeout_s), None if prepare else b.get("weight_version"),
+                   not prepare and b.get("weightstream_delta_mode") is True, prepare)
+
+    def receives(self, tp: int, timeout_s: float) -> RankReceives:
+        """The engine waits for the ranks' answers a bound per bucket and three more (they answer once the last
+        bucket is loaded); four, for a prepare."""
+        refuse(self.route, [] if len(self.channels) == tp else [
+            f"got {len(self.channels)} control channels for {tp} engine TP ranks"])
+        bound = self.timeout_s or timeout_s
+        return RankReceives(tuple(IpcReceive(self.plan, self.num_buckets, c, self.client, bound, self.delta,
+                                             self.prepare) for c in self.channels),
+                            bound * (4 if self.prepare else self.num_buckets + 3))
+
+
+@dataclass(frozen=True, slots=True)
+class P2pPart:
+    """An entry of a per-rank bucket: what trainer rank ``bucket.src`` sends, and the engine rank it is for
+    (``rank``, a resharded bucket's part: an engine rank may hear several trainer ranks, or none; None: the entry's
+    place in the bucket is the engine rank's)."""
+
+    rank: int | None
+    bucket: RankBucket
+
+
+@dataclass(frozen=True, slots=True)
+class P2pUpdate:
+    """``/weightstream/update_weights_from_p2p``: one bucket (``buckets`` holds one), each engine rank's part sent
+    by send/recv from one trainer rank, or, resharded, in parts from several; ``ahead``
+    (``/weightstream/update_weights_from_p2p_ahead``): every bucket's entries, then the buckets back to back,
+    deltas where ``delta_mode``."""
+
+    ROUTES: ClassVar[tuple[str, ...]] = (P2P_ROUTE, P2P_AHEAD_ROUTE)
+
+    buckets: tuple[tuple[P2pPart, ...], ...]
+    ahead: bool = False
+    group_name: str = DEFAULT_GROUP
+    weight_version: str | None = None
+    delta_mode: bool = False
+
+    @property
+    def route(self) -> str:
+        return self.ROUTES[self.ahead]
+
+    @property
+    def delta(self) -> bool:
+        """Ahead, the mode; one bucket per request, whether a part gives a delta header."""
+        return self.delta_mode if self.ahead else any(p.bucket.delta is not None for x in self.buckets for p in x)
+
+    @property
+    def resharded(self) -> bool:
+        return any(p.rank is not None for x in self.buckets for p in x)
+
+    @classmethod
+    def decode(cls, route: str, body: Mapping[str, Any]) -> P2pUpdate:
+        b = _checked_update(route, body)
+        ahead = route == P2P_AHEAD_ROUTE
+        buckets = tuple(tuple(P2pPart(e.get("rank"), RankBucket(e["src"], tuple(e["metas"]), e["nbytes"],
+                                                                e.get("checksum"), e.get("delta"))) for e in x)
+                        for x in (b["buckets"] if ahead else [b["ranks"]]))
+        return cls(buckets, ahead, b.get("group_name", DEFAULT_GROUP), b.get("weight_version"),
+                   b.get("weightstream_delta_mode") is True)
+
+    def receives(self, tp: int, timeout_s: float) -> RankReceives:
+        return RankReceives(self._pieces(tp) if self.resharded else self._whole(tp))
+
+    def _whole(self, tp: int) -> tuple[Receive, ...]:
+        """Each bucket one entry per engine rank, in rank order."""
+        problems = [f"bucket {i}: {len(x)} entries, the engine has {tp} ranks" for i, x in enumerate(self.buckets)
+                    if len(x) != tp]
+        refuse(self.route, ["bad P2P buckets: " + "; ".join(problems[:8])] if problems else [])
+        return tuple(Receive(ReceivePlan(Transport.P2P, self.ahead, self.delta_mode if self.ahead else
+                                         self.buckets[0][r].bucket.delta is not None),
+                             self.group_name, tuple(x[r].bucket for x in self.buckets)) for r in range(tp))
+
+    def _pieces(self, tp: int) -> tuple[Receive, ...]:
+        """Each bucket's parts gathered by the engine rank they name."""
+        refuse(self.route, [f"bucket {i}: a part for engine rank {p.rank!r}; the engine has ranks 0..{tp - 1}"
+                            for i, x in enumerate(self.buckets) for p in x if p.rank is None or p.rank >= tp][:8])
+        plan = ReceivePlan(Transport.PIECES, self.ahead, self.delta)
+        return tuple(Receive(plan, self.group_name, tuple(tuple(p.bucket for p in x if p.rank == r)
+                                                          for x in self.buckets)) for r in range(tp))
+
+
+UPDATES: dict[str, Callable[[str, Mapping[str, Any]], UpdateRequest]] = {
+    BROADCAST_ROUTE: BroadcastUpdate.decode, BROADCAST_AHEAD_ROUTE: BroadcastUpdate.decode,
+    TENSOR_ROUTE: TensorUpdate.decode, IPC_AHEAD_ROUTE: IpcUpdate.decode, PREPARE_IPC_ROUTE: IpcUpdate.decode,
+    P2P_ROUTE: P2pUpdate.decode, P2P_AHEAD_ROUTE: P2pUpdate.decode,
+}
+
+
+def decode_update(route: str, body: Mapping[str, Any]) -> UpdateRequest:
+    """Update route ``route``'s ``body`` as its typed request (:data:`UPDATES`); one :class:`RequestError` listing
+    every problem of a body refused (:func:`update_problems`)."""
+    return UPDATES[route](route, body)

@@ -11,7 +11,7 @@ from weightstream.models.spec import dtype_from_name
 
 __all__ = [
     "int_lists", "unknown_dtypes", "bucket_problems", "DELTA_ENCODINGS", "MAX_DELTA_BYTES", "delta_problems",
-    "buckets_problems", "MAX_JSON_DEPTH", "MAX_DURATION_S", "MAX_TEXT_CHARS", "nesting_exceeds", "duration_problem",
+    "buckets_problems", "MAX_DURATION_S", "MAX_TEXT_CHARS", "duration_problem",
     "range_problem", "text_problem", "token_rows", "ep_problem", "EXPERT_COUNTS", "routed_experts"
 ]
 
@@ -91,24 +91,10 @@ def buckets_problems(buckets: Any) -> list[str]:
     return [f"bucket {i}: {p}" for i, b in enumerate(buckets) for p in bucket_problems(b)]
 
 
-# -- bounds on what one HTTP request may ask for ------------------------------------------------------
+# -- bounds on what one HTTP request may ask for (its JSON's depth: weightstream.common.http_server) -----------
 
-MAX_JSON_DEPTH = 64  # lists and objects nested in a request body
 MAX_DURATION_S = 3600.0  # any duration a request sets (``timeout_s``): seconds in (0, MAX_DURATION_S]
 MAX_TEXT_CHARS = 256  # a weight version or a name a request sets (group, client, plan, ...)
-
-
-def nesting_exceeds(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
-    """Whether parsed JSON ``value`` nests lists and objects more than ``limit`` deep (walked without
-    recursion)."""
-    stack = [(value, 1)] if isinstance(value, (list, dict)) else []
-    while stack:
-        node, depth = stack.pop()
-        children = node.values() if isinstance(node, dict) else node
-        if depth > limit:
-            return True
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (list, dict)))
-    return False
 
 
 def _shown(value: Any) -> str:

@@ -25,13 +25,10 @@ from __future__ import annotations
 
 import base64
 import fcntl
-import hmac
-import io
 import ipaddress
 import itertools
 import json
 import os
-import re
 import socket
 import struct
 import sys
@@ -41,47 +38,39 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import torch
 
+from weightstream.common.http_server import BadRequest, HttpLimits, JsonHttpServer
 from weightstream.common.processes import free_port, process_context, start_process
 from weightstream.engines.reference import ENGINE_NAME
-from weightstream.receiver.plan import (
-    DenseBucket,
-    IpcReceive,
-    RankBucket,
-    Receive,
-    ReceivePlan,
-    TensorReceive,
-    Transport,
-)
 from weightstream.receiver.requests import (
-    DURATION_FIELDS,
-    INT_RANGES,
-    TEXT_FIELDS,
+    BROADCAST_AHEAD_ROUTE,
+    BROADCAST_ROUTE,
+    P2P_AHEAD_ROUTE,
+    P2P_ROUTE,
+    PREPARE_IPC_ROUTE,
+    TENSOR_ROUTE,
     UPDATE_SCHEMAS,
+    UPDATES,
     BeginRequest,
     CommitRequest,
     DestroyGroupRequest,
     EmptyRequest,
     InitGroupRequest,
+    IpcUpdate,
     PauseRequest,
+    RankReceives,
     ReleaseIpcRequest,
     RequestError,
     Schema,
+    UpdateRequest,
     VersionRequest,
     WeightChecksumsRequest,
-    update_problems,
+    decode_update,
 )
-from weightstream.receiver.schema import (
-    MAX_JSON_DEPTH,
-    delta_problems,
-    duration_problem,
-    ep_problem,
-    nesting_exceeds,
-)
+from weightstream.receiver.schema import duration_problem, ep_problem
 from weightstream.receiver.values import DEFAULT_CHECKS, LoadChecks
 from weightstream.reference_engine.protocol import (
     START_ID,
@@ -117,53 +106,32 @@ from weightstream.reference_engine.worker import worker_main
 from weightstream.wire.handles import gpu_uuid
 
 __all__ = [
-    "MAX_BODY_BYTES", "BULK_ROUTES", "ServerLimits", "log", "SESSION_GRACE_S", "EngineFailure", "UpdateInFlight",
-    "EngineUnavailable", "WorkOutOfTime", "Unanswered", "BadRequest", "SCHEMAS", "DURATION_FIELDS", "INT_RANGES",
-    "TEXT_FIELDS", "REQUESTS", "check_body", "decode_body", "gloo_interface", "Engine", "bearer_matches",
-    "announces_body", "read_chunked", "parse_body", "RequestReadTimeout", "BoundedReads", "raw_reply", "EngineServer",
+    "BULK_ROUTES", "ServerLimits", "log", "SESSION_GRACE_S", "EngineFailure", "UpdateInFlight", "EngineUnavailable",
+    "WorkOutOfTime", "Unanswered", "REQUESTS", "SCHEMAS", "decode_body", "gloo_interface", "Engine", "EngineServer",
     "serve", "stop"
 ]
 
 
-MAX_BODY_BYTES = 64 << 20
 # Routes whose bodies carry weights or the metadata of every bucket: these may be up to ``max_body_bytes``;
 # every other route's body is small (``max_small_body_bytes``).
-BULK_ROUTES = frozenset({
-    "/update_weights_from_distributed", "/weightstream/update_weights_from_distributed_ahead",
-    "/update_weights_from_tensor", "/weightstream/update_weights_from_p2p",
-    "/weightstream/update_weights_from_p2p_ahead",
-})
+BULK_ROUTES = frozenset({BROADCAST_ROUTE, BROADCAST_AHEAD_ROUTE, TENSOR_ROUTE, P2P_ROUTE, P2P_AHEAD_ROUTE})
 
 
 @dataclass(frozen=True, slots=True)
-class ServerLimits:
-    """What one client may hold of the HTTP server, or ask of the engine in one request (docs/engines.md,
-    "Bounds")."""
+class ServerLimits(HttpLimits):
+    """What one client may hold of the engine's HTTP server (:class:`HttpLimits`), or ask of the engine in one
+    request (docs/engines.md, "Bounds")."""
 
-    max_body_bytes: int = MAX_BODY_BYTES  # a body of a route in BULK_ROUTES
-    max_small_body_bytes: int = 1 << 20  # a body of any other route
-    max_connections: int = 512  # open at once; more go to the reserve (below), past it answered 503 and closed
-    idle_timeout_s: float = 30.0  # a client that sends nothing (or stops mid-request) this long is disconnected
-    listen_backlog: int = 1024  # connections the kernel queues until the server accepts them (bursts)
     max_batch_tokens: int = 16384  # /generate and /weightstream/logits: the sum over rows of prompt + new tokens
     max_request_s: float = 60.0  # the workers' time for one /generate request, checked between decode steps
-    request_read_s: float = 60.0  # one request's line, headers and body must all arrive within this
-    reserve_connections: int = 16  # past max_connections, read for GET /health only (others: 503)
-    reserve_read_s: float = 2.0  # the whole-request bound on those
 
-    def __post_init__(self) -> None:
-        problems = [f"{name} must be a positive number of seconds, got {value!r}" for name, value in (
-            ("idle_timeout_s", self.idle_timeout_s), ("max_request_s", self.max_request_s),
-            ("request_read_s", self.request_read_s), ("reserve_read_s", self.reserve_read_s))
-            if not 0 < value < float("inf")]
-        problems += [f"{name} must be a positive integer, got {value!r}" for name, value in (
-            ("max_body_bytes", self.max_body_bytes), ("max_small_body_bytes", self.max_small_body_bytes),
-            ("max_connections", self.max_connections), ("listen_backlog", self.listen_backlog),
-            ("max_batch_tokens", self.max_batch_tokens)) if not value > 0]
-        if self.reserve_connections < 0:
-            problems.append(f"reserve_connections must be 0 or more, got {self.reserve_connections!r}")
-        if problems:
-            raise ValueError("bad server limits: " + "; ".join(problems))
+    def problems(self) -> list[str]:
+        problems = HttpLimits.problems(self)
+        if not 0 < self.max_request_s < float("inf"):
+            problems.append(f"max_request_s must be a positive number of seconds, got {self.max_request_s!r}")
+        if not self.max_batch_tokens > 0:
+            problems.append(f"max_batch_tokens must be a positive integer, got {self.max_batch_tokens!r}")
+        return problems
 
 
 def log(message: str) -> None:
@@ -201,14 +169,6 @@ class Unanswered:
     given_up: float | None = None
 
 
-class BadRequest(Exception):
-    """A request the engine refuses as it stands (4xx), before anything runs."""
-
-    def __init__(self, status: int, message: str):
-        self.status, self.message = HTTPStatus(status), message
-        super().__init__(message)
-
-
 # The typed request each route other than the updates decodes its body into; a route not named here and not an
 # update reads no field (:class:`EmptyRequest`).
 _TYPED: tuple[Any, ...] = (
@@ -221,20 +181,12 @@ REQUESTS: dict[str, Callable[[dict], Any]] = {r.ROUTE: r.decode for r in _TYPED}
 SCHEMAS: dict[str, Schema] = {**UPDATE_SCHEMAS, **{r.ROUTE: r.FIELDS for r in _TYPED}}
 
 
-def check_body(path: str, body: dict) -> None:
-    """Raise one :class:`BadRequest` listing every problem of an update route's ``body`` for ``path``."""
-    problems = update_problems(path, body)
-    if problems:
-        raise BadRequest(HTTPStatus.BAD_REQUEST, f"bad request to {path}: " + "; ".join(problems))
-
-
 def decode_body(path: str, body: dict) -> Any:
-    """What a route runs on: an update route's checked body (:func:`check_body`), any other route's typed request
-    (:data:`REQUESTS`); a body refused is one :class:`BadRequest` (400) listing every problem."""
-    if path in UPDATE_SCHEMAS:
-        check_body(path, body)
-        return body
+    """What a route runs on: its typed request (an update's: :func:`decode_update`; any other's: :data:`REQUESTS`);
+    a body refused is one :class:`BadRequest` (400) listing every problem."""
     try:
+        if path in UPDATES:
+            return decode_update(path, body)
         return REQUESTS.get(path, EmptyRequest.decode)(body)
     except RequestError as exc:
         raise BadRequest(HTTPStatus.BAD_REQUEST, exc.message) from None
@@ -647,265 +599,6 @@ class Engine:
             conn.close()
 
 
-def bearer_matches(header: str, key: str) -> bool:
-    """``Authorization: Bearer KEY``, the scheme in any case (RFC 9110), the key compared in constant time.
-    (Header text arrives decoded as Latin-1: encoded back, it is the bytes the client sent.)"""
-    scheme, _, token = header.strip().partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), key.encode())
-
-
-def announces_body(headers) -> bool:
-    return headers.get("Transfer-Encoding") is not None or headers.get("Content-Length", "0").strip() not in ("", "0")
-
-
-_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
-
-
-def read_chunked(rfile: io.BufferedIOBase, limit: int) -> bytes:
-    """A body sent with ``Transfer-Encoding: chunked`` (RFC 9112, 7.1), at most ``limit`` bytes; chunk
-    extensions and trailer fields are read and dropped."""
-    parts, total = [], 0
-    while True:
-        line = rfile.readline(4096)
-        size_text = line.split(b";", 1)[0].strip()
-        if not line.endswith(b"\n") or not _CHUNK_SIZE.fullmatch(size_text):
-            raise BadRequest(HTTPStatus.BAD_REQUEST, f"bad chunk size line {line[:40]!r}")
-        size = int(size_text, 16)
-        if size == 0:
-            break
-        total += size
-        if total > limit:
-            raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                             f"chunked body of more than {limit} bytes exceeds the limit of {limit} bytes")
-        data = rfile.read(size)
-        if len(data) < size or rfile.readline(3) not in (b"\r\n", b"\n"):
-            raise BadRequest(HTTPStatus.BAD_REQUEST, "chunked body cut short (or a chunk not followed by CRLF)")
-        parts.append(data)
-    for _ in range(64):
-        line = rfile.readline(4096)
-        if line in (b"\r\n", b"\n"):
-            return b"".join(parts)
-        if not line.endswith(b"\n"):
-            raise BadRequest(HTTPStatus.BAD_REQUEST, "chunked body cut short in its trailer")
-    raise BadRequest(HTTPStatus.BAD_REQUEST, "more than 64 trailer lines after a chunked body")
-
-
-def _refuse_constant(name: str) -> None:
-    raise ValueError(f"{name} is not a number this engine takes (finite numbers only)")
-
-
-def parse_body(raw: bytes) -> dict:
-    """A request's body: a JSON object of finite numbers, nested at most ``MAX_JSON_DEPTH`` levels."""
-    deep = BadRequest(HTTPStatus.BAD_REQUEST, f"bad JSON: nested more than {MAX_JSON_DEPTH} levels deep")
-    try:
-        body = json.loads(raw, parse_constant=_refuse_constant)
-    except RecursionError:
-        raise deep from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(HTTPStatus.BAD_REQUEST, f"bad JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest(HTTPStatus.BAD_REQUEST, f"the body must be a JSON object, got {type(body).__name__}")
-    if nesting_exceeds(body):
-        raise deep
-    return body
-
-
-def _error(exc: BadRequest) -> dict:
-    return {"object": "error", "success": False, "message": exc.message, "code": int(exc.status)}
-
-
-class RequestReadTimeout(Exception):
-    """One request's line, headers and body did not all arrive within its bound."""
-
-
-class BoundedReads(io.RawIOBase):
-    """A connection's reads: each waits at most ``idle_s`` for a byte and, once a request has begun (``deadline``
-    set, a ``time.monotonic()``), none goes past the deadline (:class:`RequestReadTimeout`), however slowly the
-    client trickles its bytes."""
-
-    def __init__(self, sock: socket.socket, idle_s: float):
-        super().__init__()
-        self.sock, self.idle_s = sock, idle_s
-        self.deadline: float | None = None
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        left = None if self.deadline is None else self.deadline - time.monotonic()
-        if left is not None and left <= 0:
-            raise RequestReadTimeout
-        self.sock.settimeout(self.idle_s if left is None else min(self.idle_s, left))
-        try:
-            return self.sock.recv_into(buffer)
-        except TimeoutError:
-            if left is not None and left <= self.idle_s:
-                raise RequestReadTimeout from None
-            raise
-        finally:
-            self.sock.settimeout(self.idle_s)  # what bounds the writes
-
-
-def raw_reply(sock: socket.socket, status: HTTPStatus, message: str) -> None:
-    """An answer written straight to the socket (no request parsed, or none to be read further), then the
-    connection is to be closed."""
-    body = json.dumps({"success": False, "code": int(status), "message": message}).encode()
-    retry = "Retry-After: 1\r\n" if status == HTTPStatus.SERVICE_UNAVAILABLE else ""
-    head = (f"HTTP/1.1 {int(status)} {status.phrase}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n{retry}\r\n").encode()
-    try:
-        sock.settimeout(1.0)
-        sock.sendall(head + body)
-    except OSError:
-        pass
-
-
-class _Handler(BaseHTTPRequestHandler):
-    """One connection of the ``max_connections``: requests one after another (keep-alive)."""
-
-    server: EngineServer
-    protocol_version = "HTTP/1.1"
-    _unread = False  # the request announced a body that has not been read (whole) yet
-    reserve = False  # a connection past max_connections (:class:`_ReserveHandler`)
-
-    def setup(self) -> None:
-        limits = self.server.limits
-        # bounds every write on this connection; typeshed declares timeout a ClassVar, but
-        # StreamRequestHandler.setup reads it from the instance, so a per-connection value is what it takes
-        self.timeout = limits.reserve_read_s if self.reserve else limits.idle_timeout_s  # type: ignore[misc]
-        super().setup()
-        self.rfile.close()  # the socket's own reader: each read is bounded by the request's deadline instead
-        self.reads = BoundedReads(self.connection, self.timeout)
-        self.buffered = io.BufferedReader(self.reads)
-        self.rfile = self.buffered
-
-    def handle_one_request(self) -> None:
-        """One request: the client may keep the connection idle ``idle_timeout_s`` before its first byte; from
-        that byte on, its line, headers and body must all arrive within ``request_read_s`` (else 408, closed)."""
-        limits = self.server.limits
-        self.reads.deadline = None
-        try:
-            if not self.buffered.peek(1):  # the client closed the connection
-                self.close_connection = True
-                return
-        except TimeoutError:
-            self.close_connection = True
-            if self.reserve:
-                raw_reply(self.connection, HTTPStatus.SERVICE_UNAVAILABLE, self.server.busy_message())
-            return
-        bound = limits.reserve_read_s if self.reserve else limits.request_read_s
-        self.reads.deadline = time.monotonic() + bound
-        try:
-            super().handle_one_request()
-        except RequestReadTimeout:
-            self.close_connection = True
-            raw_reply(self.connection, HTTPStatus.REQUEST_TIMEOUT, (
-                f"the request did not arrive whole within {bound:g} s (its line, headers and body; this "
-                f"engine's {'reserve_read_s' if self.reserve else 'request_read_s'})"))
-
-    def log_message(self, fmt, *args):  # quiet
-        pass
-
-    def _reply(self, status: int, body: Any) -> None:
-        """``body``: text (sent as such, as SGLang answers /flush_cache) or what JSON encodes."""
-        text = isinstance(body, str)
-        data = body.encode() if text else json.dumps(body).encode()
-        if self._unread:  # what follows on this connection is the rest of a body, not a request
-            self.close_connection = True
-        self.send_response(status)
-        self.send_header("Content-Type", "text/plain; charset=utf-8" if text else "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _authorised(self) -> bool:
-        key = self.server.api_key
-        if not key or self.path == "/health":
-            return True
-        if bearer_matches(self.headers.get("Authorization", ""), key):
-            return True
-        self._reply(HTTPStatus.UNAUTHORIZED, {"error": {"message": "missing or wrong bearer token"}})
-        return False
-
-    def _body(self, path: str) -> dict:
-        raw = self._read_body(self.server.body_limit(path))
-        self._unread = False
-        return parse_body(raw) if raw else {}
-
-    def _read_body(self, limit: int) -> bytes:
-        encoding = self.headers.get("Transfer-Encoding")
-        length = self.headers.get("Content-Length")
-        if encoding is not None:
-            if length is not None:
-                raise BadRequest(HTTPStatus.BAD_REQUEST, "a request may not carry both Transfer-Encoding and "
-                                                         "Content-Length")
-            if encoding.strip().lower() != "chunked":
-                raise BadRequest(HTTPStatus.NOT_IMPLEMENTED, f"Transfer-Encoding {encoding!r}: only chunked is taken")
-            return read_chunked(self.rfile, limit)
-        try:
-            n = int(length or 0)
-        except ValueError:
-            raise BadRequest(HTTPStatus.BAD_REQUEST, f"Content-Length {length!r} is not a number") from None
-        if n < 0:
-            raise BadRequest(HTTPStatus.BAD_REQUEST, f"Content-Length {n} is negative")
-        if n > limit:
-            raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                             f"body of {n} bytes exceeds the limit of {limit} bytes")
-        raw = self.rfile.read(n) if n else b""
-        if len(raw) < n:
-            raise BadRequest(HTTPStatus.BAD_REQUEST, f"body cut short: {len(raw)} of {n} bytes")
-        return raw
-
-    def do_GET(self):
-        self._dispatch("GET")
-
-    def do_POST(self):
-        self._dispatch("POST")
-
-    def _dispatch(self, method: str) -> None:
-        self._unread = announces_body(self.headers)
-        path = self.path.split("?", 1)[0]
-        if self.reserve:  # past max_connections: GET /health only, then closed
-            self.close_connection = True
-            if (method, path) != ("GET", "/health"):
-                exc = BadRequest(HTTPStatus.SERVICE_UNAVAILABLE, self.server.busy_message())
-                self._reply(exc.status, _error(exc))
-                return
-        if not self._authorised():  # before any body is read
-            return
-        route = self.server.routes.get((method, path)) or (
-            self.server.routes.get(("POST", path)) if path == "/flush_cache" else None
-        )
-        try:
-            if route is None:
-                allowed = [m for (m, p) in self.server.routes if p == path]
-                if allowed:
-                    raise BadRequest(HTTPStatus.METHOD_NOT_ALLOWED, f"{path} takes {', '.join(allowed)}, not {method}")
-                raise BadRequest(HTTPStatus.NOT_FOUND, f"no route {method} {path}")
-            request = decode_body(path, self._body(path) if method == "POST" else {})
-        except BadRequest as exc:
-            self._reply(exc.status, _error(exc))
-            return
-        try:
-            status, reply = route(request)
-        except BadRequest as exc:
-            status, reply = exc.status, _error(exc)
-        except UpdateInFlight as exc:
-            status, reply = HTTPStatus.CONFLICT, {"success": False, "message": str(exc)}
-        except EngineUnavailable as exc:
-            status, reply = HTTPStatus.SERVICE_UNAVAILABLE, {"success": False, "message": str(exc)}
-        except EngineFailure as exc:
-            status, reply = HTTPStatus.BAD_REQUEST, {"success": False, "message": str(exc)}
-        except (KeyError, TypeError, ValueError) as exc:
-            status, reply = HTTPStatus.BAD_REQUEST, {"object": "error", "message": f"bad request: {exc!r}", "code": 400}
-        except Exception as exc:  # noqa: BLE001 — never drop a connection without an answer
-            status = HTTPStatus.INTERNAL_SERVER_ERROR
-            reply = {"success": False, "message": f"{type(exc).__name__}: {exc}"}
-        self._reply(status, reply)
-
-
 def _results(replies: list[Reply]) -> list[Any]:
     """What every rank's command returned; else one error naming each failing rank (:class:`WorkOutOfTime` where
     the work stopped at its deadline)."""
@@ -918,71 +611,36 @@ def _results(replies: list[Reply]) -> list[Any]:
     return [r.result for r in replies]
 
 
-class _ReserveHandler(_Handler):
-    """A connection past ``max_connections``: its one request read within ``reserve_read_s``, answered if it is
-    ``GET /health`` (503 otherwise), and the connection closed."""
-
-    reserve = True
-
-
-def _group_name(b: dict) -> str:
-    return b.get("group_name", "weight_update_group")
+# The status a route's engine error answers, the first kind it is of.
+_FAILURES: tuple[tuple[type[Exception], HTTPStatus], ...] = (
+    (UpdateInFlight, HTTPStatus.CONFLICT), (EngineUnavailable, HTTPStatus.SERVICE_UNAVAILABLE),
+    (EngineFailure, HTTPStatus.BAD_REQUEST))
 
 
-def _dense_bucket(x: dict, checksum: str | None = None, delta: dict | None = None) -> DenseBucket:
-    """A broadcast bucket as a request names it (``names``, ``dtypes``, ``shapes``: checked before)."""
-    return DenseBucket(tuple(x["names"]), tuple(x["dtypes"]), tuple(tuple(s) for s in x["shapes"]), checksum, delta)
+class EngineServer(JsonHttpServer):
+    """The engine's HTTP face (:class:`JsonHttpServer`): SGLang's routes and weightstream's, each run on the typed
+    request its body decodes into (:func:`decode_body`)."""
 
-
-def _rank_bucket(r: dict) -> RankBucket:
-    """A per-rank bucket (or part of one) as a request names it (``src``, ``metas``, ``nbytes``, optional
-    ``checksum`` and ``delta``)."""
-    return RankBucket(int(r["src"]), tuple(r["metas"]), int(r["nbytes"]), r.get("checksum"), r.get("delta"))
-
-
-def _entry_problems(entries: list) -> list[str]:
-    """What is wrong with a per-rank bucket's entries: each must give ``src`` (int), ``metas`` (list) and
-    ``nbytes`` (int)."""
-    return [f"entry {k}: needs 'src' (int), 'metas' (list) and 'nbytes' (int)" for k, e in enumerate(entries)
-            if not (isinstance(e, dict) and isinstance(e.get("src"), int) and isinstance(e.get("metas"), list)
-                    and isinstance(e.get("nbytes"), int))]
-
-
-class EngineServer(ThreadingHTTPServer):
-    """The engine's HTTP face: one thread per connection, at most ``limits.max_connections`` of them."""
-
-    daemon_threads = True
+    limits: ServerLimits
 
     def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
                  limits: ServerLimits = ServerLimits()):
-        self.request_queue_size = limits.listen_backlog  # the listen() backlog, set as the socket is bound
-        super().__init__((host, port), _Handler)
+        super().__init__((host, port), limits, api_key, bulk_routes=BULK_ROUTES)
         self.engine = engine
-        self.api_key = api_key
-        self.limits = limits
-        self.slots = threading.BoundedSemaphore(limits.max_connections)
-        self.reserve = threading.BoundedSemaphore(limits.reserve_connections)  # past slots: GET /health only
-        self.connections_open = 0  # connections with a thread of their own now (slots and reserve)
-        self._counting = threading.Lock()
         if not api_key:
             log(f"WARNING: no API key: any process that can reach {self.url} can load weights into this engine, "
                 "pause it and free its memory (set WEIGHTSTREAM_API_KEY or --api-key-file)")
         e = engine
-        self.routes: dict[tuple[str, str], Callable[[Any], tuple[int, Any]]] = {
+        self.routes.update({("POST", route): self.update for route in UPDATES if route != PREPARE_IPC_ROUTE})
+        self.routes.update({
             ("GET", "/health"): self.health,
             ("GET", "/model_info"): lambda b: (200, {"model_path": e.model_dir, "weight_version": e.weight_version,
                                                      "is_generation": True}),
             ("GET", "/get_server_info"): self.server_info,
             ("POST", "/init_weights_update_group"): self.init_group,
             ("POST", "/destroy_weights_update_group"): self.destroy_group,
-            ("POST", "/update_weights_from_distributed"): self.update_distributed,
-            ("POST", "/weightstream/update_weights_from_distributed_ahead"): self.update_distributed_ahead,
-            ("POST", "/update_weights_from_tensor"): self.update_tensor,
-            ("POST", "/weightstream/update_weights_from_ipc_ahead"): self.update_ipc_ahead,
-            ("POST", "/weightstream/update_weights_from_p2p"): self.update_p2p,
-            ("POST", "/weightstream/update_weights_from_p2p_ahead"): self.update_p2p_ahead,
             ("POST", "/weightstream/release_ipc_buffers"): self.release_ipc,
-            ("POST", "/weightstream/prepare_ipc_ahead"): self.prepare_ipc_ahead,
+            ("POST", PREPARE_IPC_ROUTE): self.prepare_ipc_ahead,
             ("POST", "/begin_weight_update"): self.begin,
             ("POST", "/end_weight_update"): self.end,
             ("POST", "/weightstream/prepare_weight_update"): self.prepare_commit,
@@ -990,7 +648,8 @@ class EngineServer(ThreadingHTTPServer):
             ("POST", "/pause_generation"): self.pause,
             ("POST", "/continue_generation"): self.resume,
             ("POST", "/update_weight_version"): self.update_version,
-            ("POST", "/flush_cache"): lambda b: (200, "Cache flushed.\n"),
+            ("POST", "/flush_cache"): self.flush_cache,
+            ("GET", "/flush_cache"): self.flush_cache,
             ("POST", "/generate"): self.generate,
             ("POST", "/weightstream/logits"): self.logits,
             ("POST", "/release_memory_occupation"): self.release_memory,
@@ -1000,66 +659,26 @@ class EngineServer(ThreadingHTTPServer):
             ("GET", "/weightstream/update_phases"): self.update_phases,
             ("GET", "/weightstream/layout"): self.layout,
             ("POST", "/weightstream/weight_checksums"): self.weight_checksums,
-        }
+        })
 
-    def handle_error(self, request, client_address) -> None:
-        """A client that went away (or a request cut by shutdown) is not worth a traceback."""
-        exc = sys.exc_info()[1]
-        if self.engine.stopping or isinstance(exc, (BrokenPipeError, ConnectionResetError, TimeoutError)):
-            return
-        log(f"request from {client_address[0]}:{client_address[1]} failed: {type(exc).__name__}: {exc}")
+    def decode(self, path: str, body: dict) -> Any:
+        return decode_body(path, body)
 
-    def body_limit(self, path: str) -> int:
-        return self.limits.max_body_bytes if path in BULK_ROUTES else self.limits.max_small_body_bytes
+    def failure(self, exc: Exception) -> tuple[int, Any]:
+        """An engine error answers ``success: false`` (409 while an update is in flight, 503 while a worker owes an
+        answer, else 400); a value the route could not take, 400 naming it."""
+        for kind, status in _FAILURES:
+            if isinstance(exc, kind):
+                return status, {"success": False, "message": str(exc)}
+        if isinstance(exc, (KeyError, TypeError, ValueError)):
+            return HTTPStatus.BAD_REQUEST, {"object": "error", "message": f"bad request: {exc!r}", "code": 400}
+        return super().failure(exc)
 
-    # A TCP server's request is its connection's socket: typeshed types every server's as a TCP or a UDP one.
-    def process_request(self, request: socket.socket, client_address) -> None:  # type: ignore[override]
-        """A thread for the connection: one of ``max_connections``, else one of ``reserve_connections`` (it may
-        ask for ``GET /health`` only, so that slow or idle clients holding every connection do not make the engine
-        look down); past both it is answered 503 and closed at once, here in the accepting thread."""
-        if self.slots.acquire(blocking=False):
-            handler, slots = _Handler, self.slots
-        elif self.reserve.acquire(blocking=False):
-            handler, slots = _ReserveHandler, self.reserve
-        else:
-            raw_reply(request, HTTPStatus.SERVICE_UNAVAILABLE, self.busy_message())
-            self.shutdown_request(request)
-            return
-        thread = threading.Thread(target=self._serve_connection, args=(request, client_address, handler, slots),
-                                  name="weightstream-engine-connection", daemon=True)
-        self._count(+1)
-        try:
-            thread.start()
-        except BaseException:  # no thread started: the slot is free again
-            self._count(-1)
-            slots.release()
-            raise
+    def stopping(self) -> bool:
+        return self.engine.stopping
 
-    def _count(self, change: int) -> None:
-        with self._counting:
-            self.connections_open += change
-
-    def _serve_connection(self, request: socket.socket, client_address, handler: type[_Handler],
-                          slots: threading.BoundedSemaphore) -> None:
-        try:
-            handler(request, client_address, self)
-        except Exception:  # noqa: BLE001 — as socketserver does: logged (handle_error), the server goes on
-            self.handle_error(request, client_address)
-        finally:
-            self.shutdown_request(request)
-            self._count(-1)
-            slots.release()
-
-    def busy_message(self) -> str:
-        return (f"this engine serves at most {self.limits.max_connections} connections at once (GET /health is "
-                "still answered); try again")
-
-    @property
-    def url(self) -> str:
-        host, port = self.server_address[:2]
-        if isinstance(host, (bytes, bytearray)):  # typed as any address bind() takes; bound, it is text
-            host = host.decode()
-        return f"http://{host}:{port}"
+    def log(self, message: str) -> None:
+        log(message)
 
     # -- routes -------------------------------------------------------------------------------
 
@@ -1099,44 +718,46 @@ class EngineServer(ThreadingHTTPServer):
         self.engine.call(DestroyGroup(r.group_name))
         return 200, {"success": True, "message": "destroyed"}
 
-    def _in_session(self, what: str) -> None:
-        if not self.engine.session_open:
-            raise EngineFailure(f"{what} must run between begin_weight_update() and end_weight_update()")
+    def _receives(self, r: UpdateRequest) -> RankReceives:
+        """Each rank's receive of update ``r`` (refused, 400, where ``r`` does not fit this engine's ranks)."""
+        try:
+            return r.receives(self.engine.tp, self.engine.session_timeout_s)
+        except RequestError as exc:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, exc.message) from None
 
-    def _record(self, results, b) -> tuple[int, dict]:
+    def update(self, r: UpdateRequest):
+        """One update request of the open session (every update route); a failure marks the session failed (the
+        update is then not complete). From the first on, the weights are not served until the session ends
+        (:meth:`Engine.check_settled`)."""
+        e = self.engine
+        if not e.session_open:
+            raise EngineFailure(f"{r.route.rsplit('/', 1)[1]} must run between begin_weight_update() and "
+                                "end_weight_update()")
+        receives = self._receives(r)
+        e.session_touched = True
+        if r.delta:
+            e.session_delta = True
+        else:
+            e.session_plain = True
+        try:
+            results = e.call(list(receives.per_rank), wait_s=receives.wait_s)
+        except EngineFailure as exc:
+            e.session_failed = str(exc)
+            raise EngineFailure(f"Failed to update weights: {exc}. This session will not be committed: "
+                                f"ending or aborting it: {e.after_abort()}.") from None
+        return 200, {"success": True, "message": self._loaded(results, r.weight_version)}
+
+    def _loaded(self, results: list[Any], version: str | None) -> str:
+        """What an update's ranks loaded, counted into the session; ``version``: what the commit will serve."""
         loaded = int(results[0]["loaded"]) if results and isinstance(results[0], dict) else 0
         self.engine.session_loaded += loaded
         msg = f"Succeeded to update weights ({loaded} tensors)."
         nonfinite = sorted({n for r in results if isinstance(r, dict) for n in r.get("nonfinite", ())})
         if nonfinite:  # loaded as they are (an engine started with --refuse-nonfinite refuses them)
             msg += f" NaN or an infinity in {len(nonfinite)} tensors of this session: {', '.join(nonfinite[:8])}"
-        if b.get("weight_version") is not None:
-            self.engine.pending_version = str(b["weight_version"])
-        return 200, {"success": True, "message": msg}
-
-    def _guarded(self, fn, b):
-        """Run an update step; a failure marks the session failed (the update is then not complete). From
-        the first step on, the weights are not served until the session ends (:meth:`Engine.check_settled`)."""
-        self.engine.session_touched = True
-        ranks = b.get("ranks") if isinstance(b.get("ranks"), list) else []
-        if b.get("weightstream_delta") is None and b.get("weightstream_delta_mode") is not True \
-                and not any(isinstance(r, dict) and r.get("delta") for r in ranks):
-            self.engine.session_plain = True
-        else:
-            self.engine.session_delta = True
-        try:
-            return self._record(fn(), b)
-        except EngineFailure as exc:
-            self.engine.session_failed = str(exc)
-            raise EngineFailure(f"Failed to update weights: {exc}. This session will not be committed: "
-                                f"ending or aborting it: {self.engine.after_abort()}.") from None
-
-    def update_distributed(self, b):
-        self._in_session("update_weights_from_distributed")
-        bucket = _dense_bucket(b, b.get("weightstream_checksum"), b.get("weightstream_delta"))
-        receive = Receive(ReceivePlan(Transport.BROADCAST, delta=bucket.delta is not None), _group_name(b),
-                          (bucket,), b.get("load_format"))
-        return self._guarded(lambda: self.engine.call(receive), b)
+        if version is not None:
+            self.engine.pending_version = version
+        return msg
 
     def delta_checksums(self, r: EmptyRequest):
         """What the open (or last) session's delta buckets left in each worker: the checksum of each bucket's
@@ -1152,109 +773,15 @@ class EngineServer(ThreadingHTTPServer):
         ``update_phases``), rank by rank."""
         return 200, {"ranks": self.engine.call(UpdatePhases())}
 
-    def update_distributed_ahead(self, b):
-        self._in_session("update_weights_from_distributed_ahead")
-        plan = ReceivePlan(Transport.BROADCAST, ahead=True, delta=b.get("weightstream_delta_mode") is True)
-        receive = Receive(plan, _group_name(b), tuple(_dense_bucket(x) for x in b["buckets"]), b.get("load_format"))
-        return self._guarded(lambda: self.engine.call(receive), b)
-
-    def update_tensor(self, b):
-        self._in_session("update_weights_from_tensor")
-        payloads = b["serialized_named_tensors"]
-        if isinstance(payloads, str):
-            payloads = [payloads]
-        if len(payloads) != self.engine.tp:
-            raise EngineFailure(f"got {len(payloads)} payloads for {self.engine.tp} engine TP ranks")
-        checksums = b.get("weightstream_checksums") or [None] * self.engine.tp
-        per_rank = [TensorReceive(p, b.get("load_format"), checksums[r]) for r, p in enumerate(payloads)]
-        return self._guarded(lambda: self.engine.call(per_rank), b)
-
-    def update_ipc_ahead(self, b):
-        self._in_session("update_weights_from_ipc_ahead")
-        timeout_s, per_rank = self._ipc_ranks(b, delta=b.get("weightstream_delta_mode") is True)
-        # The workers answer once the last bucket is loaded: each frame waits at most timeout_s.
-        bound = timeout_s * (b["num_buckets"] + 3)
-        return self._guarded(lambda: self.engine.call(per_rank, wait_s=bound), b)
-
-    def prepare_ipc_ahead(self, b):
+    def prepare_ipc_ahead(self, r: IpcUpdate):
         """Outside any session: the workers learn a trainer's plan and map its kept buffers."""
-        timeout_s, per_rank = self._ipc_ranks(b, prepare=True)
-        held = self.engine.call(per_rank, wait_s=timeout_s * 4)
+        receives = self._receives(r)
+        held = self.engine.call(list(receives.per_rank), wait_s=receives.wait_s)
         return 200, {"success": True, "message": f"prepared; IPC buffers held per rank: {[h['held'] for h in held]}"}
-
-    def _ipc_ranks(self, b, delta: bool = False, prepare: bool = False) -> tuple[float, list[IpcReceive]]:
-        """The bound of each wait on the trainer, and each worker's receive (its channel)."""
-        if len(b["channels"]) != self.engine.tp:
-            raise EngineFailure(f"got {len(b['channels'])} control channels for {self.engine.tp} engine TP ranks")
-        timeout_s = float(b.get("timeout_s") or self.engine.session_timeout_s)
-        return timeout_s, [IpcReceive(b["plan"], b["num_buckets"], c, b["client"], timeout_s, delta, prepare)
-                           for c in b["channels"]]
 
     def release_ipc(self, r: ReleaseIpcRequest):
         released = sum(rank["released"] for rank in self.engine.call(ReleaseIpc(r.client)))
         return 200, {"success": True, "message": f"closed {released} IPC buffers of this client"}
-
-    def update_p2p(self, b):
-        self._in_session("update_weights_from_p2p")
-        ranks = b["ranks"]
-        if any("rank" in r for r in ranks):
-            return self._update_p2p_pieces(b)
-        if len(ranks) != self.engine.tp:
-            raise EngineFailure(f"got metadata for {len(ranks)} ranks, engine has {self.engine.tp}")
-        problems = [f"rank {k}: {p}" for k, r in enumerate(ranks) for p in delta_problems(r.get("delta"))]
-        if problems:
-            raise BadRequest(HTTPStatus.BAD_REQUEST, "bad delta headers: " + "; ".join(problems))
-        per_rank = [Receive(ReceivePlan(Transport.P2P, delta=r.get("delta") is not None), _group_name(b),
-                            (_rank_bucket(r),)) for r in ranks]
-        return self._guarded(lambda: self.engine.call(per_rank), b)
-
-    def update_p2p_ahead(self, b):
-        """Every per-rank bucket of an update: per bucket, one entry per engine rank (``src``, ``metas``,
-        ``nbytes``), or, resharded, entries that each name the engine rank they are for (``rank``: see
-        :meth:`_update_p2p_pieces`); each rank receives its buckets back to back."""
-        self._in_session("update_weights_from_p2p_ahead")
-        buckets = b["buckets"]
-        problems = [f"bucket {i}: {p}" for i, x in enumerate(buckets)
-                    for p in (_entry_problems(x) if isinstance(x, list) else ["not a list of entries"])]
-        if problems:
-            raise BadRequest(HTTPStatus.BAD_REQUEST, "bad P2P buckets: " + "; ".join(problems[:8]))
-        group = _group_name(b)
-        delta = b.get("weightstream_delta_mode") is True
-        if any("rank" in e for x in buckets for e in x):
-            per_bucket = [self._parts_per_rank(x) for x in buckets]
-            pieces = ReceivePlan(Transport.PIECES, ahead=True, delta=delta)
-            per_rank = [Receive(pieces, group, tuple(parts[r] for parts in per_bucket)) for r in range(self.engine.tp)]
-            return self._guarded(lambda: self.engine.call(per_rank), b)
-        problems = [f"bucket {i}: {len(x)} entries, the engine has {self.engine.tp} ranks"
-                    for i, x in enumerate(buckets) if len(x) != self.engine.tp]
-        if problems:
-            raise BadRequest(HTTPStatus.BAD_REQUEST, "bad P2P buckets: " + "; ".join(problems[:8]))
-        plan = ReceivePlan(Transport.P2P, ahead=True, delta=delta)
-        per_rank = [Receive(plan, group, tuple(RankBucket(x[r]["src"], tuple(x[r]["metas"]), x[r]["nbytes"])
-                                               for x in buckets)) for r in range(self.engine.tp)]
-        return self._guarded(lambda: self.engine.call(per_rank), b)
-
-    def _update_p2p_pieces(self, b):
-        """A resharded bucket: each entry names the engine rank it is for (``rank``) and the trainer rank it
-        comes from (``src``); an engine rank may hear several trainer ranks, or none."""
-        delta = any(isinstance(r, dict) and r.get("delta") is not None for r in b["ranks"])
-        per_rank = [Receive(ReceivePlan(Transport.PIECES, delta=delta), _group_name(b), (parts,))
-                    for parts in self._parts_per_rank(b["ranks"])]
-        return self._guarded(lambda: self.engine.call(per_rank), b)
-
-    def _parts_per_rank(self, entries: list) -> list[tuple[RankBucket, ...]]:
-        """A resharded bucket's entries (each ``rank``, ``src``, ``metas``, ``nbytes``, optional ``checksum`` and
-        ``delta``) as the parts each engine rank receives; every problem in one error."""
-        problems = [f"part {k}: {p}" for k, r in enumerate(entries) for p in delta_problems(r.get("delta"))]
-        if problems:
-            raise BadRequest(HTTPStatus.BAD_REQUEST, "bad delta headers: " + "; ".join(problems))
-        parts: list[list[RankBucket]] = [[] for _ in range(self.engine.tp)]
-        for r in entries:
-            rank = r.get("rank")
-            if not isinstance(rank, int) or not 0 <= rank < self.engine.tp:
-                raise EngineFailure(f"a part for engine rank {rank!r}; the engine has ranks 0..{self.engine.tp - 1}")
-            parts[rank].append(_rank_bucket(r))
-        return [tuple(p) for p in parts]
 
     def layout(self, r: EmptyRequest):
         """How the engine holds the checkpoint's tensors over its ranks (weightstream's resharding reads it): the dim
@@ -1317,6 +844,9 @@ class EngineServer(ThreadingHTTPServer):
         ranks = self.engine.call(ResumeMemory(r.tags))
         return 200, {"success": True, "message": f"re-created {sum(r['restored_bytes'] for r in ranks)} bytes",
                      "ranks": ranks}
+
+    def flush_cache(self, r: EmptyRequest):
+        return 200, "Cache flushed.\n"  # the engine has no cache of its own; text, as SGLang answers
 
     def update_version(self, r: VersionRequest):
         self.engine.weight_version = r.new_version
