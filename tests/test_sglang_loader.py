@@ -21,7 +21,18 @@ import torch
 
 from tests.helpers.checks import engine_python, run_engine_check
 from weightstream import WeightSync
-from weightstream.engines.base import DELTA, IPC_DELTA, DeltaChecks, DeltaEngine, EngineError, implementing
+from weightstream.engines.base import (
+    BROADCAST,
+    DELTA,
+    IPC,
+    IPC_AHEAD,
+    IPC_DELTA,
+    DeltaChecks,
+    DeltaEngine,
+    EngineError,
+    EngineInfo,
+    implementing,
+)
 from weightstream.engines.sglang import SGLangEngine
 from weightstream.engines.sglang_inside import (
     LOADER,
@@ -40,6 +51,7 @@ from weightstream.engines.sglang_inside import (
 from weightstream.errors import UpdateError
 from weightstream.integrations import sglang_loader
 from weightstream.models.presets import preset_config, random_hf_model
+from weightstream.sinks.delta import DELTA_TRANSPORTS, DeltaTracker, takes_deltas, transport_problem
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.delta import Snapshot, encode
 from weightstream.wire.handles import checksum
@@ -398,6 +410,25 @@ def test_weightsync_delta_updates_by_ipc_one_request_per_bucket():
         posts = [p for p in engine.paths if p == "/update_weights_from_tensor"]
         # per update: open, each bucket, state (what it applied), commit; and the base asked before each delta
         assert len(posts) == 4 * (report.buckets + 3) + 3
+
+
+@pytest.mark.unit
+def test_which_engines_take_deltas_by_which_transport():
+    declared = {"reference": {BROADCAST, IPC, IPC_AHEAD, DELTA}, "vllm": {BROADCAST, DELTA},
+                "sglang with the loader": {BROADCAST, IPC, IPC_DELTA}, "sglang": {BROADCAST, IPC}}
+    ways = {name: [t for t in DELTA_TRANSPORTS if takes_deltas(EngineInfo(name, capabilities=frozenset(caps)), t)]
+            for name, caps in declared.items()}
+    assert ways == {"reference": ["broadcast", "p2p", "ipc"], "vllm": ["broadcast", "p2p"],
+                    "sglang with the loader": ["ipc"], "sglang": []}
+    engine = _InProcess(Model())
+    assert transport_problem([engine], "ipc") is None
+    problem = transport_problem([engine], "p2p")
+    assert problem is not None and problem.startswith(
+        "a delta-mode update by p2p into engines ['http://sglang.in-process']: they apply deltas by IPC only")
+    with pytest.raises(ValueError) as caught:  # the tracker refuses it too, before it asks the engine anything
+        DeltaTracker(Snapshot()).begin([engine], "p2p", "plan")
+    assert str(caught.value) == problem
+    assert engine.paths == ["/get_server_info"]
 
 
 @pytest.mark.unit
