@@ -20,11 +20,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from weightstream.receiver import value_kernel
 from weightstream.streaming.bucket import typed_views
 from weightstream.wire.fp8 import SCALE_SUFFIX
 
 __all__ = ["DEFAULT_CHECKS", "MAX_FP8_SCALE", "LoadChecks", "ValuesReport", "check_values", "check_runs",
-           "nonfinite_names", "scale_problems"]
+           "nonfinite_names", "scale_problems", "warm_checks"]
 
 # A block-FP8 scale multiplies float8 values of at most 448: 448 * 2**32 (about 1.9e12) is far beyond any weight, and a
 # larger scale is a corrupted one (1e38 would make every dequantized value of its block infinite in float32).
@@ -78,17 +79,38 @@ def check_runs(raw: Tensor, runs: Sequence[TypedRun]) -> ValuesReport:
     by ``runs``: one reduction over each stretch of the buffer that tensors of one floating-point dtype tile, padding
     and all (:func:`_stretches`; one host synchronisation for the bucket), a run then looked at tensor by tensor only
     where one of its stretches may hold NaN or an infinity (only tensors are named: a stretch's padding may be
-    anything). A run holding block-FP8 scales is checked tensor by tensor."""
+    anything). A run holding block-FP8 scales is checked tensor by tensor. On a CUDA device with Triton, one kernel
+    launch looks at the whole bucket first (:mod:`~weightstream.receiver.value_kernel`)."""
+    if value_kernel.available(raw.device) and (flag := value_kernel.bucket_flag(raw, runs)) is not None:
+        if not bool(flag):  # one launch looked at every tensor (:mod:`~weightstream.receiver.value_kernel`)
+            return ValuesReport()
+        return check_values([(n, v) for dtype, sizes, payload in runs
+                             for (n, _), v in zip(payload, typed_views(raw, dtype, sizes), strict=True)])
     scaled = {i for i, (_, _, payload) in enumerate(runs) if any(n.endswith(SCALE_SUFFIX) for n, _ in payload)}
     stretches = [(i, raw.narrow(0, start, end - start).view(runs[i][0]))
                  for i, start, end in _stretches(runs) if i not in scaled and runs[i][0].is_floating_point]
     looked = set(scaled)
-    if stretches and _may_hold_nonfinite([t for _, t in stretches], whole=True):
+    if stretches and _may_hold_nonfinite([t for _, t in stretches]):
         looked |= {i for i, _ in stretches}
     if not looked:
         return ValuesReport()
     return check_values([(n, v) for i in sorted(looked) for dtype, sizes, payload in [runs[i]]
                          for (n, _), v in zip(payload, typed_views(raw, dtype, sizes), strict=True)])
+
+
+def warm_checks(device: torch.device) -> None:
+    """Run every check once on ``device`` (a GPU's), on a few elements of each dtype an update brings, finite and not:
+    each kernel's first launch loads it (tens of milliseconds in all), which then falls before the first update."""
+    if device.type != "cuda":
+        return
+    raw = torch.zeros(64, dtype=torch.uint8, device=device)
+    runs: list[TypedRun] = [(torch.bfloat16, [0, 4], [("b.weight", raw)]), (torch.float16, [4, 4], [("h.weight", raw)]),
+                            (torch.float32, [4, 2], [("f.weight", raw)]),
+                            (torch.float8_e4m3fn, [40, 8], [("e.weight", raw)]),
+                            (torch.float32, [12, 2], [("e.weight" + SCALE_SUFFIX, raw)])]
+    for fill in (0, 0xFF):  # zeros, then NaN in every dtype (each then looked at tensor by tensor)
+        raw.fill_(fill)
+        check_runs(raw, runs)
 
 
 def _stretches(runs: Sequence[TypedRun]) -> list[tuple[int, int, int]]:
@@ -145,20 +167,19 @@ def nonfinite_names(weights: Named) -> list[str]:
     return [n for n, t in floats if _nonfinite(t)]
 
 
-def _may_hold_nonfinite(tensors: list[Tensor], whole: bool = False) -> bool:
+def _may_hold_nonfinite(tensors: list[Tensor]) -> bool:
     """Whether any of ``tensors`` may hold NaN or an infinity: per dtype of two bytes or more, the largest magnitude
     of each tensor in one multi-tensor reduction (non-finite exactly where the tensor holds NaN or an infinity, and
     never overflowing); float8 e4m3 values, whose only non-finite values are the NaN bytes 0x7f and 0xff, looked at
-    together as bytes (``whole``: each tensor alone, a bucket's span of them, not joined first); other float8 formats
-    as float32."""
+    together as bytes (joined first: one launch, however many tensors, where a block-FP8 bucket's values alternate
+    with their scales); other float8 formats as float32."""
     flags: list[Tensor] = []
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     for dtype, group in by_dtype.items():
         if dtype == torch.float8_e4m3fn:
-            flags += ([_e4m3_nan(t).reshape(1) for t in group] if whole
-                      else [_e4m3_nan(torch.cat([t.reshape(-1) for t in group])).reshape(1)])
+            flags.append(_e4m3_nan(torch.cat([t.reshape(-1) for t in group])).reshape(1))
         elif dtype.itemsize == 1:
             flags += [~t.float().isfinite().all().reshape(1) for t in group]
         else:
