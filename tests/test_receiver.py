@@ -130,3 +130,25 @@ def test_the_bytes_held_for_deltas_take_each_payload_and_forget_on_abort():
         held.new_bytes(0, layout, 32, header, payload, "0" * 16)
     held.abort()
     assert len(held) == 0 and held.checksums() == {}
+
+
+def test_the_bytes_held_for_deltas_stay_only_once_committed():
+    """A committed session's bytes stay for the next session (with no version where the engine names it elsewhere,
+    as the reference engine's server does; as the version its commit names otherwise); bytes a session changed that
+    neither a commit nor a rollback settled are dropped when the next session opens; a bound not yet set refuses."""
+    layout = tuple(dense_layout(["w"], ["float32"], [[8]]))
+    dense, payload = encode(torch.arange(32, dtype=torch.uint8), torch.zeros(32, dtype=torch.uint8), 4, ("dense",))
+    with pytest.raises(RuntimeError, match=r"^delta bucket 0: no bound is set on the bytes held for deltas$"):
+        HeldDeltas().new_bytes(0, layout, 32, dense, payload.clone(), None)
+    held = HeldDeltas(limit=48)
+    for version, kept in ((None, None), ("v1", "v1")):
+        held.begin()
+        raw = held.new_bytes(0, layout, 32, dense, payload.clone(), None)
+        held.commit(version)
+        held.begin()
+        assert (held.held, held.version, held.changed) == ({0: (layout, raw)}, kept, False)
+    held.new_bytes(0, layout, 32, dense, payload.clone(), None)
+    with pytest.raises(ValueError, match=r"^delta bucket 1: the bytes held for deltas would exceed 48 "):
+        held.new_bytes(1, layout, 32, dense, payload.clone(), None)
+    held.begin()  # the last session was neither committed nor rolled back
+    assert (held.held, held.version, held.nbytes) == ({}, None, 0)

@@ -366,14 +366,14 @@ def test_vllm_update_info_lists_every_problem():
 
 @pytest.mark.unit
 def test_held_deltas_apply_deltas_and_keep_a_base_only_once_committed():
-    """What a vLLM worker keeps (the receiver layer's HeldDeltas, naming versions itself): the sender's payloads
-    applied give the sender's bytes (and checksums); only a committed session of delta buckets leaves a version; an
-    uncommitted one leaves none and its bytes are dropped when the next session opens; a plain bucket drops them at
-    once; what ``weightstream_delta_state`` answers says so."""
+    """What a vLLM worker keeps (the receiver layer's HeldDeltas): the sender's payloads applied give the sender's
+    bytes (and checksums); only a committed session of delta buckets leaves a version; an uncommitted one leaves
+    none and its bytes are dropped when the next session opens; a plain bucket drops them at once; what
+    ``weightstream_delta_state`` answers says so."""
     gen = torch.Generator().manual_seed(0)
     layout = tuple(dense_layout(["w"], ["bfloat16"], [[4096]]))
     bucket = torch.randn(4096, generator=gen).to(torch.bfloat16)
-    snapshot, held = Snapshot("host"), HeldDeltas(limit=2 * 8192, names_versions=True)
+    snapshot, held = Snapshot("host"), HeldDeltas(limit=2 * 8192)
 
     def send(full: bool) -> torch.Tensor:
         snapshot.begin(full=full)

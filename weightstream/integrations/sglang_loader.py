@@ -74,7 +74,7 @@ class Receiver:
     tp_size: int = 1
     reply: ReplyAddress | None = None
     store: Any = None  # the trainer's TCP store, connected once per session's address
-    held: HeldDeltas = field(default_factory=lambda: HeldDeltas(names_versions=True))  # bounded at its first delta
+    held: HeldDeltas = field(default_factory=HeldDeltas)  # bounded at its first delta
     last: tuple[str, Named] | None = None  # the op_id of the payload last received, and its tensors
     opened: set[str] = field(default_factory=set)  # sessions this process has answered ``open`` for
     answered: str = ""  # the op_id of the last ``state`` or ``commit`` answered (the next runner's call of it)

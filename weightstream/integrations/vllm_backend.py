@@ -345,7 +345,7 @@ def _transfer_engine_class(base: Any, init_cls: type, update_cls: type) -> type:
             self.group = None
             self.rank: int | None = None
             self.loadable = VllmModel(lambda: (self.model, self.model_config))
-            self.held = HeldDeltas(names_versions=True)  # for delta updates (bounded at the first bucket)
+            self.held = HeldDeltas()  # for delta updates (bounded at the first bucket)
 
         def init_transfer_engine(self, init_info) -> None:
             group, self.group = self.group, None

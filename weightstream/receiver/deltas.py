@@ -33,18 +33,18 @@ class HeldDeltas:
     model: :meth:`new_bytes` refuses until it is set), and what they are.
 
     ``instance`` names this rank's life (a restarted engine names another); ``version`` is the committed update whose
-    bytes these are (None: none; the trainer then sends a full update); ``changed``: the open session changed the
-    bytes; ``plain``: the open session loaded a bucket whole. ``names_versions``: this rank keeps the version itself
-    (the vLLM plugin, the SGLang loader), so bytes no committed update names are of no use and are dropped when a
-    session opens; the reference engine keeps it in its server, and its workers drop the bytes when it says.
+    bytes these are, where the rank names it (None: none; the trainer then sends a full update; the reference
+    engine names it in its server); ``changed``: the open session changed the bytes and no commit has settled them
+    yet; ``plain``: the open session loaded a bucket whole.
 
     The order an engine calls them in: :meth:`begin` when a session opens; per bucket, :meth:`new_bytes` (a delta
     bucket) or :meth:`loaded_whole` (a bucket sent whole, in an engine that cannot roll back); :meth:`checksums`
-    when the trainer asks what the session applied; then :meth:`commit` (``names_versions``) once the engine committed
-    the session, or :meth:`abort` once it rolled it back; :meth:`forget` whenever the weights were loaded otherwise."""
+    when the trainer asks what the session applied; then :meth:`commit` once the engine committed the session, or
+    :meth:`abort` once it rolled it back (a session left without either, as by a trainer that went away, is aborted
+    by the next :meth:`begin`); :meth:`forget` whenever the weights were loaded otherwise."""
 
-    def __init__(self, limit: int | None = None, *, names_versions: bool = False) -> None:
-        self.limit, self.names_versions = limit, names_versions
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit
         self.instance = uuid.uuid4().hex[:16]
         self.version: str | None = None
         self.held: dict[Key, tuple[tuple[TensorMeta, ...], torch.Tensor]] = {}
@@ -62,10 +62,9 @@ class HeldDeltas:
         return sum(raw.numel() for _, raw in self.held.values())
 
     def begin(self) -> None:
-        """Caller: the engine when an update session opens, before its first bucket: nothing applied yet. Where this
-        rank names versions, bytes no committed update names are dropped (a full update comes)."""
-        if self.names_versions and self.version is None:
-            self.forget()
+        """Caller: the engine when an update session opens, before its first bucket: nothing applied yet. Bytes that
+        the last session changed and no commit settled are dropped (:meth:`abort`: a full update comes)."""
+        self.abort()
         self.digests, self.changed, self.plain = {}, False, False
 
     def new_bytes(self, index: Key, layout: tuple[TensorMeta, ...], total: int, header: DeltaHeader,
@@ -124,15 +123,20 @@ class HeldDeltas:
         return {**whole, **{i: "+".join(d for _, d in sorted(ps)) for i, ps in parts.items()}}
 
     def commit(self, version: str | None) -> None:
-        """Caller: an engine that names versions, once it committed the open session (after its last bucket): a
-        session that applied delta buckets only leaves their bytes as ``version``'s (None or empty: none; an aborted
-        or failed session never calls it, so the next session opens without them)."""
-        if self.changed and not self.plain and version:
-            self.version = version
+        """Caller: the engine once it committed the open session, after its last bucket. The bytes the session
+        changed are settled: kept for the next update, as ``version``'s where the session applied delta buckets only
+        (None: the engine names its versions elsewhere, as the reference engine's server does); a session that loaded
+        a bucket whole leaves nothing held and no version. A session that failed or was aborted is never committed,
+        so the next :meth:`begin` drops what it changed."""
+        if self.plain:
+            self.forget()
+        elif self.changed:
+            self.version = version or None
+        self.changed = False
 
     def abort(self) -> None:
-        """Caller: the engine once it rolled the open session back: bytes it changed in place are no longer the
-        committed ones, so all are dropped."""
+        """Caller: the engine once it rolled the open session back (and :meth:`begin`, for a session neither
+        committed nor rolled back): bytes it changed in place are no longer the committed ones, so all are dropped."""
         if self.changed:
             self.forget()
 
