@@ -22,13 +22,8 @@ import torch
 
 from tests.helpers.checks import INPUT_IDS
 from weightstream.models.presets import preset_config, save_random_checkpoint
-from weightstream.reference_engine.server import (
-    EngineFailure,
-    EngineServer,
-    ServerLimits,
-    serve,
-    stop,
-)
+from weightstream.reference_engine.ranks import EngineFailure
+from weightstream.reference_engine.server import EngineServer, ServerLimits, serve, stop
 
 KEY = "k-7f3a"
 AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
