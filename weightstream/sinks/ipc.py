@@ -192,7 +192,8 @@ class IPCSink:
 
     def _decide(self, stream: BucketStream, purpose: Purpose) -> IPCPlan:
         """This update's plan (:func:`plan_ipc`): rank 0 asks the engine (its TP size; whether it takes the
-        metadata ahead) and tells every rank, which plans alike."""
+        metadata ahead; whether it takes deltas ahead, ``delta``, or one request per bucket, ``ipc_delta``) and
+        tells every rank (an :class:`EngineOffer`), which plans alike."""
         info: list[Any] = [None]
         if self.rank == 0:
             i = self.engine.info()
