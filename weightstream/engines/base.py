@@ -269,11 +269,12 @@ class BroadcastAheadEngine(EngineAdapter, Protocol):
     """:data:`BROADCAST_AHEAD`: the metadata of every bucket in one request, then the broadcasts back to back."""
 
     def receive_broadcast_ahead(self, buckets: Sequence[Sequence[TensorMeta]], timeout_s: float,
-                                delta: bool = False) -> None:
+                                delta: bool = False, digest: str | None = None) -> None:
         """Trainer rank 0, when the broadcast sink opens, on a thread: the metadata of every bucket of this
         update, in order, before the first is broadcast; returns once the engine loaded the last (within
         ``timeout_s``). ``delta`` (:data:`DELTA_AHEAD`): each bucket's delta header is broadcast right before
-        its payload."""
+        its payload. ``digest``: the stream's digest of that metadata (equal digests, equal metadata), by which an
+        engine that keeps what it was sent may be sent a key in its place."""
 
 
 @runtime_checkable

@@ -3,6 +3,7 @@ of an aborted session, and logits for checking."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,10 +28,13 @@ from weightstream.streaming.bucket import Bucket, TensorMeta
 from weightstream.streaming.reshard import EngineLayout
 from weightstream.wire.frames import BucketLayout, Plan
 
-__all__ = ["ENGINE_NAME", "ReferenceEngine"]
+__all__ = ["ENGINE_NAME", "KNOWN_PLANS", "ReferenceEngine"]
 
 
 ENGINE_NAME = "weightstream-reference"
+# The plans (every bucket's metadata of a broadcast update sent ahead) whose engine key a client remembers: as many as
+# the engine keeps (``KEPT_AHEAD_PLANS`` of weightstream.reference_engine.server), beyond which it forgets them too.
+KNOWN_PLANS = 4
 
 
 def _layout(bucket: Sequence[TensorMeta]) -> BucketLayout:
@@ -48,6 +52,14 @@ def _meta_json(m) -> dict:
 
 class ReferenceEngine(SGLangEngine):
     name = "reference"
+
+    def __init__(self, url: str, **options: Any):
+        super().__init__(url, **options)
+        # A broadcast plan sent ahead: the stream's digest of its metadata -> the key the engine keeps it by (from
+        # the engine's answer; the engine derives it from what it decoded); and the keys the engine said at the
+        # open session's begin that it holds. A plan the engine holds goes as its key alone.
+        self._plan_keys: OrderedDict[str, str] = OrderedDict()
+        self._engine_plans: frozenset[str] = frozenset()
 
     def capabilities(self, server_info: dict) -> frozenset[str]:
         declared = server_info.get("capabilities") or (BROADCAST, IPC, IPC_AHEAD, P2P, RESHARD, ROLLBACK,
@@ -99,7 +111,10 @@ class ReferenceEngine(SGLangEngine):
             body["timeout_s"] = timeout_s
         if version is not None:
             body["weight_version"] = version
-        self.post("/begin_weight_update", body, step=step)
+        reply = self.post("/begin_weight_update", body, step=step)
+        plans = reply.get("weightstream_plans")
+        self._engine_plans = frozenset(p for p in plans if isinstance(p, str)) if isinstance(plans, list) \
+            else frozenset()
         self._session = True
 
     def abort_update(self, timeout_s: float | None = None) -> None:
@@ -110,17 +125,29 @@ class ReferenceEngine(SGLangEngine):
         self.post("/weightstream/abort_weight_update", {}, step="abort_weight_update", timeout_s=timeout_s)
 
     def receive_broadcast_ahead(self, buckets: Sequence[Sequence[TensorMeta]], timeout_s: float,
-                                delta: bool = False) -> None:
+                                delta: bool = False, digest: str | None = None) -> None:
         """The metadata of every dense bucket of this update, in order, before the first is broadcast; the
         engine receives them back to back and answers once all are loaded (or once one failed: it still
         receives the rest, so that the broadcasts match, and loads none of them). ``delta``: each bucket comes as
-        its delta header, then its payload."""
-        layouts = [_layout(b) for b in buckets]
-        self.post("/weightstream/update_weights_from_distributed_ahead", {
-            "group_name": self.group_name, "weight_version": self._version, "load_format": "flattened_bucket",
-            "buckets": [{"names": b.names, "dtypes": b.dtypes, "shapes": b.shapes} for b in layouts],
-            "weightstream_delta_mode": delta,
-        }, step=f"update_weights_from_distributed_ahead ({len(buckets)} buckets)", timeout_s=timeout_s)
+        its delta header, then its payload. ``digest`` (the stream's, of this metadata): where the engine said at
+        this session's begin that it holds the plan this client sent it under ``digest``, its key goes alone
+        (thousands of tensors' names, dtypes and shapes neither encoded here nor decoded there)."""
+        body: dict[str, Any] = {"group_name": self.group_name, "weight_version": self._version,
+                                "load_format": "flattened_bucket", "weightstream_delta_mode": delta}
+        key = self._plan_keys.get(digest) if digest is not None else None
+        if key is not None and key in self._engine_plans:
+            body["weightstream_plan"] = key
+        else:
+            body["buckets"] = [{"names": b.names, "dtypes": b.dtypes, "shapes": b.shapes}
+                               for b in map(_layout, buckets)]
+        reply = self.post("/weightstream/update_weights_from_distributed_ahead", body,
+                          step=f"update_weights_from_distributed_ahead ({len(buckets)} buckets)", timeout_s=timeout_s)
+        kept = reply.get("weightstream_plan")
+        if digest is not None and isinstance(kept, str):
+            self._plan_keys[digest] = kept
+            self._plan_keys.move_to_end(digest)
+            while len(self._plan_keys) > KNOWN_PLANS:
+                self._plan_keys.popitem(last=False)
 
     def receive_ipc_ahead(self, plan: str, num_buckets: int, channels: Sequence[str], client: str,
                           timeout_s: float, delta: bool = False) -> None:

@@ -53,8 +53,8 @@ OPT_STR: tuple[type, ...] = (str, type(None))
 DURATION_FIELDS = frozenset({"timeout_s"})
 INT_RANGES = {"master_port": (1, 65535), "world_size": (1, 1 << 16), "rank_offset": (0, 1 << 16),
               "num_buckets": (0, 1 << 24)}
-TEXT_FIELDS = frozenset({"weight_version", "new_version", "group_name", "client", "plan", "backend",
-                         "load_format", "pause", "mode", "master_address"})
+TEXT_FIELDS = frozenset({"weight_version", "new_version", "group_name", "client", "plan", "weightstream_plan",
+                         "backend", "load_format", "pause", "mode", "master_address"})
 
 DEFAULT_GROUP = "weight_update_group"
 
@@ -276,9 +276,10 @@ UPDATE_SCHEMAS: dict[str, Schema] = {
         "load_format": (OPT_STR, False), "weight_version": (OPT_STR, False), "flush_cache": ((bool,), False),
         "weightstream_checksum": (OPT_STR, False), "weightstream_delta": ((dict, type(None)), False),
     },
-    BROADCAST_AHEAD_ROUTE: {
-        "buckets": ((list,), True), "group_name": ((str,), False), "load_format": (OPT_STR, False),
-        "weight_version": (OPT_STR, False), "weightstream_delta_mode": ((bool,), False),
+    BROADCAST_AHEAD_ROUTE: {  # the buckets, or the key of a plan the engine keeps (one of the two)
+        "buckets": ((list,), False), "weightstream_plan": ((str,), False), "group_name": ((str,), False),
+        "load_format": (OPT_STR, False), "weight_version": (OPT_STR, False),
+        "weightstream_delta_mode": ((bool,), False),
     },
     IPC_AHEAD_ROUTE: {
         "plan": ((str,), True), "num_buckets": ((int,), True), "channels": ((list,), True),
@@ -340,9 +341,17 @@ def _p2p_problems(buckets: list) -> list[str]:
     return ["bad P2P buckets: " + "; ".join(problems[:8])] if problems else []
 
 
+def _ahead_problems(body: Mapping[str, Any]) -> list[str]:
+    """A broadcast sent ahead names its buckets, or the key of a plan the engine keeps
+    (:mod:`~weightstream.receiver.ahead_plans`): one of the two."""
+    if ("buckets" in body) == ("weightstream_plan" in body):
+        return ["give buckets or weightstream_plan (the key of a plan this engine keeps), one of the two"]
+    return buckets_problems(body["buckets"]) if "buckets" in body else []
+
+
 _UPDATE_CHECKS: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
     BROADCAST_ROUTE: lambda b: bucket_problems(b) + delta_problems(b.get("weightstream_delta")),
-    BROADCAST_AHEAD_ROUTE: lambda b: buckets_problems(b["buckets"]),
+    BROADCAST_AHEAD_ROUTE: _ahead_problems,
     TENSOR_ROUTE: _tensor_problems,
     IPC_AHEAD_ROUTE: _channels_problems,
     PREPARE_IPC_ROUTE: _channels_problems,
@@ -409,6 +418,7 @@ class BroadcastUpdate:
     load_format: str | None = None
     weight_version: str | None = None
     delta_mode: bool = False
+    plan_key: str | None = None  # sent ahead by the key of a plan the engine keeps: ``buckets`` are then its
 
     @property
     def route(self) -> str:
@@ -422,10 +432,11 @@ class BroadcastUpdate:
     def decode(cls, route: str, body: Mapping[str, Any]) -> BroadcastUpdate:
         b = _checked_update(route, body)
         ahead = route == BROADCAST_AHEAD_ROUTE
-        buckets = [_dense_bucket(x) for x in b["buckets"]] if ahead else [
+        buckets = [_dense_bucket(x) for x in b.get("buckets", ())] if ahead else [
             _dense_bucket(b, b.get("weightstream_checksum"), b.get("weightstream_delta"))]
         return cls(tuple(buckets), ahead, b.get("group_name", DEFAULT_GROUP), b.get("load_format"),
-                   b.get("weight_version"), b.get("weightstream_delta_mode") is True)
+                   b.get("weight_version"), b.get("weightstream_delta_mode") is True,
+                   b.get("weightstream_plan") if ahead else None)
 
     def receives(self, tp: int, timeout_s: float) -> RankReceives:
         plan = ReceivePlan(Transport.BROADCAST, self.ahead, self.delta)

@@ -31,12 +31,13 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from http import HTTPStatus
 from typing import Any
 
 from weightstream.common.http_server import BadRequest, HttpLimits, JsonHttpServer
 from weightstream.engines.reference import ENGINE_NAME
+from weightstream.receiver.ahead_plans import AheadPlans, plan_key
 from weightstream.receiver.requests import (
     BROADCAST_AHEAD_ROUTE,
     BROADCAST_ROUTE,
@@ -47,6 +48,7 @@ from weightstream.receiver.requests import (
     UPDATE_SCHEMAS,
     UPDATES,
     BeginRequest,
+    BroadcastUpdate,
     CommitRequest,
     DestroyGroupRequest,
     EmptyRequest,
@@ -150,6 +152,7 @@ class EngineServer(JsonHttpServer):
                  limits: ServerLimits = ServerLimits()):
         super().__init__((host, port), limits, api_key, bulk_routes=BULK_ROUTES)
         self.engine = engine
+        self.ahead_plans = AheadPlans()  # broadcast plans sent ahead, by the key this engine gave each
         if not api_key:
             log(f"WARNING: no API key: any process that can reach {self.url} can load weights into this engine, "
                 "pause it and free its memory (set WEIGHTSTREAM_API_KEY or --api-key-file)")
@@ -252,6 +255,7 @@ class EngineServer(JsonHttpServer):
         if not e.session_open:
             raise EngineFailure(f"{r.route.rsplit('/', 1)[1]} must run between begin_weight_update() and "
                                 "end_weight_update()")
+        r = self._resolved(r)
         receives = self._receives(r)
         e.session_touched = True
         if r.delta:
@@ -264,7 +268,26 @@ class EngineServer(JsonHttpServer):
             e.session_failed = str(exc)
             raise EngineFailure(f"Failed to update weights: {exc}. This session will not be committed: "
                                 f"ending or aborting it: {e.after_abort()}.") from None
-        return 200, {"success": True, "message": self._loaded(results, r.weight_version)}
+        return 200, {"success": True, "message": self._loaded(results, r.weight_version), **self._kept(r)}
+
+    def _resolved(self, r: UpdateRequest) -> UpdateRequest:
+        """A broadcast sent ahead by the key of a plan this engine keeps, with the plan's buckets (400, nothing
+        received, where it keeps none by that key)."""
+        if not isinstance(r, BroadcastUpdate) or r.plan_key is None:
+            return r
+        buckets = self.ahead_plans.get(r.plan_key)
+        if buckets is None:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, f"bad request to {r.route}: no plan kept by key {r.plan_key} "
+                             f"(this engine keeps {self.ahead_plans.keys()}): send its buckets")
+        return replace(r, buckets=buckets)
+
+    def _kept(self, r: UpdateRequest) -> dict[str, str]:
+        """After a broadcast sent ahead loaded: its plan kept, and its key answered (``weightstream_plan``)."""
+        if not isinstance(r, BroadcastUpdate) or not r.ahead:
+            return {}
+        key = r.plan_key if r.plan_key is not None else plan_key(r.buckets)
+        self.ahead_plans.put(key, r.buckets)
+        return {"weightstream_plan": key}
 
     def _loaded(self, results: list[Any], version: str | None) -> str:
         """What an update's ranks loaded, counted into the session; ``version``: what the commit will serve."""
@@ -321,7 +344,8 @@ class EngineServer(JsonHttpServer):
         self.engine.begin_session(r.timeout_s)
         if r.weight_version is not None:  # what the commit will serve, unless a bucket says otherwise
             self.engine.pending_version = r.weight_version
-        return 200, {"success": True, "message": "weight update session opened"}
+        return 200, {"success": True, "message": "weight update session opened",
+                     "weightstream_plans": self.ahead_plans.keys()}
 
     def end(self, r: CommitRequest):
         """``resume``: generation continues once the session is committed (one request for both)."""

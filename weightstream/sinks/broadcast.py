@@ -122,7 +122,9 @@ class BroadcastSink(PipelinedSink):
         ahead = [a for e in self.engines if (a := capable(e, BROADCAST_AHEAD, BroadcastAheadEngine)) is not None]
         if len(ahead) == len(self.engines):
             metas = [stream.bucket_metas(i) for i in range(len(stream))]
-            self._post_ahead([partial(e.receive_broadcast_ahead, metas, delta=delta) for e in ahead], len(metas))
+            digest = stream.metadata_digest()
+            self._post_ahead([partial(e.receive_broadcast_ahead, metas, delta=delta, digest=digest) for e in ahead],
+                             len(metas))
             self.ahead_used = True
 
     def delivery(self) -> Delivery:
