@@ -24,7 +24,8 @@ from weightstream.receiver.programs import (
     verify_checksum,
     wire_meta,
 )
-from weightstream.reference_engine.protocol import InitGroup, Shutdown, name_of
+from weightstream.receiver.requests import InitGroupRequest
+from weightstream.reference_engine.protocol import Shutdown, name_of
 from weightstream.streaming.bucket import Shard, TensorMeta
 from weightstream.streaming.delta import encode
 from weightstream.wire.handles import checksum
@@ -65,7 +66,7 @@ def test_dense_buckets_are_kept_by_their_layout():
 
 
 def test_commands_are_named_by_their_type_and_a_receive_by_its_plan():
-    assert name_of(InitGroup("h", 1, 1, 2, "g", "gloo", 1.0)) == "init_group"
+    assert name_of(InitGroupRequest("h", 1, 1, 2, "g", "gloo", 1.0)) == "init_group"
     assert name_of(Shutdown()) == "shutdown"
     assert name_of(TensorReceive("payload")) == "tensor_receive"
     assert name_of(Receive(ReceivePlan(Transport.P2P, ahead=True, delta=True), "g", (PART,))) == \

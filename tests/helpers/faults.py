@@ -39,10 +39,10 @@ from weightstream.receiver.collective import CollectiveReceiver
 from weightstream.receiver.ipc import IpcReceiver
 from weightstream.receiver.plan import RankBucket
 from weightstream.receiver.receiver import Receiver
+from weightstream.receiver.requests import InitGroupRequest
 from weightstream.receiver.session import Facilities, UpdateSession
 from weightstream.receiver.transfer import ReceiveBuffers
 from weightstream.reference_engine import server as server_module
-from weightstream.reference_engine.protocol import InitGroup
 from weightstream.reference_engine.server import EngineServer, serve
 from weightstream.reference_engine.worker import Worker, worker_main
 from weightstream.streaming.bucket import Bucket
@@ -124,7 +124,7 @@ class FaultyWorker(Worker):
         return Receiver(session, FaultyCollective(session, ReceiveBuffers(at.device)),
                         FaultyIpc(session, max_lent_bytes))
 
-    def init_group(self, r: InitGroup):
+    def init_group(self, r: InitGroupRequest):
         if self.fault == f"skip_join@{self.rank}":
             return f"rank {r.rank_offset + self.rank} skipped joining {r.group_name} (test fault)"
         return super().init_group(r)

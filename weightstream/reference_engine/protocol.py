@@ -1,9 +1,10 @@
 """What the engine's server and each of its worker processes say to each other over their pipe: the server sends
-one :class:`Command` at a time, carrying one typed request (a frozen dataclass below, or a receive of
-:mod:`weightstream.receiver.plan`) that the worker dispatches by its type, and the worker answers each with one
-:class:`Reply` that carries the command's id back. The server matches a reply to its command by that id: a reply
-to a command it gave up on (the worker answered past the bound) is read, logged and dropped, never taken for the
-answer to a later command.
+one :class:`Command` at a time, carrying one typed request (a frozen dataclass below, a receive of
+:mod:`weightstream.receiver.plan`, or a route's request as the HTTP face decoded it: joining or leaving a group,
+releasing a trainer's IPC buffers, releasing or resuming memory, logits, checksums of the weights) that the worker
+dispatches by its type, and the worker answers each with one :class:`Reply` that carries the command's id back. The
+server matches a reply to its command by that id: a reply to a command it gave up on (the worker answered past the
+bound) is read, logged and dropped, never taken for the answer to a later command.
 
 Below the commands, the requests of the engine's own serving (``/generate``, ``/weightstream/logits``, the memory
 routes' tags), each decoded from an HTTP body in one step that lists every problem, as the shared requests of
@@ -22,17 +23,17 @@ from weightstream.receiver.requests import (
     ReleaseIpcRequest,
     RequestError,
     Schema,
+    WeightChecksumsRequest,
     field_problems,
     refuse,
 )
 from weightstream.receiver.schema import token_rows
 
 __all__ = [
-    "START_ID", "InitGroup", "DestroyGroup", "DestroyAllGroups", "ReleaseIpc", "BeginSession", "PrepareSession",
-    "CommitSession", "AbortSession", "ForgetDelta", "DeltaChecksums", "UpdatePhases", "ReleaseMemory",
-    "ResumeMemory", "Memory", "Logits", "Generate", "Layout", "WeightChecksums", "Shutdown", "Request", "name_of",
-    "Command", "OutOfTime", "Outcome", "Reply", "MEMORY_TAGS", "ReleaseMemoryRequest", "ResumeMemoryRequest",
-    "GenerateRequest", "LogitsRequest"
+    "START_ID", "DestroyAllGroups", "BeginSession", "PrepareSession", "CommitSession", "AbortSession", "ForgetDelta",
+    "DeltaChecksums", "UpdatePhases", "Memory", "Generate", "Layout", "Shutdown",
+    "Request", "name_of", "Command", "OutOfTime", "Outcome", "Reply", "MEMORY_TAGS", "ReleaseMemoryRequest",
+    "ResumeMemoryRequest", "GenerateRequest", "LogitsRequest"
 ]
 
 START_ID = 0  # the id of the reply a worker sends once it has started (ready, or why it could not start)
@@ -42,12 +43,6 @@ class Outcome(enum.Enum):
     DONE = "done"  # the command ran; ``result`` is what it returned
     FAILED = "failed"  # it raised; ``result`` is the error's text
     OUT_OF_TIME = "out_of_time"  # it stopped at its deadline (:class:`OutOfTime`); ``result`` says where
-
-
-# Requests the worker takes as the engine's HTTP face decodes them (no command of their own).
-InitGroup = InitGroupRequest
-DestroyGroup = DestroyGroupRequest
-ReleaseIpc = ReleaseIpcRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,11 +91,6 @@ class Memory:
 
 
 @dataclass(frozen=True, slots=True)
-class Logits:
-    input_ids: list[list[int]]
-
-
-@dataclass(frozen=True, slots=True)
 class Generate:
     rows: list[list[int]]
     max_new_tokens: int
@@ -109,11 +99,6 @@ class Generate:
 @dataclass(frozen=True, slots=True)
 class Layout:
     pass
-
-
-@dataclass(frozen=True, slots=True)
-class WeightChecksums:
-    names: list[str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,10 +229,8 @@ class LogitsRequest:
         return cls(tuple(tuple(r) for r in rows))
 
 
-# The memory routes' requests are the worker's commands too.
-ReleaseMemory = ReleaseMemoryRequest
-ResumeMemory = ResumeMemoryRequest
-
-Request = (InitGroup | DestroyGroup | DestroyAllGroups | ReleaseIpc | BeginSession | PrepareSession | CommitSession
-           | AbortSession | ForgetDelta | DeltaChecksums | UpdatePhases | ReleaseMemory | ResumeMemory | Memory | Logits
-           | Generate | Layout | WeightChecksums | Shutdown | Receive | IpcReceive | TensorReceive)
+# The requests of the group, IPC and memory routes are the worker's commands as the HTTP face decodes them.
+Request = (InitGroupRequest | DestroyGroupRequest | DestroyAllGroups | ReleaseIpcRequest | BeginSession
+           | PrepareSession | CommitSession | AbortSession | ForgetDelta | DeltaChecksums | UpdatePhases
+           | ReleaseMemoryRequest | ResumeMemoryRequest | Memory | LogitsRequest | Generate | Layout
+           | WeightChecksumsRequest | Shutdown | Receive | IpcReceive | TensorReceive)

@@ -70,13 +70,11 @@ from weightstream.reference_engine.protocol import (
     Generate,
     GenerateRequest,
     Layout,
-    Logits,
     LogitsRequest,
     Memory,
     ReleaseMemoryRequest,
     ResumeMemoryRequest,
     UpdatePhases,
-    WeightChecksums,
 )
 from weightstream.reference_engine.ranks import (
     Engine,
@@ -335,7 +333,7 @@ class EngineServer(JsonHttpServer):
     def weight_checksums(self, r: WeightChecksumsRequest):
         """Per rank, the checksum of the bytes it holds of each of ``names`` (those it holds; its part of a split
         tensor): what a check of an update compares with the trainer's tensors."""
-        return 200, {"ranks": self.engine.call(WeightChecksums(list(r.names)), committed=True)}
+        return 200, {"ranks": self.engine.call(r, committed=True)}
 
     def begin(self, r: BeginRequest):
         """``pause`` (a mode): pause generation first, as ``/pause_generation`` does (one request for both)."""
@@ -458,7 +456,7 @@ class EngineServer(JsonHttpServer):
         self._check_work(rows, 0)
         self.engine.check_settled()
         self._wait_unpaused()
-        out = self.engine.call(Logits(rows), committed=True)[0]
+        out = self.engine.call(r, committed=True)[0]
         return 200, {"shape": list(out.shape), "dtype": "float32",
                      "logits_b64": base64.b64encode(out.tobytes()).decode(),
                      "weight_version": self.engine.weight_version}

@@ -29,6 +29,12 @@ from weightstream.models.spec import dtype_from_name
 from weightstream.receiver.pieces import engine_layout
 from weightstream.receiver.plan import IpcReceive, Receive, TensorReceive
 from weightstream.receiver.receiver import Receiver
+from weightstream.receiver.requests import (
+    DestroyGroupRequest,
+    InitGroupRequest,
+    ReleaseIpcRequest,
+    WeightChecksumsRequest,
+)
 from weightstream.receiver.schema import ep_problem, routed_experts
 from weightstream.receiver.session import Facilities
 from weightstream.receiver.values import DEFAULT_CHECKS, LoadChecks, warm_checks
@@ -40,23 +46,19 @@ from weightstream.reference_engine.protocol import (
     CommitSession,
     DeltaChecksums,
     DestroyAllGroups,
-    DestroyGroup,
     ForgetDelta,
     Generate,
-    InitGroup,
     Layout,
-    Logits,
+    LogitsRequest,
     Memory,
     Outcome,
     OutOfTime,
     PrepareSession,
-    ReleaseIpc,
-    ReleaseMemory,
+    ReleaseMemoryRequest,
     Reply,
-    ResumeMemory,
+    ResumeMemoryRequest,
     Shutdown,
     UpdatePhases,
-    WeightChecksums,
 )
 from weightstream.streaming.copies import warm_kernel
 from weightstream.wire.channel import fd_peer
@@ -116,7 +118,7 @@ class Worker:
 
     # -- commands ----------------------------------------------------------------------------
 
-    def init_group(self, r: InitGroup):
+    def init_group(self, r: InitGroupRequest):
         """Join the group; ``warm``: then run its first, tiny transfer with the trainer (see ``warm_group``)."""
         master_address, master_port, rank_offset, world_size = r.master_address, r.master_port, r.rank_offset, \
             r.world_size
@@ -225,16 +227,16 @@ class Worker:
         """What the server may ask of this worker: per request type, what runs it (given the request)."""
         receiver, session = self.receiver, self.session
         return {
-            InitGroup: self.init_group, DestroyGroup: lambda r: self.destroy_group(r.group_name),
+            InitGroupRequest: self.init_group, DestroyGroupRequest: lambda r: self.destroy_group(r.group_name),
             DestroyAllGroups: lambda _: self.destroy_all_groups(), Receive: receiver.receive,
             IpcReceive: receiver.receive_ipc, TensorReceive: receiver.receive_tensor,
-            ReleaseIpc: lambda r: receiver.ipc.release(r.client), BeginSession: lambda _: session.begin(),
+            ReleaseIpcRequest: lambda r: receiver.ipc.release(r.client), BeginSession: lambda _: session.begin(),
             PrepareSession: lambda _: session.prepare(), CommitSession: lambda _: session.commit(),
-            AbortSession: lambda _: session.abort(), ReleaseMemory: lambda r: self.release_memory(r.tags),
-            ResumeMemory: lambda r: self.resume_memory(r.tags), Memory: lambda _: self.memory(),
-            Logits: lambda r: self.logits(r.input_ids), Generate: lambda r: self.generate(r.rows, r.max_new_tokens),
+            AbortSession: lambda _: session.abort(), ReleaseMemoryRequest: lambda r: self.release_memory(r.tags),
+            ResumeMemoryRequest: lambda r: self.resume_memory(r.tags), Memory: lambda _: self.memory(),
+            LogitsRequest: lambda r: self.logits(r.rows), Generate: lambda r: self.generate(r.rows, r.max_new_tokens),
             DeltaChecksums: lambda _: session.delta_checksums(), UpdatePhases: lambda _: session.phases(),
-            Layout: lambda _: self.layout(), WeightChecksums: lambda r: self.weight_checksums(r.names),
+            Layout: lambda _: self.layout(), WeightChecksumsRequest: lambda r: self.weight_checksums(r.names),
             ForgetDelta: lambda _: session.forget_delta(),
         }
 
