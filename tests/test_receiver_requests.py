@@ -33,7 +33,6 @@ from weightstream.receiver.requests import (
     EmptyRequest,
     InitGroupRequest,
     IpcUpdate,
-    P2pPart,
     P2pUpdate,
     PauseRequest,
     RankReceives,
@@ -208,14 +207,15 @@ def test_p2p_updates_whole_and_resharded():
     entry = {"src": 1, "metas": [META], "nbytes": 8}
     one = decode_update(P2P_ROUTE, {"ranks": [{**entry, "checksum": "c", "delta": DELTA}, entry], "group_name": "g"})
     first, second = RankBucket(1, (META,), 8, "c", DELTA), RankBucket(1, (META,), 8)
-    assert one == P2pUpdate(((P2pPart(None, first), P2pPart(None, second)),), False, "g", None, False)
+    assert one == P2pUpdate(((first, second),), None, False, "g", None, False)
     assert one.delta and one.receives(2, 1.0) == RankReceives((
         Receive(ReceivePlan(Transport.P2P, False, True), "g", (first,)),
         Receive(ReceivePlan(Transport.P2P, False, False), "g", (second,))))
     pieces = decode_update(P2P_AHEAD_ROUTE, {"buckets": [[{**entry, "rank": 1}, {**entry, "src": 0, "rank": 1}],
                                                          [{**entry, "rank": 0}]], "weightstream_delta_mode": True})
     from_0 = RankBucket(0, (META,), 8)
-    assert pieces.route == P2P_AHEAD_ROUTE and pieces.resharded and pieces.delta
+    assert pieces == P2pUpdate(((second, from_0), (second,)), ((1, 1), (0,)), True, DEFAULT_GROUP, None, True)
+    assert pieces.route == P2P_AHEAD_ROUTE and pieces.delta
     plan = ReceivePlan(Transport.PIECES, True, True)
     assert pieces.receives(2, 1.0) == RankReceives((Receive(plan, DEFAULT_GROUP, ((), (second,))),
                                                     Receive(plan, DEFAULT_GROUP, ((second, from_0), ()))))

@@ -43,7 +43,7 @@ __all__ = [
     "CommitRequest", "PauseRequest", "VersionRequest", "WeightChecksumsRequest", "ReleaseIpcRequest",
     "BROADCAST_ROUTE", "BROADCAST_AHEAD_ROUTE", "TENSOR_ROUTE", "IPC_AHEAD_ROUTE", "PREPARE_IPC_ROUTE", "P2P_ROUTE",
     "P2P_AHEAD_ROUTE", "UPDATE_SCHEMAS", "update_problems", "RankReceives", "UpdateRequest", "BroadcastUpdate",
-    "TensorUpdate", "IpcUpdate", "P2pPart", "P2pUpdate", "UPDATES", "decode_update",
+    "TensorUpdate", "IpcUpdate", "P2pUpdate", "UPDATES", "decode_update",
 ]
 
 Schema = Mapping[str, tuple[tuple[type, ...], bool]]
@@ -326,11 +326,13 @@ def _entry_problems(k: int, e: Any) -> list[str]:
     if not (isinstance(e, dict) and isinstance(e.get("src"), int) and isinstance(e.get("metas"), list)
             and isinstance(e.get("nbytes"), int)):
         return [f"entry {k}: needs 'src' (int), 'metas' (list) and 'nbytes' (int)"]
-    problems = [] if "rank" not in e or int_lists(e["rank"], 0) else [
-        f"entry {k}: 'rank' must be a non-negative integer (an engine rank)"]
-    if not isinstance(e.get("checksum"), str | None):
+    rank, checksum, delta = e.get("rank", 0), e.get("checksum"), e.get("delta")
+    if delta is None and (checksum is None or isinstance(checksum, str)) and type(rank) is int and rank >= 0:
+        return []
+    problems = [] if int_lists(rank, 0) else [f"entry {k}: 'rank' must be a non-negative integer (an engine rank)"]
+    if not isinstance(checksum, str | None):
         problems.append(f"entry {k}: 'checksum' must be text or null")
-    return problems + [f"entry {k}: {p}" for p in delta_problems(e.get("delta"))]
+    return problems + [f"entry {k}: {p}" for p in delta_problems(delta)]
 
 
 def _p2p_problems(buckets: list) -> list[str]:
@@ -525,25 +527,17 @@ class IpcUpdate:
 
 
 @dataclass(frozen=True, slots=True)
-class P2pPart:
-    """An entry of a per-rank bucket: what trainer rank ``bucket.src`` sends, and the engine rank it is for
-    (``rank``, a resharded bucket's part: an engine rank may hear several trainer ranks, or none; None: the entry's
-    place in the bucket is the engine rank's)."""
-
-    rank: int | None
-    bucket: RankBucket
-
-
-@dataclass(frozen=True, slots=True)
 class P2pUpdate:
     """``/weightstream/update_weights_from_p2p``: one bucket (``buckets`` holds one), each engine rank's part sent
-    by send/recv from one trainer rank, or, resharded, in parts from several; ``ahead``
-    (``/weightstream/update_weights_from_p2p_ahead``): every bucket's entries, then the buckets back to back,
-    deltas where ``delta_mode``."""
+    by send/recv from one trainer rank (the bucket's entries in engine rank order), or, resharded, in parts from
+    several: ``ranks`` then names the engine rank each entry is for (an engine rank may hear several trainer ranks,
+    or none; None where an entry names none). ``ahead`` (``/weightstream/update_weights_from_p2p_ahead``): every
+    bucket's entries, then the buckets back to back, deltas where ``delta_mode``."""
 
     ROUTES: ClassVar[tuple[str, ...]] = (P2P_ROUTE, P2P_AHEAD_ROUTE)
 
-    buckets: tuple[tuple[P2pPart, ...], ...]
+    buckets: tuple[tuple[RankBucket, ...], ...]
+    ranks: tuple[tuple[int | None, ...], ...] | None = None
     ahead: bool = False
     group_name: str = DEFAULT_GROUP
     weight_version: str | None = None
@@ -555,25 +549,23 @@ class P2pUpdate:
 
     @property
     def delta(self) -> bool:
-        """Ahead, the mode; one bucket per request, whether a part gives a delta header."""
-        return self.delta_mode if self.ahead else any(p.bucket.delta is not None for x in self.buckets for p in x)
-
-    @property
-    def resharded(self) -> bool:
-        return any(p.rank is not None for x in self.buckets for p in x)
+        """Ahead, the mode; one bucket per request, whether an entry gives a delta header."""
+        return self.delta_mode if self.ahead else any(e.delta is not None for x in self.buckets for e in x)
 
     @classmethod
     def decode(cls, route: str, body: Mapping[str, Any]) -> P2pUpdate:
         b = _checked_update(route, body)
         ahead = route == P2P_AHEAD_ROUTE
-        buckets = tuple(tuple(P2pPart(e.get("rank"), RankBucket(e["src"], tuple(e["metas"]), e["nbytes"],
-                                                                e.get("checksum"), e.get("delta"))) for e in x)
-                        for x in (b["buckets"] if ahead else [b["ranks"]]))
-        return cls(buckets, ahead, b.get("group_name", DEFAULT_GROUP), b.get("weight_version"),
+        entries = b["buckets"] if ahead else [b["ranks"]]
+        buckets = tuple(tuple(RankBucket(e["src"], tuple(e["metas"]), e["nbytes"], e.get("checksum"), e.get("delta"))
+                              for e in x) for x in entries)
+        ranks = tuple(tuple(e.get("rank") for e in x) for x in entries) if any(
+            "rank" in e for x in entries for e in x) else None
+        return cls(buckets, ranks, ahead, b.get("group_name", DEFAULT_GROUP), b.get("weight_version"),
                    b.get("weightstream_delta_mode") is True)
 
     def receives(self, tp: int, timeout_s: float) -> RankReceives:
-        return RankReceives(self._pieces(tp) if self.resharded else self._whole(tp))
+        return RankReceives(self._whole(tp) if self.ranks is None else self._pieces(self.ranks, tp))
 
     def _whole(self, tp: int) -> tuple[Receive, ...]:
         """Each bucket one entry per engine rank, in rank order."""
@@ -581,16 +573,20 @@ class P2pUpdate:
                     if len(x) != tp]
         refuse(self.route, ["bad P2P buckets: " + "; ".join(problems[:8])] if problems else [])
         return tuple(Receive(ReceivePlan(Transport.P2P, self.ahead, self.delta_mode if self.ahead else
-                                         self.buckets[0][r].bucket.delta is not None),
-                             self.group_name, tuple(x[r].bucket for x in self.buckets)) for r in range(tp))
+                                         self.buckets[0][r].delta is not None),
+                             self.group_name, tuple(x[r] for x in self.buckets)) for r in range(tp))
 
-    def _pieces(self, tp: int) -> tuple[Receive, ...]:
+    def _pieces(self, ranks: tuple[tuple[int | None, ...], ...], tp: int) -> tuple[Receive, ...]:
         """Each bucket's parts gathered by the engine rank they name."""
-        refuse(self.route, [f"bucket {i}: a part for engine rank {p.rank!r}; the engine has ranks 0..{tp - 1}"
-                            for i, x in enumerate(self.buckets) for p in x if p.rank is None or p.rank >= tp][:8])
+        refuse(self.route, [f"bucket {i}: a part for engine rank {r!r}; the engine has ranks 0..{tp - 1}"
+                            for i, x in enumerate(ranks) for r in x if r is None or r >= tp][:8])
+        parts: list[list[list[RankBucket]]] = [[[] for _ in self.buckets] for _ in range(tp)]
+        for i, (x, named) in enumerate(zip(self.buckets, ranks, strict=True)):
+            for entry, r in zip(x, named, strict=True):
+                if r is not None:  # (refused above)
+                    parts[r][i].append(entry)
         plan = ReceivePlan(Transport.PIECES, self.ahead, self.delta)
-        return tuple(Receive(plan, self.group_name, tuple(tuple(p.bucket for p in x if p.rank == r)
-                                                          for x in self.buckets)) for r in range(tp))
+        return tuple(Receive(plan, self.group_name, tuple(map(tuple, mine))) for mine in parts)
 
 
 UPDATES: dict[str, Callable[[str, Mapping[str, Any]], UpdateRequest]] = {
