@@ -391,9 +391,7 @@ def test_weightsync_delta_updates_by_ipc_one_request_per_bucket():
     trainer = random_hf_model(config, seed=1, dtype=torch.bfloat16)
     served = Served(random_hf_model(config, seed=2, dtype=torch.bfloat16))
     engine = _InProcess(served)
-    # A new, zeroed buffer per bucket: a bucket packed into one of the stream's two kept buffers has in its
-    # alignment gaps what the last bucket packed there left, which changes when that bucket changed (a few words)
-    with WeightSync([engine], transport="ipc", bucket_bytes=120_000, delta=True, reuse_buffers=False) as sync:
+    with WeightSync([engine], transport="ipc", bucket_bytes=120_000, delta=True) as sync:
         for step, every in enumerate((1, 1, 97, 0)):
             if every:
                 _step(trainer, step, every)

@@ -13,7 +13,8 @@ from weightstream.common.layout import ALIGN, layout, round_up
 from weightstream.models.spec import dtype_name
 from weightstream.streaming.delta import DeltaHeader, word_size
 
-__all__ = ["Shard", "TensorMeta", "extent", "view_tensor", "typed_buffer", "typed_runs", "typed_views", "Bucket"]
+__all__ = ["Shard", "TensorMeta", "extent", "gap_ranges", "view_tensor", "typed_buffer", "typed_runs", "typed_views",
+           "Bucket"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,19 @@ class TensorMeta:
 def extent(metas: Iterable[TensorMeta]) -> int:
     """The bytes of a bucket laid out as ``metas``: to the end of its last tensor."""
     return max((m.offset + m.nbytes for m in metas), default=0)
+
+
+def gap_ranges(metas: Iterable[TensorMeta], total: int) -> tuple[tuple[int, int], ...]:
+    """The byte ranges ``(start, length)`` of a bucket of ``total`` bytes laid out as ``metas`` that no tensor
+    covers (alignment): before, between and after its tensors, in offset order, none empty."""
+    out, end = [], 0
+    for start, stop in sorted((m.offset, m.offset + m.nbytes) for m in metas):
+        if start > end:
+            out.append((end, start - end))
+        end = max(end, stop)
+    if total > end:
+        out.append((end, total - end))
+    return tuple(out)
 
 
 def view_tensor(buffer: Tensor, meta: TensorMeta) -> Tensor:

@@ -277,7 +277,8 @@ class BucketStream(Iterator[Bucket]):
         kept = shared.buffers[slot]
         if kept is None or kept.numel() < total or kept.device != self.device:
             largest = max(self._program_for(b.index).total for b in self.plan)
-            # zeroed once: the bytes between tensors (alignment) are then the same on every rank and every run
+            # zeroed once (past a bucket's end too); each pack zeroes its bucket's alignment gaps (buffer_copies),
+            # which hold what the last bucket packed here left
             kept = shared.buffers[slot] = typed_buffer(largest, self.device).zero_()
         return kept
 
@@ -290,7 +291,7 @@ class BucketStream(Iterator[Bucket]):
         if made is not None:
             return made
         self.stats.copy_programs += 1
-        calls = buffer_copies(program, raw, self._fp8, stable=kept)
+        calls = buffer_copies(program, raw, self._fp8, kept=kept)
         if kept:
             stale = [k for k in program.copies if isinstance(k, int)]
             if len(stale) >= 2:  # the kept buffers were re-made

@@ -13,14 +13,14 @@ import torch
 from torch import Tensor
 
 from weightstream.converters.ops import OpContext, hf_views
-from weightstream.streaming.bucket import TensorMeta, typed_runs, typed_views, view_tensor
+from weightstream.streaming.bucket import TensorMeta, gap_ranges, typed_runs, typed_views, view_tensor
 from weightstream.streaming.copies import batched_copy
 from weightstream.streaming.fp8_cast import CastJob, row_layout
 from weightstream.streaming.items import StreamItem
 from weightstream.streaming.quantize import block_cast
 from weightstream.wire.fp8 import BlockFP8
 
-__all__ = ["ItemView", "CopyProgram", "item_views", "make_program", "buffer_copies", "target_copies"]
+__all__ = ["ItemView", "CopyProgram", "item_views", "make_program", "buffer_copies", "zero_gaps", "target_copies"]
 
 
 # A batched HF tensor: the view of a live tensor it is made from, its metadata, and its scales' where it leaves as
@@ -47,6 +47,8 @@ class CopyProgram:
     named: list[tuple[str, torch.dtype, Tensor]]
     # Every batched tensor that leaves as block FP8: (the view it is quantized from, its values', its scales' metadata).
     casts: list[tuple[Tensor, TensorMeta, TensorMeta]]
+    # The bytes no tensor covers (alignment), (start, length): zeroed on every pack into a kept buffer.
+    gaps: tuple[tuple[int, int], ...]
     # With kept buffers: the batched copies, made once per kept buffer (key: its address); with
     # ``write_into``: the copies into a receiver's tensors (key: ("into", the receiver's key)).
     copies: dict[Any, list[Callable[[], Any]]] = field(default_factory=dict)
@@ -108,7 +110,8 @@ def make_program(items: list[StreamItem], metas: list[list[TensorMeta]], total: 
     spans = [(it.entry.pp_owner, it.entry.ep_owner, ms[0].offset, ms[-1].offset + ms[-1].nbytes)
              for it, ms in zip(items, metas, strict=True) if ms]
     return CopyProgram(total, flat_metas, sum(m.nbytes for m in flat_metas), items, metas,
-                       typed_runs(_coalesced(flat)), strided, slow, batched, spans, named, casts)
+                       typed_runs(_coalesced(flat)), strided, slow, batched, spans, named, casts,
+                       gap_ranges(flat_metas, total))
 
 
 def _place(view: Tensor, meta: TensorMeta, flat: list[tuple[torch.dtype, int, int, Tensor]], strided: list) -> None:
@@ -127,13 +130,14 @@ def _place(view: Tensor, meta: TensorMeta, flat: list[tuple[torch.dtype, int, in
     strided.append((meta.dtype, tuple(view.shape), tuple(reversed(strides)), meta.offset // size, view))
 
 
-def buffer_copies(program: CopyProgram, raw: Tensor, fp8: BlockFP8 | None, stable: bool) -> list[Callable[[], Any]]:
+def buffer_copies(program: CopyProgram, raw: Tensor, fp8: BlockFP8 | None, kept: bool) -> list[Callable[[], Any]]:
     """The batched copies of ``program`` into the bucket buffer ``raw``: per dtype, the flat copies in one call,
     and the strided copies in one. ``_foreach_copy_`` takes one list of one dtype and dense pairs in a few fused
     launches (a single other pair sends the whole list down one copy per tensor); where the buffer is kept
-    (``stable``) on a GPU, where the addresses stay, a :class:`PieceCopy` does the flat copies of a dtype in one
-    launch. ``fp8``: the block FP8 casts too."""
-    calls = [batched_copy(list(typed_views(raw, dtype, sizes)), sources, stable=stable)
+    (``kept``: its addresses stay) on a GPU, a :class:`PieceCopy` does the flat copies of a dtype in one
+    launch. ``fp8``: the block FP8 casts too. A kept buffer holds what the last bucket packed into it left, so
+    its first call zeroes this bucket's alignment gaps (:func:`zero_gaps`): only bytes no tensor covers."""
+    calls = [batched_copy(list(typed_views(raw, dtype, sizes)), sources, stable=kept)
              for dtype, sizes, sources in program.runs]
     if program.strided:
         calls.append(partial(torch._foreach_copy_, [raw.view(dtype).as_strided(shape, strides, offset)
@@ -142,7 +146,15 @@ def buffer_copies(program: CopyProgram, raw: Tensor, fp8: BlockFP8 | None, stabl
     if program.casts and fp8 is not None:
         calls.append(block_cast([CastJob(view, view_tensor(raw, meta), view_tensor(raw, scale))
                                  for view, meta, scale in program.casts], fp8))
+    if kept and program.gaps:
+        calls.insert(0, zero_gaps(program.gaps, raw))
     return calls
+
+
+def zero_gaps(gaps: Sequence[tuple[int, int]], raw: Tensor) -> Callable[[], Any]:
+    """The byte ranges ``gaps`` (``(start, length)``, :attr:`CopyProgram.gaps`) of ``raw`` zeroed in one call
+    (``_foreach_zero_`` over views made now: on a GPU a few fused launches on the current stream)."""
+    return partial(torch._foreach_zero_, [raw.narrow(0, start, length) for start, length in gaps])
 
 
 def target_copies(program: CopyProgram, into: dict[str, Tensor], fp8: BlockFP8 | None) -> list[Callable[[], Any]]:
