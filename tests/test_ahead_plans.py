@@ -103,3 +103,23 @@ def test_a_key_the_engine_does_not_hold_or_a_body_with_both_is_refused_and_nothi
                                 {"weightstream_plan": "0" * 32, "buckets": []})
         assert status == 400 and "give buckets or weightstream_plan" in reply["message"]
         assert request(server.url, "POST", "/weightstream/abort_weight_update", {})[0] == 200
+
+
+def test_prepare_makes_the_plan_ready_and_the_first_update_sends_its_key(plans_engine_dir, monkeypatch):
+    """``WeightSync.prepare()`` by broadcast hands the engine every bucket's metadata: its ranks make each bucket's
+    copy program then (kept), and the first update sends the plan's key alone and loads bit for bit."""
+    trainer = Trainer(seed=5)
+    with engine(plans_engine_dir) as server:
+        bodies = _spied(monkeypatch)
+        sync = WeightSync([server.url], bucket_bytes=SMALL)
+        assert sync.prepare(trainer.model, trainer.config) == "broadcast"
+        keys = server.ahead_plans.keys()
+        status, memory = request(server.url, "GET", "/weightstream/memory")
+        assert status == 200 and len(keys) == 1, memory
+        prepared = memory["ranks"][0]["programs_kept"]
+        trainer.step()
+        report = sync.update(trainer.model, trainer.config, weight_version="v1")
+        assert report.metadata_ahead and prepared == report.buckets
+        assert [("buckets" in b, b.get("weightstream_plan")) for b in bodies] == [(False, keys[0])]
+        assert_engine_holds(server, trainer)
+        sync.close()

@@ -154,7 +154,8 @@ def test_update_problems_and_the_routes_schemas():
         "/update_weights_from_distributed", "/weightstream/update_weights_from_distributed_ahead",
         "/weightstream/update_weights_from_ipc_ahead",
         "/update_weights_from_tensor", "/weightstream/update_weights_from_p2p",
-        "/weightstream/update_weights_from_p2p_ahead", "/weightstream/prepare_ipc_ahead"])
+        "/weightstream/update_weights_from_p2p_ahead", "/weightstream/prepare_ipc_ahead",
+        "/weightstream/prepare_broadcast_ahead"])
 
 
 META = {"name": "w", "dtype": "float32", "shape": [2], "offset": 0}

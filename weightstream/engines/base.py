@@ -37,11 +37,11 @@ from weightstream.wire.frames import Plan
 __all__ = [
     "BROADCAST", "IPC", "P2P", "RESHARD", "ROLLBACK", "RELEASE_MEMORY", "SINGLE_DTYPE", "BROADCAST_AHEAD", "P2P_AHEAD",
     "IPC_AHEAD", "COMMIT_AND_RESUME", "PAUSE_AND_BEGIN", "PREPARE_COMMIT", "DELTA", "DELTA_AHEAD", "IPC_DELTA",
-    "WARM_GROUP",
+    "WARM_GROUP", "BROADCAST_PREPARE",
     "EngineError", "EngineUnreachable", "EngineInfo", "GroupSpec", "RankBucket", "EngineAdapter", "GroupEngine",
     "BroadcastEngine", "P2PEngine", "ReshardEngine", "IPCEngine", "MemoryEngine", "BroadcastAheadEngine",
-    "P2PAheadEngine", "IPCAheadEngine", "CommitsAndResumes", "PreparesCommits", "PausesAndBegins", "DeltaChecks",
-    "DeltaEngine", "CAPABILITY_PROTOCOLS", "implementing", "capable", "require",
+    "P2PAheadEngine", "BroadcastPrepareEngine", "IPCAheadEngine", "CommitsAndResumes", "PreparesCommits",
+    "PausesAndBegins", "DeltaChecks", "DeltaEngine", "CAPABILITY_PROTOCOLS", "implementing", "capable", "require",
 ]
 
 
@@ -58,6 +58,9 @@ SINGLE_DTYPE = "single_dtype"  # every bucket must hold tensors of one dtype (th
 # takes the metadata of every bucket of an update in one request, then receives the broadcasts back to back
 # (no HTTP round trip between two buckets on the wire)
 BROADCAST_AHEAD = "broadcast_ahead"
+# takes a broadcast plan (every bucket's metadata) before any update, outside a session, and makes what the update
+# will load by ready then (copy programs, receive buffers, checks); the first update then sends the plan's key alone
+BROADCAST_PREPARE = "broadcast_prepare"
 # takes what each of its ranks receives in every per-rank (P2P) bucket of an update in one request, then receives
 # them back to back (no HTTP round trip between two buckets on the wire)
 P2P_AHEAD = "p2p_ahead"
@@ -278,6 +281,17 @@ class BroadcastAheadEngine(EngineAdapter, Protocol):
 
 
 @runtime_checkable
+class BroadcastPrepareEngine(EngineAdapter, Protocol):
+    """:data:`BROADCAST_PREPARE`: a broadcast plan made ready before the first update."""
+
+    def prepare_broadcast_ahead(self, buckets: Sequence[Sequence[TensorMeta]], digest: str, timeout_s: float) -> None:
+        """Trainer rank 0, in ``WeightSync.prepare()`` (the broadcast sink's :meth:`prepare`), before the group is
+        formed: every bucket's metadata, as :meth:`BroadcastAheadEngine.receive_broadcast_ahead` would send it, and
+        the stream's ``digest`` of it; the engine makes its loads ready (within ``timeout_s``) and keeps the plan,
+        whose key the first update then sends alone."""
+
+
+@runtime_checkable
 class P2PAheadEngine(EngineAdapter, Protocol):
     """:data:`P2P_AHEAD`: per bucket of an update, what each engine rank receives (one :class:`RankBucket` per rank),
     all in one request; then the buckets are sent back to back."""
@@ -384,7 +398,8 @@ class DeltaEngine(EngineAdapter, Protocol):
 # What an adapter implements for each capability its engine may declare.
 CAPABILITY_PROTOCOLS: dict[str, type] = {
     BROADCAST: BroadcastEngine, P2P: P2PEngine, RESHARD: ReshardEngine, IPC: IPCEngine, RELEASE_MEMORY: MemoryEngine,
-    BROADCAST_AHEAD: BroadcastAheadEngine, IPC_AHEAD: IPCAheadEngine, P2P_AHEAD: P2PAheadEngine,
+    BROADCAST_AHEAD: BroadcastAheadEngine, BROADCAST_PREPARE: BroadcastPrepareEngine, IPC_AHEAD: IPCAheadEngine,
+    P2P_AHEAD: P2PAheadEngine,
     COMMIT_AND_RESUME: CommitsAndResumes, PAUSE_AND_BEGIN: PausesAndBegins, PREPARE_COMMIT: PreparesCommits,
     DELTA: DeltaEngine, IPC_DELTA: DeltaEngine,
 }

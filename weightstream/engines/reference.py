@@ -44,6 +44,11 @@ def _layout(bucket: Sequence[TensorMeta]) -> BucketLayout:
                         offsets=tuple(m.offset for m in bucket))
 
 
+def _dense_json(buckets: Sequence[Sequence[TensorMeta]]) -> list[dict[str, Any]]:
+    """Dense buckets as a broadcast sent ahead names them: each one's names, dtype names and shapes."""
+    return [{"names": b.names, "dtypes": b.dtypes, "shapes": b.shapes} for b in map(_layout, buckets)]
+
+
 def _meta_json(m) -> dict:
     shard = None if m.shard is None else {"dim": m.shard.dim, "start": m.shard.start, "length": m.shard.length,
                                           "full": m.shard.full}
@@ -138,13 +143,24 @@ class ReferenceEngine(SGLangEngine):
         if key is not None and key in self._engine_plans:
             body["weightstream_plan"] = key
         else:
-            body["buckets"] = [{"names": b.names, "dtypes": b.dtypes, "shapes": b.shapes}
-                               for b in map(_layout, buckets)]
+            body["buckets"] = _dense_json(buckets)
         reply = self.post("/weightstream/update_weights_from_distributed_ahead", body,
                           step=f"update_weights_from_distributed_ahead ({len(buckets)} buckets)", timeout_s=timeout_s)
-        kept = reply.get("weightstream_plan")
-        if digest is not None and isinstance(kept, str):
-            self._plan_keys[digest] = kept
+        self._known(digest, reply.get("weightstream_plan"))
+
+    def prepare_broadcast_ahead(self, buckets: Sequence[Sequence[TensorMeta]], digest: str, timeout_s: float) -> None:
+        """Before the first update (``/weightstream/prepare_broadcast_ahead``): the engine's ranks make every bucket's
+        copy programs, their receive buffers and checks now; the plan's key, answered, is what the first update
+        sends (the engine names it at that update's begin)."""
+        body = {"group_name": self.group_name, "load_format": "flattened_bucket", "buckets": _dense_json(buckets)}
+        reply = self.post("/weightstream/prepare_broadcast_ahead", body,
+                          step=f"prepare_broadcast_ahead ({len(buckets)} buckets)", timeout_s=timeout_s)
+        self._known(digest, reply.get("weightstream_plan"))
+
+    def _known(self, digest: str | None, key: Any) -> None:
+        """The engine keeps the plan of metadata ``digest`` under ``key`` (its answer)."""
+        if digest is not None and isinstance(key, str):
+            self._plan_keys[digest] = key
             self._plan_keys.move_to_end(digest)
             while len(self._plan_keys) > KNOWN_PLANS:
                 self._plan_keys.popitem(last=False)

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from weightstream.models.spec import dtype_from_name
+from weightstream.receiver import value_kernel
 from weightstream.receiver.pieces import assemble, piece_problems
 from weightstream.receiver.plan import DenseBucket, RankBucket, Receive, Transport
 from weightstream.receiver.programs import CopyProgram, PiecesProgram, dense_layout, wire_meta
@@ -40,6 +41,23 @@ class CollectiveReceiver:
         if r.plan.transport is Transport.P2P:
             return self._receive_p2p(group, r)
         return self._receive_pieces(group, r)
+
+    def prepare(self, r: Receive) -> dict[str, Any]:
+        """Before the update that brings ``r``'s buckets (a broadcast sent ahead): each bucket's copy program, kept; on
+        a GPU the two receive buffers, grown to the largest bucket, each program's copies out of each of them and its
+        value checks' table (:func:`~weightstream.receiver.values.check_runs`), made now. The first update then loads
+        as a later one does."""
+        programs = [self._dense_program(b) for b in r.buckets]
+        for bucket, program in zip(r.buckets, programs, strict=True):
+            self.session.programs.put(bucket.key, program, len(program.metas))
+        pipe = Pipeline(self.buffers, [(p.total, None) for p in programs], None)
+        for raw in self.buffers.buffers if pipe.cuda else ():
+            for program in programs:
+                if program.runs is not None:
+                    program.copies_from(raw, kept=True)
+                    if value_kernel.available(raw.device):
+                        value_kernel.bucket_flag(raw, program.runs)
+        return {"prepared": len(programs)}
 
     def _receive_broadcast(self, group: Any, r: Receive) -> dict[str, Any]:
         """Broadcast buckets: sent ahead, back to back (:meth:`_receive_buckets`); one per request, a delta's new

@@ -70,12 +70,15 @@ class RankBucket:
 class Receive:
     """One receive over a weight-update group (``group_name``): the buckets, each a :class:`DenseBucket`
     (broadcast), a :class:`RankBucket` (P2P) or a tuple of them (resharded pieces). ``load_format``: broadcast
-    only, ``flattened_bucket`` (one buffer) or None (each tensor broadcast alone)."""
+    only, ``flattened_bucket`` (one buffer) or None (each tensor broadcast alone). ``prepare``: nothing is received;
+    the buckets' copy programs, the receive buffers and the checks are made now, for the update that will bring them
+    (ahead only)."""
 
     plan: ReceivePlan
     group_name: str
     buckets: tuple[Any, ...]
     load_format: str | None = "flattened_bucket"
+    prepare: bool = False
 
     def __post_init__(self) -> None:
         problems = _receive_problems(self)
@@ -97,6 +100,8 @@ def _receive_problems(r: Receive) -> list[str]:
                      if isinstance(b, tuple) and not all(isinstance(p, RankBucket) for p in b)]
     if not r.plan.ahead and len(r.buckets) != 1:
         problems.append(f"{len(r.buckets)} buckets in a receive of one bucket per request")
+    if r.prepare and (r.plan.transport is not Transport.BROADCAST or not r.plan.ahead or r.plan.delta):
+        problems.append("only a broadcast sent ahead, of whole buckets, is prepared")
     return problems
 
 

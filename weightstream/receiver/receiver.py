@@ -33,7 +33,9 @@ class Receiver:
         return cls(session, collective, IpcReceiver(session, max_lent_bytes))
 
     def receive(self, r: Receive) -> dict[str, Any] | None:
-        """One receive over a weight-update group, by its plan's transport."""
+        """One receive over a weight-update group, by its plan's transport (or, ``prepare``, what comes before it)."""
+        if r.prepare:
+            return self.collective.prepare(r)
         groups = self.session.at.groups
         if r.group_name not in groups:
             raise RuntimeError(f"no weight-update group {r.group_name!r} (call init_weights_update_group first)")

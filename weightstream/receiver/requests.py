@@ -42,8 +42,8 @@ __all__ = [
     "refuse", "DEFAULT_GROUP", "EmptyRequest", "InitGroupRequest", "DestroyGroupRequest", "BeginRequest",
     "CommitRequest", "PauseRequest", "VersionRequest", "WeightChecksumsRequest", "ReleaseIpcRequest",
     "BROADCAST_ROUTE", "BROADCAST_AHEAD_ROUTE", "TENSOR_ROUTE", "IPC_AHEAD_ROUTE", "PREPARE_IPC_ROUTE", "P2P_ROUTE",
-    "P2P_AHEAD_ROUTE", "UPDATE_SCHEMAS", "update_problems", "RankReceives", "UpdateRequest", "BroadcastUpdate",
-    "TensorUpdate", "IpcUpdate", "P2pUpdate", "UPDATES", "decode_update",
+    "P2P_AHEAD_ROUTE", "PREPARE_BROADCAST_ROUTE", "UPDATE_SCHEMAS", "update_problems", "RankReceives",
+    "UpdateRequest", "BroadcastUpdate", "TensorUpdate", "IpcUpdate", "P2pUpdate", "UPDATES", "decode_update",
 ]
 
 Schema = Mapping[str, tuple[tuple[type, ...], bool]]
@@ -268,6 +268,7 @@ IPC_AHEAD_ROUTE = "/weightstream/update_weights_from_ipc_ahead"
 PREPARE_IPC_ROUTE = "/weightstream/prepare_ipc_ahead"
 P2P_ROUTE = "/weightstream/update_weights_from_p2p"
 P2P_AHEAD_ROUTE = "/weightstream/update_weights_from_p2p_ahead"
+PREPARE_BROADCAST_ROUTE = "/weightstream/prepare_broadcast_ahead"  # a broadcast plan ahead, outside any update
 
 # The body each update route takes.
 UPDATE_SCHEMAS: dict[str, Schema] = {
@@ -298,6 +299,9 @@ UPDATE_SCHEMAS: dict[str, Schema] = {
         "buckets": ((list,), True), "group_name": ((str,), False), "weight_version": (OPT_STR, False),
         "weightstream_delta_mode": ((bool,), False),
     },
+}
+UPDATE_SCHEMAS[PREPARE_BROADCAST_ROUTE] = {
+    "buckets": ((list,), True), "group_name": ((str,), False), "load_format": (OPT_STR, False),
 }
 # Preparing a colocated update takes the update's fields, less the weight version (no update is open).
 UPDATE_SCHEMAS[PREPARE_IPC_ROUTE] = {k: v for k, v in UPDATE_SCHEMAS[IPC_AHEAD_ROUTE].items()
@@ -361,6 +365,7 @@ def _ahead_problems(body: Mapping[str, Any]) -> list[str]:
 _UPDATE_CHECKS: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
     BROADCAST_ROUTE: lambda b: bucket_problems(b) + delta_problems(b.get("weightstream_delta")),
     BROADCAST_AHEAD_ROUTE: _ahead_problems,
+    PREPARE_BROADCAST_ROUTE: lambda b: buckets_problems(b["buckets"]),
     TENSOR_ROUTE: _tensor_problems,
     IPC_AHEAD_ROUTE: _channels_problems,
     PREPARE_IPC_ROUTE: _channels_problems,
@@ -428,10 +433,11 @@ class BroadcastUpdate:
     weight_version: str | None = None
     delta_mode: bool = False
     plan_key: str | None = None  # sent ahead by the key of a plan the engine keeps: ``buckets`` are then its
+    prepare: bool = False  # ``/weightstream/prepare_broadcast_ahead``: the plan made ready, nothing received
 
     @property
     def route(self) -> str:
-        return self.ROUTES[self.ahead]
+        return PREPARE_BROADCAST_ROUTE if self.prepare else self.ROUTES[self.ahead]
 
     @property
     def delta(self) -> bool:
@@ -440,16 +446,16 @@ class BroadcastUpdate:
     @classmethod
     def decode(cls, route: str, body: Mapping[str, Any]) -> BroadcastUpdate:
         b = _checked_update(route, body)
-        ahead = route == BROADCAST_AHEAD_ROUTE
+        ahead = route in (BROADCAST_AHEAD_ROUTE, PREPARE_BROADCAST_ROUTE)
         buckets = [_dense_bucket(x) for x in b.get("buckets", ())] if ahead else [
             _dense_bucket(b, b.get("weightstream_checksum"), b.get("weightstream_delta"))]
         return cls(tuple(buckets), ahead, b.get("group_name", DEFAULT_GROUP), b.get("load_format"),
                    b.get("weight_version"), b.get("weightstream_delta_mode") is True,
-                   b.get("weightstream_plan") if ahead else None)
+                   b.get("weightstream_plan") if ahead else None, route == PREPARE_BROADCAST_ROUTE)
 
     def receives(self, tp: int, timeout_s: float) -> RankReceives:
         plan = ReceivePlan(Transport.BROADCAST, self.ahead, self.delta)
-        return RankReceives((Receive(plan, self.group_name, self.buckets, self.load_format),) * tp)
+        return RankReceives((Receive(plan, self.group_name, self.buckets, self.load_format, self.prepare),) * tp)
 
 
 def _dense_bucket(x: Mapping[str, Any], checksum: str | None = None, delta: dict | None = None) -> DenseBucket:
@@ -598,6 +604,7 @@ class P2pUpdate:
 
 UPDATES: dict[str, Callable[[str, Mapping[str, Any]], UpdateRequest]] = {
     BROADCAST_ROUTE: BroadcastUpdate.decode, BROADCAST_AHEAD_ROUTE: BroadcastUpdate.decode,
+    PREPARE_BROADCAST_ROUTE: BroadcastUpdate.decode,
     TENSOR_ROUTE: TensorUpdate.decode, IPC_AHEAD_ROUTE: IpcUpdate.decode, PREPARE_IPC_ROUTE: IpcUpdate.decode,
     P2P_ROUTE: P2pUpdate.decode, P2P_AHEAD_ROUTE: P2pUpdate.decode,
 }

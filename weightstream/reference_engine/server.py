@@ -11,7 +11,10 @@ holding its shard) and serves, on loopback by default:
   resharded bucket's pieces from several trainer ranks), ``/weightstream/layout`` (how it splits each tensor,
   and which rank holds each expert under expert parallelism), ``/weightstream/weight_checksums`` (per rank, of
   the bytes it holds of the tensors named),
-  the ``*_ahead`` routes (every bucket's metadata in one request), ``/weightstream/logits``,
+  the ``*_ahead`` routes (every bucket's metadata in one request; a broadcast's plan, once kept, by its key
+  ``weightstream_plan`` alone: the keys kept are named in ``/begin_weight_update``'s reply),
+  ``/weightstream/prepare_broadcast_ahead`` (a broadcast plan made ready and kept before any update),
+  ``/weightstream/logits``,
   ``/weightstream/prepare_weight_update`` (a commit's first phase, where a trainer commits several engines all
   or none) and ``/weightstream/abort_weight_update``, and two fields:
   ``pause`` in ``/begin_weight_update`` and ``resume`` in ``/end_weight_update`` (one request each instead
@@ -43,6 +46,7 @@ from weightstream.receiver.requests import (
     BROADCAST_ROUTE,
     P2P_AHEAD_ROUTE,
     P2P_ROUTE,
+    PREPARE_BROADCAST_ROUTE,
     PREPARE_IPC_ROUTE,
     TENSOR_ROUTE,
     UPDATE_SCHEMAS,
@@ -91,7 +95,8 @@ __all__ = ["BULK_ROUTES", "ServerLimits", "REQUESTS", "SCHEMAS", "decode_body", 
 
 # Routes whose bodies carry weights or the metadata of every bucket: these may be up to ``max_body_bytes``;
 # every other route's body is small (``max_small_body_bytes``).
-BULK_ROUTES = frozenset({BROADCAST_ROUTE, BROADCAST_AHEAD_ROUTE, TENSOR_ROUTE, P2P_ROUTE, P2P_AHEAD_ROUTE})
+BULK_ROUTES = frozenset({BROADCAST_ROUTE, BROADCAST_AHEAD_ROUTE, TENSOR_ROUTE, P2P_ROUTE, P2P_AHEAD_ROUTE,
+                         PREPARE_BROADCAST_ROUTE})
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +160,8 @@ class EngineServer(JsonHttpServer):
             log(f"WARNING: no API key: any process that can reach {self.url} can load weights into this engine, "
                 "pause it and free its memory (set WEIGHTSTREAM_API_KEY or --api-key-file)")
         e = engine
-        self.routes.update({("POST", route): self.update for route in UPDATES if route != PREPARE_IPC_ROUTE})
+        self.routes.update({("POST", route): self.update for route in UPDATES
+                            if route not in (PREPARE_IPC_ROUTE, PREPARE_BROADCAST_ROUTE)})
         self.routes.update({
             ("GET", "/health"): self.health,
             ("GET", "/model_info"): lambda b: (200, {"model_path": e.model_dir, "weight_version": e.weight_version,
@@ -165,6 +171,7 @@ class EngineServer(JsonHttpServer):
             ("POST", "/destroy_weights_update_group"): self.destroy_group,
             ("POST", "/weightstream/release_ipc_buffers"): self.release_ipc,
             ("POST", PREPARE_IPC_ROUTE): self.prepare_ipc_ahead,
+            ("POST", PREPARE_BROADCAST_ROUTE): self.prepare_broadcast_ahead,
             ("POST", "/begin_weight_update"): self.begin,
             ("POST", "/end_weight_update"): self.end,
             ("POST", "/weightstream/prepare_weight_update"): self.prepare_commit,
@@ -223,7 +230,7 @@ class EngineServer(JsonHttpServer):
             "quantization_config": e.quantization_config, "refuse_nonfinite": e.checks.refuse_nonfinite,
             "capabilities": ["broadcast", "ipc", "ipc_ahead", "p2p", "reshard", "release_memory"]
             + (["rollback"] if e.rollback else [])
-            + ["broadcast_ahead", "p2p_ahead", "delta", "delta_ahead", "warm_group"],
+            + ["broadcast_ahead", "p2p_ahead", "delta", "delta_ahead", "warm_group", "broadcast_prepare"],
             "instance": e.instance, "delta_base": e.delta_base,
             "update_session_open": e.session_open,
             "update_session_loaded": e.session_loaded,  # tensors loaded in the open session so far
@@ -312,6 +319,15 @@ class EngineServer(JsonHttpServer):
         """Where the last update session's time went on each engine rank: seconds per phase (the worker's
         ``update_phases``), rank by rank."""
         return 200, {"ranks": self.engine.call(UpdatePhases())}
+
+    def prepare_broadcast_ahead(self, r: BroadcastUpdate):
+        """Outside any update: the workers make a broadcast plan's loads ready (copy programs, receive buffers, checks:
+        :meth:`CollectiveReceiver.prepare`), and the plan is kept under the key answered."""
+        receives = self._receives(r)
+        self.engine.call(list(receives.per_rank), wait_s=receives.wait_s)
+        key = plan_key(r.buckets)
+        self.ahead_plans.put(key, r.buckets)
+        return 200, {"success": True, "message": f"prepared {len(r.buckets)} buckets", "weightstream_plan": key}
 
     def prepare_ipc_ahead(self, r: IpcUpdate):
         """Outside any session: the workers learn a trainer's plan and map its kept buffers."""

@@ -13,19 +13,23 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from weightstream.common.bounds import Deadline
 from weightstream.common.processes import free_port
 from weightstream.engines.base import (
     BROADCAST,
     BROADCAST_AHEAD,
+    BROADCAST_PREPARE,
     BroadcastAheadEngine,
     BroadcastEngine,
+    BroadcastPrepareEngine,
     EngineAdapter,
     GroupSpec,
     capable,
     implementing,
 )
+from weightstream.errors import UpdateError
 from weightstream.sinks.base import Delivery
-from weightstream.sinks.pipelined import InFlight, PipelinedSink, Sends, deltas_ahead, header_tensor
+from weightstream.sinks.pipelined import InFlight, PipelinedSink, Sends, deltas_ahead, future_errors, header_tensor
 from weightstream.streaming.bucket import Bucket
 from weightstream.streaming.delta import Snapshot
 from weightstream.wire.groups import WARM_BROADCAST, GroupLayout, init_custom_process_group
@@ -104,6 +108,24 @@ class BroadcastSink(PipelinedSink):
     def disconnect(self, seconds: float | None = None) -> None:
         if self.sender:
             self._leave(self.engines, self.timeout_s if seconds is None else seconds)
+
+    def prepare(self, stream: BucketStream) -> None:
+        """Where every engine takes a broadcast plan ahead of any update (:data:`BROADCAST_PREPARE`) and the buckets
+        would go ahead: every bucket's metadata to each now, whose ranks make their loads of them ready; the first
+        update then sends the plan's key alone and loads as a later one does. Bounded by the sink's timeout."""
+        if not self.sender or self.checksums or not self.ahead or not len(stream):
+            return
+        ready = [a for e in self.engines if (a := capable(e, BROADCAST_PREPARE, BroadcastPrepareEngine)) is not None]
+        if len(ready) != len(self.engines):
+            return
+        metas = [stream.bucket_metas(i) for i in range(len(stream))]
+        bound = self.timeout_s * (1 + len(metas) / 8)
+        pool = ThreadPoolExecutor(max_workers=len(ready), thread_name_prefix="weightstream-prepare")
+        posts = [pool.submit(e.prepare_broadcast_ahead, metas, stream.metadata_digest(), bound) for e in ready]
+        problems = future_errors(posts, Deadline(bound + 2.0))
+        pool.shutdown(wait=False, cancel_futures=True)
+        if problems:
+            raise UpdateError("prepare", " | ".join(problems), [e.url for e in self.engines])
 
     # -- per update ------------------------------------------------------------------------------
 
