@@ -40,6 +40,14 @@
 # An 80 GB card with the engine's defaults (nvidia-h100-x2; the rollback copies go to host memory where they do not
 #   fit beside the weights): ROW_TIMEOUT=330 ... check qwen3-30b-a3b:broadcast qwen3-30b-a3b:broadcast:--no-rollback
 #   qwen3-8b:broadcast; block FP8 on the same card: qwen3-30b-a3b:broadcast:"--quantize fp8-block".
+# The MoE rows on two GPUs after the engine's pipelined receive, one-launch checks and plans kept by key (H200 x2,
+#   2026-11-28: 30B-A3B bf16 231.8 ms 1.40x, block FP8 156.7 ms 0.68x bf16; docs/benchmarks.md "2026-11-28 (later)"),
+#   then with the plan made ready in prepare() (/weightstream/prepare_broadcast_ahead: not yet measured on a GPU; the
+#   first update after prepare() was 4.85x and 10.3x the warm one), with the one-launch check's own check first:
+#   ROW_TIMEOUT=200 ... check-values qwen3-30b-a3b:broadcast:"--prepare --no-rollback"
+#   qwen3-30b-a3b:broadcast:"--prepare --no-rollback --quantize fp8-block" qwen3-8b:broadcast:--prepare
+#   qwen3-8b:broadcast:"--prepare --no-rollback" qwen3-8b:broadcast:"--prepare --quantize fp8-block"
+#   qwen3-8b:ipc:"--prepare --no-rollback"
 # JSON of every row and the raw output go to $OUT (or ./gpu-out); ROW_TIMEOUT (seconds, default 400) bounds each row.
 set -uo pipefail
 OUT="${OUT:-gpu-out}"; mkdir -p "$OUT"
@@ -47,6 +55,11 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.
 for row in "$@"; do
   if [ "$row" = check ]; then
     OUT="$OUT" timeout 300 bash tools/gpu_run.sh check 2>&1 | grep -v Warning | tail -5
+    continue
+  fi
+  if [ "$row" = check-values ]; then  # the one-launch value check against the torch path, and its time per bucket
+    PYTHONPATH="/tmp/site:$PWD" timeout 240 python3 tools/gpu_check_values.py --trials 400 --json "$OUT/check_values.json" \
+      | tail -4
     continue
   fi
   if [ "$row" = fp8-kernel ]; then
