@@ -7,10 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.test_reshard_plan import DIMS, trainer_bucket
 from weightstream.models.presets import preset_config, random_hf_model
-from weightstream.streaming.bucket import Bucket, TensorMeta, gap_ranges
+from weightstream.sinks.reshard import _packed
+from weightstream.streaming.bucket import Bucket, TensorMeta, extent, gap_ranges
 from weightstream.streaming.delta import Snapshot
 from weightstream.streaming.kept_plans import clear_plans
+from weightstream.streaming.reshard import EngineLayout, plan_bucket
 from weightstream.streaming.stream import stream_hf_weights
 from weightstream.wire.fp8 import BlockFP8
 from weightstream.wire.handles import checksum
@@ -98,3 +101,25 @@ def test_a_step_that_changes_one_tensor_leaves_every_other_bucket_without_a_chan
         if step:
             ((_, count, held),) = holders
             assert count == 4 and changed in held
+
+
+def test_a_resharded_route_packed_into_dirty_memory_has_zero_gaps(monkeypatch):
+    """TP 2 into TP 4: each route's pieces are cut into a buffer of their own; its gaps are zero whatever memory
+    it gets, so a delta of the route's bytes carries changed pieces only."""
+    senders = [trainer_bucket(2, r) for r in range(2)]
+    g = torch.Generator().manual_seed(0)
+    buckets = [Bucket(0, torch.randint(0, 256, (extent(m),), dtype=torch.uint8, generator=g), tuple(m))
+               for m in senders]
+    cut = [r for r in plan_bucket(senders, EngineLayout(4, DIMS)) if not r.whole_bucket]
+    clean = [_packed(buckets[r.sender], r) for r in cut]
+    empty = torch.empty
+
+    def dirty(*args, **kwargs):  # memory as a reused allocation hands it out: every byte set
+        return empty(*args, **kwargs).fill_(0xFF) if kwargs.get("dtype") == torch.uint8 else empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", dirty)
+    packed = [_packed(buckets[r.sender], r) for r in cut]
+    assert len(cut) == 6 and any(gap_ranges(r.metas, got.numel()) for r, got in zip(cut, packed, strict=True))
+    for r, got, want in zip(cut, packed, clean, strict=True):
+        assert torch.equal(got, want) and checksum(got) == checksum(want)
+        assert all(int(got[start:start + n].ne(0).sum()) == 0 for start, n in gap_ranges(r.metas, got.numel()))

@@ -344,7 +344,7 @@ def expected_digests(senders: list[dict[Key, str]], engine_ranks: int) -> list[d
 def _packed(bucket: Bucket, route: Route) -> torch.Tensor:
     """The pieces of ``route`` cut from ``bucket`` into a buffer of their own, laid out as ``route.metas`` (one
     batched copy per dtype)."""
-    out = typed_buffer(route.nbytes, bucket.buffer.device)
+    out = typed_buffer(route.nbytes, bucket.buffer.device).zero_()  # gaps zero: a delta compares every word
     pairs: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for piece, meta in zip(route.pieces, route.metas, strict=True):
         src = view_tensor(bucket.buffer, bucket.metas[piece.source])
