@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.checks import engine_python, run_engine_check
+from tests.helpers.checks import engine_check
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES = ROOT / "tests" / "engines"
@@ -20,13 +20,12 @@ SHARD_SHAPES = {"self_attn.qkv_proj": ([512, 256], [4, 2]), "self_attn.o_proj": 
 
 @pytest.fixture(scope="module")
 def sglang_fp8() -> dict:
-    return run_engine_check(engine_python("sglang", "sglang, einops"), ENGINES / "sglang_fp8_check.py", ROOT)
+    return engine_check("sglang", "sglang, einops", ENGINES / "sglang_fp8_check.py", ROOT)
 
 
 @pytest.fixture(scope="module")
 def lmdeploy_fp8() -> dict:
-    return run_engine_check(engine_python("lmdeploy", "lmdeploy.utils"), ENGINES / "lmdeploy_fp8_check.py",
-                            ROOT)
+    return engine_check("lmdeploy", "lmdeploy.utils", ENGINES / "lmdeploy_fp8_check.py", ROOT)
 
 
 @pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.checks import engine_python, run_engine_check
+from tests.helpers.checks import engine_check
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = ROOT / "tests" / "engines" / "lmdeploy_check.py"
@@ -29,7 +29,7 @@ ROUTES = {  # every route the adapter uses
 
 @pytest.fixture(scope="module")
 def result() -> dict:
-    return run_engine_check(engine_python("lmdeploy", "lmdeploy.utils, lmdeploy.serve.openai.protocol"), CHECK, ROOT)
+    return engine_check("lmdeploy", "lmdeploy.utils, lmdeploy.serve.openai.protocol", CHECK, ROOT)
 
 
 def _requests(result, path: str) -> list[dict]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.checks import engine_python, run_engine_check
+from tests.helpers.checks import engine_check
 from weightstream import WeightSync
 from weightstream.engines.base import (
     BROADCAST,
@@ -449,7 +449,7 @@ def test_a_delta_by_broadcast_into_sglang_refused_before_anything_is_sent():
 
 @pytest.fixture(scope="module")
 def result() -> dict:
-    return run_engine_check(engine_python("sglang", "sglang, transformers"), CHECK, ROOT)
+    return engine_check("sglang", "sglang, transformers", CHECK, ROOT)
 
 
 def test_sglang_parses_the_flag_and_decodes_the_requests(result):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.checks import engine_python, run_engine_check
+from tests.helpers.checks import engine_check
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = ROOT / "tests" / "engines" / "sglang_check.py"
@@ -28,7 +28,7 @@ ROUTES = {  # every route the adapter uses
 
 @pytest.fixture(scope="module")
 def result() -> dict:
-    return run_engine_check(engine_python("sglang", "sglang, sglang.srt.weight_sync.tensor_bucket"), CHECK, ROOT)
+    return engine_check("sglang", "sglang, sglang.srt.weight_sync.tensor_bucket", CHECK, ROOT)
 
 
 def test_sglang_version(result):

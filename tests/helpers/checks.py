@@ -155,27 +155,57 @@ def assert_logits_close(megatron: torch.Tensor, hf: torch.Tensor, atol: float = 
 def engine_python(engine: str, probe: str) -> str:
     """The python named by ``WEIGHTSTREAM_<ENGINE>_PYTHON`` that can ``import`` ``probe``; the test is skipped
     without one, and failed instead when ``WEIGHTSTREAM_REQUIRE_<ENGINE>=1``."""
-    var, require = f"WEIGHTSTREAM_{engine.upper()}_PYTHON", f"WEIGHTSTREAM_REQUIRE_{engine.upper()}"
-    python = os.environ.get(var)
-    why = None
-    if not python:
-        why = f"{var} is not set"
-    else:
-        proc = subprocess.run([python, "-c", f"import {probe}"], capture_output=True, text=True, timeout=120)
-        if proc.returncode:
-            why = f"{python} cannot import {engine}: {proc.stderr.strip().splitlines()[-1:]}"
-    if why:
-        if os.environ.get(require) == "1":
-            pytest.fail(f"{require}=1 but {why}")
-        pytest.skip(why)
+    python = _named_python(engine)
+    _skip_unless_it_imports(engine, python, probe)
     return python
+
+
+def _named_python(engine: str) -> str:
+    """``WEIGHTSTREAM_<ENGINE>_PYTHON``; the test skipped (or failed, as :func:`engine_python`) where it is unset."""
+    var = f"WEIGHTSTREAM_{engine.upper()}_PYTHON"
+    python = os.environ.get(var)
+    if not python:
+        _skip_or_fail(engine, f"{var} is not set")
+    return str(python)
+
+
+def _skip_unless_it_imports(engine: str, python: str, probe: str) -> None:
+    proc = subprocess.run([python, "-c", f"import {probe}"], capture_output=True, text=True, timeout=120)
+    if proc.returncode:
+        _skip_or_fail(engine, f"{python} cannot import {engine}: {proc.stderr.strip().splitlines()[-1:]}")
+
+
+def _skip_or_fail(engine: str, why: str) -> None:
+    require = f"WEIGHTSTREAM_REQUIRE_{engine.upper()}"
+    if os.environ.get(require) == "1":
+        pytest.fail(f"{require}=1 but {why}")
+    pytest.skip(why)
 
 
 def run_engine_check(python: str, script, cwd) -> dict:
     """Run an engine check script with ``python`` (without our PYTHONPATH); its last stdout line, as JSON."""
     import json
 
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([python, str(script)], capture_output=True, text=True, timeout=420, cwd=cwd, env=env)
+    proc = _run_check(python, script, cwd)
     assert proc.returncode == 0, f"{script} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def engine_check(engine: str, probe: str, script, cwd) -> dict:
+    """:func:`run_engine_check` with :func:`engine_python`'s python, its import of ``probe`` tried only where the
+    script failed (the engine's import is most of a check's time): skipped, or failed under
+    ``WEIGHTSTREAM_REQUIRE_<ENGINE>=1``, where that python cannot import the engine, as :func:`engine_python`;
+    otherwise a failure of the script is the test's failure."""
+    import json
+
+    python = _named_python(engine)
+    proc = _run_check(python, script, cwd)
+    if proc.returncode:
+        _skip_unless_it_imports(engine, python, probe)
+    assert proc.returncode == 0, f"{script} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _run_check(python: str, script, cwd) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([python, str(script)], capture_output=True, text=True, timeout=420, cwd=cwd, env=env)
