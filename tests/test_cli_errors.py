@@ -10,7 +10,9 @@ import re
 import subprocess
 import sys
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 
@@ -71,11 +73,50 @@ def _bad_inputs(d: dict[str, str], out: str) -> list[tuple[list[str], str]]:
     return cases
 
 
-def test_every_user_error_of_every_command_is_one_line_and_exit_status_2(dirs, tmp_path):
+# A few cases through the entry point in a process of its own (argparse's own check, two of bench's, and the
+# engine's check of a model's config, which imports torch and transformers first): the real process prints the
+# one line and exits 2. The others call ``main`` in this process (:func:`_in_process`), with the same assertions.
+_IN_A_PROCESS = ("argument --tp: must be at least 1",
+                 "one of --transport T, --soak N or --from-json F.json is required",
+                 "no such file: /no/such.json", "engine TP 3 does not divide")
+
+
+# What ``main`` sets for the processes a command starts (weightstream.common.quiet), put back after each case.
+_CHILD_ENV = ("PYTHONWARNINGS", "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY", "TOKENIZERS_PARALLELISM")
+
+
+def _in_process(argv: list[str], capfd: pytest.CaptureFixture[str]) -> SimpleNamespace:
+    """``main(argv)``, the function the console script calls, in this process: its exit status, stdout and
+    stderr (at the descriptors). The environment and warning filters it sets are put back."""
+    from weightstream.cli import main
+
+    saved = {name: os.environ.get(name) for name in _CHILD_ENV}
+    capfd.readouterr()
+    try:
+        with warnings.catch_warnings():
+            try:
+                status = main(argv)
+            except SystemExit as exc:  # argparse's own errors end in sys.exit, as in the console script
+                status = exc.code
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    out, err = capfd.readouterr()
+    return SimpleNamespace(returncode=status, stdout=out, stderr=err)
+
+
+def test_every_user_error_of_every_command_is_one_line_and_exit_status_2(dirs, tmp_path, capfd):
     out = str(tmp_path / "out")
     cases = _bad_inputs(dirs, out)
+    apart = [case for case in cases if case[1] in _IN_A_PROCESS]
+    assert len(apart) == len(_IN_A_PROCESS)
     with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(lambda case: run(*case[0]), cases))
+        separate = list(pool.map(lambda case: run(*case[0]), apart))
+    results = [separate[apart.index(case)] if case in apart else _in_process(case[0], capfd)
+               for case in cases]
     wrong = []
     for (argv, says), res in zip(cases, results, strict=True):
         lines = res.stderr.splitlines()
@@ -86,10 +127,11 @@ def test_every_user_error_of_every_command_is_one_line_and_exit_status_2(dirs, t
     assert not os.path.exists(out) and not os.path.exists(out + ".png")  # nothing started, nothing written
 
 
-def test_with_v_the_error_comes_after_its_traceback(dirs, tmp_path):
-    for argv in (["-v", "dump", "--preset", "tiny-qwen3", "--tp", "3", "--out", str(tmp_path / "o")],
-                 ["engine", "--hf", dirs["unknown"], "-v"]):
-        res = run(*argv)
+def test_with_v_the_error_comes_after_its_traceback(dirs, tmp_path, capfd):
+    """The first in a process of its own, the second through ``main`` in this one."""
+    for argv, how in ((["-v", "dump", "--preset", "tiny-qwen3", "--tp", "3", "--out", str(tmp_path / "o")], "process"),
+                      (["engine", "--hf", dirs["unknown"], "-v"], "main")):
+        res = run(*argv) if how == "process" else _in_process(argv, capfd)
         lines = res.stderr.splitlines()
         assert res.returncode == 2 and lines[0] == "Traceback (most recent call last):", res.stderr
         assert lines[-1].startswith("error: ") and sum(line.startswith("error: ") for line in lines) == 1
