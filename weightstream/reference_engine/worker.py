@@ -26,6 +26,7 @@ from weightstream.common.phases import PhaseClock
 from weightstream.common.processes import die_with_parent
 from weightstream.converters.registry import get_converter
 from weightstream.models.spec import dtype_from_name
+from weightstream.receiver.groups import UpdateGroups
 from weightstream.receiver.pieces import engine_layout
 from weightstream.receiver.plan import IpcReceive, Receive, TensorReceive
 from weightstream.receiver.receiver import Receiver
@@ -37,7 +38,7 @@ from weightstream.receiver.requests import (
 )
 from weightstream.receiver.schema import ep_problem, routed_experts
 from weightstream.receiver.session import Facilities
-from weightstream.receiver.values import DEFAULT_CHECKS, LoadChecks, warm_checks
+from weightstream.receiver.values import DEFAULT_CHECKS, LoadChecks
 from weightstream.reference_engine.protocol import (
     START_ID,
     AbortSession,
@@ -60,10 +61,9 @@ from weightstream.reference_engine.protocol import (
     Shutdown,
     UpdatePhases,
 )
-from weightstream.streaming.copies import warm_kernel
 from weightstream.wire.channel import fd_peer
 from weightstream.wire.fp8 import block_fp8_of
-from weightstream.wire.groups import destroy_group, init_custom_process_group, tcp_store, warm_device, warm_group
+from weightstream.wire.groups import tcp_store
 from weightstream.wire.handles import checksum
 
 __all__ = ["Worker", "worker_main"]
@@ -83,14 +83,13 @@ class Worker:
         if (problem := ep_problem(ep, size, routed_experts(self.config.to_dict()))) is not None:
             raise ValueError(problem)
         self.model = ShardedCausalLM(self.config, rank, size, dist.group.WORLD, device, dtype, ep)
-        self.groups: dict[str, Any] = {}
-        self.group_masters: dict[str, str] = {}  # per group: the trainer's store it was joined at (named in errors)
-        self.groups_warmed = 0  # groups whose first transfer ran as they were joined (GroupSpec.warm)
+        self.groups = UpdateGroups(rank, device)
         self._load_initial(model_dir)
         # A buffer lent by name (a payload pickled by torch on the CPU), and the bytes held for delta updates, are
         # at most twice the model's size.
         max_lent_bytes = 2 * size * sum(st.nbytes() for st in self.model._storages())
-        self.receiver = self.make_receiver(Facilities(rank, size, device, self.clock, self.groups), max_lent_bytes)
+        at = Facilities(rank, size, device, self.clock, self.groups.joined)
+        self.receiver = self.make_receiver(at, max_lent_bytes)
         self.session = self.receiver.session
 
     def make_receiver(self, at: Facilities, max_lent_bytes: int) -> Receiver:
@@ -118,40 +117,9 @@ class Worker:
 
     # -- commands ----------------------------------------------------------------------------
 
-    def init_group(self, r: InitGroupRequest):
-        """Join the group; ``warm``: then run its first, tiny transfer with the trainer (see ``warm_group``)."""
-        master_address, master_port, rank_offset, world_size = r.master_address, r.master_port, r.rank_offset, \
-            r.world_size
-        group_name, backend, timeout_s, warm = r.group_name, r.backend, r.timeout_s, r.warm
-        if group_name in self.groups:  # another trainer's (nothing of it is touched)
-            raise RuntimeError(f"weight-update group {group_name!r} is already held here, joined with the trainer at "
-                               f"{self.group_masters.get(group_name)}: that trainer must leave it first (its "
-                               "WeightSync closed), or this one use another group_name")
-        group = init_custom_process_group(
-            backend, f"tcp://{master_address}:{master_port}", world_size, rank_offset + self.rank, group_name,
-            timedelta(seconds=timeout_s),
-        )
-        if warm:
-            try:
-                warm_group(group, warm, r.warm_senders, warm_device(backend, self.device), timeout_s)
-            except BaseException:
-                destroy_group(group)
-                raise
-        self.groups[group_name] = group
-        self.group_masters[group_name] = f"tcp://{master_address}:{master_port}"
-        self.groups_warmed += bool(warm)
-        warm_kernel(self.device)  # the loads out of kept receive buffers: compiled now, not in the first update
-        warm_checks(self.device)  # and the value checks' kernels loaded
-        return f"rank {rank_offset + self.rank} of {world_size} joined {group_name}{' (warmed)' if warm else ''}"
-
-    def destroy_group(self, group_name):
-        destroy_group(self.groups.pop(group_name, None))
-        return "destroyed"
-
-    def destroy_all_groups(self):
-        for name in list(self.groups):
-            destroy_group(self.groups.pop(name))
-        return "destroyed"
+    def init_group(self, r: InitGroupRequest) -> str:
+        """Join a weight-update group (:meth:`UpdateGroups.join`)."""
+        return self.groups.join(r)
 
     def release_memory(self, tags):
         """SGLang's tags: ``weights`` frees the weights (re-created, zeroed, by ``resume_memory``; an update
@@ -176,7 +144,7 @@ class Worker:
         return {"rss_bytes": rss, "cuda_allocated_bytes": cuda, "session_peak_extra_cuda_bytes": peak,
                 "backup_place": self.model.backup_at.where, "backup_why": self.model.backup_at.why,
                 "backup_bytes": self.model.backup_bytes, "fds": len(os.listdir("/proc/self/fd")),
-                "groups_warmed": self.groups_warmed, **self.receiver.stats()}
+                "groups_warmed": self.groups.warmed, **self.receiver.stats()}
 
     def logits(self, input_ids):
         """Rank 0's logits as a numpy array: it crosses the pipe by value, so no shared storage of a reply (a
@@ -227,8 +195,8 @@ class Worker:
         """What the server may ask of this worker: per request type, what runs it (given the request)."""
         receiver, session = self.receiver, self.session
         return {
-            InitGroupRequest: self.init_group, DestroyGroupRequest: lambda r: self.destroy_group(r.group_name),
-            DestroyAllGroups: lambda _: self.destroy_all_groups(), Receive: receiver.receive,
+            InitGroupRequest: self.init_group, DestroyGroupRequest: lambda r: self.groups.leave(r.group_name),
+            DestroyAllGroups: lambda _: self.groups.leave_all(), Receive: receiver.receive,
             IpcReceive: receiver.receive_ipc, TensorReceive: receiver.receive_tensor,
             ReleaseIpcRequest: lambda r: receiver.ipc.release(r.client), BeginSession: lambda _: session.begin(),
             PrepareSession: lambda _: session.prepare(), CommitSession: lambda _: session.commit(),
@@ -310,8 +278,7 @@ def worker_main(rank, size, model_dir, port, backend, device, dtype, conn, rollb
         conn.send(Reply(START_ID, Outcome.FAILED, traceback.format_exc()))
         return
     _serve(worker, conn)
-    for name in list(worker.groups):
-        destroy_group(worker.groups.pop(name))
+    worker.groups.leave_all()
     dist.destroy_process_group()
 
 
