@@ -50,11 +50,14 @@ def _check(src: str, out, transport: str, torchrun: bool) -> None:
     assert (second - first).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("transport,engine_tp", [("broadcast", 1), ("p2p", 2), ("p2p", 1), ("ipc", 2), ("ipc", 1)])
+# Broadcast into an engine at TP 1, and IPC and P2P into one at TP 2, run under torchrun in
+# test_torchrun_trainer_sends_deltas (a full update, then a delta); full updates by each transport are
+# launch()'s tests' (tests/test_update.py).
+@pytest.mark.parametrize("transport,engine_tp", [("p2p", 1), ("ipc", 1)])
 def test_torchrun_trainer_updates_engine(tmp_path, transport, engine_tp):
     """``ipc`` into an engine at TP 1: trainer rank 0 writes every tensor (those gathered over TP included)
-    straight into the engine's weights; at TP 2 each rank's buckets cross its control channel. ``p2p`` into an
-    engine at TP 1: resharded, both trainer ranks sending their shards to the engine's one rank."""
+    straight into the engine's weights. ``p2p`` into an engine at TP 1: resharded, both trainer ranks sending
+    their shards to the engine's one rank."""
     cfg = preset_config("tiny-qwen3")
     src = save_random_checkpoint(cfg, tmp_path / "src", seed=31)
     eng_dir = save_random_checkpoint(cfg, tmp_path / "eng", seed=32)
@@ -113,6 +116,8 @@ def test_torchrun_trainer_sends_deltas(tmp_path, transport, engine_tp):
     assert (first["full"], first["reason"], first["checked"]) == (True, "the first update", True), first
     assert (second["full"], second["reason"], second["checked"]) == (False, "deltas against version step-0", True)
     assert second["changed"] > 0
+    if transport == "ipc":  # at TP 2 each trainer rank's buckets cross its control channel, none written directly
+        assert [r["direct"] for r in json.loads((out / "reports.json").read_text())] == [False, False]
 
 
 def test_torchrun_trainer_of_two_replicas_updates_two_engines_by_p2p(tmp_path):
