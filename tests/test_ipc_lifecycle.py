@@ -198,8 +198,8 @@ def _worker_pid(server) -> int:
 # -- (1) D2: any number of trainers, one after another -------------------------------------------------
 
 
-def test_four_trainers_one_after_another_each_update_the_engine(checkpoints, trainer_script):
-    """Four trainer processes in turn, each one IPC update into the same engine (TP 1), written straight into
+def test_three_trainers_one_after_another_each_update_the_engine(checkpoints, trainer_script):
+    """Three trainer processes in turn, each one IPC update into the same engine (TP 1), written straight into
     the engine's weights. Each succeeds and the engine then answers its weights' logits; between trainers
     the engine holds no more than after the first (no descriptor, mapping or /dev/shm entry of a departed
     trainer)."""
@@ -207,7 +207,7 @@ def test_four_trainers_one_after_another_each_update_the_engine(checkpoints, tra
     with engine(eng_dir) as server:
         eng = ReferenceEngine(server.url, timeout_s=30)
         worker, seen = _worker_pid(server), []
-        for i, src in enumerate(sources[:4]):
+        for i, src in enumerate(sources[:3]):
             start = time.monotonic()
             report = _train(trainer_script, src, server.url)
             took = time.monotonic() - start
@@ -222,8 +222,8 @@ def test_four_trainers_one_after_another_each_update_the_engine(checkpoints, tra
                   f"{len(held.shared)} shared mappings")
         # The engine's own weights went into shared memory for the first trainer that wrote into them; nothing
         # of any trainer stays.
-        assert seen[1].fds == seen[2].fds == seen[3].fds, [h.fds for h in seen]
-        assert seen[1].shared == seen[2].shared == seen[3].shared
+        assert seen[1].fds == seen[2].fds, [h.fds for h in seen]
+        assert seen[1].shared == seen[2].shared
 
 
 # -- (2) a trainer under torchrun whose output a shell captures ----------------------------------------
@@ -311,12 +311,12 @@ def test_killed_trainer_leaves_nothing_in_the_engine_within_the_bound(checkpoint
 
 
 def test_no_rollback_engine_is_repaired_after_every_killed_trainer(checkpoints, trainer_script):
-    """``--no-rollback``: three times a trainer is killed mid-way through writing into the engine's weights
+    """``--no-rollback``: twice a trainer is killed mid-way through writing into the engine's weights
     (the engine then refuses to serve) and a fresh trainer process repairs it with a complete update."""
     eng_dir, *sources = checkpoints
     with engine(eng_dir, rollback=False) as server:
         eng = ReferenceEngine(server.url, timeout_s=30)
-        for trial in range(3):
+        for trial in range(2):
             proc = _start(trainer_script, sources[trial], server.url, "die_mid_update", direct=True, timeout_s=T)
             assert _first_line(proc) == "dying"
             _kill(proc)
