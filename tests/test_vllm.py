@@ -154,39 +154,67 @@ def vllm_update(src: str, layout: Layout, url: str, version: str) -> dict:
             "transport": report.transport, "summary": report.summary()}
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3-moe", "tiny-llama"])
-def test_vllm_update_from_megatron(preset, tmp_path):
+@pytest.fixture(scope="module")
+def qwen3_server(tmp_path_factory):
+    """One vLLM server on a tiny Qwen3 (seed 1) for the module: the Megatron update of that preset runs on it
+    first (it reads the engine's starting weights, so it is the last of its parametrization, the test just before
+    the delta updates), then the delta updates, whose first update is a full one whatever the engine holds.
+    Yields the server and the directory of its starting weights."""
     from weightstream.models.presets import save_random_checkpoint
 
     python = _vllm_python()
-    cfg = _config(preset)
-    engine_dir = save_random_checkpoint(cfg, tmp_path / "engine", seed=1)
-    trainer_dir = save_random_checkpoint(cfg, tmp_path / "trainer", seed=2)
-
-    server = VLLMServer(python, engine_dir, str(tmp_path / "vllm.log"))
+    root = tmp_path_factory.mktemp("vllm-qwen3")
+    engine_dir = save_random_checkpoint(_config("tiny-qwen3"), root / "engine", seed=1)
+    server = VLLMServer(python, engine_dir, str(root / "vllm.log"))
     try:
         server.wait_healthy()
-        print(f"\n{preset}: vLLM healthy after {server.ready_s:.1f} s")
-        engine = VLLMEngine(server.url, timeout_s=120)
-        info = engine.info()
-        assert (info.tp_size, info.pp_size, info.dp_size) == (1, 1, 1) and info.can("broadcast"), info
-
-        before = [engine.greedy(p, MAX_TOKENS) for p in PROMPTS]
-        assert before == hf_greedy(engine_dir, PROMPTS), server.tail()
-        expected = hf_greedy(trainer_dir, PROMPTS)
-        assert expected != before  # the update must change what the engine answers
-
-        t = time.monotonic()
-        reports = launch(2, vllm_update, trainer_dir, Layout(2, 1), server.url, "v-7", timeout_s=300)
-        print(f"{preset}: update {reports[0]['summary']} ({time.monotonic() - t:.1f} s with the trainer's start)")
-        assert [r["weight_version"] for r in reports] == ["v-7", "v-7"]
-        assert reports[0]["transport"] == "broadcast"
-        assert engine.weight_version() == "v-7"
-
-        after = [engine.greedy(p, MAX_TOKENS) for p in PROMPTS]
-        assert after == expected, server.tail()
+        print(f"\ntiny-qwen3: vLLM healthy after {server.ready_s:.1f} s")
+        yield server, engine_dir
     finally:
         server.stop()
+
+
+def _server_of(preset: str, tmp_path, request: pytest.FixtureRequest):
+    """The module's Qwen3 server, or for another preset a server of its own (stopped at the test's end)."""
+    from weightstream.models.presets import save_random_checkpoint
+
+    if preset == "tiny-qwen3":
+        return request.getfixturevalue("qwen3_server")
+    python = _vllm_python()
+    engine_dir = save_random_checkpoint(_config(preset), tmp_path / "engine", seed=1)
+    server = VLLMServer(python, engine_dir, str(tmp_path / "vllm.log"))
+    request.addfinalizer(server.stop)
+    server.wait_healthy()
+    print(f"\n{preset}: vLLM healthy after {server.ready_s:.1f} s")
+    return server, engine_dir
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-llama", "tiny-qwen3"])
+def test_vllm_update_from_megatron(preset, tmp_path, request):
+    from weightstream.models.presets import save_random_checkpoint
+
+    server, engine_dir = _server_of(preset, tmp_path, request)
+    cfg = _config(preset)
+    trainer_dir = save_random_checkpoint(cfg, tmp_path / "trainer", seed=2)
+
+    engine = VLLMEngine(server.url, timeout_s=120)
+    info = engine.info()
+    assert (info.tp_size, info.pp_size, info.dp_size) == (1, 1, 1) and info.can("broadcast"), info
+
+    before = [engine.greedy(p, MAX_TOKENS) for p in PROMPTS]
+    assert before == hf_greedy(engine_dir, PROMPTS), server.tail()
+    expected = hf_greedy(trainer_dir, PROMPTS)
+    assert expected != before  # the update must change what the engine answers
+
+    t = time.monotonic()
+    reports = launch(2, vllm_update, trainer_dir, Layout(2, 1), server.url, "v-7", timeout_s=300)
+    print(f"{preset}: update {reports[0]['summary']} ({time.monotonic() - t:.1f} s with the trainer's start)")
+    assert [r["weight_version"] for r in reports] == ["v-7", "v-7"]
+    assert reports[0]["transport"] == "broadcast"
+    assert engine.weight_version() == "v-7"
+
+    after = [engine.greedy(p, MAX_TOKENS) for p in PROMPTS]
+    assert after == expected, server.tail()
 
 
 # -- delta updates ---------------------------------------------------------------------------------------
@@ -221,71 +249,64 @@ def _vllm_weight_checksums(engine: VLLMEngine) -> dict[str, str]:
     return engine.post("/weight_checker", {"action": "checksum"}, step="weight_checker")["checksums"]
 
 
-def test_vllm_delta_updates(tmp_path):
+def test_vllm_delta_updates(qwen3_server):
     """A transformers trainer (Adam, bf16 weights) into a real vLLM whose workers apply the deltas: a first full
     update, then deltas checked by the workers' checksums, vLLM's greedy tokens HF's after each, and its
     parameters bit for bit those a full update of the same weights leaves. A plain update in between leaves the
     workers no base (the next update is full, saying why); another trainer's update under the same version name
     leaves them other bytes, which the check catches (the update goes again in full)."""
     import weightstream as ws
-    from weightstream.models.presets import save_random_checkpoint
 
-    python = _vllm_python()
+    server, _ = qwen3_server  # started for the module; whatever weights it serves, the first update is full
     cfg = _config("tiny-qwen3")
-    server = VLLMServer(python, save_random_checkpoint(cfg, tmp_path / "engine", seed=1), str(tmp_path / "vllm.log"))
-    try:
-        server.wait_healthy()
-        print(f"\nvLLM healthy after {server.ready_s:.1f} s")
-        engine = VLLMEngine(server.url, timeout_s=120)
-        assert {BROADCAST, DELTA} <= engine.info().capabilities
-        trainer = DeltaTrainer(cfg, seed=2)
+    engine = VLLMEngine(server.url, timeout_s=120)
+    assert {BROADCAST, DELTA} <= engine.info().capabilities
+    trainer = DeltaTrainer(cfg, seed=2)
+    with ws.WeightSync([server.url], transport="broadcast", delta=True, bucket_bytes=SMALL,
+                       timeout_s=120) as sync:
+        first = _update(sync, trainer, engine, "v0").delta
+        assert (first.full, first.reason, first.checked) == (True, "the first update", True)
+        for step in range(1, 4):
+            trainer.step()
+            report = _update(sync, trainer, engine, f"v{step}")
+            d = report.delta
+            assert (d.full, d.checked, d.mismatch) == (False, True, None), report.summary()
+            assert d.reason == f"deltas against version v{step - 1}"
+            assert set(d.encodings) - {"dense"} and 0 < d.changed < d.words, d.encodings
+            assert 0 < d.wire_bytes < report.bytes / 2, report.summary()
+        base = engine.delta_base()
+        assert base is not None and base.endswith("/v3")
+        sync.close()
+
+        # The same weights in full by a plain update: vLLM's parameters are the ones the deltas left.
+        applied = _vllm_weight_checksums(engine)
+        ws.update_weights(trainer.model, cfg, server.url, transport="broadcast", bucket_bytes=SMALL,
+                          weight_version="v3-plain", timeout_s=120)
+        assert _vllm_weight_checksums(engine) == applied
+        assert engine.delta_base() is None  # its buckets were not kept
+
+        trainer.step()
+        d = _update(sync, trainer, engine, "v4").delta
+        assert (d.full, d.checked) == (True, True)
+        assert d.reason == (f"engine {server.url} holds nothing to apply deltas to, not what this trainer "
+                            f"committed ({base}): restarted, rolled back or updated elsewhere")
+        sync.close()
+
+        # Another trainer commits its weights under the name this one committed last: the workers' base
+        # names what this trainer expects, their bytes are the other's.
+        other = DeltaTrainer(cfg, seed=3)
         with ws.WeightSync([server.url], transport="broadcast", delta=True, bucket_bytes=SMALL,
-                           timeout_s=120) as sync:
-            first = _update(sync, trainer, engine, "v0").delta
-            assert (first.full, first.reason, first.checked) == (True, "the first update", True)
-            for step in range(1, 4):
-                trainer.step()
-                report = _update(sync, trainer, engine, f"v{step}")
-                d = report.delta
-                assert (d.full, d.checked, d.mismatch) == (False, True, None), report.summary()
-                assert d.reason == f"deltas against version v{step - 1}"
-                assert set(d.encodings) - {"dense"} and 0 < d.changed < d.words, d.encodings
-                assert 0 < d.wire_bytes < report.bytes / 2, report.summary()
-            base = engine.delta_base()
-            assert base is not None and base.endswith("/v3")
-            sync.close()
+                           timeout_s=120) as sync2:
+            assert sync2.update(other.model, cfg, weight_version="v4").delta.full
+        trainer.step()
+        d = _update(sync, trainer, engine, "v5").delta
+        assert d.mismatch is not None and d.mismatch.startswith(
+            f"engine {server.url}: the bytes it applied of buckets [0, 1, "), d.mismatch
+        assert (d.full, d.checked) == (True, True) and d.reason.startswith("the check of the last attempt found")
 
-            # The same weights in full by a plain update: vLLM's parameters are the ones the deltas left.
-            applied = _vllm_weight_checksums(engine)
-            ws.update_weights(trainer.model, cfg, server.url, transport="broadcast", bucket_bytes=SMALL,
-                              weight_version="v3-plain", timeout_s=120)
-            assert _vllm_weight_checksums(engine) == applied
-            assert engine.delta_base() is None  # its buckets were not kept
-
-            trainer.step()
-            d = _update(sync, trainer, engine, "v4").delta
-            assert (d.full, d.checked) == (True, True)
-            assert d.reason == (f"engine {server.url} holds nothing to apply deltas to, not what this trainer "
-                                f"committed ({base}): restarted, rolled back or updated elsewhere")
-            sync.close()
-
-            # Another trainer commits its weights under the name this one committed last: the workers' base
-            # names what this trainer expects, their bytes are the other's.
-            other = DeltaTrainer(cfg, seed=3)
-            with ws.WeightSync([server.url], transport="broadcast", delta=True, bucket_bytes=SMALL,
-                               timeout_s=120) as sync2:
-                assert sync2.update(other.model, cfg, weight_version="v4").delta.full
-            trainer.step()
-            d = _update(sync, trainer, engine, "v5").delta
-            assert d.mismatch is not None and d.mismatch.startswith(
-                f"engine {server.url}: the bytes it applied of buckets [0, 1, "), d.mismatch
-            assert (d.full, d.checked) == (True, True) and d.reason.startswith("the check of the last attempt found")
-
-            trainer.step()
-            d = _update(sync, trainer, engine, "v6").delta
-            assert (d.full, d.checked, d.reason) == (False, True, "deltas against version v5")
-    finally:
-        server.stop()
+        trainer.step()
+        d = _update(sync, trainer, engine, "v6").delta
+        assert (d.full, d.checked, d.reason) == (False, True, "deltas against version v5")
 
 
 def test_vllm_delta_updates_at_tp2(tmp_path):
