@@ -28,13 +28,15 @@ from torch import Tensor
 from weightstream.common.triton_kernel import LazyKernel
 from weightstream.wire.fp8 import SCALE_SUFFIX
 
-__all__ = ["PIECE_BYTES", "KINDS", "SCALE", "CheckPlan", "plan_checks", "PieceCheck", "available", "bucket_flag"]
+__all__ = ["PIECE_BYTES", "KINDS", "DTYPES", "SCALE", "CheckPlan", "stretches", "plan_checks", "PieceCheck",
+           "available", "bucket_flag"]
 
 PIECE_BYTES = 1 << 20  # each program's share of a stretch: a 512 MiB bucket is looked at by 512 programs
 _BLOCK = 1024
 # What a piece holds, as the kernel's branches name it: floats by the mask of their exponent bits.
 KINDS: dict[torch.dtype, int] = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.float8_e4m3fn: 3,
                                  torch.float8_e5m2: 5, torch.float64: 6}
+DTYPES = {kind: dtype for dtype, kind in KINDS.items()}
 SCALE = 4  # a block-FP8 scale (float32)
 _WIDTH = {0: 2, 1: 2, 2: 4, 3: 1, 4: 4, 5: 1, 6: 8}
 _MAX_SCALE_BITS = 0x4F800000  # MAX_FP8_SCALE (2**32) as float32 bits
@@ -106,31 +108,43 @@ class CheckPlan:
     kinds: tuple[int, ...]
 
 
-def plan_checks(runs: Sequence[Run]) -> CheckPlan | None:
-    """The pieces of a bucket cut by ``runs``: each stretch of consecutive floating-point tensors of one dtype (in the
-    buffer's order; block-FP8 scales apart, each its own stretch) cut into pieces of at most :data:`PIECE_BYTES`."""
-    spans: list[tuple[int, int, int]] = []  # (first byte, end byte, kind) of each tensor
+def stretches(runs: Sequence[Run]) -> list[tuple[int, int, int]]:
+    """``(kind, first byte, end byte)`` of each stretch of consecutive floating-point tensors of one kind
+    (:data:`KINDS`, :data:`SCALE`), in the buffer's order: a tensor of another kind (or of none: not a float, or a
+    float no kind names) between two ends a stretch, and each block-FP8 scale is a stretch of its own."""
+    spans: list[tuple[int, int, int | None]] = []  # (first byte, end byte, kind) of each tensor
     for dtype, sizes, payload in runs:
-        if not dtype.is_floating_point:
-            continue
-        if dtype not in KINDS:
-            return None
         pos = 0
         for (gap, numel), (name, _) in zip(zip(sizes[::2], sizes[1::2], strict=True), payload, strict=True):
             start = (pos + gap) * dtype.itemsize
             pos += gap + numel
             if numel:
-                kind = SCALE if name.endswith(SCALE_SUFFIX) and dtype == torch.float32 else KINDS[dtype]
-                spans.append((start, start + numel * dtype.itemsize, kind))
-    spans.sort()
-    stretches: list[list[int]] = []
+                spans.append((start, start + numel * dtype.itemsize, _kind(dtype, name)))
+    spans.sort(key=lambda span: span[0])
+    out: list[list[int]] = []
+    last: int | None = None  # the kind of the tensor before
     for start, end, kind in spans:
-        if stretches and stretches[-1][2] == kind and kind != SCALE:
-            stretches[-1][1] = end
-        else:
-            stretches.append([start, end, kind])
+        if kind is not None and kind == last and kind != SCALE:
+            out[-1][2] = end
+        elif kind is not None:
+            out.append([kind, start, end])
+        last = kind
+    return [(kind, start, end) for kind, start, end in out]
+
+
+def _kind(dtype: torch.dtype, name: str) -> int | None:
+    if dtype == torch.float32 and name.endswith(SCALE_SUFFIX):
+        return SCALE
+    return KINDS.get(dtype) if dtype.is_floating_point else None
+
+
+def plan_checks(runs: Sequence[Run]) -> CheckPlan | None:
+    """The pieces of a bucket cut by ``runs``: each of its :func:`stretches` cut into pieces of at most
+    :data:`PIECE_BYTES`; None where a run is of a floating-point dtype no kind names."""
+    if any(dtype.is_floating_point and dtype not in KINDS for dtype, _, _ in runs):
+        return None
     offsets, lengths, kinds = [], [], []
-    for start, end, kind in stretches:
+    for kind, start, end in stretches(runs):
         width = _WIDTH[kind]
         for at in range(start, end, PIECE_BYTES):
             offsets.append(at)

@@ -14,7 +14,7 @@ all, whatever the number of tensors; only a run that may hold something wrong is
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -77,25 +77,27 @@ def check_values(named: Named) -> ValuesReport:
 def check_runs(raw: Tensor, runs: Sequence[TypedRun]) -> ValuesReport:
     """:func:`check_values` of a bucket held in ``raw`` (a :func:`~weightstream.streaming.bucket.typed_buffer`) and cut
     by ``runs``: one reduction over each stretch of the buffer that tensors of one floating-point dtype tile, padding
-    and all (:func:`_stretches`; one host synchronisation for the bucket), a run then looked at tensor by tensor only
-    where one of its stretches may hold NaN or an infinity (only tensors are named: a stretch's padding may be
-    anything). A run holding block-FP8 scales is checked tensor by tensor. On a CUDA device with Triton, one kernel
-    launch looks at the whole bucket first (:mod:`~weightstream.receiver.value_kernel`)."""
+    and all (:func:`~weightstream.receiver.value_kernel.stretches`; one host synchronisation for the bucket), the runs
+    then looked at tensor by tensor only where a stretch may hold NaN or an infinity (only tensors are named: a
+    stretch's padding may be anything). A run holding block-FP8 scales, or of a float dtype no stretch takes, is
+    looked at tensor by tensor. On a CUDA device with Triton, one kernel launch looks at the whole bucket first
+    (:mod:`~weightstream.receiver.value_kernel`)."""
     if value_kernel.available(raw.device) and (flag := value_kernel.bucket_flag(raw, runs)) is not None:
-        if not bool(flag):  # one launch looked at every tensor (:mod:`~weightstream.receiver.value_kernel`)
-            return ValuesReport()
-        return check_values([(n, v) for dtype, sizes, payload in runs
-                             for (n, _), v in zip(payload, typed_views(raw, dtype, sizes), strict=True)])
-    scaled = {i for i, (_, _, payload) in enumerate(runs) if any(n.endswith(SCALE_SUFFIX) for n, _ in payload)}
-    stretches = [(i, raw.narrow(0, start, end - start).view(runs[i][0]))
-                 for i, start, end in _stretches(runs) if i not in scaled and runs[i][0].is_floating_point]
-    looked = set(scaled)
-    if stretches and _may_hold_nonfinite([t for _, t in stretches]):
-        looked |= {i for i, _ in stretches}
-    if not looked:
-        return ValuesReport()
-    return check_values([(n, v) for i in sorted(looked) for dtype, sizes, payload in [runs[i]]
-                         for (n, _), v in zip(payload, typed_views(raw, dtype, sizes), strict=True)])
+        # one launch looked at every tensor: only where it raised its flag are they named
+        return check_values(_named(raw, runs, range(len(runs)))) if bool(flag) else ValuesReport()
+    spans = [raw.narrow(0, start, end - start).view(value_kernel.DTYPES[kind])
+             for kind, start, end in value_kernel.stretches(runs) if kind != value_kernel.SCALE]
+    looked = [i for i, (dtype, _, payload) in enumerate(runs) if dtype.is_floating_point and (
+        dtype not in value_kernel.KINDS or any(n.endswith(SCALE_SUFFIX) for n, _ in payload))]
+    if spans and _may_hold_nonfinite(spans):
+        looked = [i for i, (dtype, _, _) in enumerate(runs) if dtype.is_floating_point]
+    return check_values(_named(raw, runs, looked)) if looked else ValuesReport()
+
+
+def _named(raw: Tensor, runs: Sequence[TypedRun], which: Iterable[int]) -> list[tuple[str, Tensor]]:
+    """The tensors of runs ``which`` of ``raw``, by name, as they arrived."""
+    return [(n, v) for i in which for dtype, sizes, payload in [runs[i]]
+            for (n, _), v in zip(payload, typed_views(raw, dtype, sizes), strict=True)]
 
 
 def warm_checks(device: torch.device) -> None:
@@ -111,24 +113,6 @@ def warm_checks(device: torch.device) -> None:
     for fill in (0, 0xFF):  # zeros, then NaN in every dtype (each then looked at tensor by tensor)
         raw.fill_(fill)
         check_runs(raw, runs)
-
-
-def _stretches(runs: Sequence[TypedRun]) -> list[tuple[int, int, int]]:
-    """``(run, first byte, end byte)`` of each stretch of consecutive tensors (in the buffer's order) of one run."""
-    spans = []
-    for i, (dtype, sizes, _) in enumerate(runs):
-        pos = 0
-        for gap, numel in zip(sizes[::2], sizes[1::2], strict=True):
-            spans.append(((pos + gap) * dtype.itemsize, (pos + gap + numel) * dtype.itemsize, i))
-            pos += gap + numel
-    spans.sort()
-    out: list[tuple[int, int, int]] = []
-    for start, end, i in spans:
-        if out and out[-1][0] == i:
-            out[-1] = (i, out[-1][1], end)
-        elif end > start:
-            out.append((i, start, end))
-    return out
 
 
 def scale_problems(scales: Named) -> list[str]:
