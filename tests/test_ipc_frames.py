@@ -64,7 +64,7 @@ EXAMPLES: list[Frame] = [
                                             dtypes=("float32", "bfloat16"), sizes=(32,), payload=None)),
     Export(id="e1", weights=None),
     Export(id="e2", weights=ExportedWeights(names=("a",), storages=(0,), offsets=(0,), numels=(4,),
-                                            dtypes=("float32",), sizes=None, payload="cGlja2xl")),
+                                            dtypes=("float32",), sizes=None, payload="cGlja2xl", flag=1)),
     Ready(),
     BucketLoaded(k=7),
     WritesApplied(tensors=47),
@@ -80,6 +80,7 @@ EXAMPLES: list[Frame] = [
     BucketSent(k=2, buffer=LentBuffer(5, fd_bytes=4096), offset=0, nbytes=300, keep=False,
                delta=DeltaRecord(index=2, encoding="bitmap", word=2, total=2048, count=20, nbytes=168)),
     WritesDone(),
+    WritesDone(checked=True),
     Error(message="bucket 2 arrived corrupted", bucket=2),
     Error(message="the trainer refused a frame"),
     Descriptors(count=250),
@@ -134,6 +135,10 @@ MALFORMED = {
                                   ["the delta's 120 bytes exceed the 64 sent"]),
     "no version": ({k: v for k, v in GOOD.items() if k != "v"}, "bucket", ["protocol version None"]),
     "not an object": ([GOOD], None, ["a frame is a JSON object, got a list"]),
+    "a flag among the weights": (encode(Export("e3", ExportedWeights(("a",), (0,), (0,), (4,), ("float32",), None,
+                                                                     "cGlja2xl", flag=0))), "export",
+                                 ["'weights': the flag (storage 0) is a storage of its own, among the handles (a GPU's "
+                                  "export)"]),
     "fields that disagree": (encode(Plan((BucketLayout(("a", "b"), ("float32",), ((1,), (2,)), (0, 4)),))), "plan",
                              ["'buckets[0]': names, dtypes, shapes and offsets differ in length (2, 1, 2, 2)"]),
 }

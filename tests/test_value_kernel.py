@@ -10,7 +10,8 @@ import struct
 import pytest
 import torch
 
-from weightstream.receiver.value_kernel import _MAX_SCALE_BITS, KINDS, PIECE_BYTES, SCALE, plan_checks
+from weightstream.receiver.value_kernel import KINDS, PIECE_BYTES, SCALE, plan_checks
+from weightstream.streaming.value_checks import MAX_SCALE_BITS
 from weightstream.receiver.values import MAX_FP8_SCALE
 from weightstream.streaming.bucket import typed_runs
 from weightstream.wire.fp8 import SCALE_SUFFIX
@@ -73,4 +74,4 @@ def test_a_long_stretch_is_cut_into_pieces_and_an_unknown_float_leaves_the_bucke
 
 
 def test_the_largest_scale_is_the_bits_the_kernel_compares_with():
-    assert struct.unpack("<i", struct.pack("<f", MAX_FP8_SCALE))[0] == _MAX_SCALE_BITS
+    assert struct.unpack("<i", struct.pack("<f", MAX_FP8_SCALE))[0] == MAX_SCALE_BITS

@@ -1,5 +1,7 @@
 """On a GPU: the one-launch value check (weightstream.receiver.value_kernel) against the torch path, report for report,
-then the time each takes per bucket of a Qwen3-30B-A3B's shapes (bf16, and block FP8 with its scales).
+then the time each takes per bucket of a Qwen3-30B-A3B's shapes (bf16, and block FP8 with its scales); and the
+checked copies that write straight into an engine's weights (weightstream.streaming.copies.PieceCopy with a WordCheck,
+the rest by weightstream.streaming.value_checks.PieceCheck) against the torch path, and against a plain copy in time.
 
     PYTHONPATH=/tmp/site:$PWD python3 tools/gpu_check_values.py --trials 300 --json "$OUT/check_values.json"
 
@@ -7,7 +9,12 @@ Every trial lays out a bucket of random tensors (bf16, fp16, fp32, float8 e4m3 w
 scales, e5m2, an int64 index), fills it with finite values and positive scales, and puts 0-2 faults in it: NaN or
 an infinity in a weight of each float dtype, a NaN byte of e4m3, a scale that is negative, zero, NaN or above the
 bound, or NaN in the padding between two tensors. The kernel's report (its flag, then the torch path naming what
-is wrong) must equal the torch path's own, tensor for tensor; a trial whose reports differ fails the run."""
+is wrong) must equal the torch path's own, tensor for tensor; a trial whose reports differ fails the run.
+
+Every checked-copy trial copies random tensors of every float dtype (faults put in as above, at offsets that make
+the copies' words 1, 2, 4 or 8 bytes wide) into targets as a trainer writes an engine's weights: each dtype's
+copies in one checked launch, scales looked at after. The targets must equal the sources bit for bit, and the flag
+must be raised exactly where the torch path finds something wrong in the targets."""
 
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ import torch
 
 from weightstream.receiver import value_kernel
 from weightstream.receiver.values import check_runs, check_values
+from weightstream.streaming import copies, value_checks
 from weightstream.streaming.bucket import typed_buffer, typed_runs, typed_views
 from weightstream.wire.fp8 import SCALE_SUFFIX
 
@@ -156,6 +164,69 @@ def speed(device: torch.device) -> list[dict]:
     return [_speed_row(fp8, device) for fp8 in (False, True)]
 
 
+def _copy_trial(rng: random.Random, device: torch.device) -> tuple[list[str], bool, bool, bool]:
+    """One checked-copy trial: (the faults put in, targets equal to sources, flag raised, torch path found any)."""
+    tensors = _layout(rng)
+    src_raw, _, entries = _bucket(tensors, rng, device)
+    what = [_fault(src_raw, None, entries, rng) for _ in range(rng.choice((0, 1, 1, 2)))]
+    shift = rng.choice((0, 1, 2, 4))  # the targets' base: words of 1, 2, 4 or 8 bytes
+    dst_raw = torch.zeros(src_raw.numel() + 16, dtype=torch.uint8, device=device)[8 + shift:8 + shift + src_raw.numel()]
+    dst_raw.fill_(0x55)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    groups: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    after: list[tuple[str, torch.Tensor]] = []
+    named = []
+    for dtype, offset, numel, (name, _) in entries:
+        if dtype.is_floating_point and offset % dtype.itemsize == 0 and (offset + shift) % dtype.itemsize == 0:
+            s_view = src_raw.narrow(0, offset, numel * dtype.itemsize).view(dtype)
+            d_view = dst_raw.narrow(0, offset, numel * dtype.itemsize).view(dtype)
+            named.append((name, d_view))
+            kind = value_checks.kind_of(dtype, name)
+            if kind == value_checks.SCALE:
+                d_view.copy_(s_view)
+                after.append((name, d_view))
+            else:
+                groups.setdefault(dtype, []).append((d_view, s_view))
+    for dtype, pairs in groups.items():
+        copies.PieceCopy([d for d, _ in pairs], [s for _, s in pairs],
+                         copies.WordCheck(value_checks.KINDS[dtype], flag))()
+    pieces = value_checks.tensor_pieces(after)
+    if pieces:
+        value_checks.PieceCheck(pieces, flag)()
+    equal = all(torch.equal(d.view(torch.uint8), s.view(torch.uint8)) for pairs in groups.values() for d, s in pairs)
+    expected = check_values(named)
+    return what, equal, bool(flag), bool(expected.bad_scales or expected.nonfinite)
+
+
+def checked_copies(trials: int, device: torch.device) -> dict:
+    rng = random.Random(11)
+    failures, faults, flagged = [], 0, 0
+    for trial in range(trials):
+        what, equal, raised, found = _copy_trial(rng, device)
+        faults += sum(w != "none" for w in what)
+        flagged += int(raised)
+        if not equal or raised != found:
+            failures.append({"trial": trial, "faults": what, "equal": equal, "flag": raised, "torch": found})
+    return {"trials": trials, "faults": faults, "flagged": flagged, "failures": failures}
+
+
+def copy_speed(device: torch.device) -> dict:
+    """A 492 MiB bucket of a Qwen3-30B-A3B layer's bf16 experts, copied tensor by tensor into other tensors: one
+    plain piece-copy launch, one checked launch, and a device copy of the same bytes."""
+    shapes = [n for _, _, n in _shapes_30b(False)]
+    src = [torch.randn(n, device=device).to(torch.bfloat16) for n in shapes]
+    dst = [torch.empty_like(t) for t in src]
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    plain = copies.PieceCopy(dst, src)
+    checked = copies.PieceCopy(dst, src, copies.WordCheck(value_checks.KINDS[torch.bfloat16], flag))
+    whole, whole_dst = torch.cat(src), torch.empty(sum(shapes), dtype=torch.bfloat16, device=device)
+    row = {"bytes": sum(shapes) * 2, "tensors": len(shapes), "plain piece copy": _time(plain, device),
+           "checked piece copy": _time(checked, device), "device copy": _time(lambda: whole_dst.copy_(whole), device)}
+    print(f"copies: {row['tensors']} tensors, {row['bytes'] / 2**20:.0f} MiB; (host ms, elapsed ms) "
+          + "; ".join(f"{k} {v[0]:.3f}, {v[1]:.3f}" for k, v in row.items() if isinstance(v, tuple)))
+    return row
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=300)
@@ -166,16 +237,21 @@ def main() -> int:
         print("the value kernel is not available here (no CUDA device or no Triton)")
         return 1
     result = {"correctness": correctness(args.trials, device), "speed": speed(device),
+              "checked copies": checked_copies(args.trials, device), "copy speed": copy_speed(device),
               "gpu": torch.cuda.get_device_name(device)}
-    c = result["correctness"]
+    c, k = result["correctness"], result["checked copies"]
     print(f"correctness: {c['trials']} buckets, {c['faults']} faults put in, {c['flagged']} flagged, "
           f"{len(c['failures'])} reports differing from the torch path's")
     for f in c["failures"][:5]:
         print("  ", f)
+    print(f"checked copies: {k['trials']} trials, {k['faults']} faults put in, {k['flagged']} flagged, "
+          f"{len(k['failures'])} differing from the torch path's (or not copied bit for bit)")
+    for f in k["failures"][:5]:
+        print("  ", f)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)
-    return 0 if not c["failures"] else 1
+    return 0 if not c["failures"] and not k["failures"] else 1
 
 
 if __name__ == "__main__":

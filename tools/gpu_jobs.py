@@ -155,6 +155,77 @@ def check_separate_trainers(tmp: str, trainers: int = 4) -> dict:
             and len({r["engine_allocated"] for r in rows}) == 1}
 
 
+def nonfinite_job(src: str, url: str) -> dict:
+    """Trainer: three updates written into the engine's weights, by copies that check what they write: the
+    checkpoint's weights; then with NaN put in one weight and an infinity in another (the engine serves them and
+    names both, or refuses the update where it refuses them); then the checkpoint's weights again."""
+    from weightstream.bench.speed import _trainer
+    from weightstream.checks.megatron_models import load_hf_weights
+    from weightstream.common.hf_files import CheckpointReader
+    from weightstream.engines import ReferenceEngine
+    from weightstream.errors import UpdateError
+    from weightstream.models.spec import load_hf_config
+    from weightstream.update import WeightSync
+
+    cfg = load_hf_config(src)
+    chunks, _ = _trainer(cfg, "float32")
+    with CheckpointReader(src) as reader:
+        load_hf_weights(chunks, cfg, reader)
+    eng = ReferenceEngine(url)
+    params = dict(chunks[0].named_parameters())
+    fc2 = params["decoder.layers.0.mlp.linear_fc2.weight"]  # model.layers.0.mlp.down_proj.weight
+    qkv = params["decoder.layers.1.self_attention.linear_qkv.weight"]  # strided into q, k and v
+    out: dict = {"updates": []}
+    with WeightSync([url], transport="ipc", bucket_bytes=1 << 20) as sync:
+        for step in ("clean", "nonfinite", "clean again"):
+            saved = (fc2[3, 5].item(), qkv[7, 2].item())
+            if step == "nonfinite":
+                with torch.no_grad():
+                    fc2[3, 5], qkv[7, 2] = float("nan"), float("inf")
+            try:
+                report = sync.update(chunks, cfg)
+                row = {"step": step, "direct": report.direct}
+            except UpdateError as exc:
+                row = {"step": step, "refused": str(exc)[:2000]}
+            with torch.no_grad():
+                fc2[3, 5], qkv[7, 2] = saved
+            memory = eng.get("/weightstream/memory")["ranks"][0]
+            row["checked_writes"] = memory["checked_writes"]
+            row["engine_logits_finite"] = bool(torch.isfinite(eng.logits(IDS)).all())
+            out["updates"].append(row)
+    return out
+
+
+def check_nonfinite(tmp: str) -> dict:
+    """Writes into the engine's weights checked by the trainer's copies (the export's flag): an update with NaN and
+    an infinity in two weights is served and named by the engine, and refused whole (logits as before it) by an
+    engine that refuses them; the clean update after it loads, bit for bit (logits vs HF)."""
+    from weightstream.engines import ReferenceEngine
+    from weightstream.receiver.values import LoadChecks
+    from weightstream.reference_engine.server import serve, stop
+
+    cfg = preset_config("tiny-qwen3")
+    src = save_random_checkpoint(cfg, os.path.join(tmp, "src"), seed=5)
+    eng_dir = save_random_checkpoint(cfg, os.path.join(tmp, "eng"), seed=6)
+    ref, _ = hf_logits(src)
+    rows = {}
+    for refuse in (False, True):
+        server = serve(eng_dir, 1, device="cuda:0", checks=LoadChecks(refuse_nonfinite=refuse))
+        try:
+            (res,) = launch(1, nonfinite_job, src, server.url, backend="nccl", timeout_s=300)
+            res["max_diff_after"] = (ReferenceEngine(server.url).logits(IDS) - ref).abs().max().item()
+        finally:
+            stop(server)
+        rows["refuse_nonfinite" if refuse else "serve_nonfinite"] = res
+    served, refused = rows["serve_nonfinite"]["updates"], rows["refuse_nonfinite"]["updates"]
+    rows["ok"] = ([u["checked_writes"] for u in served] == [1, 2, 3] and "refused" not in served[1]
+                  and not served[1]["engine_logits_finite"] and "refused" in refused[1]
+                  and all(n in refused[1]["refused"] for n in ("layers.0.mlp.down_proj", "layers.1.self_attn.q_proj"))
+                  and refused[1]["engine_logits_finite"] and all(r["max_diff_after"] == 0.0 for r in
+                                                                 (rows["serve_nonfinite"], rows["refuse_nonfinite"])))
+    return rows
+
+
 def check_piece_copy() -> dict:
     """PieceCopy on this GPU: bit for bit what copy_ gives (odd offsets, three dtypes), and the time of one
     launch against _foreach_copy_ and one plain copy of the same bytes (2,000 expert-sized tensors)."""
@@ -222,6 +293,11 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 -- reported; the rest still runs
             results["check_trainers"] = {"error": f"{type(exc).__name__}: {exc}"}
         print(json.dumps(results["check_trainers"]), flush=True)
+        try:
+            results["check_nonfinite"] = check_nonfinite(os.path.join(tmp, "c6"))
+        except Exception as exc:  # noqa: BLE001 -- reported; the rest still runs
+            results["check_nonfinite"] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(results["check_nonfinite"]), flush=True)
         try:
             results["check_release"] = check_release(os.path.join(tmp, "c4"))
         except Exception as exc:  # noqa: BLE001 -- reported; the rest still runs

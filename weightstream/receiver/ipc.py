@@ -74,6 +74,7 @@ class IpcReceiver:
         # and our tensors they go into). Made again whenever the weights' storage changes (released, resumed).
         self.exports: dict[str, WeightExport] = {}
         self.direct_updates = 0  # updates the trainer wrote straight into our weights
+        self.checked_writes = 0  # of them: checked by the flag the trainer's copies raised (on a GPU)
 
     def receive(self, r: IpcReceive) -> dict[str, Any]:
         """A colocated receive: an update (:meth:`_receive_ipc`), or, ``prepare``, what comes before a trainer's
@@ -383,7 +384,9 @@ class IpcReceiver:
         """The trainer writes every tensor of the plan into our weights (``export``): we back up what it
         overwrites (the session rolls back whole), say :class:`Ready` (on a GPU: an event its stream waits
         on), and wait for its :class:`WritesDone` (on a GPU: our stream waits on its event, then the device
-        finishes before we answer :class:`WritesApplied`)."""
+        finishes before we answer :class:`WritesApplied`). What it wrote is checked as a bucket is (a refusal rolls
+        the session back): where its copies looked at every value as they wrote it (``WritesDone.checked``), by the
+        export's flag they raised, and tensor by tensor only where they raised it; else here, tensor by tensor."""
         cuda = self.device.type == "cuda"
         with failures_answered(chan):
             events = self._open_events(answer.events) if cuda else []
@@ -391,17 +394,22 @@ class IpcReceiver:
                 raise RuntimeError("the trainer sent no CUDA events")
             with self.clock("backup"):
                 self.session.model.begin_writes(export.names, export.targets)
+            if export.flag is not None:
+                export.flag.zero_()  # (on our stream: before the writes, which wait on the event below)
             if cuda:
                 events[2].record(torch.cuda.current_stream(self.device))
         chan.send(Ready())
         with self.clock("wait"):  # the trainer writes (on a GPU: queues its writes)
-            receive_one(chan, WritesDone, bound_s, "the trainer's writes into our weights")
+            done = receive_one(chan, WritesDone, bound_s, "the trainer's writes into our weights")
         if cuda:
             with self.clock("device finish"):
                 torch.cuda.current_stream(self.device).wait_event(events[0])
                 torch.cuda.synchronize(self.device)
-        with self.clock("check"), failures_answered(chan):  # what it wrote, checked as a bucket is (rolled back)
-            self.session.check_values(list(zip(export.names, export.targets, strict=True)))
+        with self.clock("check"), failures_answered(chan):
+            if done.checked and export.flag is not None:
+                self.checked_writes += 1
+            if not (done.checked and export.flag is not None and not int(export.flag[0])):
+                self.session.check_values(list(zip(export.names, export.targets, strict=True)))
         self.direct_updates += 1
         chan.send(WritesApplied(len(export.names)))
         return {"loaded": len(export.names)}

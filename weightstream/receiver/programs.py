@@ -127,13 +127,15 @@ class PiecesProgram:
 class WeightExport:
     """Where a colocated trainer may write a plan's tensors itself: the export's ``id``, ``weights`` (what
     :class:`~weightstream.wire.frames.ExportedWeights` says of our weights' storages), the plan's ``names``, the
-    parameters they go into (``targets``) and each storage whole (``wholes``)."""
+    parameters they go into (``targets``) and each storage whole (``wholes``). On a GPU, ``flag``: one int32 of
+    its own, which a trainer whose copies check what they write raises (exported after the weights' storages)."""
 
     id: str
     weights: ExportedWeights
     names: tuple[str, ...]
     targets: tuple[torch.Tensor, ...]
     wholes: tuple[torch.Tensor, ...]
+    flag: torch.Tensor | None = None
 
     def frame(self) -> tuple[Export, list[int]]:
         """The export as a trainer that does not hold it gets it: on the CPU the storages' descriptors (the same each
@@ -141,7 +143,8 @@ class WeightExport:
         if self.weights.sizes is not None:  # the CPU's: storages in shared-memory files
             fds = [share_fd(w.untyped_storage())[0] for w in self.wholes]
             return Export(self.id, self.weights), fds
-        return Export(self.id, replace(self.weights, payload=dumps_b64(list(self.wholes)))), []
+        shared = list(self.wholes) + ([] if self.flag is None else [self.flag.view(torch.uint8)])
+        return Export(self.id, replace(self.weights, payload=dumps_b64(shared))), []
 
 
 def export_weights(programs: Sequence[CopyProgram], device: torch.device) -> WeightExport:
@@ -160,13 +163,15 @@ def export_weights(programs: Sequence[CopyProgram], device: torch.device) -> Wei
             idx = storages[st._cdata] = len(wholes)
             wholes.append(torch.empty(0, dtype=torch.uint8, device=device).set_(st))
         where.append(idx)
-    sizes = tuple(share_fd(w.untyped_storage())[1] for w in wholes) if device.type == "cpu" else None
+    cpu = device.type == "cpu"
+    sizes = tuple(share_fd(w.untyped_storage())[1] for w in wholes) if cpu else None
     weights = ExportedWeights(
         names=tuple(names), storages=tuple(where),
         offsets=tuple(int(t.storage_offset()) * t.element_size() for t in targets),
         numels=tuple(int(t.numel()) for t in targets), dtypes=tuple(dtype_name(t.dtype) for t in targets),
-        sizes=sizes, payload=None)
-    return WeightExport(uuid.uuid4().hex, weights, tuple(names), tuple(targets), tuple(wholes))
+        sizes=sizes, payload=None, flag=None if cpu else len(wholes))
+    flag = None if cpu else torch.zeros(4, dtype=torch.int32, device=device)  # (16 bytes: [0] is the flag)
+    return WeightExport(uuid.uuid4().hex, weights, tuple(names), tuple(targets), tuple(wholes), flag)
 
 
 class ProgramCache:

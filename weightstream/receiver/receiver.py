@@ -63,7 +63,8 @@ class Receiver:
         """What the receiver holds, for the engine's memory report."""
         session, ipc = self.session, self.ipc
         return {"ipc_buffers_opened": ipc.opened, "ipc_buffers_held": len(ipc.kept),
-                "direct_updates": ipc.direct_updates, "ipc_lease": ipc.lease is not None,
+                "direct_updates": ipc.direct_updates, "checked_writes": ipc.checked_writes,
+                "ipc_lease": ipc.lease is not None,
                 "programs_kept": len(session.programs), "program_tensors_kept": session.programs.tensors,
                 "program_tensors_bound": session.programs.capacity, "ipc_plans_kept": len(ipc.plans),
                 "exports_kept": len(ipc.exports), "delta_buckets_held": len(session.deltas)}

@@ -4,12 +4,8 @@ The torch path looks at a bucket with a few reductions per dtype, each over view
 a block-FP8 bucket of a Qwen3-30B-A3B holds 635 tensors whose values alternate with their scales, and cutting,
 joining and reducing them costs milliseconds of host time per bucket, more than the wire takes to bring the next.
 Here every tensor (or stretch of tensors of one dtype back to back) is cut into pieces once per bucket layout and
-buffer (:func:`plan_checks`), and one launch looks at every piece's bits:
-
-- a floating-point weight whose exponent bits are all ones (NaN or an infinity: the same test as the torch path's);
-- float8 e4m3 bytes 0x7f and 0xff (its only NaN; it has no infinity);
-- a block-FP8 scale (float32) that is not in (0, :data:`~weightstream.receiver.values.MAX_FP8_SCALE`] (negative,
-  zero, NaN and infinite scales included), read as an integer: positive floats order as their bits do.
+buffer (:func:`plan_checks`), and one launch of :mod:`~weightstream.streaming.value_checks`'s kernel looks at every
+piece's bits (NaN and infinities; block-FP8 scales out of range).
 
 It answers one flag: whether anything may be wrong. Only then does the caller look tensor by tensor, on the torch
 path, to name what is wrong (a stretch's padding between two tensors may flag a bucket whose tensors are all fine;
@@ -25,77 +21,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from weightstream.common.triton_kernel import LazyKernel
-from weightstream.wire.fp8 import SCALE_SUFFIX
+from weightstream.streaming import value_checks
+from weightstream.streaming.value_checks import DTYPES, KINDS, PIECE_BYTES, SCALE, WIDTH, available, kind_of
 
 __all__ = ["PIECE_BYTES", "KINDS", "DTYPES", "SCALE", "CheckPlan", "stretches", "plan_checks", "PieceCheck",
            "available", "bucket_flag"]
 
-PIECE_BYTES = 1 << 20  # each program's share of a stretch: a 512 MiB bucket is looked at by 512 programs
-_BLOCK = 1024
-# What a piece holds, as the kernel's branches name it: floats by the mask of their exponent bits.
-KINDS: dict[torch.dtype, int] = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.float8_e4m3fn: 3,
-                                 torch.float8_e5m2: 5, torch.float64: 6}
-DTYPES = {kind: dtype for dtype, kind in KINDS.items()}
-SCALE = 4  # a block-FP8 scale (float32)
-_WIDTH = {0: 2, 1: 2, 2: 4, 3: 1, 4: 4, 5: 1, 6: 8}
-_MAX_SCALE_BITS = 0x4F800000  # MAX_FP8_SCALE (2**32) as float32 bits
-
-
-def _build(triton: Any, tl: Any) -> Any:
-    @triton.jit
-    def _bits(p, n, flag, dtype: tl.constexpr, bits: tl.constexpr, BLOCK: tl.constexpr):
-        bad = tl.zeros([BLOCK], dtype=tl.int32)
-        q = p.to(tl.pointer_type(dtype))
-        for start in range(0, n, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            v = tl.load(q + offs, mask=offs < n, other=0)
-            bad |= ((v & bits) == bits).to(tl.int32)
-        tl.atomic_max(flag, tl.max(bad, axis=0))
-
-    @triton.jit
-    def _scales(p, n, flag, BLOCK: tl.constexpr):
-        bad = tl.zeros([BLOCK], dtype=tl.int32)
-        q = p.to(tl.pointer_type(tl.int32))
-        for start in range(0, n, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            v = tl.load(q + offs, mask=offs < n, other=1)
-            bad |= ((v <= 0) | (v > 0x4F800000)).to(tl.int32)
-        tl.atomic_max(flag, tl.max(bad, axis=0))
-
-    @triton.jit
-    def check_pieces(addr_tab, len_tab, kind_tab, flag, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        p = tl.load(addr_tab + pid)
-        n = tl.load(len_tab + pid)
-        kind = tl.load(kind_tab + pid)
-        if kind == 0:
-            _bits(p, n, flag, tl.int16, 0x7F80, BLOCK)
-        elif kind == 1:
-            _bits(p, n, flag, tl.int16, 0x7C00, BLOCK)
-        elif kind == 2:
-            _bits(p, n, flag, tl.int32, 0x7F800000, BLOCK)
-        elif kind == 3:
-            _bits(p, n, flag, tl.int8, 0x7F, BLOCK)
-        elif kind == 4:
-            _scales(p, n, flag, BLOCK)
-        elif kind == 5:
-            _bits(p, n, flag, tl.int8, 0x7C, BLOCK)
-        else:
-            _bits(p, n, flag, tl.int64, 0x7FF0000000000000, BLOCK)
-
-    return check_pieces
-
-
-# The kernel, compiled on its first launch (None without Triton); WEIGHTSTREAM_CHECK_KERNEL=0 keeps the torch path.
-_compile = LazyKernel(_build, "WEIGHTSTREAM_CHECK_KERNEL")
-
 Run = tuple[torch.dtype, list[int], list[tuple[str, Any]]]
-
-
-def available(device: torch.device) -> bool:
-    """On ``device``, with Triton present, unless ``WEIGHTSTREAM_CHECK_KERNEL=0``."""
-    return _compile.available(device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +51,7 @@ def stretches(runs: Sequence[Run]) -> list[tuple[int, int, int]]:
             start = (pos + gap) * dtype.itemsize
             pos += gap + numel
             if numel:
-                spans.append((start, start + numel * dtype.itemsize, _kind(dtype, name)))
+                spans.append((start, start + numel * dtype.itemsize, kind_of(dtype, name)))
     spans.sort(key=lambda span: span[0])
     out: list[list[int]] = []
     last: int | None = None  # the kind of the tensor before
@@ -132,10 +64,6 @@ def stretches(runs: Sequence[Run]) -> list[tuple[int, int, int]]:
     return [(kind, start, end) for kind, start, end in out]
 
 
-def _kind(dtype: torch.dtype, name: str) -> int | None:
-    if dtype == torch.float32 and name.endswith(SCALE_SUFFIX):
-        return SCALE
-    return KINDS.get(dtype) if dtype.is_floating_point else None
 
 
 def plan_checks(runs: Sequence[Run]) -> CheckPlan | None:
@@ -145,7 +73,7 @@ def plan_checks(runs: Sequence[Run]) -> CheckPlan | None:
         return None
     offsets, lengths, kinds = [], [], []
     for kind, start, end in stretches(runs):
-        width = _WIDTH[kind]
+        width = WIDTH[kind]
         for at in range(start, end, PIECE_BYTES):
             offsets.append(at)
             lengths.append((min(end, at + PIECE_BYTES) - at) // width)
@@ -154,24 +82,20 @@ def plan_checks(runs: Sequence[Run]) -> CheckPlan | None:
 
 
 class PieceCheck:
-    """A :class:`CheckPlan` on one buffer, ready to launch: its table of absolute addresses on the device, and the
-    flag the kernel raises. ``raw`` is held, so the addresses in the table stay its."""
+    """A :class:`CheckPlan` on one buffer, ready to launch (:class:`~weightstream.streaming.value_checks.PieceCheck`
+    at the buffer's addresses), and the flag the kernel raises. ``raw`` is held, so the addresses stay its."""
 
     def __init__(self, raw: Tensor, plan: CheckPlan):
         self.raw = raw
         base = raw.data_ptr()
-        self.table = torch.tensor([[base + o for o in plan.offsets], list(plan.lengths), list(plan.kinds)],
-                                  dtype=torch.int64).to(raw.device)
-        self.flag = torch.zeros(1, dtype=torch.int32, device=raw.device)
-        self.pieces = len(plan.kinds)
-        self.kernel = _compile()
+        self.check = value_checks.PieceCheck(
+            [(base + o, n, kind) for o, n, kind in zip(plan.offsets, plan.lengths, plan.kinds, strict=True)],
+            torch.zeros(1, dtype=torch.int32, device=raw.device))
 
     def __call__(self) -> Tensor:
         """Launch the check on the current stream; the flag (nonzero: something may be wrong), on the device."""
-        self.flag.zero_()
-        if self.pieces:
-            self.kernel[(self.pieces,)](self.table[0], self.table[1], self.table[2], self.flag, BLOCK=_BLOCK)
-        return self.flag
+        self.check.flag.zero_()
+        return self.check()
 
 
 _CHECKS: OrderedDict[tuple[int, int, int], tuple[Sequence[Run], PieceCheck | None]] = OrderedDict()

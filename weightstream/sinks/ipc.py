@@ -143,6 +143,8 @@ class IPCSink:
         # plans holding copies into them (dropped with them, so the engine can free its memory).
         self._targets: dict[str, torch.Tensor] | None = None
         self._targets_id: str | None = None
+        self._flag: torch.Tensor | None = None  # the export's flag (a GPU's), which checked copies raise
+        self._checks = False  # this update's copies check what they write (WritesDone.checked)
         self._into_plans: list[weakref.ref] = []
 
     # -- per update ------------------------------------------------------------------------------
@@ -267,10 +269,11 @@ class IPCSink:
                     self._refuse("connect", f"the engine's export sizes {len(sizes)} storages and came with "
                                  f"{len(fds)} descriptors")
                 self.forget_targets()
-                self._targets, self._targets_id = _open_targets(export.weights, fds), export.id
+                (self._targets, self._flag), self._targets_id = _open_targets(export.weights, fds), export.id
         finally:
             _close_all(fds)  # what was mapped keeps descriptors of its own
-        stream.write_into(self._targets, self._targets_id)
+        self._checks = self._flag is not None and stream.can_check_writes()
+        stream.write_into(self._targets, self._targets_id, flag=self._flag if self._checks else None)
         if all(p() is not stream.shared for p in self._into_plans):
             self._into_plans.append(weakref.ref(stream.shared))
 
@@ -285,8 +288,9 @@ class IPCSink:
             p = plan()
             if p is not None and self._targets_id is not None:
                 p.forget_copies(("into", self._targets_id))
+                p.forget_copies(("into", (self._targets_id, "checked")))
         self._into_plans = []
-        self._targets = self._targets_id = None
+        self._targets = self._targets_id = self._flag = None
 
     def _engine_gave_up(self) -> str | None:
         if self._ahead is not None and self._ahead.done() and self._ahead.exception() is not None:
@@ -377,7 +381,7 @@ class IPCSink:
         finishes, and it answers."""
         if self._events is not None:
             self._events[0].record(torch.cuda.current_stream(self._device_of_targets()))
-        self._control().send(WritesDone())
+        self._control().send(WritesDone(checked=self._checks))
         t = time.perf_counter()
         self._receive(WritesApplied, "buckets", "the engine's answer to the writes")
         self.waited += time.perf_counter() - t
@@ -615,10 +619,10 @@ class _Named:
     fds: list[int] = field(default_factory=list)
 
 
-def _open_targets(weights: ExportedWeights, fds: list[int]) -> dict[str, torch.Tensor]:
+def _open_targets(weights: ExportedWeights, fds: list[int]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
     """The engine's weights by HF name, mapped into this process from its export: its weights' storages (on
     the CPU ``sizes``, one descriptor each in ``fds``; on a GPU ``payload``, their CUDA IPC handles), and
-    per name its place in them (storage, byte offset, elements, dtype)."""
+    per name its place in them (storage, byte offset, elements, dtype); and its flag (an int32), where it has one."""
     if weights.sizes is not None:
         wholes = [map_fd(fd, n) for fd, n in zip(fds, weights.sizes, strict=True)]
     elif weights.payload is not None:
@@ -630,7 +634,10 @@ def _open_targets(weights: ExportedWeights, fds: list[int]) -> dict[str, torch.T
                                                weights.dtypes, strict=True):
         dt = dtype_from_name(dtype)
         targets[name] = wholes[idx].narrow(0, offset, numel * dt.itemsize).view(dt)
-    return targets
+    if weights.flag is not None and weights.flag >= len(wholes):
+        raise ValueError(f"the engine's export names storage {weights.flag} its flag, of {len(wholes)} exported")
+    flag = None if weights.flag is None else wholes[weights.flag].narrow(0, 0, 4).view(torch.int32)
+    return targets, flag
 
 
 def _close_all(fds: list[int]) -> None:

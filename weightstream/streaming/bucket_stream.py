@@ -21,7 +21,8 @@ from weightstream.sources.base import CollectiveCounts, Mode, Source
 from weightstream.sources.table import TensorEntry
 from weightstream.sources.topology import Topology
 from weightstream.streaming.bucket import Bucket, TensorMeta, typed_buffer, view_tensor
-from weightstream.streaming.copies import warm_kernel
+from weightstream.streaming.copies import available as copies_available
+from weightstream.streaming.copies import warm_kernel, warm_variants
 from weightstream.streaming.fp8_cast import takes_aligned
 from weightstream.streaming.fp8_cast import warm_kernel as warm_cast_kernel
 from weightstream.streaming.items import StreamItem, bucket_layout, entry_mode, make_item, op_context
@@ -33,9 +34,11 @@ from weightstream.streaming.programs import (
     buffer_copies,
     item_views,
     make_program,
+    target_check,
     target_copies,
 )
 from weightstream.streaming.quantize import Quantization, QuantizeBatch, convert_quantized
+from weightstream.streaming.value_checks import warm as warm_checks
 from weightstream.wire.fp8 import BlockFP8
 
 __all__ = ["StreamStats", "BucketStream"]
@@ -83,6 +86,7 @@ class BucketStream(Iterator[Bucket]):
     # ``write_into``: the receiver's tensors by HF name, written straight into (no bucket buffer), and their key.
     _into: dict[str, Tensor] | None = None
     _into_key: Any = None
+    _into_flag: Tensor | None = None  # ``write_into``'s flag: raised where a value written is one a receiver checks for
 
     def __len__(self) -> int:
         return len(self.plan)
@@ -170,8 +174,10 @@ class BucketStream(Iterator[Bucket]):
         compiled and its address tables uploaded), so that the first stream costs about what a later one
         does."""
         if self._into is not None:
-            for bp in self.plan:
-                self._copies_into(self._program_for(bp.index), self._into)
+            made = [self._copies_into(self._program_for(bp.index), self._into) for bp in self.plan]
+            warm_variants(c for calls in made for c in calls)  # (checked copies: one variant per dtype)
+            if self._into_flag is not None:
+                warm_checks(self.device)
         elif self._keeps_buffers:
             for bp in self.plan:
                 program = self._program_for(bp.index)
@@ -209,16 +215,28 @@ class BucketStream(Iterator[Bucket]):
             self.shared.all_mine = all(it.mine for it in self.items)
         return self.shared.all_mine
 
-    def write_into(self, targets: dict[str, Tensor], key: Any) -> None:
+    def can_check_writes(self) -> bool:
+        """Whether :meth:`write_into` can be given a flag here: the checked copies' kernels run on this device."""
+        return copies_available(self.device, checked=True)
+
+    def write_into(self, targets: dict[str, Tensor], key: Any, flag: Tensor | None = None) -> None:
         """Have every tensor written straight into ``targets[name]`` (a contiguous tensor of the tensor's dtype
         and size: a receiver's own weight, mapped into this process) instead of into a bucket buffer. The
         buckets this stream then yields carry their metadata and no bytes (``Bucket.written``). ``key``
         names the targets: the copies into them are made once per plan and key, so the key must change
-        whenever a target moves. One error lists every tensor ``targets`` lacks or cannot hold."""
+        whenever a target moves. ``flag`` (an int32 of the receiver's on this device, where
+        :meth:`can_check_writes`): every tensor written is looked at for NaN, infinities and block-FP8 scales out
+        of range as it is written (or, where a copy cannot, right after), the flag raised where one is found
+        (:mod:`~weightstream.streaming.value_checks`): the receiver need not look again. One error lists every
+        tensor ``targets`` lacks or cannot hold."""
         shared = self.shared
         if shared is None or not self.can_write_into():
             raise ValueError("write_into needs a full stream in which this rank makes every tensor (no pipeline or "
                              "expert parallelism to share buckets over) with a kept plan")
+        if flag is not None and not self.can_check_writes():
+            raise ValueError(f"write_into with a flag: the checked copies' kernels do not run on {self.device}")
+        self._into_flag = flag
+        key = key if flag is None else (key, "checked")
         if shared.checked_into == key:  # checked when these targets were first given
             self._into, self._into_key = targets, ("into", key)
             return
@@ -302,12 +320,20 @@ class BucketStream(Iterator[Bucket]):
 
     def _copies_into(self, program: CopyProgram, into: dict[str, Tensor]) -> list[Callable[[], Any]]:
         """The batched copies of ``program`` straight into the :meth:`write_into` targets ``into``
-        (:func:`target_copies`), made once per plan and targets."""
+        (:func:`target_copies`), made once per plan and targets; with the :meth:`write_into` flag, also the check
+        of what they do not look at as they copy, and of the tensors converted one by one
+        (``program.checks``, same key)."""
         made = program.copies.get(self._into_key)
         if made is not None:
             return made
         self.stats.copy_programs += 1
-        calls = program.copies[self._into_key] = target_copies(program, into, self._fp8)
+        flag = self._into_flag
+        calls, unchecked = target_copies(program, into, self._fp8, flag)
+        if flag is not None:
+            unchecked += [(m.name, into[m.name]) for k in program.slow for m in program.item_metas[k]]
+            if unchecked:
+                program.checks[self._into_key] = target_check(unchecked, flag)
+        program.copies[self._into_key] = calls
         return calls
 
     @property
@@ -333,6 +359,9 @@ class BucketStream(Iterator[Bucket]):
                 del full
         if batch is not None:
             batch.run()
+        check = program.checks.get(self._into_key)
+        if check is not None:  # what the copies did not look at as they wrote it
+            check()
         self._count(program, gather_bytes + largest)
         return Bucket(bp.index, torch.empty(0, dtype=torch.uint8, device=self.device), program.metas, written=True)
 

@@ -7,12 +7,17 @@ small launches that leave the GPU part idle. :class:`PieceCopy` cuts every copy 
 addresses from a table made once. It is built for copies whose addresses do not change (a kept plan's views
 of live parameters into a kept bucket buffer; the plan is re-made when a parameter moves) and is used only
 on CUDA devices where Triton is present; everything else keeps ``_foreach_copy_``.
+
+A :class:`PieceCopy` with a :class:`WordCheck` also looks at every word it copies for the values an engine checks an
+update for (:mod:`~weightstream.streaming.value_checks`) and raises the check's flag where it finds one: copies
+straight into an engine's weights are so checked as they are made, with no second pass over what they wrote.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -20,15 +25,24 @@ import torch
 from torch import Tensor
 
 from weightstream.common.triton_kernel import LazyKernel
+from weightstream.streaming import value_checks
+from weightstream.streaming.value_checks import EXPONENT_BITS, WIDTH
 
-__all__ = ["PIECE_BYTES", "available", "plan_pieces", "PieceCopy", "batched_copy", "warm_kernel"]
+__all__ = ["PIECE_BYTES", "available", "plan_pieces", "WordCheck", "PieceCopy", "batched_copy", "warm_variants",
+           "warm_kernel"]
 
 
 PIECE_BYTES = 512 << 10
 _BLOCK = 2048  # elements a program moves per step
 
 
-def _build(triton: Any, tl: Any) -> Any:
+@dataclass(frozen=True, slots=True)
+class _Kernels:
+    copy: Any
+    copy_check: Any | None  # None where the value checks' kernels are switched off
+
+
+def _build(triton: Any, tl: Any) -> _Kernels:
     @triton.jit
     def copy_pieces(src_tab, dst_tab, len_tab, ELEM: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
@@ -40,16 +54,47 @@ def _build(triton: Any, tl: Any) -> Any:
             mask = offs < n
             tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
-    return copy_pieces
+    if not value_checks.available(torch.device("cuda")):
+        return _Kernels(copy_pieces, None)
+    lanes = value_checks.lanes()
+
+    @triton.jit
+    def copy_check_pieces(src_tab, dst_tab, len_tab, flag, ELEM: tl.constexpr, BITS: tl.constexpr,
+                          LANE: tl.constexpr, WORD: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        src = tl.load(src_tab + pid).to(tl.pointer_type(ELEM))
+        dst = tl.load(dst_tab + pid).to(tl.pointer_type(ELEM))
+        n = tl.load(len_tab + pid)
+        bad = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(0, n, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n
+            v = tl.load(src + offs, mask=mask, other=0)
+            tl.store(dst + offs, v, mask=mask)
+            bad |= lanes(v, BITS, LANE, WORD)
+        tl.atomic_max(flag, tl.max(bad, axis=0))
+
+    return _Kernels(copy_pieces, copy_check_pieces)
 
 
 # The kernel, compiled on its first launch (None without Triton); WEIGHTSTREAM_PIECE_COPY=0 keeps _foreach_copy_.
 _compile = LazyKernel(_build, "WEIGHTSTREAM_PIECE_COPY")
 
 
-def available(device: torch.device) -> bool:
-    """On ``device``, with Triton present, unless ``WEIGHTSTREAM_PIECE_COPY=0``."""
-    return _compile.available(device)
+def available(device: torch.device, checked: bool = False) -> bool:
+    """On ``device``, with Triton present, unless ``WEIGHTSTREAM_PIECE_COPY=0``; ``checked``: copies that check what
+    they copy too (unless ``WEIGHTSTREAM_CHECK_KERNEL=0`` as well)."""
+    return _compile.available(device) and (not checked or value_checks.available(device))
+
+
+@dataclass(frozen=True, slots=True)
+class WordCheck:
+    """What a :class:`PieceCopy` looks for in the words it copies: weights of value kind ``kind``
+    (:data:`~weightstream.streaming.value_checks.KINDS`) holding NaN or an infinity; ``flag`` (an int32 on the
+    copy's device) is raised where one is found, and never lowered."""
+
+    kind: int
+    flag: Tensor
 
 
 def plan_pieces(dst: Sequence[Tensor], src: Sequence[Tensor], piece_bytes: int = PIECE_BYTES
@@ -79,9 +124,10 @@ def plan_pieces(dst: Sequence[Tensor], src: Sequence[Tensor], piece_bytes: int =
 
 class PieceCopy:
     """``dst[i].copy_(src[i])`` for every i, in one launch on the current stream. The tensors are held, so
-    the addresses in the table stay theirs."""
+    the addresses in the table stay theirs. ``check``: every word copied is looked at too (:class:`WordCheck`; the
+    tensors are all of its kind's dtype)."""
 
-    def __init__(self, dst: Sequence[Tensor], src: Sequence[Tensor]):
+    def __init__(self, dst: Sequence[Tensor], src: Sequence[Tensor], check: WordCheck | None = None):
         import triton.language as tl
 
         self.held = (list(dst), list(src))
@@ -89,17 +135,57 @@ class PieceCopy:
         self.elem = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}[unit]
         self.table = torch.tensor([srcs, dsts, lens], dtype=torch.int64).to(dst[0].device)
         self.pieces = len(lens)
-        self.kernel = _compile()
+        self.check = check
+        if check is not None and (check.kind not in EXPONENT_BITS or unit % WIDTH[check.kind]):
+            raise ValueError(f"a checked piece copy of kind {check.kind} over words of {unit} bytes")
+        kernels = _compile()
+        self.kernel = kernels.copy if check is None else kernels.copy_check
+        if self.kernel is None:
+            raise RuntimeError("a checked piece copy, but the value checks' kernels are switched off")
+        self.unit = unit
 
     def __call__(self) -> None:
         if self.pieces:
-            self.kernel[(self.pieces,)](self.table[0], self.table[1], self.table[2], ELEM=self.elem, BLOCK=_BLOCK)
+            self._launch(self.pieces, self.table, None if self.check is None else self.check.flag)
+
+    def _launch(self, pieces: int, table: Tensor, flag: Tensor | None) -> None:
+        if self.check is None:
+            self.kernel[(pieces,)](table[0], table[1], table[2], ELEM=self.elem, BLOCK=_BLOCK)
+            return
+        kind = self.check.kind
+        self.kernel[(pieces,)](table[0], table[1], table[2], flag, ELEM=self.elem, BITS=EXPONENT_BITS[kind],
+                               LANE=8 * WIDTH[kind], WORD=8 * self.unit, BLOCK=_BLOCK)
+
+    @property
+    def variant(self) -> tuple[int, int | None]:
+        """What the kernel is compiled for: the word's bytes, and the kind checked (None: a plain copy)."""
+        return self.unit, None if self.check is None else self.check.kind
+
+    def warm(self) -> None:
+        """Launch this copy's kernel variant once, on a word of scratch memory (its first launch compiles it)."""
+        device = self.table.device
+        scratch = torch.zeros(2 * self.unit, dtype=torch.uint8, device=device)
+        table = torch.tensor([[scratch.data_ptr()], [scratch.data_ptr() + self.unit], [1]], dtype=torch.int64)
+        self._launch(1, table.to(device), torch.zeros(1, dtype=torch.int32, device=device))
 
 
-def batched_copy(dst: list[Tensor], src: list[Tensor], *, stable: bool) -> Callable[[], Any]:
+def warm_variants(calls: Iterable[Callable[[], Any]]) -> None:
+    """Each kernel variant among the :class:`PieceCopy` of ``calls`` launched once (:meth:`PieceCopy.warm`)."""
+    seen: set[tuple[int, int | None]] = set()
+    for call in calls:
+        if isinstance(call, PieceCopy) and call.variant not in seen:
+            seen.add(call.variant)
+            call.warm()
+
+
+def batched_copy(dst: list[Tensor], src: list[Tensor], *, stable: bool,
+                 check: WordCheck | None = None) -> Callable[[], Any]:
     """``dst[i].copy_(src[i])`` for every i, as one call: a :class:`PieceCopy` where the addresses stay
     (``stable``: the caller keeps this for tensors that are not moved) and every pair is contiguous, of one
-    dtype, on a CUDA device with Triton; else ``torch._foreach_copy_``."""
+    dtype, on a CUDA device with Triton; else ``torch._foreach_copy_``. ``check``: the copy looks at what it copies
+    too (a :class:`PieceCopy` is then required: the caller checked :func:`available` with ``checked``)."""
+    if check is not None:
+        return PieceCopy(dst, src, check)
     if (stable and dst and available(dst[0].device)
             and all(d.dtype == s.dtype and d.shape == s.shape and d.is_contiguous() and s.is_contiguous()
                     and d.device == s.device for d, s in zip(dst, src, strict=True))):

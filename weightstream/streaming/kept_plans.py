@@ -53,6 +53,7 @@ class StreamPlan:
         :meth:`BucketStream.write_into`, which hold views of them)."""
         for program in self.programs.values():
             program.copies.pop(key, None)
+            program.checks.pop(key, None)
 
 
 

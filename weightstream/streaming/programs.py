@@ -14,13 +14,15 @@ from torch import Tensor
 
 from weightstream.converters.ops import OpContext, hf_views
 from weightstream.streaming.bucket import TensorMeta, gap_ranges, typed_runs, typed_views, view_tensor
-from weightstream.streaming.copies import batched_copy
+from weightstream.streaming.copies import WordCheck, batched_copy
 from weightstream.streaming.fp8_cast import CastJob, row_layout
 from weightstream.streaming.items import StreamItem
 from weightstream.streaming.quantize import block_cast
+from weightstream.streaming.value_checks import KINDS, PieceCheck, kind_of, tensor_pieces
 from weightstream.wire.fp8 import BlockFP8
 
-__all__ = ["ItemView", "CopyProgram", "item_views", "make_program", "buffer_copies", "zero_gaps", "target_copies"]
+__all__ = ["ItemView", "CopyProgram", "item_views", "make_program", "buffer_copies", "zero_gaps", "target_copies",
+           "target_check"]
 
 
 # A batched HF tensor: the view of a live tensor it is made from, its metadata, and its scales' where it leaves as
@@ -52,6 +54,8 @@ class CopyProgram:
     # With kept buffers: the batched copies, made once per kept buffer (key: its address); with
     # ``write_into``: the copies into a receiver's tensors (key: ("into", the receiver's key)).
     copies: dict[Any, list[Callable[[], Any]]] = field(default_factory=dict)
+    # With ``write_into`` and a flag: the check of what those copies did not look at (same key), run once written.
+    checks: dict[Any, Callable[[], Any]] = field(default_factory=dict)
 
 
 def item_views(it: StreamItem, metas: Sequence[TensorMeta], source: Tensor | None,
@@ -157,28 +161,55 @@ def zero_gaps(gaps: Sequence[tuple[int, int]], raw: Tensor) -> Callable[[], Any]
     return partial(torch._foreach_zero_, [raw.narrow(0, start, length) for start, length in gaps])
 
 
-def target_copies(program: CopyProgram, into: dict[str, Tensor], fp8: BlockFP8 | None) -> list[Callable[[], Any]]:
+def target_copies(program: CopyProgram, into: dict[str, Tensor], fp8: BlockFP8 | None,
+                  flag: Tensor | None = None) -> tuple[list[Callable[[], Any]], list[tuple[str, Tensor]]]:
     """The batched copies of ``program`` straight into a receiver's tensors ``into`` (by HF name): per dtype the
     contiguous copies in one call (runs back to back in a source and in a target made one copy), and the strided
-    ones in one. ``fp8``: values and scales cast into the receiver's own."""
-    flat: dict[torch.dtype, list[tuple[Tensor, Tensor]]] = {}
-    strided: list[tuple[Tensor, Tensor]] = []
+    ones in one. ``fp8``: values and scales cast into the receiver's own. ``flag`` (an int32 on the device; given
+    where :func:`~weightstream.streaming.copies.available` with ``checked``): the contiguous copies of a float dtype
+    look at what they copy for NaN and infinities as they copy, raising it. Returned with the calls: the tensors
+    written that no copy looked at (by HF name), for the caller to check once written (:func:`target_check`)."""
+    flat: dict[torch.dtype, list[tuple[str, Tensor, Tensor]]] = {}
+    strided: list[tuple[str, Tensor, Tensor]] = []
     for name, dtype, view in program.named:
         target = into[name]
         if view.is_contiguous():
-            flat.setdefault(dtype, []).append((target.view(-1), view.view(-1)))
+            flat.setdefault(dtype, []).append((name, target.view(-1), view.view(-1)))
         else:
-            strided.append((target.view(view.shape), view))
-    calls = []
-    for pairs in flat.values():
-        dst, src = zip(*_joined(pairs), strict=True)
-        calls.append(batched_copy(list(dst), list(src), stable=True))
+            strided.append((name, target.view(view.shape), view))
+    calls: list[Callable[[], Any]] = []
+    unchecked = [(name, into[name]) for name, _, _ in strided]
+    for dtype, named in flat.items():
+        kind = _word_kind(dtype, [name for name, _, _ in named]) if flag is not None else None
+        if flag is not None and kind is None:
+            unchecked += [(name, into[name]) for name, _, _ in named]
+        dst, src = zip(*_joined([(d, s) for _, d, s in named]), strict=True)
+        check = None if kind is None or flag is None else WordCheck(kind, flag)
+        calls.append(batched_copy(list(dst), list(src), stable=True, check=check))
     if strided:
-        calls.append(partial(torch._foreach_copy_, [d for d, _ in strided], [s for _, s in strided]))
+        calls.append(partial(torch._foreach_copy_, [d for _, d, _ in strided], [s for _, _, s in strided]))
     if program.casts and fp8 is not None:
         calls.append(block_cast([CastJob(view, into[meta.name].view(meta.shape), into[scale.name])
                                  for view, meta, scale in program.casts], fp8))
-    return calls
+        unchecked += [(m.name, into[m.name]) for _, meta, scale in program.casts for m in (meta, scale)]
+    return calls, unchecked
+
+
+def _word_kind(dtype: torch.dtype, names: Sequence[str]) -> int | None:
+    """The value kind a checked copy of tensors ``names`` of ``dtype`` looks for, word by word: the dtype's own where
+    it has one and none of them is a block-FP8 scale (whose check is not a word's bits); else None."""
+    kind = KINDS.get(dtype)
+    return kind if kind is not None and all(kind_of(dtype, name) == kind for name in names) else None
+
+
+def target_check(named: Sequence[tuple[str, Tensor]], flag: Tensor) -> Callable[[], Any]:
+    """One launch that looks at ``named`` (a receiver's tensors, once written) for what an engine checks an update
+    for, raising ``flag`` (:class:`~weightstream.streaming.value_checks.PieceCheck`)."""
+    pieces = tensor_pieces(named)
+    if pieces is None:
+        raise ValueError("a tensor of a float dtype the value check does not know: "
+                         f"{[n for n, t in named if t.dtype.is_floating_point and t.dtype not in KINDS]}")
+    return PieceCheck(pieces, flag)
 
 
 def _coalesced(flat: list[tuple[torch.dtype, int, int, Tensor]]) -> list[tuple[torch.dtype, int, int, Tensor]]:

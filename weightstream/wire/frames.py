@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 
-PROTOCOL_VERSION = 2  # 2: BucketSent.delta
+PROTOCOL_VERSION = 3  # 2: BucketSent.delta; 3: ExportedWeights.flag, WritesDone.checked
 
 _ENVELOPE = ("v", "kind")
 _SHOWN = 3  # problems shown per list field (then how many more)
@@ -117,7 +117,8 @@ class ExportedWeights(_Checked):
     """The engine's weights a trainer may write into: their storages, and per tensor (HF name) its place in
     them (storage index, byte offset, elements, dtype name). The storages are, on the CPU, files whose sizes
     are ``sizes`` (one descriptor each comes with the frame, in order); on a GPU ``payload``, their CUDA IPC
-    handles (a pickled list, base64)."""
+    handles (a pickled list, base64). ``flag``: the storage (one int32, on a GPU) a trainer whose copies check what
+    they write raises where a value is one the engine checks for (:class:`WritesDone` ``checked``)."""
 
     names: tuple[str, ...]
     storages: tuple[Natural, ...]
@@ -126,6 +127,7 @@ class ExportedWeights(_Checked):
     dtypes: tuple[str, ...]
     sizes: tuple[Natural, ...] | None
     payload: str | None
+    flag: Natural | None = None
 
     def problems(self) -> list[str]:
         out = []
@@ -138,6 +140,8 @@ class ExportedWeights(_Checked):
         count = len(self.sizes) if self.sizes is not None else None
         if count is not None and any(s >= count for s in self.storages):
             out.append(f"a tensor is placed in a storage past the {count} exported")
+        if self.flag is not None and (self.sizes is not None or self.flag in self.storages):
+            out.append(f"the flag (storage {self.flag}) is a storage of its own, among the handles (a GPU's export)")
         return out
 
 
@@ -294,9 +298,12 @@ class BucketSent(Frame):
 
 @dataclass(frozen=True, slots=True)
 class WritesDone(Frame):
-    """Every tensor is written into the engine's weights (on a GPU: queued, and the trainer's event recorded)."""
+    """Every tensor is written into the engine's weights (on a GPU: queued, and the trainer's event recorded).
+    ``checked``: the trainer's copies looked at every value they wrote and raised the export's ``flag`` where one is
+    NaN, an infinity or a block-FP8 scale out of range; the engine then reads the flag instead of its weights."""
 
     kind: ClassVar[str] = "writes_done"
+    checked: bool = False
 
 
 # -- either end's ---------------------------------------------------------------------------------------
