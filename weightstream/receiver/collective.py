@@ -4,6 +4,7 @@ resharded P2P), each taking a :class:`~weightstream.receiver.plan.Receive` whose
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 from weightstream.models.spec import dtype_from_name
 from weightstream.receiver import value_kernel
+from weightstream.receiver.ahead_plans import KEPT_AHEAD_PLANS, AheadPlans, HeldPlan, KeyedReceive
 from weightstream.receiver.pieces import assemble, piece_problems
 from weightstream.receiver.plan import DenseBucket, RankBucket, Receive, Transport
 from weightstream.receiver.programs import CopyProgram, PiecesProgram, dense_layout, wire_meta
@@ -27,12 +29,18 @@ __all__ = ["CollectiveReceiver"]
 
 class CollectiveReceiver:
     """One rank's receives over weight-update groups, loaded through ``session``; on a GPU, buckets sent ahead
-    (whole) come into the two buffers of ``buffers``, kept across updates."""
+    (whole) come into the two buffers of ``buffers``, kept across updates. The broadcast plans sent ahead by key
+    (:class:`KeyedReceive`) that loaded or were prepared are kept in ``plans`` (at most ``kept_plans``), with their
+    programs: a plan sent again by its key alone crosses from the engine as a key, and loads by the programs in
+    hand."""
 
-    def __init__(self, session: UpdateSession, buffers: ReceiveBuffers):
+    def __init__(self, session: UpdateSession, buffers: ReceiveBuffers, kept_plans: int = KEPT_AHEAD_PLANS):
         self.session, self.buffers = session, buffers
         self.device = session.at.device
         self.clock = session.at.clock
+        self.plans: AheadPlans[HeldPlan] = AheadPlans(kept_plans)
+        self.plans_by_key = 0  # keyed commands that named no bucket: the plan was this rank's
+        self.plans_sent = 0  # keyed commands that brought the plan's buckets
 
     def receive(self, group: Any, r: Receive) -> dict[str, Any] | None:
         """One receive over ``group``, by its plan's transport."""
@@ -42,13 +50,67 @@ class CollectiveReceiver:
             return self._receive_p2p(group, r)
         return self._receive_pieces(group, r)
 
+    def receive_keyed(self, group: Any, k: KeyedReceive) -> dict[str, Any]:
+        """A broadcast sent ahead whose plan the engine keeps by ``k.key``: its buckets those this rank keeps where
+        the command names none (:meth:`held_plan`), received and loaded by the plan's programs; the plan kept once
+        they have loaded. The answer names the keys this rank holds after it (``plans``)."""
+        plan = self.held_plan(k)
+        assert plan.programs is not None  # (resolved by held_plan)
+        done = self._receive_ahead(group, k.receive, plan.programs)
+        self.plans.put(k.key, plan)
+        return {**done, "plans": self.plans.keys()}
+
+    def prepare_keyed(self, k: KeyedReceive) -> dict[str, Any]:
+        """:meth:`prepare` of the plan ``k.key`` names (:meth:`held_plan`), kept under it; the answer names the keys
+        this rank holds after it (``plans``)."""
+        plan = self.held_plan(k)
+        assert plan.programs is not None  # (resolved by held_plan)
+        done = self._prepare(plan.buckets, plan.programs)
+        self.plans.put(k.key, plan)
+        return {**done, "plans": self.plans.keys()}
+
+    def held_plan(self, k: KeyedReceive) -> HeldPlan:
+        """The plan of ``k``, its programs in hand: the one kept under its key where the command names no bucket
+        (refused where none is kept: the engine sent the key alone to a rank that did not name it), else a new one of
+        the buckets it names. Programs are made where the plan has none (new, or its weights moved since)."""
+        if k.by_key:
+            plan = self.plans.get(k.key)
+            if plan is None:
+                raise RuntimeError(f"engine rank {self.session.at.rank} keeps no plan by key {k.key} (it keeps "
+                                   f"{self.plans.keys()}): the engine sent the key alone where this rank had not "
+                                   "named it, and had to send the plan's buckets")
+            self.plans_by_key += 1
+        else:
+            plan = HeldPlan(k.receive.buckets)
+            self.plans_sent += 1
+        if plan.programs is None:
+            plan.programs = tuple(self._dense_program(b) for b in plan.buckets)
+        return plan
+
+    def forget_programs(self) -> None:
+        """The weights' storage is about to go away, or has been made anew: the kept plans' programs, which hold views
+        of it, are dropped (each plan's are made again at its next use; its buckets are kept)."""
+        for plan in self.plans.values():
+            plan.programs = None
+
+    def stats(self) -> dict[str, int]:
+        """The broadcast plans kept (``broadcast_plans_kept``; of them, those whose programs are to be made again:
+        ``broadcast_plans_unresolved``), and how the keyed commands came: by key alone (``broadcast_plans_by_key``),
+        with the plan's buckets (``broadcast_plans_sent``)."""
+        return {"broadcast_plans_kept": len(self.plans),
+                "broadcast_plans_unresolved": sum(p.programs is None for p in self.plans.values()),
+                "broadcast_plans_by_key": self.plans_by_key, "broadcast_plans_sent": self.plans_sent}
+
     def prepare(self, r: Receive) -> dict[str, Any]:
         """Before the update that brings ``r``'s buckets (a broadcast sent ahead): each bucket's copy program, kept; on
         a GPU the two receive buffers, grown to the largest bucket, each program's copies out of each of them and its
         value checks' table (:func:`~weightstream.receiver.values.check_runs`), made now. The first update then loads
         as a later one does."""
-        programs = [self._dense_program(b) for b in r.buckets]
-        for bucket, program in zip(r.buckets, programs, strict=True):
+        return self._prepare(r.buckets, tuple(self._dense_program(b) for b in r.buckets))
+
+    def _prepare(self, buckets: tuple[DenseBucket, ...], programs: tuple[CopyProgram, ...]) -> dict[str, Any]:
+        """:meth:`prepare` of ``buckets``, whose ``programs`` are in hand."""
+        for bucket, program in zip(buckets, programs, strict=True):
             self.session.programs.put(bucket.key, program, len(program.metas))
         pipe = Pipeline(self.buffers, [(p.total, None) for p in programs], None)
         for raw in self.buffers.buffers if pipe.cuda else ():
@@ -63,10 +125,7 @@ class CollectiveReceiver:
         """Broadcast buckets: sent ahead, back to back (:meth:`_receive_buckets`); one per request, a delta's new
         bytes (:meth:`_receive_bucket_delta`), a flattened bucket, or each tensor broadcast alone."""
         if r.plan.ahead:
-            if r.load_format != "flattened_bucket":
-                raise ValueError(f"load_format {r.load_format!r}: buckets sent ahead are flattened buckets")
-            programs = [self._dense_program(b) for b in r.buckets]
-            return self._receive_buckets(group, programs, [(p.total, None) for p in programs], r.plan.delta)
+            return self._receive_ahead(group, r, tuple(self._dense_program(b) for b in r.buckets))
         bucket = r.buckets[0]
         if bucket.delta is not None or r.load_format == "flattened_bucket":
             program = self._dense_program(bucket)
@@ -83,6 +142,13 @@ class CollectiveReceiver:
             dist.broadcast(t, group=group, group_src=0)
             tensors.append((name, t, None))
         return self.session.load(tensors)
+
+    def _receive_ahead(self, group: Any, r: Receive, programs: tuple[CopyProgram, ...]) -> dict[str, Any]:
+        """Broadcast buckets sent ahead, their ``programs`` in hand, received back to back
+        (:meth:`_receive_buckets`)."""
+        if r.load_format != "flattened_bucket":
+            raise ValueError(f"load_format {r.load_format!r}: buckets sent ahead are flattened buckets")
+        return self._receive_buckets(group, programs, [(p.total, None) for p in programs], r.plan.delta)
 
     def _receive_p2p(self, group: Any, r: Receive) -> dict[str, Any]:
         """Per-rank buckets, each sent by its trainer rank: ahead, back to back (:meth:`_receive_buckets`); one per
@@ -118,7 +184,7 @@ class CollectiveReceiver:
                 return self.session.load_dense(program, raw, None)
             return self.session.apply(Bucket(self.session.bucket_count, raw.narrow(0, 0, total), metas), None)
 
-    def _receive_buckets(self, group: Any, programs: list[CopyProgram], wire: list[tuple[int, int | None]],
+    def _receive_buckets(self, group: Any, programs: Sequence[CopyProgram], wire: list[tuple[int, int | None]],
                          delta: bool) -> dict[str, Any]:
         """``programs``' buckets sent ahead, received back to back (``wire``: each one's bytes, and the group rank that
         sends it, None: broadcast from rank 0). Whole buckets are received while the last is loaded

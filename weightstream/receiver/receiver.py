@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from weightstream.receiver.ahead_plans import KeyedReceive
 from weightstream.receiver.collective import CollectiveReceiver
 from weightstream.receiver.ipc import IpcReceiver
 from weightstream.receiver.model import HeldModel
@@ -36,10 +37,20 @@ class Receiver:
         """One receive over a weight-update group, by its plan's transport (or, ``prepare``, what comes before it)."""
         if r.prepare:
             return self.collective.prepare(r)
+        return self.collective.receive(self._group(r.group_name), r)
+
+    def receive_keyed(self, k: KeyedReceive) -> dict[str, Any]:
+        """A broadcast sent ahead (or prepared) whose plan the engine keeps by key; the answer names the keys this
+        rank holds after it (:meth:`CollectiveReceiver.receive_keyed`, :meth:`~CollectiveReceiver.prepare_keyed`)."""
+        if k.receive.prepare:
+            return self.collective.prepare_keyed(k)
+        return self.collective.receive_keyed(self._group(k.receive.group_name), k)
+
+    def _group(self, name: str) -> Any:
         groups = self.session.at.groups
-        if r.group_name not in groups:
-            raise RuntimeError(f"no weight-update group {r.group_name!r} (call init_weights_update_group first)")
-        return self.collective.receive(groups[r.group_name], r)
+        if name not in groups:
+            raise RuntimeError(f"no weight-update group {name!r} (call init_weights_update_group first)")
+        return groups[name]
 
     def receive_ipc(self, r: IpcReceive) -> dict[str, Any]:
         return self.ipc.receive(r)
@@ -54,9 +65,10 @@ class Receiver:
         self.collective.buffers.clear()
 
     def forget_weight_views(self) -> None:
-        """Drop what holds views of our weights' storage (the programs, the plans' copies, the exports): the
-        storage is about to go away, or has been made anew."""
+        """Drop what holds views of our weights' storage (the programs, those of the broadcast plans kept, the IPC
+        plans' copies, the exports): the storage is about to go away, or has been made anew."""
         self.session.programs.clear()
+        self.collective.forget_programs()
         self.ipc.forget_weight_views()
 
     def stats(self) -> dict[str, Any]:
@@ -67,4 +79,5 @@ class Receiver:
                 "ipc_lease": ipc.lease is not None,
                 "programs_kept": len(session.programs), "program_tensors_kept": session.programs.tensors,
                 "program_tensors_bound": session.programs.capacity, "ipc_plans_kept": len(ipc.plans),
-                "exports_kept": len(ipc.exports), "delta_buckets_held": len(session.deltas)}
+                "exports_kept": len(ipc.exports), "delta_buckets_held": len(session.deltas),
+                **self.collective.stats()}

@@ -12,10 +12,11 @@ A schema is ``field -> (accepted types, required)``; once a field has its type, 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
+from weightstream.receiver.ahead_plans import KeyedReceive
 from weightstream.receiver.plan import (
     DenseBucket,
     IpcReceive,
@@ -454,8 +455,18 @@ class BroadcastUpdate:
                    b.get("weightstream_plan") if ahead else None, route == PREPARE_BROADCAST_ROUTE)
 
     def receives(self, tp: int, timeout_s: float) -> RankReceives:
+        return RankReceives((self._receive(self.buckets),) * tp)
+
+    def keyed_receives(self, key: str, held: Sequence[Collection[str]]) -> tuple[KeyedReceive, ...]:
+        """Each rank's receive of this broadcast sent ahead (or prepared), whose plan the engine keeps by ``key``: the
+        key alone to a rank whose last answer named it among the plans it holds (``held``, by rank), the buckets
+        with the key to any other (:class:`~weightstream.receiver.ahead_plans.KeyedReceive`)."""
+        bare, whole = self._receive(()), self._receive(self.buckets)
+        return tuple(KeyedReceive(key, bare, True) if key in h else KeyedReceive(key, whole) for h in held)
+
+    def _receive(self, buckets: tuple[DenseBucket, ...]) -> Receive:
         plan = ReceivePlan(Transport.BROADCAST, self.ahead, self.delta)
-        return RankReceives((Receive(plan, self.group_name, self.buckets, self.load_format, self.prepare),) * tp)
+        return Receive(plan, self.group_name, buckets, self.load_format, self.prepare)
 
 
 def _dense_bucket(x: Mapping[str, Any], checksum: str | None = None, delta: dict | None = None) -> DenseBucket:

@@ -12,7 +12,8 @@ holding its shard) and serves, on loopback by default:
   and which rank holds each expert under expert parallelism), ``/weightstream/weight_checksums`` (per rank, of
   the bytes it holds of the tensors named),
   the ``*_ahead`` routes (every bucket's metadata in one request; a broadcast's plan, once kept, by its key
-  ``weightstream_plan`` alone: the keys kept are named in ``/begin_weight_update``'s reply),
+  ``weightstream_plan`` alone: the keys kept are named in ``/begin_weight_update``'s reply; the workers keep the
+  plans too, and each is sent the key alone where it said it holds the plan),
   ``/weightstream/prepare_broadcast_ahead`` (a broadcast plan made ready and kept before any update),
   ``/weightstream/logits``,
   ``/weightstream/prepare_weight_update`` (a commit's first phase, where a trainer commits several engines all
@@ -41,6 +42,7 @@ from typing import Any
 from weightstream.common.http_server import BadRequest, HttpLimits, JsonHttpServer
 from weightstream.engines.reference import ENGINE_NAME
 from weightstream.receiver.ahead_plans import AheadPlans, plan_key
+from weightstream.receiver.plan import DenseBucket
 from weightstream.receiver.requests import (
     BROADCAST_AHEAD_ROUTE,
     BROADCAST_ROUTE,
@@ -155,7 +157,11 @@ class EngineServer(JsonHttpServer):
                  limits: ServerLimits = ServerLimits()):
         super().__init__((host, port), limits, api_key, bulk_routes=BULK_ROUTES)
         self.engine = engine
-        self.ahead_plans = AheadPlans()  # broadcast plans sent ahead, by the key this engine gave each
+        # Broadcast plans sent ahead, by the key this engine gave each; and what each rank last said it keeps of them
+        # (a rank is sent a plan's key alone only where it named the key).
+        self.ahead_plans: AheadPlans[tuple[DenseBucket, ...]] = AheadPlans()
+        self.rank_plans: list[frozenset[str]] = [frozenset()] * engine.tp
+        self.rank_plans_lock = threading.Lock()
         if not api_key:
             log(f"WARNING: no API key: any process that can reach {self.url} can load weights into this engine, "
                 "pause it and free its memory (set WEIGHTSTREAM_API_KEY or --api-key-file)")
@@ -262,18 +268,33 @@ class EngineServer(JsonHttpServer):
                                 "end_weight_update()")
         r = self._resolved(r)
         receives = self._receives(r)
+        key = self._key(r)
         e.session_touched = True
         if r.delta:
             e.session_delta = True
         else:
             e.session_plain = True
         try:
-            results = e.call(list(receives.per_rank), wait_s=receives.wait_s)
+            results = self._call(r, receives, key)
         except EngineFailure as exc:
             e.session_failed = str(exc)
             raise EngineFailure(f"Failed to update weights: {exc}. This session will not be committed: "
                                 f"ending or aborting it: {e.after_abort()}.") from None
-        return 200, {"success": True, "message": self._loaded(results, r.weight_version), **self._kept(r)}
+        return 200, {"success": True, "message": self._loaded(results, r.weight_version), **self._kept(r, key)}
+
+    def _call(self, r: UpdateRequest, receives: RankReceives, key: str | None) -> list[Any]:
+        """Run each rank's receive of ``r``: a broadcast whose plan is kept by ``key`` goes to each rank as the key
+        alone where that rank's last answer named it, else with the buckets and the key
+        (:meth:`BroadcastUpdate.keyed_receives`); each rank's answer names the keys it holds after it. What the ranks
+        hold is forgotten while they run (a failure leaves it unknown: the buckets go again)."""
+        if key is None or not isinstance(r, BroadcastUpdate):
+            return self.engine.call(list(receives.per_rank), wait_s=receives.wait_s)
+        with self.rank_plans_lock:
+            commands = r.keyed_receives(key, self.rank_plans)
+            self.rank_plans = [frozenset()] * self.engine.tp
+            results = self.engine.call(list(commands), wait_s=receives.wait_s)
+            self.rank_plans = [frozenset(result["plans"]) for result in results]
+        return results
 
     def _resolved(self, r: UpdateRequest) -> UpdateRequest:
         """A broadcast sent ahead by the key of a plan this engine keeps, with the plan's buckets (400, nothing
@@ -286,11 +307,19 @@ class EngineServer(JsonHttpServer):
                              f"(this engine keeps {self.ahead_plans.keys()}): send its buckets")
         return replace(r, buckets=buckets)
 
-    def _kept(self, r: UpdateRequest) -> dict[str, str]:
-        """After a broadcast sent ahead loaded: its plan kept, and its key answered (``weightstream_plan``)."""
+    @staticmethod
+    def _key(r: UpdateRequest) -> str | None:
+        """The key of a broadcast's plan sent ahead (the key it came by, else this engine's digest of its buckets);
+        None for any other update."""
         if not isinstance(r, BroadcastUpdate) or not r.ahead:
+            return None
+        return r.plan_key if r.plan_key is not None else plan_key(r.buckets)
+
+    def _kept(self, r: UpdateRequest, key: str | None) -> dict[str, str]:
+        """After a broadcast sent ahead loaded (``key``: its plan's): its plan kept, and its key answered
+        (``weightstream_plan``)."""
+        if key is None or not isinstance(r, BroadcastUpdate):
             return {}
-        key = r.plan_key if r.plan_key is not None else plan_key(r.buckets)
         self.ahead_plans.put(key, r.buckets)
         return {"weightstream_plan": key}
 
@@ -324,8 +353,8 @@ class EngineServer(JsonHttpServer):
         """Outside any update: the workers make a broadcast plan's loads ready (copy programs, receive buffers, checks:
         :meth:`CollectiveReceiver.prepare`), and the plan is kept under the key answered."""
         receives = self._receives(r)
-        self.engine.call(list(receives.per_rank), wait_s=receives.wait_s)
         key = plan_key(r.buckets)
+        self._call(r, receives, key)
         self.ahead_plans.put(key, r.buckets)
         return 200, {"success": True, "message": f"prepared {len(r.buckets)} buckets", "weightstream_plan": key}
 

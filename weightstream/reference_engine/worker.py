@@ -26,6 +26,7 @@ from weightstream.common.phases import PhaseClock
 from weightstream.common.processes import die_with_parent
 from weightstream.converters.registry import get_converter
 from weightstream.models.spec import dtype_from_name
+from weightstream.receiver.ahead_plans import KeyedReceive
 from weightstream.receiver.groups import UpdateGroups
 from weightstream.receiver.pieces import engine_layout
 from weightstream.receiver.plan import IpcReceive, Receive, TensorReceive
@@ -197,6 +198,7 @@ class Worker:
         return {
             InitGroupRequest: self.init_group, DestroyGroupRequest: lambda r: self.groups.leave(r.group_name),
             DestroyAllGroups: lambda _: self.groups.leave_all(), Receive: receiver.receive,
+            KeyedReceive: receiver.receive_keyed,
             IpcReceive: receiver.receive_ipc, TensorReceive: receiver.receive_tensor,
             ReleaseIpcRequest: lambda r: receiver.ipc.release(r.client), BeginSession: lambda _: session.begin(),
             PrepareSession: lambda _: session.prepare(), CommitSession: lambda _: session.commit(),
