@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from weightstream.receiver.value_kernel import KINDS, PIECE_BYTES, SCALE, plan_checks
-from weightstream.streaming.value_checks import MAX_SCALE_BITS
 from weightstream.receiver.values import MAX_FP8_SCALE
 from weightstream.streaming.bucket import typed_runs
+from weightstream.streaming.value_checks import MAX_SCALE_BITS
 from weightstream.wire.fp8 import SCALE_SUFFIX
 
 pytestmark = pytest.mark.unit
