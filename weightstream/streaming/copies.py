@@ -56,7 +56,7 @@ def _build(triton: Any, tl: Any) -> _Kernels:
 
     if not value_checks.available(torch.device("cuda")):
         return _Kernels(copy_pieces, None)
-    lanes = value_checks.lanes()
+    word_lanes_bad = value_checks.lanes_kernel()
 
     @triton.jit
     def copy_check_pieces(src_tab, dst_tab, len_tab, flag, ELEM: tl.constexpr, BITS: tl.constexpr,
@@ -71,7 +71,7 @@ def _build(triton: Any, tl: Any) -> _Kernels:
             mask = offs < n
             v = tl.load(src + offs, mask=mask, other=0)
             tl.store(dst + offs, v, mask=mask)
-            bad |= lanes(v, BITS, LANE, WORD)
+            bad |= word_lanes_bad(v, BITS, LANE, WORD)
         tl.atomic_max(flag, tl.max(bad, axis=0))
 
     return _Kernels(copy_pieces, copy_check_pieces)

@@ -24,7 +24,7 @@ from weightstream.common.triton_kernel import LazyKernel
 from weightstream.wire.fp8 import SCALE_SUFFIX
 
 __all__ = ["PIECE_BYTES", "KINDS", "DTYPES", "SCALE", "WIDTH", "MAX_SCALE_BITS", "EXPONENT_BITS", "kind_of",
-           "available", "lanes", "Piece", "tensor_pieces", "PieceCheck", "warm"]
+           "available", "lanes_kernel", "Piece", "tensor_pieces", "PieceCheck", "warm"]
 
 PIECE_BYTES = 1 << 20  # each program's share: a 512 MiB bucket is looked at by 512 programs
 _BLOCK = 1024
@@ -55,7 +55,7 @@ class _Kernels:
 
 def _build(triton: Any, tl: Any) -> _Kernels:
     @triton.jit
-    def lanes(v, BITS: tl.constexpr, LANE: tl.constexpr, WORD: tl.constexpr):
+    def word_lanes_bad(v, BITS: tl.constexpr, LANE: tl.constexpr, WORD: tl.constexpr):
         """Per word of ``v`` (``WORD``-bit integers, each holding ``WORD // LANE`` elements of ``LANE`` bits): 1
         where an element has every bit of ``BITS`` set, as int32."""
         bad = (v & BITS) == BITS
@@ -69,7 +69,7 @@ def _build(triton: Any, tl: Any) -> _Kernels:
         q = p.to(tl.pointer_type(dtype))
         for start in range(0, n, BLOCK):
             offs = start + tl.arange(0, BLOCK)
-            bad |= lanes(tl.load(q + offs, mask=offs < n, other=0), BITS, WORD, WORD)
+            bad |= word_lanes_bad(tl.load(q + offs, mask=offs < n, other=0), BITS, WORD, WORD)
         tl.atomic_max(flag, tl.max(bad, axis=0))
 
     @triton.jit
@@ -103,7 +103,7 @@ def _build(triton: Any, tl: Any) -> _Kernels:
         else:
             _bits(p, n, flag, tl.int64, 0x7FF0000000000000, 64, BLOCK)
 
-    return _Kernels(check_pieces, lanes)
+    return _Kernels(check_pieces, word_lanes_bad)
 
 
 # The kernels, compiled on their first launch (None without Triton); WEIGHTSTREAM_CHECK_KERNEL=0 keeps the torch path.
@@ -115,9 +115,10 @@ def available(device: torch.device) -> bool:
     return _compile.available(device)
 
 
-def lanes() -> Any:
-    """The Triton function that tests a word's lanes (``lanes(v, BITS, LANE, WORD)``), for a kernel of another
-    module to call: present wherever :func:`available` is."""
+def lanes_kernel() -> Any:
+    """The Triton function that tests a word's lanes (``word_lanes_bad(v, BITS, LANE, WORD)``), for a kernel of
+    another module to call: present wherever :func:`available` is. (A kernel resolves a name among its module's
+    globals first: the name it is called by must be no global's there.)"""
     return _compile().lanes
 
 
