@@ -470,15 +470,20 @@ class Engine:
         return [gpu_uuid(torch.device(d)) for d in self.devices]
 
     def shutdown(self, grace_s: float = 2.0) -> None:
-        """Stop the workers: asked to exit, then killed if they are still busy (a worker stuck in a
-        transfer cannot listen) after ``grace_s``. An update in flight is not committed."""
+        """Stop the workers: each asked to exit, and given ``grace_s`` to. A worker that owes an answer to a
+        command is busy with it (stuck in a transfer, or in a forward pass) and reads no request until it is
+        done: it is killed at once, as is any worker still running after the grace. An update in flight is not
+        committed."""
         self.stopping = True
+        busy = [rank for rank, u in enumerate(self.unanswered) if u is not None]
         for rank, conn in enumerate(self.conns):
             try:
-                if self.procs[rank].is_alive():
+                if self.procs[rank].is_alive() and rank not in busy:
                     conn.send(Command(next(self.command_ids), Shutdown()))
             except (BrokenPipeError, OSError):
                 pass
+        for rank in busy:
+            self.procs[rank].kill()
         deadline = time.monotonic() + grace_s
         for p in self.procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
