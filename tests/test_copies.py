@@ -53,3 +53,20 @@ def test_pieces_refuse_strided_pairs():
     a = torch.zeros(4, 4)
     with pytest.raises(ValueError, match="contiguous"):
         plan_pieces([a[:, 0]], [torch.zeros(4)])
+
+
+@pytest.mark.unit
+def test_a_strided_view_is_copied_as_its_contiguous_slabs_in_dense_order():
+    from weightstream.streaming.programs import contiguous_slabs
+
+    fused = torch.arange(4 * 10 * 6, dtype=torch.float32).view(4, 10, 6)  # 4 groups of q (6 rows), k (2), v (2)
+    q = fused.narrow(1, 0, 6)
+    slabs = contiguous_slabs(q, min_bytes=0)
+    assert slabs is not None and len(slabs) == 4 and all(s.is_contiguous() for s in slabs)
+    assert torch.equal(torch.cat([s.reshape(-1) for s in slabs]), q.reshape(-1))
+    assert contiguous_slabs(fused.narrow(1, 6, 2), min_bytes=0) is not None
+    assert contiguous_slabs(q, limit=3, min_bytes=0) is None
+    assert contiguous_slabs(q) is None  # slabs of 144 bytes: one strided copy moves them better
+    cut = fused[:, :, :3]  # rows cut short: runs of 3 elements
+    assert contiguous_slabs(cut, min_bytes=12) is not None and contiguous_slabs(cut, min_bytes=13) is None
+    assert contiguous_slabs(fused) == [fused]

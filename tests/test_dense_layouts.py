@@ -126,3 +126,21 @@ def test_bucket_bounds_hold_in_a_real_job(sources):
             assert size <= limit or count <= 3, (size, count)  # an oversize qkv goes alone (q, k, v)
         assert r["stats"].peak_staging_bytes <= 2 * max(limit, largest) + largest
         assert r["stats"].buckets == len(r["bucket_sizes"]) > 3
+
+
+def test_query_key_value_slabs_pack_bit_for_bit(tmp_path):
+    """Heads wide enough that each group's query, key and value rows are copied as contiguous slabs of the fused
+    parameter (streaming.programs.contiguous_slabs: 256 KiB and more each), not one strided copy: the stream is
+    bit-identical to the checkpoint, at TP 1 and TP 2."""
+    from transformers import Qwen3Config
+
+    from weightstream.models.presets import save_random_checkpoint
+
+    cfg = Qwen3Config(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=128, tie_word_embeddings=False)
+    src = save_random_checkpoint(cfg, str(tmp_path / "src"), seed=3)
+    cases = [Case(src, Layout(tp, 1), bucket_bytes=4 << 20, label=f"tp{tp}") for tp in (1, 2)]
+    results = by_label(launch(2, run_cases, cases[1:]))
+    results.update(by_label(launch(1, run_cases, cases[:1])))
+    for label in ("tp1", "tp2"):
+        assert_full_exact(results[label], src)

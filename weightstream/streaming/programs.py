@@ -22,7 +22,8 @@ from weightstream.streaming.value_checks import KINDS, PieceCheck, kind_of, tens
 from weightstream.wire.fp8 import BlockFP8
 
 __all__ = ["ItemView", "CopyProgram", "item_views", "make_program", "buffer_copies", "zero_gaps", "target_copies",
-           "target_check"]
+           "target_check", "MAX_SLABS", "MIN_SLAB_BYTES",
+           "contiguous_slabs"]
 
 
 # A batched HF tensor: the view of a live tensor it is made from, its metadata, and its scales' where it leaves as
@@ -118,14 +119,40 @@ def make_program(items: list[StreamItem], metas: list[list[TensorMeta]], total: 
                        gap_ranges(flat_metas, total))
 
 
+MAX_SLABS = 4096  # contiguous pieces a strided view is copied as, at most (else one strided copy)
+MIN_SLAB_BYTES = 64 << 10  # nor pieces smaller than this: a strided copy moves short runs better
+
+
+def contiguous_slabs(view: Tensor, limit: int = MAX_SLABS, min_bytes: int = MIN_SLAB_BYTES) -> list[Tensor] | None:
+    """``view`` as contiguous pieces in its dense order (cut along its leading dims until each piece is contiguous:
+    the query, key and value rows of each group of a fused QKV parameter), or None where that takes more than
+    ``limit`` pieces, one smaller than ``min_bytes``, or some innermost piece is not contiguous."""
+    if view.is_contiguous():
+        return [view]
+    if view.dim() < 2 or view.shape[0] > limit or view[0].numel() * view.element_size() < min_bytes:
+        return None
+    out: list[Tensor] = []
+    for part in view.unbind(0):
+        got = contiguous_slabs(part, limit - len(out), min_bytes)
+        if got is None:
+            return None
+        out += got
+    return out
+
+
 def _place(view: Tensor, meta: TensorMeta, flat: list[tuple[torch.dtype, int, int, Tensor]], strided: list) -> None:
-    """A batched copy of ``view`` into ``meta``'s place in the bucket: a flat one where the view is contiguous,
-    else a strided one (the bucket's side as a dense view of the view's shape)."""
+    """A batched copy of ``view`` into ``meta``'s place in the bucket: flat ones where the view is contiguous or
+    cut into contiguous slabs (:func:`contiguous_slabs`), else a strided one (the bucket's side as a dense view of the
+    view's shape)."""
     size = meta.dtype.itemsize
     if meta.offset % size:
         raise AssertionError(f"{meta.name} at byte {meta.offset} is not aligned to {size}")
-    if view.is_contiguous():
-        flat.append((meta.dtype, meta.offset, meta.numel, view.view(-1)))
+    slabs = contiguous_slabs(view)
+    if slabs is not None:
+        offset = meta.offset
+        for slab in slabs:
+            flat.append((meta.dtype, offset, slab.numel(), slab.view(-1)))
+            offset += slab.numel() * size
         return
     strides, acc = [], 1
     for d in reversed(view.shape):
@@ -173,16 +200,20 @@ def target_copies(program: CopyProgram, into: dict[str, Tensor], fp8: BlockFP8 |
     strided: list[tuple[str, Tensor, Tensor]] = []
     for name, dtype, view in program.named:
         target = into[name]
-        if view.is_contiguous():
-            flat.setdefault(dtype, []).append((name, target.view(-1), view.view(-1)))
-        else:
+        slabs = contiguous_slabs(view)
+        if slabs is None:
             strided.append((name, target.view(view.shape), view))
+            continue
+        at = 0
+        for slab in slabs:  # the target's dense order: each slab its next elements
+            flat.setdefault(dtype, []).append((name, target.view(-1).narrow(0, at, slab.numel()), slab.view(-1)))
+            at += slab.numel()
     calls: list[Callable[[], Any]] = []
     unchecked = [(name, into[name]) for name, _, _ in strided]
     for dtype, named in flat.items():
         kind = _word_kind(dtype, [name for name, _, _ in named]) if flag is not None else None
         if flag is not None and kind is None:
-            unchecked += [(name, into[name]) for name, _, _ in named]
+            unchecked += list({name: into[name] for name, _, _ in named}.items())  # (a name per slab)
         dst, src = zip(*_joined([(d, s) for _, d, s in named]), strict=True)
         check = None if kind is None or flag is None else WordCheck(kind, flag)
         calls.append(batched_copy(list(dst), list(src), stable=True, check=check))
