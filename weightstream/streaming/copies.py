@@ -26,7 +26,7 @@ from torch import Tensor
 
 from weightstream.common.triton_kernel import LazyKernel
 from weightstream.streaming import value_checks
-from weightstream.streaming.value_checks import EXPONENT_BITS, WIDTH
+from weightstream.streaming.value_checks import EXPONENT_BITS, WIDTH, piece_table
 
 __all__ = ["PIECE_BYTES", "available", "plan_pieces", "WordCheck", "PieceCopy", "batched_copy", "warm_variants",
            "warm_kernel"]
@@ -133,7 +133,7 @@ class PieceCopy:
         self.held = (list(dst), list(src))
         unit, srcs, dsts, lens = plan_pieces(dst, src)
         self.elem = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}[unit]
-        self.table = torch.tensor([srcs, dsts, lens], dtype=torch.int64).to(dst[0].device)
+        self.table = piece_table([srcs, dsts, lens], dst[0].device)
         self.pieces = len(lens)
         self.check = check
         if check is not None and (check.kind not in EXPONENT_BITS or unit % WIDTH[check.kind]):
@@ -165,8 +165,8 @@ class PieceCopy:
         """Launch this copy's kernel variant once, on a word of scratch memory (its first launch compiles it)."""
         device = self.table.device
         scratch = torch.zeros(2 * self.unit, dtype=torch.uint8, device=device)
-        table = torch.tensor([[scratch.data_ptr()], [scratch.data_ptr() + self.unit], [1]], dtype=torch.int64)
-        self._launch(1, table.to(device), torch.zeros(1, dtype=torch.int32, device=device))
+        table = piece_table([[scratch.data_ptr()], [scratch.data_ptr() + self.unit], [1]], device)
+        self._launch(1, table, torch.zeros(1, dtype=torch.int32, device=device))
 
 
 def warm_variants(calls: Iterable[Callable[[], Any]]) -> None:

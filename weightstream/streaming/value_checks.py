@@ -24,7 +24,8 @@ from weightstream.common.triton_kernel import LazyKernel
 from weightstream.wire.fp8 import SCALE_SUFFIX
 
 __all__ = ["PIECE_BYTES", "KINDS", "DTYPES", "SCALE", "WIDTH", "MAX_SCALE_BITS", "EXPONENT_BITS", "kind_of",
-           "available", "lanes_kernel", "Piece", "tensor_pieces", "PieceCheck", "warm"]
+           "available", "lanes_kernel", "Piece", "tensor_pieces", "piece_table", "PieceCheck",
+           "warm"]
 
 # Each program's share: a 512 MiB bucket is looked at by 4,096 programs, one layer's query, key and value weights of
 # Qwen3-8B (48 MiB) by 384 (at 1 MiB a piece, 48 programs took 0.3 ms over them on an H200: too few to fill it).
@@ -146,6 +147,15 @@ def tensor_pieces(named: Sequence[tuple[str, Tensor]]) -> list[Piece] | None:
     return pieces
 
 
+def piece_table(rows: Sequence[Sequence[int]], device: torch.device) -> Tensor:
+    """A kernel's table of pieces (one row per field, one column per piece) on ``device``, its columns made even (a
+    piece of zeros past the last, which no program reads): Triton compiles a kernel apart for pointer arguments that
+    are not 16-byte aligned, and the rows of a table with an odd count of 8-byte columns alternate, so a table of
+    another parity than the one launched ahead of an update would compile in it (200 ms on an H200)."""
+    width = len(rows[0]) + len(rows[0]) % 2
+    return torch.tensor([list(r) + [0] * (width - len(r)) for r in rows], dtype=torch.int64).to(device)
+
+
 class PieceCheck:
     """``pieces`` ready to launch: their table on ``flag``'s device, made once (whoever made the pieces holds the
     tensors they lie in, so that the addresses stay theirs). A launch raises ``flag`` where anything may be wrong and
@@ -154,8 +164,8 @@ class PieceCheck:
     def __init__(self, pieces: Sequence[Piece], flag: Tensor):
         self.flag = flag
         self.pieces = len(pieces)
-        self.table = torch.tensor([[p[0] for p in pieces], [p[1] for p in pieces], [p[2] for p in pieces]],
-                                  dtype=torch.int64).to(flag.device)
+        self.table = piece_table([[p[0] for p in pieces], [p[1] for p in pieces], [p[2] for p in pieces]],
+                                 flag.device)
         self.kernel = _compile().check_pieces if self.pieces else None
 
     def __call__(self) -> Tensor:
