@@ -34,6 +34,7 @@ __all__ = ["PIECE_BYTES", "available", "plan_pieces", "WordCheck", "PieceCopy", 
 
 PIECE_BYTES = 512 << 10
 _BLOCK = 2048  # elements a program moves per step
+_WARPS = 4  # per program (Triton's default)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +132,7 @@ class PieceCopy:
         import triton.language as tl
 
         self.held = (list(dst), list(src))
-        unit, srcs, dsts, lens = plan_pieces(dst, src)
+        unit, srcs, dsts, lens = plan_pieces(dst, src, PIECE_BYTES)
         self.elem = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}[unit]
         self.table = piece_table([srcs, dsts, lens], dst[0].device)
         self.pieces = len(lens)
@@ -150,11 +151,11 @@ class PieceCopy:
 
     def _launch(self, pieces: int, table: Tensor, flag: Tensor | None) -> None:
         if self.check is None:
-            self.kernel[(pieces,)](table[0], table[1], table[2], ELEM=self.elem, BLOCK=_BLOCK)
+            self.kernel[(pieces,)](table[0], table[1], table[2], ELEM=self.elem, BLOCK=_BLOCK, num_warps=_WARPS)
             return
         kind = self.check.kind
         self.kernel[(pieces,)](table[0], table[1], table[2], flag, ELEM=self.elem, BITS=EXPONENT_BITS[kind],
-                               LANE=8 * WIDTH[kind], WORD=8 * self.unit, BLOCK=_BLOCK)
+                               LANE=8 * WIDTH[kind], WORD=8 * self.unit, BLOCK=_BLOCK, num_warps=_WARPS)
 
     @property
     def variant(self) -> tuple[int, int | None]:
