@@ -236,8 +236,11 @@ class JsonHandler(BaseHTTPRequestHandler):
         that byte on, its line, headers and body must all arrive within ``request_read_s`` (else 408, closed)."""
         limits = self.server.limits
         self.reads.deadline = None
+        if not self.server.waiting(self.connection, True):  # the server is closing: no request more
+            self.close_connection = True
+            return
         try:
-            if not self.buffered.peek(1):  # the client closed the connection
+            if not self.buffered.peek(1):  # the client closed the connection (or the server, closing)
                 self.close_connection = True
                 return
         except TimeoutError:
@@ -245,6 +248,8 @@ class JsonHandler(BaseHTTPRequestHandler):
             if self.reserve:
                 raw_reply(self.connection, HTTPStatus.SERVICE_UNAVAILABLE, self.server.busy_message())
             return
+        finally:
+            self.server.waiting(self.connection, False)
         bound = limits.reserve_read_s if self.reserve else limits.request_read_s
         self.reads.deadline = time.monotonic() + bound
         try:
@@ -262,7 +267,7 @@ class JsonHandler(BaseHTTPRequestHandler):
         """``body``: text (sent as such) or what JSON encodes."""
         text = isinstance(body, str)
         data = body.encode() if text else json.dumps(body).encode()
-        if self._unread:  # what follows on this connection is the rest of a body, not a request
+        if self._unread or self.server.closing:  # what follows is the rest of a body; or the server is closing
             self.close_connection = True
         self.send_response(status)
         self.send_header("Content-Type", "text/plain; charset=utf-8" if text else "application/json")
@@ -378,6 +383,32 @@ class JsonHttpServer(ThreadingHTTPServer):
         self.reserve = threading.BoundedSemaphore(limits.reserve_connections)  # past slots: the health route only
         self.connections_open = 0  # connections with a thread of their own now (slots and reserve)
         self._counting = threading.Lock()
+        # Kept-alive connections waiting for their next request: closed when the server closes (a client holding one
+        # then sees it closed, instead of asking a server that is gone, or another on the same port, through it).
+        self._waiting: set[socket.socket] = set()
+        self.closing = False
+
+    def waiting(self, conn: socket.socket, idle: bool) -> bool:
+        """``conn`` waits for its next request (``idle``) or has one; False where the server is closing."""
+        with self._counting:
+            if idle and not self.closing:
+                self._waiting.add(conn)
+            else:
+                self._waiting.discard(conn)
+            return not self.closing
+
+    def server_close(self) -> None:
+        """Stop listening, and close every kept-alive connection that waits for a request (one with a request
+        answers it, and is closed then)."""
+        with self._counting:
+            self.closing = True
+            waiting, self._waiting = self._waiting, set()
+        super().server_close()
+        for conn in waiting:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def decode(self, path: str, body: dict) -> Any:
         """What ``path``'s route runs on, from its parsed ``body`` (a GET's: empty); a body refused raises one
