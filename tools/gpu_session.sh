@@ -48,6 +48,18 @@
 #   qwen3-30b-a3b:broadcast:"--prepare --no-rollback --quantize fp8-block" qwen3-8b:broadcast:--prepare
 #   qwen3-8b:broadcast:"--prepare --no-rollback" qwen3-8b:broadcast:"--prepare --quantize fp8-block"
 #   qwen3-8b:ipc:"--prepare --no-rollback"
+# IPC written into the engine's weights by copies that check what they write (one GPU, H200: the 30B trainer and its
+#   engine on one GPU; 2026-11-29: 8B 16.3 ms 2.06x, 30B-A3B 59.6 ms 2.04x, first update after prepare() 1.2x;
+#   docs/benchmarks.md "2026-11-29"), a fresh Triton cache first so that the cold row is cold:
+#   rm -rf ~/.triton/cache; ROW_TIMEOUT=150 ... qwen3-8b:ipc:"--prepare --no-rollback"
+#   qwen3-30b-a3b:ipc:"--prepare --no-rollback" qwen3-8b:ipc:"--prepare --no-rollback --quantize fp8-block" check-values
+#   check (its check_nonfinite runs NaN and an infinity through the copies' flag; give it 300 s on a fresh machine);
+#   the trainer's writes call by call: PYTHONPATH=/tmp/site:$PWD python3 tools/gpu_write_profile.py --preset qwen3-8b;
+#   the piece copy's launch shapes: PYTHONPATH=$PWD python3 tools/gpu_copy_sweep.py --gib 4.
+# Not run on 2026-11-29 (two GPUs not lent): the MoE broadcast rows above, now with each engine worker keeping the
+#   plan by key (the 30B-A3B bf16 and block-FP8 rows, --prepare --no-rollback), Qwen3-8B broadcast (--prepare, with
+#   and without --no-rollback, and --quantize fp8-block), and qwen3-4b:broadcast:"--delta --optimizer-on-host --lr
+#   1e-6,1e-5 --steps 3".
 # JSON of every row and the raw output go to $OUT (or ./gpu-out); ROW_TIMEOUT (seconds, default 400) bounds each row.
 set -uo pipefail
 OUT="${OUT:-gpu-out}"; mkdir -p "$OUT"
