@@ -38,11 +38,19 @@ def example(example_job) -> Path:
 
 
 def _logits(model_dir: str | os.PathLike) -> torch.Tensor:
+    """The HF model's logits, computed on one thread as the reference engine's workers compute theirs: on some CPUs
+    (an AMD EPYC's, with two threads) a forward's float sums come out in another order with another thread count,
+    and the engine's logits are compared with these bit for bit."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(torch.tensor(IDS)).logits
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            return model(torch.tensor(IDS)).logits
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_the_example_checkpoint_converts_to_its_hf_weights_into_a_servable_directory(example, tmp_path):
