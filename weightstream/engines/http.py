@@ -150,5 +150,8 @@ class HTTPEngine:
 
 def _readable(sock: socket.socket) -> bool:
     """Whether a connection between requests has something to read: the server closed it (or sent what no request
-    asked for); either way it is not used again."""
-    return bool(select.select([sock], [], [], 0)[0])
+    asked for); either way it is not used again. (poll, not select: a process holding many descriptors has them
+    past select's 1,024.)"""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
