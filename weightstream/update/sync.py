@@ -246,7 +246,9 @@ class WeightSync:
         stream: BucketStream | None = None
         try:
             sink = self._sink(job, decision)
-            stream = self._stream(job, decision)
+            t = time.perf_counter()
+            stream = self._stream(job, decision)  # (its kept plan checked against the live parameters)
+            seconds["plan"] = time.perf_counter() - t
             steps = self._delta_steps
             failed = steps.begin(decision, stream, report) if steps is not None else None
             if failed is not None:
