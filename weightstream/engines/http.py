@@ -45,6 +45,7 @@ class HTTPEngine:
         self._server_info: dict | None = None  # what the engine said it is (each adapter asks in its own way)
         self._session = False  # a session this client opened and has not ended
         self._version: str | None = None  # the weight version of that session
+        self._parts = urllib.parse.urlsplit(self.url)  # where each connection goes, and the routes' prefix
         self._idle: deque[tuple[http.client.HTTPConnection, float]] = deque()  # (connection, when it was left)
         self._idle_lock = threading.Lock()
 
@@ -96,7 +97,7 @@ class HTTPEngine:
         there is one, else a new one; the connection is left open for the next unless the server closes it."""
         conn = self._connection(timeout)
         try:
-            conn.request(method, self._path + path, body=data, headers=headers)
+            conn.request(method, self._parts.path + path, body=data, headers=headers)
             resp = conn.getresponse()
             raw = resp.read()
         except BaseException:
@@ -120,18 +121,13 @@ class HTTPEngine:
                     conn.sock.settimeout(timeout)
                     return conn
                 conn.close()
-        parts = urllib.parse.urlsplit(self.url)
+        parts = self._parts
         kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         conn = kind(parts.hostname or "", parts.port, timeout=timeout)
         conn.connect()
         if conn.sock is not None and conn.sock.family in (socket.AF_INET, socket.AF_INET6):
             conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return conn
-
-    @property
-    def _path(self) -> str:
-        """The URL's own path (an engine served under a prefix), which every route follows."""
-        return urllib.parse.urlsplit(self.url).path
 
     def info(self, refresh: bool = False) -> EngineInfo:
         """What the engine is (each engine's adapter asks it in its own way)."""
