@@ -32,9 +32,11 @@ __all__ = ["PIECE_BYTES", "available", "plan_pieces", "WordCheck", "PieceCopy", 
            "warm_kernel"]
 
 
-PIECE_BYTES = 512 << 10
+# An update launches one copy per bucket (~0.5 GB): at 512 KiB a piece, fewer programs than an H200 holds at once,
+# 1.13x a device copy of the same bytes; at 128 KiB and 16 warps, 1.07x (tools/gpu_copy_sweep.py, docs/benchmarks.md).
+PIECE_BYTES = 128 << 10
 _BLOCK = 2048  # elements a program moves per step
-_WARPS = 4  # per program (Triton's default)
+_WARPS = 16  # per program
 
 
 @dataclass(frozen=True, slots=True)
