@@ -354,3 +354,63 @@ def test_prepare_makes_the_groups_first_transfer_where_the_engine_takes_it(sourc
     for r in results:
         assert r["prepared"] == transport and r["group_ready"] and r["report"].weight_version == "1"
     assert_logits_close(logits, hf_logits(src, INPUT_IDS))
+
+
+def test_ipc_update_after_parameters_are_re_pointed_is_sent_again_with_a_new_plan(engine_dir, caplog):
+    """An update reuses its kept plan on the parameters' addresses alone and confirms it in full before the sink
+    closes. A parameter re-pointed (``p.data = ...``) and a weight replaced by a new ``nn.Parameter`` between updates
+    leave the old storages alive and unmoved: the first attempt's copies (straight into the engine's weights) read
+    stale bytes, the confirmation says so, the sessions are aborted uncommitted and the update is sent again with a
+    new plan; the engine holds the model's new values bit for bit. The next update (values changed in place only)
+    reuses that plan."""
+    import logging
+
+    from torch import nn
+
+    from weightstream import WeightSync
+    from weightstream.models.presets import random_hf_model
+    from weightstream.streaming.kept_plans import clear_plans
+    from weightstream.wire.handles import checksum
+
+    cfg = preset_config("tiny-qwen3")
+    model = random_hf_model(cfg, seed=9, dtype=torch.bfloat16)
+    clear_plans()
+    server = serve(engine_dir, 1, dtype="bfloat16")  # the trainer's dtype: every tensor written straight in
+
+    def engine_holds_the_model() -> None:  # bit for bit: the checksum of each weight's bytes on both sides
+        ours = {n: checksum(t.contiguous().reshape(-1).view(torch.uint8)) for n, t in model.state_dict().items()}
+        (held,) = ReferenceEngine(server.url).weight_checksums(sorted(ours))
+        assert set(held) <= set(ours) and {"model.layers.0.self_attn.q_proj.weight",
+                                           "model.layers.1.mlp.down_proj.weight"} <= set(held)
+        different = [n for n, c in held.items() if c != ours[n]]
+        assert not different, f"the engine's tensors differ from the model's: {different}"
+
+    try:
+        with WeightSync([server.url], transport="ipc", bucket_bytes=SMALL) as sync:
+            first = sync.update(model, cfg)
+            assert first.direct and first.planned and first.replanned is None and "transfer:confirm" in first.seconds
+            engine_holds_the_model()
+
+            q = model.model.layers[0].self_attn.q_proj
+            q.weight.data = q.weight.data.clone() + 1  # re-pointed
+            down = model.model.layers[1].mlp.down_proj
+            down.weight = nn.Parameter(torch.randn_like(down.weight))  # replaced
+            with caplog.at_level(logging.WARNING, logger="weightstream"):
+                second = sync.update(model, cfg)
+            assert second.replanned is not None and "changed since the kept stream plan was made" in second.replanned
+            assert second.planned and second.direct and second.weight_version == "2"
+            assert "sent again with a new plan" in second.summary()
+            warned = [r.getMessage() for r in caplog.records if "sent again with a new plan" in r.getMessage()]
+            assert len(warned) == 1, warned
+            engine_holds_the_model()
+
+            with torch.no_grad():  # what an optimizer step does: values in place
+                for p in model.parameters():
+                    p.add_(0.5)
+            third = sync.update(model, cfg)
+            assert not third.planned and third.replanned is None and third.direct
+            engine_holds_the_model()
+            assert ReferenceEngine(server.url).generate(INPUT_IDS[0], max_new_tokens=1)["meta_info"][
+                "weight_version"] == "3"
+    finally:
+        stop(server)

@@ -121,7 +121,17 @@ class ModuleGuard:
     same parameters (and the buffers named in ``buffers``), each on the same storage with the same shape
     and dtype, and no module, parameter or buffer added, removed or replaced anywhere (a submodule set
     through ``nn.Module``'s own ``__setattr__``/``add_module``; writing into ``_modules`` directly bypasses
-    that)."""
+    that).
+
+    Two checks. :meth:`holds`, the full one: the plan is still the model's (a stream from it yields the
+    parameters' current values). :meth:`addresses_hold`, a fraction of its cost (one data pointer per distinct
+    storage): launching the plan's copies is memory safe. The copies read through addresses of the storages the
+    plan was made from, which the guard keeps alive (the plan's source holds them too); a storage that still has
+    its address holds valid memory there. A parameter replaced, or re-pointed (``p.data = x``), leaves its old
+    storage alive and where it was: copies from it read valid but stale bytes, which only :meth:`holds` tells
+    (a caller that launches on :meth:`addresses_hold` alone confirms with :meth:`holds` before it lets anyone use
+    what the copies made). A storage resized in place (freed with ``resize_(0)`` for offload, then allocated
+    again) moves: the old addresses point at freed memory, and :meth:`addresses_hold` says no."""
 
     def __init__(self, modules: Sequence[nn.Module], buffers: Sequence[str] = ()):
         """``buffers``: the buffers a plan reads besides the parameters, as ``module.name`` suffixes
@@ -150,6 +160,14 @@ class ModuleGuard:
         self.tensors = [t for _, _, t in held]
         self.wrapped = any(local_data(t) is not t for t in self.tensors)  # DTensors: their local shards' storage
         self.meta = self._meta(self.tensors)
+        # Every distinct storage of the held tensors' data (by its StorageImpl), kept alive here, and its address:
+        # a handful under Megatron DDP's contiguous buffers, one per parameter otherwise.
+        storages: dict[int, torch.UntypedStorage] = {}
+        for t in self.tensors:
+            s = local_data(t).untyped_storage()
+            storages.setdefault(s._cdata, s)
+        self.storages = list(storages.values())
+        self.addresses = [s.data_ptr() for s in self.storages]
 
     def _meta(self, tensors: Sequence[Tensor]) -> list[tuple[int, torch.Size, torch.dtype]]:
         """Each tensor's (data pointer, shape, dtype), in one pass over them."""
@@ -157,9 +175,35 @@ class ModuleGuard:
             return [(local_data(t).data_ptr(), t.shape, t.dtype) for t in tensors]
         return [(t.data_ptr(), t.size(), t.dtype) for t in tensors]
 
+    def _same_roots(self, modules: Sequence[nn.Module]) -> bool:
+        """The same root modules, and no submodule set under any watched module since."""
+        return (not self.moved and len(modules) == len(self.roots)
+                and all(r() is m for r, m in zip(self.roots, modules, strict=True)))
+
+    def live_roots(self) -> list[nn.Module] | None:
+        """The root modules watched, where every one is still alive."""
+        roots = []
+        for r in self.roots:
+            m = r()
+            if m is None:
+                return None
+            roots.append(m)
+        return roots
+
+    def addresses_hold(self, modules: Sequence[nn.Module]) -> bool:
+        """Whether launching the plan's copies is memory safe: the same root modules, no submodule set since, and
+        every storage the held tensors' data was on still at the address it had (see the class doc). Not that the
+        plan is still the model's: a parameter replaced or re-pointed passes (its old storage is alive and
+        unmoved); :meth:`holds` tells that."""
+        if not self._same_roots(modules):
+            return False
+        return list(map(torch.UntypedStorage.data_ptr, self.storages)) == self.addresses
+
     def holds(self, modules: Sequence[nn.Module]) -> bool:
-        if (self.moved or len(modules) != len(self.roots)
-                or any(r() is not m for r, m in zip(self.roots, modules, strict=True))):
+        """Whether the modules are still what the plan was made from (see the class doc): every parameter (and
+        watched buffer) the same tensor, in the same place, at the same data pointer (a storage resized in place
+        moves every tensor on it), shape and dtype, and none added or removed."""
+        if not self._same_roots(modules):
             return False
         if list(map(len, self.dicts)) != self.lengths:
             return False

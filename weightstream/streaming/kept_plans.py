@@ -1,7 +1,14 @@
 """Stream plans: what a stream of one model needs before any data moves (the global table, the items each rank
 emits, the buckets), made once and kept per model, config, converter, parallel layout and bucket settings. A
 later stream reuses the kept plan after checking, in a few milliseconds, that no parameter was replaced, moved to
-new storage, added or removed (all ranks agree through one all-reduce)."""
+new storage, added or removed (all ranks agree through one all-reduce).
+
+A caller that confirms later (``confirm_later``: ``WeightSync``) has the full check off its critical path: the kept
+plan is reused once its copies are memory safe to launch (:meth:`ModuleGuard.addresses_hold`: every storage they
+read still alive, which the plan ensures, and at its address), and after the copies, before anything they made is
+used, :func:`confirm_kept_plan` runs the full check (:meth:`ModuleGuard.holds`). A parameter replaced or re-pointed
+in between leaves its old storage alive and unmoved: the copies read valid, stale bytes, the confirmation says no,
+the plan is forgotten and the caller does its work again with a new one."""
 
 from __future__ import annotations
 
@@ -27,7 +34,8 @@ from weightstream.streaming.programs import CopyProgram
 from weightstream.streaming.quantize import Quantization
 from weightstream.wire.fp8 import BlockFP8
 
-__all__ = ["StreamPlan", "PlanSettings", "kept_or_new_plan", "make_plan", "clear_plans"]
+__all__ = ["StreamPlan", "PlanSettings", "kept_or_new_plan", "confirm_kept_plan", "forget_plan", "make_plan",
+           "clear_plans"]
 
 
 @dataclass
@@ -47,6 +55,8 @@ class StreamPlan:
     digest: str | None = None  # of every bucket's metadata (metadata_digest)
     checked_into: Any = None  # the key of the last write_into targets checked against every bucket
     all_mine: bool | None = None  # this rank makes every tensor itself (read once: can_write_into)
+    # Last handed to a stream on the addresses check alone (``confirm_later``): not checked in full since.
+    unconfirmed: bool = False
 
     def forget_copies(self, key: Any) -> None:
         """Drop every bucket's copies kept under ``key`` (``("into", k)``: those into the targets ``k`` of
@@ -68,9 +78,15 @@ class PlanSettings:
     quantize: BlockFP8 | None = None
 
 
-def kept_or_new_plan(source: Source, cfg: Any, spec: ModelSpec, settings: PlanSettings) -> tuple[StreamPlan, bool]:
+def kept_or_new_plan(source: Source, cfg: Any, spec: ModelSpec, settings: PlanSettings, *,
+                     confirm_later: bool = False) -> tuple[StreamPlan, bool]:
     """The plan kept for this model and these settings where every rank still holds it (one vote), else a
-    new one (kept for the next stream); and whether it was made now."""
+    new one (kept for the next stream); and whether it was made now.
+
+    ``confirm_later``: the caller confirms a kept plan with :func:`confirm_kept_plan` (every rank) once its copies
+    are made and before anything they made is used (committed, written out): it is reused when its copies are
+    memory safe to launch (:meth:`ModuleGuard.addresses_hold`), and the full check waits for the confirmation.
+    Without it (anyone who iterates a stream themselves) the full check (:meth:`ModuleGuard.holds`) decides."""
     topo = source.topology
     converter = get_converter(spec.model_type)
     modules = list(source.modules())
@@ -80,10 +96,12 @@ def kept_or_new_plan(source: Source, cfg: Any, spec: ModelSpec, settings: PlanSe
     if modules:
         kept = _PLANS.get(modules[0], {})
         plan = kept.get(key)
-    reuse = plan is not None and plan.guard is not None and plan.guard.holds(modules)
+    guard = plan.guard if plan is not None else None
+    reuse = guard is not None and (guard.addresses_hold(modules) if confirm_later else guard.holds(modules))
     # Every rank joins the vote (where it has modules); a rank that votes to reuse has a plan.
     device = plan.device if plan is not None else first_device(modules)
     if bool(modules) and _everyone(reuse, topo, device) and plan is not None:
+        plan.unconfirmed = confirm_later
         return plan, False
     plan = make_plan(source, modules, cfg, spec, converter, settings)
     if modules:
@@ -103,6 +121,31 @@ _KEEP = 4
 def clear_plans() -> None:
     """Forget every kept plan (the next stream of each model plans again)."""
     _PLANS.clear()
+
+
+def forget_plan(plan: StreamPlan) -> None:
+    """Forget ``plan`` where it is kept (the next stream of its model and settings makes a new one)."""
+    for kept in list(_PLANS.values()):
+        for key in [k for k, p in kept.items() if p is plan]:
+            del kept[key]
+
+
+def confirm_kept_plan(plan: StreamPlan, topo: Topology) -> bool:
+    """On every rank whose stream reused ``plan`` (all of them, or none: they voted to), after its copies: whether
+    the plan was still the model's when handed over. A plan checked in full then holds; one handed over on the
+    addresses check alone (``confirm_later``) is checked in full now (:meth:`ModuleGuard.holds`). One vote; where it
+    says no, the plan is forgotten (:func:`forget_plan`): what its copies made may be stale (a parameter replaced or
+    re-pointed since it was made), to be made again from a new plan."""
+    ok = True
+    if plan.unconfirmed:
+        roots = plan.guard.live_roots() if plan.guard is not None else None
+        ok = roots is not None and plan.guard is not None and plan.guard.holds(roots)
+    ok = _everyone(ok, topo, plan.device)
+    if ok:
+        plan.unconfirmed = False
+    else:
+        forget_plan(plan)
+    return ok
 
 
 def _layout_key(topo: Topology) -> tuple:

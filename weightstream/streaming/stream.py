@@ -14,9 +14,10 @@ Steps 1-2 are made once and kept (:class:`StreamPlan`, cached per model by
 :mod:`~weightstream.streaming.kept_plans`): a later call on the same
 model, config, converter, parallel layout and bucket settings reuses them after checking, in a
 few milliseconds, that no parameter was replaced, moved to new storage, added or removed (all ranks
-agree through one all-reduce). Packing is then batched: the converted tensors are views of the live
-parameters, prepared once, and each bucket is filled with one batched copy per dtype (``_foreach_copy_``,
-or on a GPU one launch of :mod:`~weightstream.streaming.copies` into a kept buffer).
+agree through one all-reduce; a caller that confirms later, ``confirm_later``, has that full check made after the
+copies by :func:`confirm_plan`, see :mod:`~weightstream.streaming.kept_plans`). Packing is then batched: the
+converted tensors are views of the live parameters, prepared once, and each bucket is filled with one batched copy
+per dtype (``_foreach_copy_``, or on a GPU one launch of :mod:`~weightstream.streaming.copies` into a kept buffer).
 
 Mixture of experts: routed experts always carry their global index (``mlp.experts.{E}``, with
 ``E = ep_rank * experts_per_rank + e``). In full mode every rank yields every expert, gathered over expert-TP
@@ -52,12 +53,12 @@ from weightstream.sources.base import Mode, Source
 from weightstream.sources.topology import Topology
 from weightstream.streaming.bucket_stream import BucketStream, StreamStats
 from weightstream.streaming.items import entry_mode
-from weightstream.streaming.kept_plans import PlanSettings, StreamPlan, clear_plans, kept_or_new_plan
+from weightstream.streaming.kept_plans import PlanSettings, StreamPlan, clear_plans, confirm_kept_plan, kept_or_new_plan
 from weightstream.wire.fp8 import BlockFP8
 
 __all__ = [
-    "DEFAULT_BUCKET_BYTES", "StreamStats", "StreamPlan", "BucketStream", "stream_hf_weights", "clear_plans",
-    "entry_mode", "Mode"
+    "DEFAULT_BUCKET_BYTES", "StreamStats", "StreamPlan", "BucketStream", "stream_hf_weights", "confirm_plan",
+    "clear_plans", "entry_mode", "Mode"
 ]
 
 
@@ -75,6 +76,7 @@ def stream_hf_weights(
     split_dtypes: bool = False,
     reuse_buffers: bool = False,
     quantize: BlockFP8 | None = None,
+    confirm_later: bool = False,
 ) -> BucketStream:
     """Stream a model's weights as buckets of HF tensors. Call on every rank.
 
@@ -103,8 +105,9 @@ def stream_hf_weights(
     ``save_hf_checkpoint`` use it). The two buffers stay allocated while the plan is kept
     (:func:`clear_plans` frees them).
 
-    The table, checks and plan are made here, eagerly (so a bad model raises now, on every rank
-    alike); the buckets are made one at a time as the returned iterator is advanced.
+    The table, checks and plan are made here, eagerly (so a bad model raises now, on every rank alike); the buckets
+    are made one at a time as the returned iterator is advanced. ``confirm_later``: a kept plan is reused once its
+    copies are memory safe to launch, and the caller confirms it in full after them (:func:`confirm_plan`).
     """
     if mode not in ("full", "per_rank"):
         raise ValueError(f"mode must be 'full' or 'per_rank', got {mode!r}")
@@ -113,7 +116,7 @@ def stream_hf_weights(
     cfg = load_hf_config(hf_config)
     spec = model_spec(cfg)
     settings = PlanSettings(mode, bucket_bytes, align, split_dtypes, quantize)
-    plan, planned = kept_or_new_plan(source, cfg, spec, settings)
+    plan, planned = kept_or_new_plan(source, cfg, spec, settings, confirm_later=confirm_later)
     modules = bool(list(source.modules()))
     stream = BucketStream(spec=spec, mode=mode, topology=source.topology, source=plan.source, plan=plan.buckets,
                           items=plan.items, device=plan.device, align=align, shared=plan,
@@ -122,3 +125,16 @@ def stream_hf_weights(
     stream.stats.setup_seconds = time.perf_counter() - start
     return stream
 
+
+
+def confirm_plan(stream: BucketStream) -> bool:
+    """Whether what ``stream`` yielded was the model's: call on every rank, after iterating it (a vote, one
+    all-reduce where its plan was kept). True where its plan was made for it, or reused after the full check (or
+    confirmed since). A kept plan reused on the addresses check alone (``confirm_later``) is checked in full now:
+    where a parameter was replaced or re-pointed (``p.data = x``) since the plan was made, its copies read the old
+    storage (alive, unmoved: valid memory, stale bytes), and the answer is False; the plan is then forgotten, so the
+    next stream of the model makes a new one."""
+    plan = stream.shared
+    if plan is None or stream.stats.planned:
+        return True
+    return confirm_kept_plan(plan, stream.topology)

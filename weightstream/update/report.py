@@ -29,13 +29,18 @@ class UpdateReport:
     copies_made: int = 0  # buckets whose batched copies this update made (0: all were kept)
     formed_group: bool = False  # broadcast / P2P: this update formed the group to the engines (not kept)
     delta: DeltaReport | None = None  # WeightSync(delta=True): full or deltas, and why; the check's result
+    # Sent again with a new plan, and why: the stream's kept plan, confirmed in full after the first attempt's
+    # buckets (WeightSync), was no longer the model's (a parameter replaced or re-pointed); that attempt was aborted
+    # uncommitted.
+    replanned: str | None = None
 
     def summary(self) -> str:
         total = self.seconds.get("total", 0.0)
         how = ", written into the engine's weights" if self.direct else ""
         delta = f"; {self.delta.summary()}" if self.delta is not None else ""
+        again = f"; sent again with a new plan ({self.replanned})" if self.replanned is not None else ""
         return (f"{self.transport} ({self.reason}{how}): {self.tensors} tensors, {self.bytes / 1e6:.2f} MB in "
-                f"{self.buckets} buckets, {total:.3f} s, version {self.weight_version}{delta}")
+                f"{self.buckets} buckets, {total:.3f} s, version {self.weight_version}{delta}{again}")
 
 
 def fill_report(report: UpdateReport, stream: BucketStream, delivery: Delivery) -> None:

@@ -23,7 +23,7 @@ from weightstream.sources import as_source
 from weightstream.sources.base import Source
 from weightstream.streaming.bucket import extent
 from weightstream.streaming.delta import Snapshot, warm_kernels, word_size
-from weightstream.streaming.stream import BucketStream, stream_hf_weights
+from weightstream.streaming.stream import BucketStream, confirm_plan, stream_hf_weights
 from weightstream.update.delta_steps import DeltaSteps
 from weightstream.update.engine_sessions import EngineSessions
 from weightstream.update.options import SyncOptions
@@ -38,6 +38,11 @@ log = logging.getLogger("weightstream")
 
 # An opened update: the sink, opened on the stream (None: opening failed before the stream was made).
 _Opened = tuple[Sink, BucketStream] | None
+
+# Why an update was sent again (UpdateReport.replanned): its stream's kept plan, confirmed after the buckets were
+# sent, was no longer the model's.
+STALE_PLAN = ("the model's parameters changed since the kept stream plan was made (a parameter replaced, re-pointed, "
+              "re-shaped or re-typed, or one added or removed)")
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,13 @@ class WeightSync:
 
     Each update: resolve the engines (the first time) → decide the transport, pause the engines and open their
     sessions → stream the buckets into the transport's sink → (delta: check) → commit, resume → its report.
+
+    The stream's kept plan (made by the first update or :meth:`prepare`) is reused on a check of a fraction of the
+    full one's cost, that its copies are memory safe to launch (the storages they read alive and where they were);
+    the full check that it is still the model's runs while the last buckets are sent, before the sink closes and
+    anything is committed (:func:`~weightstream.streaming.stream.confirm_plan`). Where a parameter was replaced or
+    re-pointed since, the copies read stale bytes: the sessions are aborted uncommitted and the update is sent
+    again with a new plan (``report.replanned`` says so).
     """
 
     def __init__(self, engines: EngineAdapter | str | Sequence[EngineAdapter | str],
@@ -156,11 +168,13 @@ class WeightSync:
         return Decision(kind, reason, any(e.info().can(SINGLE_DTYPE) for e in engines),
                         kind == "p2p" and reshards(engines))
 
-    def _stream(self, job: _Job, decision: Decision) -> BucketStream:
+    def _stream(self, job: _Job, decision: Decision, confirm_later: bool) -> BucketStream:
+        """``confirm_later``: an update's stream, whose kept plan :meth:`_transfer` confirms after the buckets."""
         transfer = self.options.transfer
         return stream_hf_weights(job.source, job.cfg, bucket_bytes=transfer.bucket_bytes, mode=decision.mode,
                                  align=decision.align, split_dtypes=decision.one_dtype,
-                                 reuse_buffers=transfer.reuse_buffers, quantize=self.options.payload.quantize)
+                                 reuse_buffers=transfer.reuse_buffers, quantize=self.options.payload.quantize,
+                                 confirm_later=confirm_later)
 
     def _sink(self, job: _Job, decision: Decision) -> Sink:
         return self._sinks.get(decision.transport, self.engines, job.source.topology, decision.reshard, self.options)
@@ -175,27 +189,38 @@ class WeightSync:
         generation resumes, and it all ends within ``1.2 * timeout_s + 5`` seconds of the wait that
         failed. The phases: decide (and pause), open, transfer, (delta mode: check,) commit, resume. With
         ``delta``, an update whose check finds a mismatch is aborted (the engines put their weights back) and
-        done again in full; its report says what was found."""
+        done again in full; its report says what was found. An update whose stream's kept plan turns out stale
+        (a parameter replaced or re-pointed since it was made: see the class doc) is aborted the same way and done
+        again with a new plan (with ``delta``, in full); its report's ``replanned`` says so."""
         start = time.perf_counter()
         job = _Job.of(model_chunks, hf_config)
         self.updates += 1
         version = weight_version if weight_version is not None else str(self.updates)
-        report, mismatch = self._update_once(job, version)
+        report, mismatch, stale = self._update_once(job, version)
+        if stale is not None:  # the same on every rank (voted); the kept plan is forgotten: a new one is made
+            log.warning("update %s: %s, so what its kept plan read was stale: its sessions were aborted uncommitted "
+                        "and it is sent again with a new plan", version, stale)
+            report, mismatch, _ = self._update_once(job, version)
         if mismatch is not None:  # the same on every rank: the tracker forced the next update full
             log.warning("delta update %s failed its check (%s): updating again, in full", version, mismatch)
-            report, _ = self._update_once(job, version)
+            report, _, _ = self._update_once(job, version)
             if report.delta is not None:
                 report.delta.mismatch = mismatch
+        report.replanned = stale
         report.seconds["total"] = time.perf_counter() - start
         return report
 
-    def _update_once(self, job: _Job, version: str) -> tuple[UpdateReport, str | None]:
-        """One attempt: its report, and what the delta check found (None: the update is committed)."""
+    def _update_once(self, job: _Job, version: str) -> tuple[UpdateReport, str | None, str | None]:
+        """One attempt: its report, what the delta check found, and why its stream's kept plan did not hold
+        (either not None: the sessions were aborted uncommitted, to be done again)."""
         seconds: dict[str, float] = {}
         decision = self._decide(job, version, seconds)
         report = UpdateReport(decision.transport, decision.reason, decision.mode, engines=self._urls())
-        failure, mismatch = self._send(job, decision, report, seconds), None
-        if failure is None and rank() == 0:
+        (failure, held), mismatch, stale = self._send(job, decision, report, seconds), None, None
+        if failure is None and not held:  # every rank alike (voted): what was sent may be stale
+            stale = STALE_PLAN
+            self._abort_stale()
+        elif failure is None and rank() == 0:
             failure, mismatch = self._conclude(version, report, seconds)
         failure, mismatch, delta = share((failure, mismatch, report.delta))
         report.delta = delta  # rank 0 decides and checks deltas; every rank reports what it found
@@ -204,23 +229,34 @@ class WeightSync:
                 self.delta.force_full(f"the last update failed ({type(failure).__name__})")
             self._fail()
             raise failure
-        if mismatch is None:
+        if mismatch is None and stale is None:
             self._sessions.released = []
         report.weight_version = version
         report.seconds = seconds
-        return report, mismatch
+        return report, mismatch, stale
+
+    def _abort_stale(self) -> None:
+        """Every rank, after an attempt whose stream's kept plan did not hold: as after a delta mismatch, rank 0
+        aborts the engines' sessions without committing (an engine that cannot roll back holds stale bytes: it stays
+        paused for the update that follows at once); with ``delta``, the next update is full (the trainer's
+        snapshot encoded the stale bytes)."""
+        if self.delta is not None:
+            self.delta.force_full("the last attempt's kept stream plan was stale (a parameter replaced or re-pointed)")
+        if rank() == 0:
+            self._sessions.abort(resume_stale=False)
 
     def _send(self, job: _Job, decision: Decision, report: UpdateReport,
-              seconds: dict[str, float]) -> BaseException | None:
+              seconds: dict[str, float]) -> tuple[BaseException | None, bool]:
         """Every rank: open the sink on the stream and stream every bucket into it; the first failure of any
-        rank, the same on every rank."""
+        rank, the same on every rank, and whether the stream's kept plan held (the same on every rank)."""
         err, opened = self._open(job, decision, seconds, report)
+        held = True
         if opened is not None:
-            err = self._transfer(*opened, err, report, seconds)
+            err, held = self._transfer(*opened, err, report, seconds)
         failure = first_error(err)
         if failure is None and opened is not None:
             opened[0].share_digests()  # every rank: the check below needs what each engine rank's senders sent
-        return failure
+        return failure, held
 
     def _conclude(self, version: str, report: UpdateReport,
                   seconds: dict[str, float]) -> tuple[BaseException | None, str | None]:
@@ -247,7 +283,7 @@ class WeightSync:
         try:
             sink = self._sink(job, decision)
             t = time.perf_counter()
-            stream = self._stream(job, decision)  # (its kept plan checked against the live parameters)
+            stream = self._stream(job, decision, confirm_later=True)  # (its kept plan's addresses checked)
             seconds["plan"] = time.perf_counter() - t
             steps = self._delta_steps
             failed = steps.begin(decision, stream, report) if steps is not None else None
@@ -261,11 +297,15 @@ class WeightSync:
         return None, _opened(sink, stream)
 
     def _transfer(self, sink: Sink, stream: BucketStream, err: BaseException | None, report: UpdateReport,
-                  seconds: dict[str, float]) -> BaseException | None:
+                  seconds: dict[str, float]) -> tuple[BaseException | None, bool]:
         """Every rank streams every bucket into the sink; a failing rank keeps joining the collectives
-        (drains) so nobody hangs. The first failure is returned."""
+        (drains) so nobody hangs. Then every rank, failed or not, confirms the stream's kept plan (one vote:
+        :func:`confirm_plan`, the full check its reuse deferred) before the sink closes: on a GPU while the device
+        still copies and sends the buckets queued; by IPC direct writes, before waiting on the engine's answer.
+        The first failure is returned, and whether the plan held (False: what was sent may be stale)."""
         t = time.perf_counter()
         phase = "transfer"
+        held = True
         try:
             for bucket in stream:  # iterated to the end even after a failure: the gathers need every rank
                 phase = f"bucket {bucket.index}"
@@ -274,17 +314,26 @@ class WeightSync:
                         sink.send(bucket)
                     except BaseException as exc:  # noqa: BLE001
                         err = as_update_error(phase, exc, self._urls())
-            if err is None:
-                sink.close()
         except BaseException as exc:  # noqa: BLE001
             err = err or as_update_error(phase, exc, self._urls())
+        confirming = time.perf_counter()
+        try:
+            held = confirm_plan(stream)
+        except BaseException as exc:  # noqa: BLE001
+            err = err or as_update_error(phase, exc, self._urls())
+        seconds["transfer:confirm"] = time.perf_counter() - confirming
+        if err is None:  # (also where the plan did not hold: the engines answer, then their sessions are aborted)
+            try:
+                sink.close()
+            except BaseException as exc:  # noqa: BLE001
+                err = as_update_error(phase, exc, self._urls())
         fill_report(report, stream, sink.delivery())
         seconds["transfer"] = time.perf_counter() - t
         seconds["transfer:pack"] = stream.stats.seconds  # of which: this rank making the buckets
         waited = sink.delivery().waited_s
         if waited is not None:
             seconds["transfer:wait"] = waited  # and waiting for the engine's answers
-        return err
+        return err, held
 
     # -- before and between updates ----------------------------------------------------------
 
@@ -314,7 +363,7 @@ class WeightSync:
 
     def _warm(self, job: _Job, decision: Decision) -> None:
         """:meth:`prepare`'s work on this rank: the stream's plan and copies, the kernels, the sink's group."""
-        stream = self._stream(job, decision)
+        stream = self._stream(job, decision, confirm_later=False)  # (nothing here confirms it later)
         stream.metadata_digest()  # every bucket's copy program, made and kept with the plan
         sink = self._sink(job, decision)
         sink.prepare(stream)  # IPC: the engine learns the plan and maps the kept buffers (first: on the CPU,
