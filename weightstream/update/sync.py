@@ -73,10 +73,10 @@ class WeightSync:
 
     The stream's kept plan (made by the first update or :meth:`prepare`) is reused on a check of a fraction of the
     full one's cost, that its copies are memory safe to launch (the storages they read alive and where they were);
-    the full check that it is still the model's runs while the last buckets are sent, before the sink closes and
-    anything is committed (:func:`~weightstream.streaming.stream.confirm_plan`). Where a parameter was replaced or
-    re-pointed since, the copies read stale bytes: the sessions are aborted uncommitted and the update is sent
-    again with a new plan (``report.replanned`` says so).
+    the full check that it is still the model's runs once every bucket is queued (on a GPU, while the device still
+    copies them), before the sink closes and anything is committed (:func:`weightstream.streaming.stream.confirm_plan`).
+    Where a parameter was replaced or re-pointed since, the copies read stale bytes: the sessions are aborted
+    uncommitted and the update is sent again with a new plan (``report.replanned`` says so).
     """
 
     def __init__(self, engines: EngineAdapter | str | Sequence[EngineAdapter | str],
