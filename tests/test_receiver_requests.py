@@ -202,6 +202,23 @@ def test_tensor_and_ipc_updates_fit_the_engines_ranks():
     assert (prepare.route, prepare.receives(2, 10.0).wait_s) == (PREPARE_IPC_ROUTE, 8.0)
     assert _refusal(lambda b: decode_update(IPC_AHEAD_ROUTE, b).receives(1, 1.0), ipc) == \
         "bad request to /weightstream/update_weights_from_ipc_ahead: got 2 control channels for 1 engine TP ranks"
+    # ipc_session: the request opens the session (the fields of /begin_weight_update) and commits it (those of
+    # /end_weight_update); each rank then ends with the trainer's last frame.
+    folded = decode_update(IPC_AHEAD_ROUTE, {**ipc, "weightstream_delta_mode": False, "weight_version": "v",
+                                             "weightstream_begin": {"pause": "abort", "timeout_s": 9,
+                                                                    "weight_version": "v"},
+                                             "weightstream_commit": {"resume": True}})
+    assert folded == IpcUpdate("d", 5, ("unix:@a", "unix:@b"), "c", None, "v", False, False,
+                               BeginRequest(9, "abort", "v"), CommitRequest(True))
+    assert folded.receives(2, 10.0).per_rank[1] == IpcReceive("d", 5, "unix:@b", "c", 10.0, False, False, True)
+    assert _refusal(lambda b: decode_update(IPC_AHEAD_ROUTE, b), {
+        **ipc, "weightstream_begin": {"pause": 3, "timeout_s": "soon"}}) == (
+        "bad request to /weightstream/update_weights_from_ipc_ahead: weightstream_begin: field 'timeout_s' must be int "
+        "or float or null, got str; weightstream_begin: field 'pause' must be str, got int")
+    assert _refusal(lambda b: decode_update(IPC_AHEAD_ROUTE, b), {**ipc, "weightstream_commit": {"resume": 1}}) == (
+        "bad request to /weightstream/update_weights_from_ipc_ahead: weightstream_commit: field 'resume' must be "
+        "bool, got int; weightstream_commit needs weightstream_begin (the request commits only a session it opened)")
+    assert "weightstream_begin" not in UPDATE_SCHEMAS[PREPARE_IPC_ROUTE]
 
 
 def test_p2p_updates_whole_and_resharded():

@@ -36,11 +36,11 @@ from weightstream.wire.frames import Plan
 
 __all__ = [
     "BROADCAST", "IPC", "P2P", "RESHARD", "ROLLBACK", "RELEASE_MEMORY", "SINGLE_DTYPE", "BROADCAST_AHEAD", "P2P_AHEAD",
-    "IPC_AHEAD", "COMMIT_AND_RESUME", "PAUSE_AND_BEGIN", "PREPARE_COMMIT", "DELTA", "DELTA_AHEAD", "IPC_DELTA",
-    "WARM_GROUP", "BROADCAST_PREPARE",
+    "IPC_AHEAD", "IPC_SESSION", "COMMIT_AND_RESUME", "PAUSE_AND_BEGIN", "PREPARE_COMMIT", "DELTA", "DELTA_AHEAD",
+    "IPC_DELTA", "WARM_GROUP", "BROADCAST_PREPARE",
     "EngineError", "EngineUnreachable", "EngineInfo", "GroupSpec", "RankBucket", "EngineAdapter", "GroupEngine",
     "BroadcastEngine", "P2PEngine", "ReshardEngine", "IPCEngine", "MemoryEngine", "BroadcastAheadEngine",
-    "P2PAheadEngine", "BroadcastPrepareEngine", "IPCAheadEngine", "CommitsAndResumes", "PreparesCommits",
+    "P2PAheadEngine", "BroadcastPrepareEngine", "IpcSession", "IPCAheadEngine", "CommitsAndResumes", "PreparesCommits",
     "PausesAndBegins", "DeltaChecks", "DeltaEngine", "CAPABILITY_PROTOCOLS", "implementing", "capable", "require",
 ]
 
@@ -67,6 +67,10 @@ P2P_AHEAD = "p2p_ahead"
 # takes the metadata of every bucket of a colocated update in one request, then per bucket one small frame on
 # a control channel per TP rank (a kept buffer's handle is opened once; CUDA events instead of synchronising)
 IPC_AHEAD = "ipc_ahead"
+# with ``ipc_ahead``, the update's request opens the session (pausing generation) before its buckets and commits it
+# (resuming generation) after them, where every trainer rank's last frame lets it (:class:`IpcSession`): a colocated
+# update in one request
+IPC_SESSION = "ipc_session"
 COMMIT_AND_RESUME = "commit_and_resume"  # commits an update and resumes generation in one request
 PAUSE_AND_BEGIN = "pause_and_begin"  # pauses generation and opens an update session in one request
 # a commit in two phases: ``prepare_commit`` does whatever the commit could fail on and keeps the session
@@ -304,16 +308,32 @@ class P2PAheadEngine(EngineAdapter, Protocol):
         its ``src``."""
 
 
+@dataclass(frozen=True, slots=True)
+class IpcSession:
+    """An update session a colocated update's request opens and commits itself (:data:`IPC_SESSION`), in place of
+    the pause-and-begin and commit-and-resume requests around it: generation paused in ``pause`` mode and the
+    session opened for ``version`` (rolled back if the trainer is silent past ``timeout_s``) before the buckets;
+    committed, generation resumed, after them, where every trainer rank's last frame
+    (:class:`~weightstream.wire.frames.Finish`) lets it."""
+
+    pause: str
+    version: str
+    timeout_s: float
+
+
 @runtime_checkable
 class IPCAheadEngine(EngineAdapter, Protocol):
     """:data:`IPC_AHEAD`: a colocated update's plan announced once, then one small frame per bucket on a
     control channel per TP rank (:mod:`weightstream.wire`)."""
 
     def receive_ipc_ahead(self, plan: str, num_buckets: int, channels: Sequence[str], client: str,
-                          timeout_s: float, delta: bool = False) -> None:
+                          timeout_s: float, delta: bool = False, session: IpcSession | None = None) -> str | None:
         """Trainer rank 0, when the IPC sink opens, on a thread: engine rank r connects to ``channels[r]``
         (trainer rank r's), where the buckets' frames follow; returns once every bucket is loaded. ``delta``:
-        every bucket comes as a delta payload (:class:`~weightstream.wire.frames.DeltaRecord`)."""
+        every bucket comes as a delta payload (:class:`~weightstream.wire.frames.DeltaRecord`). ``session``
+        (where the engine declares :data:`IPC_SESSION`): the request opens the session first and commits it
+        after, and returns the version the engine then serves (None: not committed, as a trainer rank's last
+        frame asked; the session stays open)."""
 
     def prepare_ipc_ahead(self, plan: str, num_buckets: int, channels: Sequence[str], client: str,
                           timeout_s: float) -> None:

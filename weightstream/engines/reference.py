@@ -20,6 +20,7 @@ from weightstream.engines.base import (
     ROLLBACK,
     DeltaChecks,
     GroupSpec,
+    IpcSession,
     RankBucket,
 )
 from weightstream.engines.sglang import SGLangEngine
@@ -166,18 +167,32 @@ class ReferenceEngine(SGLangEngine):
                 self._plan_keys.popitem(last=False)
 
     def receive_ipc_ahead(self, plan: str, num_buckets: int, channels: Sequence[str], client: str,
-                          timeout_s: float, delta: bool = False) -> None:
+                          timeout_s: float, delta: bool = False, session: IpcSession | None = None) -> str | None:
         """A colocated update of ``num_buckets`` buckets laid out as ``plan`` (a digest of their metadata), and
         the control channel each engine TP rank connects to (``host:port``, the colocated trainer rank's);
         an engine rank that does not know the plan asks for its metadata there (:meth:`ipc_plan_frame`).
         The engine answers once every bucket is loaded, or once one failed. ``client`` names the trainer's
         buffers: the engine keeps those it was asked to keep mapped for the next update from the same
         client. ``timeout_s``: the bound of each wait on the trainer. ``delta``: a delta-mode update (every
-        bucket a payload to apply to the bytes the engine holds of it, which it keeps for the next)."""
-        self.post("/weightstream/update_weights_from_ipc_ahead", {
+        bucket a payload to apply to the bytes the engine holds of it, which it keeps for the next). ``session``
+        (``ipc_session``): the request opens the session (``weightstream_begin``, as ``/begin_weight_update`` with a
+        pause) and commits it with a resume (``weightstream_commit``), where the trainer's last frames let it; the
+        version the engine then serves (None: not committed)."""
+        body: dict[str, Any] = {
             "weight_version": self._version, "client": client, "channels": list(channels), "timeout_s": timeout_s,
             "plan": plan, "num_buckets": num_buckets, "weightstream_delta_mode": delta,
-        }, step=f"update_weights_from_ipc_ahead ({num_buckets} buckets)", timeout_s=timeout_s * (num_buckets + 4))
+        }
+        if session is not None:
+            self._version, self._session = session.version, True  # (a failure aborts it as any session)
+            body.update(weight_version=session.version, weightstream_commit={"resume": True}, weightstream_begin={
+                "pause": session.pause, "timeout_s": session.timeout_s, "weight_version": session.version})
+        reply = self.post("/weightstream/update_weights_from_ipc_ahead", body,
+                          step=f"update_weights_from_ipc_ahead ({num_buckets} buckets)",
+                          timeout_s=timeout_s * (num_buckets + 4))
+        if session is None or reply.get("committed") is not True:
+            return None
+        self._session = False
+        return None if reply.get("weight_version") is None else str(reply["weight_version"])
 
     def prepare_ipc_ahead(self, plan: str, num_buckets: int, channels: Sequence[str], client: str,
                           timeout_s: float) -> None:

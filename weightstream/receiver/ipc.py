@@ -33,6 +33,7 @@ from weightstream.wire.frames import (
     BuffersHeld,
     DeltaRecord,
     Export,
+    Finish,
     Hello,
     KeptBuffers,
     LentBuffer,
@@ -81,7 +82,7 @@ class IpcReceiver:
         first one (:meth:`_prepare_ipc`)."""
         if r.prepare:
             return self._prepare_ipc(r.plan, r.num_buckets, r.channel, r.client, r.timeout_s)
-        return self._receive_ipc(r.plan, r.num_buckets, r.channel, r.client, r.timeout_s, r.delta)
+        return self._receive_ipc(r.plan, r.num_buckets, r.channel, r.client, r.timeout_s, r.delta, r.finish)
 
     # -- the trainer's lease: what it lent stays mapped while its control channel is open ----------------------
 
@@ -149,7 +150,7 @@ class IpcReceiver:
     # -- the update: connect, offer direct writes, take each bucket ------------------------------------------
 
     def _receive_ipc(self, plan: str, num_buckets: int, channel: str, client: str, timeout_s: float,
-                     delta: bool = False) -> dict[str, Any]:
+                     delta: bool = False, finish: bool = False) -> dict[str, Any]:
         """Every bucket of a colocated update, announced ahead; per bucket the trainer sends one small frame
         on the control ``channel`` naming the buffer (a handle is opened once per kept buffer) and, on a GPU,
         this rank's stream waits for the trainer's event instead of either side synchronising. The reply
@@ -157,15 +158,21 @@ class IpcReceiver:
         The first failure is answered on the channel and raised (nothing after it is loaded). Where every
         tensor of the plan is one whole weight of ours, the trainer may write into our weights instead
         (:meth:`_offer_writes`, :meth:`_take_writes`): no bucket frames then. ``delta``: a delta-mode update,
-        every bucket a payload applied to the bytes we hold of it (kept for the next; no writes offered)."""
+        every bucket a payload applied to the bytes we hold of it (kept for the next; no writes offered). ``finish``:
+        the trainer's last frame (:class:`Finish`) says whether the engine may commit (the answer's ``commit``)."""
         with self.clock("handshake"):
             chan, programs = self._ipc_connect(plan, num_buckets, channel, client, timeout_s)
         with self._leased(chan):
             with self.clock("handshake"):
                 offer = self._offer_writes(chan, plan, programs, timeout_s, not delta)
             if offer is not None:
-                return self._take_writes(chan, *offer, timeout_s * (num_buckets + 1))
-            return self._take_buckets(chan, programs, timeout_s, delta)
+                answer = self._take_writes(chan, *offer, timeout_s * (num_buckets + 1))
+            else:
+                answer = self._take_buckets(chan, programs, timeout_s, delta)
+            if finish:
+                with self.clock("wait"):
+                    answer["commit"] = receive_one(chan, Finish, timeout_s, "the trainer's last frame").commit
+            return answer
 
     def _ipc_connect(self, plan: str, num_buckets: int, channel: str, client: str,
                      timeout_s: float) -> tuple[Channel, list[CopyProgram]]:

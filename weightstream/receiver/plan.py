@@ -109,7 +109,8 @@ def _receive_problems(r: Receive) -> list[str]:
 class IpcReceive:
     """A colocated receive: the trainer's ``plan`` (its digest) of ``num_buckets`` buckets, over the control
     ``channel`` of trainer ``client``, each wait bounded by ``timeout_s``; ``delta``: in delta mode. ``prepare``:
-    no update, only the plan learnt and the trainer's kept buffers mapped ahead of its first update."""
+    no update, only the plan learnt and the trainer's kept buffers mapped ahead of its first update. ``finish``: the
+    trainer rank ends with a :class:`~weightstream.wire.frames.Finish` frame, whose ``commit`` the answer says."""
 
     plan: str
     num_buckets: int
@@ -118,6 +119,7 @@ class IpcReceive:
     timeout_s: float
     delta: bool = False
     prepare: bool = False
+    finish: bool = False
 
     @property
     def receive_plan(self) -> ReceivePlan:

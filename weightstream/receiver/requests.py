@@ -283,10 +283,11 @@ UPDATE_SCHEMAS: dict[str, Schema] = {
         "load_format": (OPT_STR, False), "weight_version": (OPT_STR, False),
         "weightstream_delta_mode": ((bool,), False),
     },
-    IPC_AHEAD_ROUTE: {
+    IPC_AHEAD_ROUTE: {  # (``weightstream_begin``/``_commit``: the session opened and committed around it, ipc_session)
         "plan": ((str,), True), "num_buckets": ((int,), True), "channels": ((list,), True),
         "client": ((str,), True), "timeout_s": (NUMBER, False), "weight_version": (OPT_STR, False),
-        "weightstream_delta_mode": ((bool,), False),
+        "weightstream_delta_mode": ((bool,), False), "weightstream_begin": ((dict,), False),
+        "weightstream_commit": ((dict,), False),
     },
     TENSOR_ROUTE: {
         "serialized_named_tensors": ((list, str), True), "load_format": (OPT_STR, False),
@@ -306,13 +307,25 @@ UPDATE_SCHEMAS[PREPARE_BROADCAST_ROUTE] = {
 }
 # Preparing a colocated update takes the update's fields, less the weight version (no update is open).
 UPDATE_SCHEMAS[PREPARE_IPC_ROUTE] = {k: v for k, v in UPDATE_SCHEMAS[IPC_AHEAD_ROUTE].items()
-                                     if k not in ("weight_version", "weightstream_delta_mode")}
+                                     if k not in ("weight_version", "weightstream_delta_mode", "weightstream_begin",
+                                                  "weightstream_commit")}
 
 
 def _channels_problems(body: Mapping[str, Any]) -> list[str]:
     if not any(address_problem(c) for c in body["channels"]):
         return []
     return ["channels must be 'unix:@NAME' addresses (the trainer ranks' control channels), one per engine rank"]
+
+
+def _ipc_problems(body: Mapping[str, Any]) -> list[str]:
+    """A colocated update's channels, and the session it opens and commits where it asks (the fields of
+    ``/begin_weight_update`` and ``/end_weight_update``)."""
+    nested = [f"{field}: {p}" for field, schema in (("weightstream_begin", BeginRequest.FIELDS),
+                                                    ("weightstream_commit", CommitRequest.FIELDS))
+              if field in body for p in field_problems(schema, body[field])]
+    if "weightstream_commit" in body and "weightstream_begin" not in body:
+        nested.append("weightstream_commit needs weightstream_begin (the request commits only a session it opened)")
+    return _channels_problems(body) + nested
 
 
 def _tensor_problems(body: Mapping[str, Any]) -> list[str]:
@@ -368,7 +381,7 @@ _UPDATE_CHECKS: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
     BROADCAST_AHEAD_ROUTE: _ahead_problems,
     PREPARE_BROADCAST_ROUTE: lambda b: buckets_problems(b["buckets"]),
     TENSOR_ROUTE: _tensor_problems,
-    IPC_AHEAD_ROUTE: _channels_problems,
+    IPC_AHEAD_ROUTE: _ipc_problems,
     PREPARE_IPC_ROUTE: _channels_problems,
     P2P_ROUTE: lambda b: _p2p_problems([b["ranks"]]),
     P2P_AHEAD_ROUTE: lambda b: _p2p_problems(b["buckets"]),
@@ -514,7 +527,10 @@ class IpcUpdate:
     """``/weightstream/update_weights_from_ipc_ahead``: a colocated update by the trainer's ``plan`` (its digest) of
     ``num_buckets`` buckets, each engine rank over its control channel (``channels``, in rank order) of trainer
     ``client``, each wait bounded by ``timeout_s`` (None: the session's); deltas where ``delta``. ``prepare``
-    (``/weightstream/prepare_ipc_ahead``): no update, only the plan learnt and the trainer's kept buffers mapped."""
+    (``/weightstream/prepare_ipc_ahead``): no update, only the plan learnt and the trainer's kept buffers mapped.
+    ``begin`` (``ipc_session``): the request opens the session first, as ``/begin_weight_update`` with these fields
+    would; ``commit``: it commits the session after the buckets, as ``/end_weight_update`` would, where every engine
+    rank's trainer rank let it in its last frame (:class:`~weightstream.wire.frames.Finish`)."""
 
     ROUTES: ClassVar[tuple[str, ...]] = (IPC_AHEAD_ROUTE, PREPARE_IPC_ROUTE)
 
@@ -526,6 +542,8 @@ class IpcUpdate:
     weight_version: str | None = None
     delta: bool = False
     prepare: bool = False
+    begin: BeginRequest | None = None
+    commit: CommitRequest | None = None
 
     @property
     def route(self) -> str:
@@ -535,9 +553,12 @@ class IpcUpdate:
     def decode(cls, route: str, body: Mapping[str, Any]) -> IpcUpdate:
         b = _checked_update(route, body)
         timeout_s, prepare = b.get("timeout_s"), route == PREPARE_IPC_ROUTE
+        begin, commit = b.get("weightstream_begin"), b.get("weightstream_commit")
         return cls(b["plan"], b["num_buckets"], tuple(b["channels"]), b["client"],
                    None if timeout_s is None else float(timeout_s), None if prepare else b.get("weight_version"),
-                   not prepare and b.get("weightstream_delta_mode") is True, prepare)
+                   not prepare and b.get("weightstream_delta_mode") is True, prepare,
+                   None if begin is None else BeginRequest.decode(begin),
+                   None if commit is None else CommitRequest.decode(commit))
 
     def receives(self, tp: int, timeout_s: float) -> RankReceives:
         """The engine waits for the ranks' answers a bound per bucket and three more (they answer once the last
@@ -546,7 +567,7 @@ class IpcUpdate:
             f"got {len(self.channels)} control channels for {tp} engine TP ranks"])
         bound = self.timeout_s or timeout_s
         return RankReceives(tuple(IpcReceive(self.plan, self.num_buckets, c, self.client, bound, self.delta,
-                                             self.prepare) for c in self.channels),
+                                             self.prepare, self.commit is not None) for c in self.channels),
                             bound * (4 if self.prepare else self.num_buckets + 3))
 
 

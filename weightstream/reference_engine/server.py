@@ -234,7 +234,7 @@ class EngineServer(JsonHttpServer):
             "weight_version": e.weight_version, "device": e.devices[0].split(":")[0], "gpu_uuids": e.gpu_uuids(),
             "hostname": socket.gethostname(), "pid": os.getpid(), "dtype": e.dtype,
             "quantization_config": e.quantization_config, "refuse_nonfinite": e.checks.refuse_nonfinite,
-            "capabilities": ["broadcast", "ipc", "ipc_ahead", "p2p", "reshard", "release_memory"]
+            "capabilities": ["broadcast", "ipc", "ipc_ahead", "ipc_session", "p2p", "reshard", "release_memory"]
             + (["rollback"] if e.rollback else [])
             + ["broadcast_ahead", "p2p_ahead", "delta", "delta_ahead", "warm_group", "broadcast_prepare"],
             "instance": e.instance, "delta_base": e.delta_base,
@@ -263,6 +263,8 @@ class EngineServer(JsonHttpServer):
         update is then not complete). From the first on, the weights are not served until the session ends
         (:meth:`Engine.check_settled`)."""
         e = self.engine
+        if isinstance(r, IpcUpdate) and r.begin is not None:  # ipc_session: the session opened here first
+            self.begin(r.begin)
         if not e.session_open:
             raise EngineFailure(f"{r.route.rsplit('/', 1)[1]} must run between begin_weight_update() and "
                                 "end_weight_update()")
@@ -280,7 +282,19 @@ class EngineServer(JsonHttpServer):
             e.session_failed = str(exc)
             raise EngineFailure(f"Failed to update weights: {exc}. This session will not be committed: "
                                 f"ending or aborting it: {e.after_abort()}.") from None
-        return 200, {"success": True, "message": self._loaded(results, r.weight_version), **self._kept(r, key)}
+        reply = {"success": True, "message": self._loaded(results, r.weight_version), **self._kept(r, key)}
+        if isinstance(r, IpcUpdate) and r.commit is not None:
+            reply.update(self._commit_folded(r.commit, results))
+        return 200, reply
+
+    def _commit_folded(self, commit: CommitRequest, results: list[Any]) -> dict[str, Any]:
+        """``ipc_session``: the session this request opened is committed (as :meth:`end` with ``commit``), where
+        every rank's trainer rank let it in its last frame; else it stays open, for the trainer to abort."""
+        if not all(isinstance(x, dict) and x.get("commit") is True for x in results):
+            return {"committed": False, "weight_version": self.engine.weight_version}
+        _, answer = self.end(commit)
+        return {"committed": True, "weight_version": answer["weight_version"],
+                "message": f"{answer['message']} (committed with the update)"}
 
     def _call(self, r: UpdateRequest, receives: RankReceives, key: str | None) -> list[Any]:
         """Run each rank's receive of ``r``: a broadcast whose plan is kept by ``key`` goes to each rank as the key

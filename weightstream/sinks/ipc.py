@@ -59,6 +59,7 @@ from weightstream.engines.base import (
     EngineAdapter,
     IPCAheadEngine,
     IPCEngine,
+    IpcSession,
     capable,
     implementing,
 )
@@ -77,6 +78,7 @@ from weightstream.wire.frames import (
     Error,
     Export,
     ExportedWeights,
+    Finish,
     Frame,
     FrameError,
     Hello,
@@ -146,11 +148,32 @@ class IPCSink:
         self._flag: torch.Tensor | None = None  # the export's flag (a GPU's), which checked copies raise
         self._checks = False  # this update's copies check what they write (WritesDone.checked)
         self._into_plans: list[weakref.ref] = []
+        # IPC_SESSION: the next update's session, opened and committed by its request (fold), whether this rank lets
+        # the engine commit it (withhold_commit), and, on rank 0 once it closed, the version the engine then serves.
+        self._fold: IpcSession | None = None
+        self._lets_commit = True
+        self.committed: str | None = None
 
     # -- per update ------------------------------------------------------------------------------
 
+    def fold(self, session: IpcSession) -> None:
+        """The next update's session is opened and committed by its own request (the engine declares
+        :data:`~weightstream.engines.base.IPC_SESSION`; call on every rank before :meth:`open`): each rank that sends
+        ends with a :class:`Finish` frame, which lets the engine commit unless :meth:`withhold_commit` was called;
+        rank 0's :attr:`committed` is then the version the engine serves (None: not committed)."""
+        self._fold, self._lets_commit = session, True
+
+    def withhold_commit(self) -> None:
+        """This rank does not let the engine commit the update folded in its request (its stream's plan turned out
+        stale): the session stays open, for the trainer to abort."""
+        self._lets_commit = False
+
     def open(self, stream: BucketStream) -> None:
+        self.committed = None
         plan = self._decide(stream, Purpose.UPDATE)
+        if self._fold is not None and not plan.metadata_ahead:
+            raise RuntimeError("IPCSink: an update's session folded into its request, but the update does not go "
+                               "ahead (the engine's request would not carry it)")
         self._sent = 0
         self.waited = 0.0
         self._outstanding.clear()
@@ -231,7 +254,7 @@ class IPCSink:
                                                 channels, self._client, self.timeout_s)
             else:
                 self._ahead = self._pool.submit(engine.receive_ipc_ahead, stream.metadata_digest(), len(stream),
-                                                channels, self._client, self.timeout_s, self.plan.deltas)
+                                                channels, self._client, self.timeout_s, self.plan.deltas, self._fold)
         if listener is None:
             return
         channel = self._channel = listener.accept(self.timeout_s, abandon=self._engine_gave_up)
@@ -382,6 +405,7 @@ class IPCSink:
         if self._events is not None:
             self._events[0].record(torch.cuda.current_stream(self._device_of_targets()))
         self._control().send(WritesDone(checked=self._checks))
+        self._send_finish()  # (read by the engine once it applied the writes: no wait for it)
         t = time.perf_counter()
         self._receive(WritesApplied, "buckets", "the engine's answer to the writes")
         self.waited += time.perf_counter() - t
@@ -493,6 +517,8 @@ class IPCSink:
         if not self.plan.metadata_ahead:
             return
         try:
+            if not self.plan.writes:
+                self._send_finish()  # (after the last bucket's frame: the engine reads it once all are loaded)
             while self._outstanding:
                 self._settle()
             if self.plan.writes:
@@ -501,6 +527,11 @@ class IPCSink:
             self._drop_channel()
             raise
         self._end_ahead(phase)
+
+    def _send_finish(self) -> None:
+        """A rank that sends, in an update whose session its request folded: its last frame (:class:`Finish`)."""
+        if self._fold is not None and self.plan.sends:
+            self._control().send(Finish(commit=self._lets_commit))
 
     def share_digests(self) -> None:
         """A delta-mode update, on every rank once every rank's buckets went through: engine rank r applied the
@@ -530,12 +561,14 @@ class IPCSink:
         one of ``phase``)."""
         self._keep_lease()
         ahead, self._ahead = self._ahead, None
+        folded, self._fold = self._fold, None
         if ahead is not None:
             deadline = Deadline(self.timeout_s * 2 + 2.0)
             try:
-                ahead.result(timeout=deadline.remaining())
+                served = ahead.result(timeout=deadline.remaining())
             except Exception as exc:  # noqa: BLE001
                 raise UpdateError(phase, str(exc), [self.engine.url]) from None
+            self.committed = served if folded is not None else None
 
     def connect(self) -> None:
         """Nothing to form ahead: each update opens its control channels (:meth:`open`)."""
@@ -550,7 +583,7 @@ class IPCSink:
         if self.plan.writes and self._events is not None and self._targets:
             torch.cuda.current_stream(self._device_of_targets()).synchronize()
         self._outstanding.clear()
-        self._ahead = None
+        self._ahead = self._fold = None
         self.disconnect()
 
     def disconnect(self, seconds: float | None = None) -> None:

@@ -25,6 +25,9 @@ class UpdateReport:
     seconds: dict[str, float] = field(default_factory=dict)
     metadata_ahead: bool = False  # broadcast / IPC: every bucket's metadata went ahead in one request
     direct: bool = False  # IPC: the trainer wrote every tensor straight into the engine's weights (one copy)
+    # IPC: the engine's session was opened (generation paused) and committed (resumed) by the update's own request
+    # (the engine declares ``ipc_session``): no request before it, none after it
+    session_in_request: bool = False
     planned: bool = False  # this update made the stream's plan (False: it used the one kept, e.g. by prepare)
     copies_made: int = 0  # buckets whose batched copies this update made (0: all were kept)
     formed_group: bool = False  # broadcast / P2P: this update formed the group to the engines (not kept)

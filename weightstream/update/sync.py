@@ -15,10 +15,12 @@ from torch import nn
 
 from weightstream.common.bounds import cleanup_budget
 from weightstream.converters.registry import model_spec
-from weightstream.engines.base import SINGLE_DTYPE, EngineAdapter
+from weightstream.engines.base import IPC_AHEAD, IPC_SESSION, SINGLE_DTYPE, EngineAdapter, IpcSession
+from weightstream.errors import UpdateError
 from weightstream.models.spec import ModelSpec, load_hf_config
 from weightstream.sinks.base import Sink
 from weightstream.sinks.delta import DeltaTracker
+from weightstream.sinks.ipc import IPCSink
 from weightstream.sources import as_source
 from weightstream.sources.base import Source
 from weightstream.streaming.bucket import extent
@@ -142,7 +144,10 @@ class WeightSync:
             t = time.perf_counter()
             try:
                 decided = self._choose(job)
-                if version is not None:
+                if version is not None and self._folds_session(decided):  # opened and committed by the request
+                    decided = replace(decided, session=IpcSession(self._sessions.pause_mode, version,
+                                                                  self.options.engines.timeout_s))
+                elif version is not None:
                     self._sessions.pause(version)
             except Exception as exc:  # noqa: BLE001 — shared with every rank below
                 if version is not None:
@@ -167,6 +172,15 @@ class WeightSync:
             self.delta.refuse_transport(engines, kind)
         return Decision(kind, reason, any(e.info().can(SINGLE_DTYPE) for e in engines),
                         kind == "p2p" and reshards(engines))
+
+    def _folds_session(self, decision: Decision) -> bool:
+        """Rank 0: whether an update by ``decision`` has its request open and commit the engine's session
+        (:data:`IPC_SESSION`): by IPC ahead into one engine that declares it, with nothing to do between the buckets
+        and the commit (no delta check) nor before the writes (no memory released to re-create first)."""
+        engines = self.engines
+        return (decision.transport == "ipc" and len(engines) == 1 and engines[0].info().can(IPC_SESSION)
+                and engines[0].info().can(IPC_AHEAD) and self.options.transfer.metadata_ahead and self.delta is None
+                and not self._sessions.released)
 
     def _stream(self, job: _Job, decision: Decision, confirm_later: bool) -> BucketStream:
         """``confirm_later``: an update's stream, whose kept plan :meth:`_transfer` confirms after the buckets."""
@@ -215,13 +229,14 @@ class WeightSync:
         (either not None: the sessions were aborted uncommitted, to be done again)."""
         seconds: dict[str, float] = {}
         decision = self._decide(job, version, seconds)
-        report = UpdateReport(decision.transport, decision.reason, decision.mode, engines=self._urls())
+        report = UpdateReport(decision.transport, decision.reason, decision.mode, engines=self._urls(),
+                              session_in_request=decision.session is not None)
         (failure, held), mismatch, stale = self._send(job, decision, report, seconds), None, None
         if failure is None and not held:  # every rank alike (voted): what was sent may be stale
             stale = STALE_PLAN
             self._abort_stale()
         elif failure is None and rank() == 0:
-            failure, mismatch = self._conclude(version, report, seconds)
+            failure, mismatch = self._conclude(version, decision, report, seconds)
         failure, mismatch, delta = share((failure, mismatch, report.delta))
         report.delta = delta  # rank 0 decides and checks deltas; every rank reports what it found
         if failure is not None:
@@ -258,10 +273,13 @@ class WeightSync:
             opened[0].share_digests()  # every rank: the check below needs what each engine rank's senders sent
         return failure, held
 
-    def _conclude(self, version: str, report: UpdateReport,
+    def _conclude(self, version: str, decision: Decision, report: UpdateReport,
                   seconds: dict[str, float]) -> tuple[BaseException | None, str | None]:
         """Rank 0, every bucket sent: (delta mode) the check (:class:`DeltaSteps`), then the commit and the
-        resume; the failure, and what the delta check found."""
+        resume (made by the update's request where it folded the session: its answer checked); the failure, and
+        what the delta check found."""
+        if decision.session is not None:
+            return self._folded_commit(version, seconds), None
         if self._delta_steps is not None:
             failure, mismatch = self._delta_steps.check(report, seconds)
             if failure is not None or mismatch is not None:
@@ -272,6 +290,17 @@ class WeightSync:
         if failure is None and self.delta is not None and report.delta is not None:
             self.delta.committed(self.engines, version, report.delta.full)
         return failure, None
+
+    def _folded_commit(self, version: str, seconds: dict[str, float]) -> BaseException | None:
+        """Rank 0: the engine committed the update with its request and resumed (:data:`IPC_SESSION`); the version
+        it now serves must be ``version``."""
+        sink = self._sinks.ipc()
+        served = sink.committed if sink is not None else None
+        seconds["commit"] = seconds["resume"] = 0.0  # (in the transfer: the request's last step)
+        if served == version:
+            return None
+        return UpdateError("commit", f"engine {self._urls()[0]} committed the update with its request and reports "
+                           f"weight version {served!r}, expected {version!r}", self._urls())
 
     def _open(self, job: _Job, decision: Decision, seconds: dict[str, float],
               report: UpdateReport) -> tuple[BaseException | None, _Opened]:
@@ -290,6 +319,8 @@ class WeightSync:
             if failed is not None:
                 return failed, _opened(sink, stream)
             t = time.perf_counter()
+            if decision.session is not None:
+                self._folding_sink().fold(decision.session)
             sink.open(stream)
             seconds["connect"] = time.perf_counter() - t
         except BaseException as exc:  # noqa: BLE001
@@ -321,6 +352,9 @@ class WeightSync:
             held = confirm_plan(stream)
         except BaseException as exc:  # noqa: BLE001
             err = err or as_update_error(phase, exc, self._urls())
+        ipc = self._sinks.ipc()
+        if not held and ipc is not None and ipc is sink:  # (where its request commits the session: it must not)
+            ipc.withhold_commit()
         seconds["transfer:confirm"] = time.perf_counter() - confirming
         if err is None:  # (also where the plan did not hold: the engines answer, then their sessions are aborted)
             try:
@@ -334,6 +368,13 @@ class WeightSync:
         if waited is not None:
             seconds["transfer:wait"] = waited  # and waiting for the engine's answers
         return err, held
+
+    def _folding_sink(self) -> IPCSink:
+        """The IPC sink of an update whose request opens and commits the engine's session."""
+        sink = self._sinks.ipc()
+        if sink is None:
+            raise RuntimeError("an update's session folded into its IPC request, but no IPC sink is kept")
+        return sink
 
     # -- before and between updates ----------------------------------------------------------
 

@@ -12,7 +12,7 @@ import torch
 
 from weightstream.common.layout import ALIGN
 from weightstream.converters.registry import get_converter
-from weightstream.engines.base import BROADCAST, IPC, P2P, RESHARD, EngineAdapter, EngineInfo
+from weightstream.engines.base import BROADCAST, IPC, P2P, RESHARD, EngineAdapter, EngineInfo, IpcSession
 from weightstream.engines.formats import describe_format
 from weightstream.models.spec import ModelSpec
 from weightstream.sources.base import Mode
@@ -40,6 +40,9 @@ class Decision:
     reason: str
     one_dtype: bool = False  # an engine takes buckets of one dtype only (SINGLE_DTYPE)
     reshard: bool = False  # P2P into an engine that declares its layout (RESHARD): any TP and EP on both sides
+    # IPC into one engine that declares IPC_SESSION: the update's request opens and commits its session (no pause
+    # before it, no commit after it)
+    session: IpcSession | None = None
 
     @property
     def mode(self) -> Mode:

@@ -23,12 +23,12 @@ from weightstream.errors import WeightstreamError
 __all__ = [
     "PROTOCOL_VERSION", "Natural", "FrameError", "Frame", "BucketLayout", "LentBuffer", "ExportedWeights",
     "DeltaRecord", "Hello", "Offer", "Export", "Ready", "BucketLoaded", "WritesApplied", "BuffersHeld", "Plan",
-    "OfferAnswer", "KeptBuffers", "BucketSent", "WritesDone", "Error", "Descriptors", "FRAMES", "F", "expect", "encode",
-    "decode"
+    "OfferAnswer", "KeptBuffers", "BucketSent", "WritesDone", "Finish", "Error", "Descriptors", "FRAMES", "F",
+    "expect", "encode", "decode"
 ]
 
 
-PROTOCOL_VERSION = 3  # 2: BucketSent.delta; 3: ExportedWeights.flag, WritesDone.checked
+PROTOCOL_VERSION = 4  # 2: BucketSent.delta; 3: ExportedWeights.flag, WritesDone.checked; 4: Finish
 
 _ENVELOPE = ("v", "kind")
 _SHOWN = 3  # problems shown per list field (then how many more)
@@ -306,6 +306,16 @@ class WritesDone(Frame):
     checked: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Finish(Frame):
+    """The trainer rank's last frame of an update whose request asked the engine to commit it (``ipc_session``),
+    after its last bucket or its :class:`WritesDone`: whether it lets the engine commit (False: what it sent is not
+    to be served, e.g. its stream's plan turned out stale; the trainer aborts the session)."""
+
+    kind: ClassVar[str] = "finish"
+    commit: bool
+
+
 # -- either end's ---------------------------------------------------------------------------------------
 
 
@@ -330,7 +340,7 @@ class Descriptors(Frame):
 
 FRAMES: dict[str, type[Frame]] = {cls.kind: cls for cls in (
     Hello, Offer, Export, Ready, BucketLoaded, WritesApplied, BuffersHeld,
-    Plan, OfferAnswer, KeptBuffers, BucketSent, WritesDone,
+    Plan, OfferAnswer, KeptBuffers, BucketSent, WritesDone, Finish,
     Error, Descriptors,
 )}
 
