@@ -4,6 +4,8 @@ values of a full one, and one error that lists every problem of a bad one."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from weightstream.receiver.plan import (
@@ -210,7 +212,9 @@ def test_tensor_and_ipc_updates_fit_the_engines_ranks():
                                              "weightstream_commit": {"resume": True}})
     assert folded == IpcUpdate("d", 5, ("unix:@a", "unix:@b"), "c", None, "v", False, False,
                                BeginRequest(9, "abort", "v"), CommitRequest(True))
-    assert folded.receives(2, 10.0).per_rank[1] == IpcReceive("d", 5, "unix:@b", "c", 10.0, False, False, True)
+    assert folded.receives(2, 10.0).per_rank[1] == IpcReceive("d", 5, "unix:@b", "c", 10.0, False, False, True, True,
+                                                              False)  # (at TP 1 a rank commits with its receive)
+    assert replace(folded, channels=("unix:@a",)).receives(1, 10.0).per_rank[0].commit
     assert _refusal(lambda b: decode_update(IPC_AHEAD_ROUTE, b), {
         **ipc, "weightstream_begin": {"pause": 3, "timeout_s": "soon"}}) == (
         "bad request to /weightstream/update_weights_from_ipc_ahead: weightstream_begin: field 'timeout_s' must be int "

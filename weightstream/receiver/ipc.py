@@ -82,7 +82,13 @@ class IpcReceiver:
         first one (:meth:`_prepare_ipc`)."""
         if r.prepare:
             return self._prepare_ipc(r.plan, r.num_buckets, r.channel, r.client, r.timeout_s)
-        return self._receive_ipc(r.plan, r.num_buckets, r.channel, r.client, r.timeout_s, r.delta, r.finish)
+        if r.begin:  # (ipc_session: this rank's session opens with its receive)
+            self.session.begin()
+        answer = self._receive_ipc(r.plan, r.num_buckets, r.channel, r.client, r.timeout_s, r.delta, r.finish)
+        if r.commit and answer.get("commit") is True:  # (the engine's one rank: its commit is the engine's)
+            self.session.commit()
+            answer["committed"] = True
+        return answer
 
     # -- the trainer's lease: what it lent stays mapped while its control channel is open ----------------------
 

@@ -110,7 +110,10 @@ class IpcReceive:
     """A colocated receive: the trainer's ``plan`` (its digest) of ``num_buckets`` buckets, over the control
     ``channel`` of trainer ``client``, each wait bounded by ``timeout_s``; ``delta``: in delta mode. ``prepare``:
     no update, only the plan learnt and the trainer's kept buffers mapped ahead of its first update. ``finish``: the
-    trainer rank ends with a :class:`~weightstream.wire.frames.Finish` frame, whose ``commit`` the answer says."""
+    trainer rank ends with a :class:`~weightstream.wire.frames.Finish` frame, whose ``commit`` the answer says.
+    ``begin``: this rank opens its session first (the engine's request opened the engine's: ``ipc_session``);
+    ``commit``: it commits it after, where the trainer lets it (an engine of one rank: its commit is the engine's),
+    and the answer says ``committed``."""
 
     plan: str
     num_buckets: int
@@ -120,6 +123,8 @@ class IpcReceive:
     delta: bool = False
     prepare: bool = False
     finish: bool = False
+    begin: bool = False
+    commit: bool = False
 
     @property
     def receive_plan(self) -> ReceivePlan:

@@ -529,8 +529,9 @@ class IpcUpdate:
     ``client``, each wait bounded by ``timeout_s`` (None: the session's); deltas where ``delta``. ``prepare``
     (``/weightstream/prepare_ipc_ahead``): no update, only the plan learnt and the trainer's kept buffers mapped.
     ``begin`` (``ipc_session``): the request opens the session first, as ``/begin_weight_update`` with these fields
-    would; ``commit``: it commits the session after the buckets, as ``/end_weight_update`` would, where every engine
-    rank's trainer rank let it in its last frame (:class:`~weightstream.wire.frames.Finish`)."""
+    would (each rank its own with its receive); ``commit``: it commits the session after the buckets, as
+    ``/end_weight_update`` would, where every engine rank's trainer rank let it in its last frame
+    (:class:`~weightstream.wire.frames.Finish`) (an engine of one rank commits with its receive)."""
 
     ROUTES: ClassVar[tuple[str, ...]] = (IPC_AHEAD_ROUTE, PREPARE_IPC_ROUTE)
 
@@ -566,8 +567,10 @@ class IpcUpdate:
         refuse(self.route, [] if len(self.channels) == tp else [
             f"got {len(self.channels)} control channels for {tp} engine TP ranks"])
         bound = self.timeout_s or timeout_s
+        folded = self.commit is not None
         return RankReceives(tuple(IpcReceive(self.plan, self.num_buckets, c, self.client, bound, self.delta,
-                                             self.prepare, self.commit is not None) for c in self.channels),
+                                             self.prepare, folded, self.begin is not None, folded and tp == 1)
+                                  for c in self.channels),
                             bound * (4 if self.prepare else self.num_buckets + 3))
 
 

@@ -362,14 +362,16 @@ class Engine:
                 f"a weight update is being loaded ({self.session_loaded} tensors so far): the weights are not "
                 f"served until it is committed or aborted (committed version: {self.weight_version})")
 
-    def begin_session(self, timeout_s: float | None) -> None:
+    def begin_session(self, timeout_s: float | None, workers: bool = True) -> None:
+        """``workers`` False: the workers open theirs with the update's own command (``ipc_session``)."""
         problem = duration_problem("timeout_s", timeout_s)  # the watchdog must be able to end the session
         if problem is not None:
             raise EngineFailure(problem)
         with self.session_lock:
             if self.session_open:
                 raise EngineFailure("a weight update session is already open")
-            self.call(BeginSession())
+            if workers:
+                self.call(BeginSession())
             self.session_open, self.session_failed, self.session_loaded, self.pending_version = True, None, 0, None
             self.session_touched = False
             self.session_delta = self.session_plain = False
@@ -396,10 +398,13 @@ class Engine:
             self._abort_locked()
             raise EngineFailure(f"the session failed and was not committed: {failed}; {self.after_abort()}")
 
-    def commit_session(self) -> str:
+    def commit_session(self, workers: bool = True) -> str:
+        """``workers`` False: the workers committed theirs at the end of the update's own command (``ipc_session``
+        at TP 1, where one rank's commit is the engine's)."""
         with self.session_lock:
             self._check_committable()
-            self.call(CommitSession())
+            if workers:
+                self.call(CommitSession())
             self.session_open = False
             self.weights_released = False
             if self.pending_version is not None:

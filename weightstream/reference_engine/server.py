@@ -264,7 +264,7 @@ class EngineServer(JsonHttpServer):
         (:meth:`Engine.check_settled`)."""
         e = self.engine
         if isinstance(r, IpcUpdate) and r.begin is not None:  # ipc_session: the session opened here first
-            self.begin(r.begin)
+            self._begin_folded(r.begin)
         if not e.session_open:
             raise EngineFailure(f"{r.route.rsplit('/', 1)[1]} must run between begin_weight_update() and "
                                 "end_weight_update()")
@@ -287,14 +287,25 @@ class EngineServer(JsonHttpServer):
             reply.update(self._commit_folded(r.commit, results))
         return 200, reply
 
+    def _begin_folded(self, begin: BeginRequest) -> None:
+        """``ipc_session``: as :meth:`begin`, the workers opening their sessions with their receives."""
+        if begin.pause:
+            self.pause(PauseRequest(begin.pause))
+        self.engine.begin_session(begin.timeout_s, workers=False)
+        if begin.weight_version is not None:
+            self.engine.pending_version = begin.weight_version
+
     def _commit_folded(self, commit: CommitRequest, results: list[Any]) -> dict[str, Any]:
-        """``ipc_session``: the session this request opened is committed (as :meth:`end` with ``commit``), where
-        every rank's trainer rank let it in its last frame; else it stays open, for the trainer to abort."""
+        """``ipc_session``: the session this request opened is committed (as :meth:`end` with ``commit``; at TP 1
+        the worker committed its own with its receive), where every rank's trainer rank let it in its last frame;
+        else it stays open, for the trainer to abort."""
         if not all(isinstance(x, dict) and x.get("commit") is True for x in results):
             return {"committed": False, "weight_version": self.engine.weight_version}
-        _, answer = self.end(commit)
-        return {"committed": True, "weight_version": answer["weight_version"],
-                "message": f"{answer['message']} (committed with the update)"}
+        message = self.engine.commit_session(workers=not all(x.get("committed") is True for x in results))
+        if commit.resume:
+            self.resume(EmptyRequest())
+        return {"committed": True, "weight_version": self.engine.weight_version,
+                "message": f"{message} (committed with the update)"}
 
     def _call(self, r: UpdateRequest, receives: RankReceives, key: str | None) -> list[Any]:
         """Run each rank's receive of ``r``: a broadcast whose plan is kept by ``key`` goes to each rank as the key
