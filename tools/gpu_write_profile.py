@@ -47,6 +47,7 @@ def _timed_calls(calls, device) -> float:
 def job(preset: str, quantize: bool, flag_on: bool) -> dict:
     from weightstream.bench.speed import _trainer
     from weightstream.models.presets import preset_config
+    from weightstream.streaming.kept_plans import into_key
     from weightstream.streaming.stream import stream_hf_weights
     from weightstream.wire.fp8 import BlockFP8
 
@@ -74,7 +75,7 @@ def job(preset: str, quantize: bool, flag_on: bool) -> dict:
                        "total_ms": (time.perf_counter() - t) * 1e3})
     by_kind: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
-    key = ("into", ("profile", "checked") if flag_on else "profile")
+    key = into_key("profile", flag_on)
     slow = 0
     for program in stream.shared.programs.values():
         for call in program.copies.get(key, []):

@@ -310,8 +310,7 @@ class IPCSink:
         for plan in self._into_plans:
             p = plan()
             if p is not None and self._targets_id is not None:
-                p.forget_copies(("into", self._targets_id))
-                p.forget_copies(("into", (self._targets_id, "checked")))
+                p.forget_targets(self._targets_id)
         self._into_plans = []
         self._targets = self._targets_id = self._flag = None
 

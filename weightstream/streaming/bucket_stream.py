@@ -26,7 +26,7 @@ from weightstream.streaming.copies import warm_kernel, warm_variants
 from weightstream.streaming.fp8_cast import takes_aligned
 from weightstream.streaming.fp8_cast import warm_kernel as warm_cast_kernel
 from weightstream.streaming.items import StreamItem, bucket_layout, entry_mode, make_item, op_context
-from weightstream.streaming.kept_plans import StreamPlan
+from weightstream.streaming.kept_plans import StreamPlan, into_key
 from weightstream.streaming.plan import BucketPlan
 from weightstream.streaming.programs import (
     CopyProgram,
@@ -236,9 +236,9 @@ class BucketStream(Iterator[Bucket]):
         if flag is not None and not self.can_check_writes():
             raise ValueError(f"write_into with a flag: the checked copies' kernels do not run on {self.device}")
         self._into_flag = flag
-        key = key if flag is None else (key, "checked")
-        if shared.checked_into == key:  # checked when these targets were first given
-            self._into, self._into_key = targets, ("into", key)
+        kept = into_key(key, flag is not None)
+        if shared.checked_into == kept:  # checked when these targets were first given
+            self._into, self._into_key = targets, kept
             return
         problems = []
         for bp in self.plan:
@@ -252,8 +252,8 @@ class BucketStream(Iterator[Bucket]):
                                     f"{m.numel} on {self.device}")
         if problems:
             raise ValueError(f"{len(problems)} tensors cannot be written into the targets: " + "; ".join(problems))
-        self._into, self._into_key = targets, ("into", key)
-        shared.checked_into = key
+        self._into, self._into_key = targets, kept
+        shared.checked_into = kept
 
     def _program_for(self, index: int) -> CopyProgram:
         """Bucket ``index``'s copy program, made on first use and kept with the plan."""

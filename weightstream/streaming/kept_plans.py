@@ -34,8 +34,8 @@ from weightstream.streaming.programs import CopyProgram
 from weightstream.streaming.quantize import Quantization
 from weightstream.wire.fp8 import BlockFP8
 
-__all__ = ["StreamPlan", "PlanSettings", "kept_or_new_plan", "confirm_kept_plan", "forget_plan", "make_plan",
-           "clear_plans"]
+__all__ = ["StreamPlan", "into_key", "PlanSettings", "kept_or_new_plan", "confirm_kept_plan", "forget_plan",
+           "make_plan", "clear_plans"]
 
 
 @dataclass
@@ -58,13 +58,19 @@ class StreamPlan:
     # Last handed to a stream on the addresses check alone (``confirm_later``): not checked in full since.
     unconfirmed: bool = False
 
-    def forget_copies(self, key: Any) -> None:
-        """Drop every bucket's copies kept under ``key`` (``("into", k)``: those into the targets ``k`` of
-        :meth:`BucketStream.write_into`, which hold views of them)."""
+    def forget_targets(self, key: Any) -> None:
+        """Drop every bucket's copies into the targets ``key`` of :meth:`BucketStream.write_into` (which hold views
+        of them), checked or not."""
         for program in self.programs.values():
-            program.copies.pop(key, None)
-            program.checks.pop(key, None)
+            for made in (into_key(key, False), into_key(key, True)):
+                program.copies.pop(made, None)
+                program.checks.pop(made, None)
 
+
+def into_key(key: Any, checked: bool) -> tuple:
+    """What a program keeps the copies into the targets ``key`` of :meth:`BucketStream.write_into` under: those
+    that check what they write apart from those that do not."""
+    return ("into", (key, "checked") if checked else key)
 
 
 @dataclass(frozen=True)
