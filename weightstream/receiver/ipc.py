@@ -361,18 +361,17 @@ class IpcReceiver:
     def _offer_writes(self, chan: Channel, plan: str, programs: list[CopyProgram], timeout_s: float,
                       offer: bool = True) -> tuple[WeightExport, OfferAnswer] | None:
         """Offer the trainer to write the plan's tensors straight into our weights, where every tensor of it is
-        one whole weight of ours (loaded by a plain copy): :class:`Offer`. Its :class:`OfferAnswer` says
-        whether it will, and which export of ours it holds (``have``); where it will, the :class:`Export`
+        one whole weight of ours (loaded by a plain copy): :class:`Offer`. Its :class:`OfferAnswer` (sent without
+        waiting for the offer) says whether it will where offered, and which export of ours it holds (``have``);
+        where it will and we offered, the :class:`Export`
         follows: its id, and unless the trainer holds it, our weights' storages and each tensor's place in
         them. Returns the export and the answer where it will, else None. ``offer`` False: none is made."""
         can = offer and self._can_take_writes(programs)
         chan.send(Offer(can))
         answer = receive_one(chan, OfferAnswer, timeout_s, "the trainer's answer to the offer of direct writes")
-        if not answer.direct:
+        if not (answer.direct and can):  # (the trainer answers before the offer comes: it writes where offered)
             return None
         with failures_answered(chan):
-            if not can:
-                raise RuntimeError("the trainer asked to write into weights this engine did not offer")
             export = self._export(plan, programs)
             frame, fds = (Export(export.id, None), []) if answer.have == export.id else export.frame()
         chan.send(frame, fds)

@@ -271,15 +271,17 @@ class IPCSink:
     def _answer_offer(self, stream) -> None:
         """The engine offers its weights to write into where it can take the plan so. This rank takes the offer
         where the stream can write into them (it makes every tensor itself; no checksums asked for, as no
-        transport copy is left to check), naming the export of the engine's weights it holds; the engine
+        transport copy is left to check), naming the export of the engine's weights it holds, in an answer it sends
+        before the offer comes (one round trip less: it holds where the engine offers); where both do, the engine
         answers with its export's id, and with the export itself unless that is the one held (mapped here
         then), and the stream writes into it. On the CPU the export's storages come as descriptors."""
+        # Answered before the offer comes (the engine reads it once it offered): whether it writes where offered.
+        would = self.plan.offered(True).route is Route.DIRECT
+        events = self._event_handles() if would and self._events is not None else ()
+        self._control().send(OfferAnswer(direct=would, have=self._targets_id, events=events))
         offer = self._receive(Offer, "connect", "the engine's offer of direct writes")
         self.plan = self.plan.offered(offer.direct)
-        use = self.plan.route is Route.DIRECT
-        events = self._event_handles() if use and self._events is not None else ()
-        self._control().send(OfferAnswer(direct=use, have=self._targets_id, events=events))
-        if not use:
+        if self.plan.route is not Route.DIRECT:
             return
         export, fds = self._receive_fds(Export, "connect", "the engine's weights to write into")
         try:

@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 
-PROTOCOL_VERSION = 4  # 2: BucketSent.delta; 3: ExportedWeights.flag, WritesDone.checked; 4: Finish
+PROTOCOL_VERSION = 4  # 2: BucketSent.delta; 3: ExportedWeights.flag, WritesDone.checked; 4: Finish, OfferAnswer ahead
 
 _ENVELOPE = ("v", "kind")
 _SHOWN = 3  # problems shown per list field (then how many more)
@@ -249,8 +249,9 @@ class Plan(Frame):
 
 @dataclass(frozen=True, slots=True)
 class OfferAnswer(Frame):
-    """Whether the trainer writes into the engine's weights; the export of them it holds (``have``), and on a
-    GPU its four interprocess CUDA events (handles, base64: ready 0, ready 1, done 0, done 1)."""
+    """Whether the trainer writes into the engine's weights where the engine offers them (sent without waiting for
+    the :class:`Offer`: both write only where both say so); the export of them it holds (``have``), and on a GPU its
+    four interprocess CUDA events (handles, base64: ready 0, ready 1, done 0, done 1)."""
 
     kind: ClassVar[str] = "offer_answer"
     direct: bool
