@@ -264,7 +264,7 @@ class EngineServer(JsonHttpServer):
         (:meth:`Engine.check_settled`)."""
         e = self.engine
         if isinstance(r, IpcUpdate) and r.begin is not None:  # ipc_session: the session opened here first
-            self._begin_folded(r.begin)
+            self._open_session(r.begin, workers=False)  # (each worker opens its own with its receive)
         if not e.session_open:
             raise EngineFailure(f"{r.route.rsplit('/', 1)[1]} must run between begin_weight_update() and "
                                 "end_weight_update()")
@@ -287,23 +287,13 @@ class EngineServer(JsonHttpServer):
             reply.update(self._commit_folded(r.commit, results))
         return 200, reply
 
-    def _begin_folded(self, begin: BeginRequest) -> None:
-        """``ipc_session``: as :meth:`begin`, the workers opening their sessions with their receives."""
-        if begin.pause:
-            self.pause(PauseRequest(begin.pause))
-        self.engine.begin_session(begin.timeout_s, workers=False)
-        if begin.weight_version is not None:
-            self.engine.pending_version = begin.weight_version
-
     def _commit_folded(self, commit: CommitRequest, results: list[Any]) -> dict[str, Any]:
         """``ipc_session``: the session this request opened is committed (as :meth:`end` with ``commit``; at TP 1
         the worker committed its own with its receive), where every rank's trainer rank let it in its last frame;
         else it stays open, for the trainer to abort."""
         if not all(isinstance(x, dict) and x.get("commit") is True for x in results):
             return {"committed": False, "weight_version": self.engine.weight_version}
-        message = self.engine.commit_session(workers=not all(x.get("committed") is True for x in results))
-        if commit.resume:
-            self.resume(EmptyRequest())
+        message = self._commit_session(commit, workers=not all(x.get("committed") is True for x in results))
         return {"committed": True, "weight_version": self.engine.weight_version,
                 "message": f"{message} (committed with the update)"}
 
@@ -407,20 +397,30 @@ class EngineServer(JsonHttpServer):
 
     def begin(self, r: BeginRequest):
         """``pause`` (a mode): pause generation first, as ``/pause_generation`` does (one request for both)."""
-        if r.pause:
-            self.pause(PauseRequest(r.pause))
-        self.engine.begin_session(r.timeout_s)
-        if r.weight_version is not None:  # what the commit will serve, unless a bucket says otherwise
-            self.engine.pending_version = r.weight_version
+        self._open_session(r, workers=True)
         return 200, {"success": True, "message": "weight update session opened",
                      "weightstream_plans": self.ahead_plans.keys()}
 
+    def _open_session(self, r: BeginRequest, workers: bool) -> None:
+        """:meth:`begin`'s work; ``workers`` False: they open theirs with the update's receive (``ipc_session``)."""
+        if r.pause:
+            self.pause(PauseRequest(r.pause))
+        self.engine.begin_session(r.timeout_s, workers=workers)
+        if r.weight_version is not None:  # what the commit will serve, unless a bucket says otherwise
+            self.engine.pending_version = r.weight_version
+
     def end(self, r: CommitRequest):
         """``resume``: generation continues once the session is committed (one request for both)."""
-        message = self.engine.commit_session()  # the engine has no cache of its own to flush
+        message = self._commit_session(r, workers=True)
+        return 200, {"success": True, "message": message, "weight_version": self.engine.weight_version}
+
+    def _commit_session(self, r: CommitRequest, workers: bool) -> str:
+        """:meth:`end`'s work; ``workers`` False: they committed theirs with the update's receive (``ipc_session``
+        at TP 1)."""
+        message = self.engine.commit_session(workers=workers)  # the engine has no cache of its own to flush
         if r.resume:
             self.resume(EmptyRequest())
-        return 200, {"success": True, "message": message, "weight_version": self.engine.weight_version}
+        return message
 
     def prepare_commit(self, r: EmptyRequest):
         """The first phase of a commit across engines (:meth:`Engine.prepare_session`): the version the commit

@@ -294,8 +294,7 @@ class WeightSync:
     def _folded_commit(self, version: str, seconds: dict[str, float]) -> BaseException | None:
         """Rank 0: the engine committed the update with its request and resumed (:data:`IPC_SESSION`); the version
         it now serves must be ``version``."""
-        sink = self._sinks.ipc()
-        served = sink.committed if sink is not None else None
+        served = self._folding_sink().committed
         seconds["commit"] = seconds["resume"] = 0.0  # (in the transfer: the request's last step)
         if served == version:
             return None
