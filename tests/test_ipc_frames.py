@@ -12,7 +12,6 @@ import socket
 import struct
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -252,22 +251,22 @@ def dirs(tmp_path_factory) -> tuple[str, str]:
 
 
 def _fake_trainer(url: str, misbehave: Callable[[Channel], None]) -> tuple[Frame, str]:
-    """An update ahead over IPC from a trainer that misbehaves on its control channel once the engine has greeted
-    it: what the engine answers there, and what its request answered."""
+    """An update ahead over IPC from a trainer that misbehaves on its control channel once it answered the offer
+    (writing nowhere, as soon as the engine connected) and the engine greeted it: what the engine answers there,
+    and what its request answered."""
     eng = ReferenceEngine(url, timeout_s=30)
     eng.begin_update("never")
     listener = Listener()
     try:
-        with ThreadPoolExecutor(1) as pool:
-            request = pool.submit(eng.receive_ipc_ahead, "plan-of-a-fake-trainer", 1, [listener.address],
-                                  "a-fake-trainer", 10.0)
-            chan = listener.accept(10.0)
-            hello = chan.recv(10.0, "the greeting")
-            assert isinstance(hello, Hello) and not hello.plan_known, hello
-            misbehave(chan)
-            answer = chan.recv(10.0, "the engine's answer")
-            with pytest.raises(EngineError) as refused:
-                request.result(timeout=30)
+        request = eng.receive_ipc_ahead("plan-of-a-fake-trainer", 1, [listener.address], "a-fake-trainer", 10.0)
+        chan = listener.accept(10.0)
+        chan.send(OfferAnswer(direct=False, have=None, events=()))
+        hello = chan.recv(10.0, "the greeting")
+        assert isinstance(hello, Hello) and not hello.plan_known, hello
+        misbehave(chan)
+        answer = chan.recv(10.0, "the engine's answer")
+        with pytest.raises(EngineError) as refused:
+            request.result(30.0)
         chan.close()
     finally:
         listener.close()
@@ -276,10 +275,10 @@ def _fake_trainer(url: str, misbehave: Callable[[Channel], None]) -> tuple[Frame
 
 
 def _bad_bucket(chan: Channel) -> None:
-    """A good plan, no direct writes, then bucket 0's frame with a field the protocol does not have."""
+    """A good plan, no direct writes (as answered), then bucket 0's frame with a field the protocol does not
+    have."""
     chan.send(Plan((BucketLayout(("model.norm.weight",), ("float32",), ((64,),), (0,)),)))
     assert isinstance(chan.recv(10.0), Offer)
-    chan.send(OfferAnswer(direct=False, have=None, events=()))
     _send_raw(chan, {**encode(BucketSent(k=0, buffer=LentBuffer(0), offset=0, nbytes=256, keep=True)), "rush": 1})
 
 

@@ -40,9 +40,12 @@ __all__ = [
     "IPC_DELTA", "WARM_GROUP", "BROADCAST_PREPARE",
     "EngineError", "EngineUnreachable", "EngineInfo", "GroupSpec", "RankBucket", "EngineAdapter", "GroupEngine",
     "BroadcastEngine", "P2PEngine", "ReshardEngine", "IPCEngine", "MemoryEngine", "BroadcastAheadEngine",
-    "P2PAheadEngine", "BroadcastPrepareEngine", "IpcSession", "IPCAheadEngine", "CommitsAndResumes", "PreparesCommits",
-    "PausesAndBegins", "DeltaChecks", "DeltaEngine", "CAPABILITY_PROTOCOLS", "implementing", "capable", "require",
+    "P2PAheadEngine", "BroadcastPrepareEngine", "IpcSession", "PendingAnswer", "IPCAheadEngine", "CommitsAndResumes",
+    "PreparesCommits", "PausesAndBegins", "DeltaChecks", "DeltaEngine", "CAPABILITY_PROTOCOLS", "implementing",
+    "capable", "require",
 ]
+
+T_co = TypeVar("T_co", covariant=True)
 
 
 # Capabilities an engine may declare.
@@ -322,21 +325,37 @@ class IpcSession:
 
 
 @runtime_checkable
+class PendingAnswer(Protocol[T_co]):
+    """An engine's request sent, its answer not read yet (the HTTP adapters': ``PendingReply``)."""
+
+    def ready(self, wait_s: float = 0.0) -> bool:
+        """Whether the answer has come (or the connection ended), waiting at most ``wait_s``."""
+
+    def result(self, timeout_s: float | None = None) -> T_co:
+        """The answer, waiting at most ``timeout_s`` (default: the request's bound); or what the engine's refusal,
+        or no answer, raises. Read once: later calls give the same."""
+
+    def abandon(self) -> None:
+        """The answer will not be read: the request's connection closes."""
+
+
 class IPCAheadEngine(EngineAdapter, Protocol):
     """:data:`IPC_AHEAD`: a colocated update's plan announced once, then one small frame per bucket on a
     control channel per TP rank (:mod:`weightstream.wire`)."""
 
     def receive_ipc_ahead(self, plan: str, num_buckets: int, channels: Sequence[str], client: str,
-                          timeout_s: float, delta: bool = False, session: IpcSession | None = None) -> str | None:
-        """Trainer rank 0, when the IPC sink opens, on a thread: engine rank r connects to ``channels[r]``
-        (trainer rank r's), where the buckets' frames follow; returns once every bucket is loaded. ``delta``:
+                          timeout_s: float, delta: bool = False,
+                          session: IpcSession | None = None) -> PendingAnswer[str | None]:
+        """Trainer rank 0, when the IPC sink opens: the request is sent, and returns unanswered (the trainer goes on
+        to its channel; no thread waits); engine rank r connects to ``channels[r]`` (trainer rank r's), where the
+        buckets' frames follow, and the engine answers once every bucket is loaded. ``delta``:
         every bucket comes as a delta payload (:class:`~weightstream.wire.frames.DeltaRecord`). ``session``
         (where the engine declares :data:`IPC_SESSION`): the request opens the session first and commits it
-        after, and returns the version the engine then serves (None: not committed, as a trainer rank's last
+        after, and answers the version the engine then serves (None: not committed, as a trainer rank's last
         frame asked; the session stays open)."""
 
     def prepare_ipc_ahead(self, plan: str, num_buckets: int, channels: Sequence[str], client: str,
-                          timeout_s: float) -> None:
+                          timeout_s: float) -> PendingAnswer[Any]:
         """Trainer rank 0, before the first update (the sink's ``prepare``) or, on the CPU per bucket, to
         announce the colocated ranks: as :meth:`receive_ipc_ahead` with no buckets; the engine keeps serving."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from weightstream.engines.base import (
@@ -23,6 +24,7 @@ from weightstream.engines.base import (
     IpcSession,
     RankBucket,
 )
+from weightstream.engines.http import PendingReply
 from weightstream.engines.sglang import SGLangEngine
 from weightstream.models.spec import dtype_name
 from weightstream.streaming.bucket import Bucket, TensorMeta
@@ -167,17 +169,19 @@ class ReferenceEngine(SGLangEngine):
                 self._plan_keys.popitem(last=False)
 
     def receive_ipc_ahead(self, plan: str, num_buckets: int, channels: Sequence[str], client: str,
-                          timeout_s: float, delta: bool = False, session: IpcSession | None = None) -> str | None:
+                          timeout_s: float, delta: bool = False,
+                          session: IpcSession | None = None) -> PendingReply[str | None]:
         """A colocated update of ``num_buckets`` buckets laid out as ``plan`` (a digest of their metadata), and
         the control channel each engine TP rank connects to (``host:port``, the colocated trainer rank's);
         an engine rank that does not know the plan asks for its metadata there (:meth:`ipc_plan_frame`).
-        The engine answers once every bucket is loaded, or once one failed. ``client`` names the trainer's
+        The request is sent at once; the engine answers once every bucket is loaded, or once one failed
+        (the returned reply's ``result()``). ``client`` names the trainer's
         buffers: the engine keeps those it was asked to keep mapped for the next update from the same
         client. ``timeout_s``: the bound of each wait on the trainer. ``delta``: a delta-mode update (every
         bucket a payload to apply to the bytes the engine holds of it, which it keeps for the next). ``session``
         (``ipc_session``): the request opens the session (``weightstream_begin``, as ``/begin_weight_update`` with a
         pause) and commits it with a resume (``weightstream_commit``), where the trainer's last frames let it; the
-        version the engine then serves (None: not committed)."""
+        answer is the version the engine then serves (None: not committed)."""
         body: dict[str, Any] = {
             "weight_version": self._version, "client": client, "channels": list(channels), "timeout_s": timeout_s,
             "plan": plan, "num_buckets": num_buckets, "weightstream_delta_mode": delta,
@@ -186,21 +190,25 @@ class ReferenceEngine(SGLangEngine):
             self._version, self._session = session.version, True  # (a failure aborts it as any session)
             body.update(weight_version=session.version, weightstream_commit={"resume": True}, weightstream_begin={
                 "pause": session.pause, "timeout_s": session.timeout_s, "weight_version": session.version})
-        reply = self.post("/weightstream/update_weights_from_ipc_ahead", body,
+        return self.start("POST", "/weightstream/update_weights_from_ipc_ahead", body,
                           step=f"update_weights_from_ipc_ahead ({num_buckets} buckets)",
-                          timeout_s=timeout_s * (num_buckets + 4))
-        if session is None or reply.get("committed") is not True:
+                          timeout_s=timeout_s * (num_buckets + 4),
+                          then=partial(self._served, session is not None))
+
+    def _served(self, folded: bool, reply: dict[str, Any]) -> str | None:
+        """The version an update's request committed (``folded``: it carried the session), or None."""
+        if not folded or reply.get("committed") is not True:
             return None
         self._session = False
         return None if reply.get("weight_version") is None else str(reply["weight_version"])
 
     def prepare_ipc_ahead(self, plan: str, num_buckets: int, channels: Sequence[str], client: str,
-                          timeout_s: float) -> None:
+                          timeout_s: float) -> PendingReply[Any]:
         """Before the first update, outside a session: each engine rank connects to its control channel as
         for :meth:`receive_ipc_ahead`, learns the plan if it does not know it, and maps the buffers the
         trainer names in one frame (:class:`~weightstream.wire.frames.KeptBuffers`), keeping them for this
-        client's updates."""
-        self.post("/weightstream/prepare_ipc_ahead", {
+        client's updates. Sent at once; answered (the reply's ``result()``) once the engine is done."""
+        return self.start("POST", "/weightstream/prepare_ipc_ahead", {
             "client": client, "channels": list(channels), "timeout_s": timeout_s, "plan": plan,
             "num_buckets": num_buckets,
         }, step="prepare_ipc_ahead", timeout_s=timeout_s * 5)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["DEVICE_RESERVE_BYTES", "HOST_RESERVE_BYTES", "BackupPlace", "backup_place", "host_available_bytes",
-           "place_for"]
+           "allocated_bytes", "place_for"]
 
 DEVICE_RESERVE_BYTES = 4 << 30  # device memory a session leaves free beyond its backups: buffers, activations
 HOST_RESERVE_BYTES = 8 << 30  # host memory it leaves free beyond them
@@ -67,12 +67,18 @@ def host_available_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
 
 
+def allocated_bytes(device: torch.device) -> int:
+    """What torch's allocator has handed out on ``device`` (a GPU), as ``torch.cuda.memory_allocated`` says, read from
+    the allocator's statistics as they come (that call flattens and sorts all of them first: about 0.2 ms on an H200,
+    at the start of every update's session)."""
+    return int(torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]["current"])
+
+
 def place_for(weight_bytes: int, device: torch.device) -> BackupPlace:
     """:func:`backup_place` with the memory free now on ``device`` (what the device has free, and what torch's
     allocator holds reserved but unused, which it gives the copies first) and on the host."""
     on_gpu = device.type == "cuda"
     device_free = 0
     if on_gpu:
-        device_free = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
-                       - torch.cuda.memory_allocated(device))
+        device_free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - allocated_bytes(device)
     return backup_place(weight_bytes, on_gpu, device_free, host_available_bytes())

@@ -167,10 +167,10 @@ class IpcReceiver:
         every bucket a payload applied to the bytes we hold of it (kept for the next; no writes offered). ``finish``:
         the trainer's last frame (:class:`Finish`) says whether the engine may commit (the answer's ``commit``)."""
         with self.clock("handshake"):
-            chan, programs = self._ipc_connect(plan, num_buckets, channel, client, timeout_s)
+            chan, programs, offer_answer = self._ipc_connect(plan, num_buckets, channel, client, timeout_s)
         with self._leased(chan):
             with self.clock("handshake"):
-                offer = self._offer_writes(chan, plan, programs, timeout_s, not delta)
+                offer = self._offer_writes(chan, plan, programs, offer_answer, not delta)
             if offer is not None:
                 answer = self._take_writes(chan, *offer, timeout_s * (num_buckets + 1))
             else:
@@ -181,10 +181,11 @@ class IpcReceiver:
             return answer
 
     def _ipc_connect(self, plan: str, num_buckets: int, channel: str, client: str,
-                     timeout_s: float) -> tuple[Channel, list[CopyProgram]]:
+                     timeout_s: float) -> tuple[Channel, list[CopyProgram], OfferAnswer]:
         """Connect to the trainer rank's control channel, greet it (:class:`Hello`: the buffers we hold of it,
-        whether we know ``plan``) and take the plan's layout (:class:`Plan`) if we did not: the channel and
-        each bucket's program."""
+        whether we know ``plan``), read its answer to the offer of direct writes still to come (:class:`OfferAnswer`,
+        which it sent as soon as we connected) and take the plan's layout (:class:`Plan`) if we did not know it: the
+        channel, each bucket's program and the answer."""
         if client != self.client:  # another trainer: the last one's lease and buffers go, once it has ended
             if self.lease is not None and not self.lease.ended():
                 raise RuntimeError(f"engine rank {self.rank} is held over IPC by another trainer (process "
@@ -196,6 +197,7 @@ class IpcReceiver:
         try:
             programs = self.plans.get(plan)
             chan.send(Hello(self.rank, client, tuple(sorted(self.kept)), programs is not None))
+            answer = receive_one(chan, OfferAnswer, timeout_s, "the trainer's answer to the offer of direct writes")
             if programs is None:  # the layout of every bucket, once per plan of this trainer
                 made = self._ipc_plan(plan, num_buckets,
                                       receive_one(chan, Plan, timeout_s, "bucket metadata from the trainer"))
@@ -206,7 +208,7 @@ class IpcReceiver:
         except BaseException:
             chan.close()
             raise
-        return chan, programs
+        return chan, programs, answer
 
     def _ipc_plan(self, plan: str, num_buckets: int, frame: Plan) -> list[CopyProgram] | str:
         """The programs of every bucket of ``plan`` from the trainer's :class:`Plan` frame (kept for the next
@@ -325,10 +327,10 @@ class IpcReceiver:
         """Before a trainer's first update: learn its plan's layout, map its kept buffers and make each
         bucket's copies out of the buffer it will arrive in, so that the update itself does none of it. One
         :class:`KeptBuffers` frame, answered with :class:`BuffersHeld`."""
-        chan, programs = self._ipc_connect(plan, num_buckets, channel, client, timeout_s)
+        chan, programs, answer = self._ipc_connect(plan, num_buckets, channel, client, timeout_s)
         warm_checks(self.device)  # the value checks' kernels loaded before the first update, not in it
         with self._leased(chan):
-            self._offer_writes(chan, plan, programs, timeout_s)
+            self._offer_writes(chan, plan, programs, answer)
             frame, fds = receive_frame(chan, KeptBuffers, timeout_s, "the trainer's kept buffers")
             with closing(fds), failures_answered(chan):
                 self._keep_buffers(frame, fds, programs)
@@ -358,17 +360,16 @@ class IpcReceiver:
 
     # -- direct writes: the trainer writes into our weights -----------------------------------------------------
 
-    def _offer_writes(self, chan: Channel, plan: str, programs: list[CopyProgram], timeout_s: float,
+    def _offer_writes(self, chan: Channel, plan: str, programs: list[CopyProgram], answer: OfferAnswer,
                       offer: bool = True) -> tuple[WeightExport, OfferAnswer] | None:
         """Offer the trainer to write the plan's tensors straight into our weights, where every tensor of it is
-        one whole weight of ours (loaded by a plain copy): :class:`Offer`. Its :class:`OfferAnswer` (sent without
-        waiting for the offer) says whether it will where offered, and which export of ours it holds (``have``);
+        one whole weight of ours (loaded by a plain copy): :class:`Offer`. Its ``answer`` (read already: sent before
+        the offer) says whether it will where offered, and which export of ours it holds (``have``);
         where it will and we offered, the :class:`Export`
         follows: its id, and unless the trainer holds it, our weights' storages and each tensor's place in
         them. Returns the export and the answer where it will, else None. ``offer`` False: none is made."""
         can = offer and self._can_take_writes(programs)
         chan.send(Offer(can))
-        answer = receive_one(chan, OfferAnswer, timeout_s, "the trainer's answer to the offer of direct writes")
         if not (answer.direct and can):  # (the trainer answers before the offer comes: it writes where offered)
             return None
         with failures_answered(chan):

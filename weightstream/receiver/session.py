@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from weightstream.common.phases import PhaseClock
+from weightstream.receiver.backups import allocated_bytes
 from weightstream.receiver.deltas import HeldDeltas
 from weightstream.receiver.model import HeldModel, Loaded, program_for
 from weightstream.receiver.pieces import Weight
@@ -65,7 +66,7 @@ class UpdateSession:
                   file=sys.stderr, flush=True)
         if self.at.device.type == "cuda":  # the session's peak beyond what the engine held before it
             torch.cuda.reset_peak_memory_stats(self.at.device)
-            self.base = torch.cuda.memory_allocated(self.at.device)
+            self.base = allocated_bytes(self.at.device)
         self.bucket_count = 0
         self.deltas.begin()
         self.nonfinite = set()

@@ -42,15 +42,12 @@ import time
 import uuid
 import weakref
 from collections import OrderedDict, deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
-from weightstream.common.bounds import Deadline
 from weightstream.engines.base import (
     DELTA,
     IPC,
@@ -60,6 +57,7 @@ from weightstream.engines.base import (
     IPCAheadEngine,
     IPCEngine,
     IpcSession,
+    PendingAnswer,
     capable,
     implementing,
 )
@@ -131,8 +129,7 @@ class IPCSink:
         self._listener: Listener | None = None
         self._channel: Channel | None = None  # this update's
         self._lease: Channel | None = None  # the last update's, kept open: the engine holds our buffers while it is
-        self._pool: ThreadPoolExecutor | None = None
-        self._ahead: Future | None = None
+        self._ahead: PendingAnswer[Any] | None = None  # rank 0: the engine's request, sent and not yet answered
         self._events: list[torch.cuda.Event] | None = None  # CUDA: ready[0], ready[1], done[0], done[1]
         self._known: OrderedDict[int, tuple[int, torch.Tensor]] = OrderedDict()  # storage -> (id, whole buffer)
         self._next_id = 0
@@ -245,40 +242,43 @@ class IPCSink:
                 self._listener = Listener()
             listener = self._listener
         everyone = self._gather(listener.address if listener is not None else None)
-        if self.rank == 0:
-            self._pool = self._pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="ws-ipc")
+        if self.rank == 0:  # (sent at once; its answer is read when the update ends: _end_ahead)
             channels = everyone[: self.plan.engine_tp]
             engine = self._ahead_engine()
             if prepare:
-                self._ahead = self._pool.submit(engine.prepare_ipc_ahead, stream.metadata_digest(), len(stream),
-                                                channels, self._client, self.timeout_s)
+                self._ahead = engine.prepare_ipc_ahead(stream.metadata_digest(), len(stream), channels, self._client,
+                                                       self.timeout_s)
             else:
-                self._ahead = self._pool.submit(engine.receive_ipc_ahead, stream.metadata_digest(), len(stream),
-                                                channels, self._client, self.timeout_s, self.plan.deltas, self._fold)
+                self._ahead = engine.receive_ipc_ahead(stream.metadata_digest(), len(stream), channels, self._client,
+                                                       self.timeout_s, self.plan.deltas, self._fold)
         if listener is None:
             return
         channel = self._channel = listener.accept(self.timeout_s, abandon=self._engine_gave_up)
+        if stream.device.type == "cuda" and self._events is None:
+            self._events = [torch.cuda.Event(interprocess=True) for _ in range(4)]
+        self._answer_offer()  # (first: the engine reads it right after its greeting)
         hello = self._receive(Hello, "connect", "greeting from the engine")
         held = set(hello.have) if hello.client == self._client else set()
         for key in [k for k, (i, _) in self._known.items() if i not in held]:
             del self._known[key]  # the engine no longer holds it: sent again when next used
         if not hello.plan_known:  # the layout of every bucket, once per plan
             channel.send(self._ahead_engine().ipc_plan_frame([stream.bucket_metas(i) for i in range(len(stream))]))
-        if stream.device.type == "cuda" and self._events is None:
-            self._events = [torch.cuda.Event(interprocess=True) for _ in range(4)]
-        self._answer_offer(stream)
+        self._take_offer(stream)
 
-    def _answer_offer(self, stream) -> None:
-        """The engine offers its weights to write into where it can take the plan so. This rank takes the offer
-        where the stream can write into them (it makes every tensor itself; no checksums asked for, as no
-        transport copy is left to check), naming the export of the engine's weights it holds, in an answer it sends
-        before the offer comes (one round trip less: it holds where the engine offers); where both do, the engine
-        answers with its export's id, and with the export itself unless that is the one held (mapped here
-        then), and the stream writes into it. On the CPU the export's storages come as descriptors."""
-        # Answered before the offer comes (the engine reads it once it offered): whether it writes where offered.
+    def _answer_offer(self) -> None:
+        """Before the engine offers its weights to write into (or even greets): whether this rank writes where
+        offered (the stream can write into them: it makes every tensor itself; no checksums asked for, as no
+        transport copy is left to check), and the export of the engine's weights it holds. Sent as soon as the
+        engine connected, it is read by the engine right after its greeting: no round trip waits on it."""
         would = self.plan.offered(True).route is Route.DIRECT
         events = self._event_handles() if would and self._events is not None else ()
         self._control().send(OfferAnswer(direct=would, have=self._targets_id, events=events))
+
+    def _take_offer(self, stream) -> None:
+        """The engine offers its weights to write into where it can take the plan so; where the offer and this
+        rank's answer both say so, the engine answers with its export's id, and with the export itself unless that
+        is the one held (mapped here then), and the stream writes into it. On the CPU the export's storages come
+        as descriptors."""
         offer = self._receive(Offer, "connect", "the engine's offer of direct writes")
         self.plan = self.plan.offered(offer.direct)
         if self.plan.route is not Route.DIRECT:
@@ -317,8 +317,13 @@ class IPCSink:
         self._targets = self._targets_id = self._flag = None
 
     def _engine_gave_up(self) -> str | None:
-        if self._ahead is not None and self._ahead.done() and self._ahead.exception() is not None:
-            return f"the engine refused the update: {self._ahead.exception()}"
+        """Why the engine will not connect: its request was answered already, with a refusal (None: not)."""
+        if self._ahead is None or not self._ahead.ready():
+            return None
+        try:
+            self._ahead.result(self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 -- what it said
+            return f"the engine refused the update: {exc}"
         return None
 
     def send(self, bucket: Bucket) -> None:
@@ -498,12 +503,10 @@ class IPCSink:
 
     def _engine_said(self, wait_s: float) -> str:
         """What the engine answered the update's request, if it does within ``wait_s`` (a dead engine says so)."""
-        if self._ahead is None:
+        if self._ahead is None or not self._ahead.ready(wait_s):
             return ""
         try:
-            self._ahead.result(timeout=wait_s)
-        except FutureTimeout:
-            return ""
+            self._ahead.result(self.timeout_s)
         except Exception as exc:  # noqa: BLE001
             return f" | the engine said: {exc}"
         return ""
@@ -564,9 +567,8 @@ class IPCSink:
         ahead, self._ahead = self._ahead, None
         folded, self._fold = self._fold, None
         if ahead is not None:
-            deadline = Deadline(self.timeout_s * 2 + 2.0)
             try:
-                served = ahead.result(timeout=deadline.remaining())
+                served = ahead.result(self.timeout_s * 2 + 2.0)
             except Exception as exc:  # noqa: BLE001
                 raise UpdateError(phase, str(exc), [self.engine.url]) from None
             self.committed = served if folded is not None else None
@@ -584,7 +586,7 @@ class IPCSink:
         if self.plan.writes and self._events is not None and self._targets:
             torch.cuda.current_stream(self._device_of_targets()).synchronize()
         self._outstanding.clear()
-        self._ahead = self._fold = None
+        self._fold = None
         self.disconnect()
 
     def disconnect(self, seconds: float | None = None) -> None:
@@ -594,12 +596,12 @@ class IPCSink:
             if end is not None:
                 end.close()
         self._channel = self._lease = self._listener = None
+        if self._ahead is not None:  # (an update that failed: its request's answer is not read)
+            self._ahead.abandon()
+            self._ahead = None
         plan, self.plan = self.plan, self.plan.released()
         self._known.clear()
         self.forget_targets()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
         if plan.engine_holds and self.rank == 0:
             try:
                 self._ahead_engine().release_ipc_buffers(self._client, timeout_s=min(self.timeout_s, seconds or 10.0))

@@ -28,7 +28,8 @@ __all__ = [
 ]
 
 
-PROTOCOL_VERSION = 4  # 2: BucketSent.delta; 3: ExportedWeights.flag, WritesDone.checked; 4: Finish, OfferAnswer ahead
+# 2: BucketSent.delta; 3: ExportedWeights.flag, WritesDone.checked; 4: Finish, OfferAnswer ahead; 5: OfferAnswer first
+PROTOCOL_VERSION = 5
 
 _ENVELOPE = ("v", "kind")
 _SHOWN = 3  # problems shown per list field (then how many more)
