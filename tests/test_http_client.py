@@ -2,7 +2,8 @@
 real server (weightstream.common.http_server.JsonHttpServer, in this process), a request goes over the connection the
 last one left open, never over one the server closed; a server that stops closes the connections kept open to it,
 so a server started again on the same port answers the next request; and a process holding more than select()'s
-1,024 descriptors reuses its connections too."""
+1,024 descriptors reuses its connections too. A request started (``HTTPEngine.start``) is sent at once and answered
+when read, on the caller's thread: once, the same answer (or the same refusal) every time asked."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import threading
 import pytest
 
 from weightstream.common.http_server import HttpLimits, JsonHttpServer
+from weightstream.engines.base import EngineError, EngineUnreachable
 from weightstream.engines.http import HTTPEngine
 
 pytestmark = pytest.mark.unit  # in-process servers: the fast subset
@@ -55,4 +57,61 @@ def test_connections_are_reused_past_select_descriptor_limit():
     finally:
         for fd in spare:
             os.close(fd)
+        _stop(server)
+
+
+def _held_server() -> tuple[JsonHttpServer, threading.Event, threading.Event]:
+    """A server whose ``/held`` route says when a request came, then answers only once let go (what it answers:
+    the body's ``x`` doubled; a body with ``refuse`` is refused, 400)."""
+    server = _server(0, "held")
+    came, go = threading.Event(), threading.Event()
+
+    def held(body: dict):
+        came.set()
+        go.wait(10)
+        if body.get("refuse"):
+            return 400, {"success": False, "message": f"refused {body['x']}"}
+        return 200, {"doubled": 2 * body["x"], "connections": server.connections_open}
+
+    server.routes[("POST", "/held")] = held
+    return server, came, go
+
+
+def test_a_started_request_is_sent_at_once_and_its_answer_read_once_when_asked():
+    server, came, go = _held_server()
+    client = HTTPEngine(server.url, timeout_s=5)
+    try:
+        pending = client.start("POST", "/held", {"x": 21}, then=lambda reply: reply["doubled"])
+        assert came.wait(5)  # the engine has the request while the caller goes on, no thread of ours waiting
+        assert not pending.ready()
+        go.set()
+        assert pending.ready(5.0)
+        assert pending.result() == 42 and pending.result() == 42
+        assert client.get("/who")["connections"] == 1  # its connection, read whole, was kept for the next request
+    finally:
+        _stop(server)
+
+
+def test_a_started_request_refused_raises_the_same_refusal_each_time_and_an_abandoned_one_closes():
+    server, came, go = _held_server()
+    client = HTTPEngine(server.url, timeout_s=5)
+    go.set()
+    try:
+        refused = client.start("POST", "/held", {"x": 3, "refuse": True})
+        for _ in range(2):
+            with pytest.raises(EngineError, match="HTTP 400: refused 3"):
+                refused.result()
+        go.clear()
+        late = client.start("POST", "/held", {"x": 4})
+        assert came.wait(5)
+        with pytest.raises(EngineUnreachable, match=r"no answer within 0\.2 s"):
+            late.result(0.2)  # no answer within its bound: the connection is closed, not used again
+        abandoned = client.start("POST", "/held", {"x": 5})
+        abandoned.abandon()
+        with pytest.raises(EngineUnreachable, match="abandoned"):
+            abandoned.result()
+        go.set()
+        assert client.post("/held", {"x": 6})["doubled"] == 12
+    finally:
+        go.set()
         _stop(server)

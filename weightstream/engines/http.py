@@ -97,7 +97,7 @@ class HTTPEngine:
         return PendingReply(self, conn, step, timeout, then)
 
     def _unreachable(self, step: str, timeout: float, exc: BaseException) -> EngineUnreachable:
-        return EngineUnreachable(self.url, step, f"unreachable or no answer within {timeout:.0f} s ({exc})")
+        return EngineUnreachable(self.url, step, f"unreachable or no answer within {timeout:g} s ({exc})")
 
     def _answer(self, status: int, raw: bytes, step: str) -> Any:
         """An answer's body as its JSON (text where it is not JSON); :class:`EngineError` for an HTTP error or a
