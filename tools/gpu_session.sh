@@ -58,7 +58,9 @@
 #   the piece copy's launch shapes, one launch per bucket of 512 MiB: PYTHONPATH=$PWD python3 tools/gpu_copy_sweep.py
 #   --gib 4. Later on 2026-11-29 (the kept plan confirmed under the copies, 128 KiB pieces, one request per update):
 #   8B 11.9 ms 1.51x (the offer answered ahead), 30B-A3B 37.3 ms 1.28x, 8B block FP8 18.9 ms (both before that);
-#   docs/benchmarks.md "2026-11-29 (later)". Not run after the last change: the 30B-A3B and FP8 IPC rows, check.
+#   docs/benchmarks.md "2026-11-29 (later)". In the evening (the request sent from the trainer's own thread,
+#   offer_answer first): 8B 11.4 ms 1.46x, 30B-A3B 38.2 ms 1.30x, 8B block FP8 18.1 ms; docs/benchmarks.md
+#   "2026-11-29 (evening)".
 # Not run on 2026-11-29 (two GPUs not lent): the MoE broadcast rows above, now with each engine worker keeping the
 #   plan by key (the 30B-A3B bf16 and block-FP8 rows, --prepare --no-rollback), Qwen3-8B broadcast (--prepare, with
 #   and without --no-rollback, and --quantize fp8-block), and qwen3-4b:broadcast:"--delta --optimizer-on-host --lr
