@@ -65,13 +65,14 @@
 #   plan by key (the 30B-A3B bf16 and block-FP8 rows, --prepare --no-rollback), Qwen3-8B broadcast (--prepare, with
 #   and without --no-rollback, and --quantize fp8-block), and qwen3-4b:broadcast:"--delta --optimizer-on-host --lr
 #   1e-6,1e-5 --steps 3".
-# JSON of every row and the raw output go to $OUT (or ./gpu-out); ROW_TIMEOUT (seconds, default 400) bounds each row.
+# JSON of every row and the raw output go to $OUT (or ./gpu-out); ROW_TIMEOUT (seconds, default 400) bounds each row,
+# CHECK_TIMEOUT (default 480) the word check (on a fresh H200 its IPC, nonfinite and release checks took over 300 s).
 set -uo pipefail
 OUT="${OUT:-gpu-out}"; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
 for row in "$@"; do
   if [ "$row" = check ]; then
-    OUT="$OUT" timeout 300 bash tools/gpu_run.sh check 2>&1 | grep -v Warning | tail -5
+    OUT="$OUT" timeout "${CHECK_TIMEOUT:-480}" bash tools/gpu_run.sh check 2>&1 | grep -v Warning | tail -12
     continue
   fi
   if [ "$row" = check-values ]; then  # the one-launch value check against the torch path, and its time per bucket
