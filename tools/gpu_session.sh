@@ -64,7 +64,15 @@
 # Not run on 2026-11-29 (two GPUs not lent): the MoE broadcast rows above, now with each engine worker keeping the
 #   plan by key (the 30B-A3B bf16 and block-FP8 rows, --prepare --no-rollback), Qwen3-8B broadcast (--prepare, with
 #   and without --no-rollback, and --quantize fp8-block), and qwen3-4b:broadcast:"--delta --optimizer-on-host --lr
-#   1e-6,1e-5 --steps 3".
+#   1e-6,1e-5 --steps 3". Ready as device calls on nvidia-h200-x2 (each within a call's 600 s), from the repo root:
+#   1. ROW_TIMEOUT=200 bash tools/gpu_session.sh check-values qwen3-30b-a3b:broadcast:"--prepare --no-rollback" \
+#        qwen3-30b-a3b:broadcast:"--prepare --no-rollback --quantize fp8-block"
+#   2. ROW_TIMEOUT=160 bash tools/gpu_session.sh qwen3-8b:broadcast:--prepare qwen3-8b:broadcast:"--prepare --no-rollback" \
+#        qwen3-8b:broadcast:"--prepare --quantize fp8-block"
+#   3. ROW_TIMEOUT=500 bash tools/gpu_session.sh qwen3-4b:broadcast:"--delta --optimizer-on-host --lr 1e-6,1e-5 --steps 3"
+#   4. bash tools/gpu_session.sh check   (on two GPUs it checks the broadcast into an engine on GPU 1 too)
+#   Goals (issue: MoE and FP8 at the wire): broadcast <= 1.2x the wire (8B and 30B-A3B), block FP8 <= 0.6x the bf16
+#   update (both), the delta rows fitting an 80 GB card.
 # JSON of every row and the raw output go to $OUT (or ./gpu-out); ROW_TIMEOUT (seconds, default 400) bounds each row,
 # CHECK_TIMEOUT (default 480) the word check (on a fresh H200 its IPC, nonfinite and release checks took over 300 s).
 set -uo pipefail
