@@ -47,7 +47,7 @@ from torch import nn
 
 from weightstream.common.layout import ALIGN
 from weightstream.converters.registry import model_spec
-from weightstream.models.spec import load_hf_config
+from weightstream.models.spec import ModelSpec, load_hf_config
 from weightstream.sources import as_source
 from weightstream.sources.base import Mode, Source
 from weightstream.sources.topology import Topology
@@ -57,8 +57,8 @@ from weightstream.streaming.kept_plans import PlanSettings, StreamPlan, clear_pl
 from weightstream.wire.fp8 import BlockFP8
 
 __all__ = [
-    "DEFAULT_BUCKET_BYTES", "StreamStats", "StreamPlan", "BucketStream", "stream_hf_weights", "confirm_plan",
-    "clear_plans", "entry_mode", "Mode"
+    "DEFAULT_BUCKET_BYTES", "StreamStats", "StreamPlan", "BucketStream", "stream_hf_weights", "stream_of",
+    "confirm_plan", "clear_plans", "entry_mode", "Mode"
 ]
 
 
@@ -114,12 +114,20 @@ def stream_hf_weights(
     start = time.perf_counter()
     source = as_source(model, topology)
     cfg = load_hf_config(hf_config)
-    spec = model_spec(cfg)
-    settings = PlanSettings(mode, bucket_bytes, align, split_dtypes, quantize)
+    return stream_of(source, cfg, model_spec(cfg), PlanSettings(mode, bucket_bytes, align, split_dtypes, quantize),
+                     reuse_buffers=reuse_buffers, confirm_later=confirm_later, start=start)
+
+
+def stream_of(source: Source, cfg: Any, spec: ModelSpec, settings: PlanSettings, *, reuse_buffers: bool = False,
+              confirm_later: bool = False, start: float | None = None) -> BucketStream:
+    """:func:`stream_hf_weights` for a caller that holds the source, the loaded config and its spec already (the
+    spec must be ``model_spec(cfg)``: ``WeightSync`` makes them once per update). ``start``: when the caller began
+    (``time.perf_counter()``), for the stream's ``stats.setup_seconds``."""
+    start = time.perf_counter() if start is None else start
     plan, planned = kept_or_new_plan(source, cfg, spec, settings, confirm_later=confirm_later)
     modules = bool(list(source.modules()))
-    stream = BucketStream(spec=spec, mode=mode, topology=source.topology, source=plan.source, plan=plan.buckets,
-                          items=plan.items, device=plan.device, align=align, shared=plan,
+    stream = BucketStream(spec=spec, mode=settings.mode, topology=source.topology, source=plan.source,
+                          plan=plan.buckets, items=plan.items, device=plan.device, align=settings.align, shared=plan,
                           reuse_buffers=reuse_buffers and modules, quantization=plan.quantization)
     stream.stats.planned = planned
     stream.stats.setup_seconds = time.perf_counter() - start

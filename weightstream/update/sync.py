@@ -25,7 +25,8 @@ from weightstream.sources import as_source
 from weightstream.sources.base import Source
 from weightstream.streaming.bucket import extent
 from weightstream.streaming.delta import Snapshot, warm_kernels, word_size
-from weightstream.streaming.stream import BucketStream, confirm_plan, stream_hf_weights
+from weightstream.streaming.kept_plans import PlanSettings
+from weightstream.streaming.stream import BucketStream, confirm_plan, stream_of
 from weightstream.update.delta_steps import DeltaSteps
 from weightstream.update.engine_sessions import EngineSessions
 from weightstream.update.options import SyncOptions
@@ -185,10 +186,10 @@ class WeightSync:
     def _stream(self, job: _Job, decision: Decision, confirm_later: bool) -> BucketStream:
         """``confirm_later``: an update's stream, whose kept plan :meth:`_transfer` confirms after the buckets."""
         transfer = self.options.transfer
-        return stream_hf_weights(job.source, job.cfg, bucket_bytes=transfer.bucket_bytes, mode=decision.mode,
-                                 align=decision.align, split_dtypes=decision.one_dtype,
-                                 reuse_buffers=transfer.reuse_buffers, quantize=self.options.payload.quantize,
-                                 confirm_later=confirm_later)
+        settings = PlanSettings(decision.mode, transfer.bucket_bytes, decision.align, decision.one_dtype,
+                                self.options.payload.quantize)
+        return stream_of(job.source, job.cfg, job.spec, settings, reuse_buffers=transfer.reuse_buffers,
+                         confirm_later=confirm_later)
 
     def _sink(self, job: _Job, decision: Decision) -> Sink:
         return self._sinks.get(decision.transport, self.engines, job.source.topology, decision.reshard, self.options)
