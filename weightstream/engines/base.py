@@ -324,7 +324,6 @@ class IpcSession:
     timeout_s: float
 
 
-@runtime_checkable
 class PendingAnswer(Protocol[T_co]):
     """An engine's request sent, its answer not read yet (the HTTP adapters': ``PendingReply``)."""
 
@@ -339,6 +338,7 @@ class PendingAnswer(Protocol[T_co]):
         """The answer will not be read: the request's connection closes."""
 
 
+@runtime_checkable
 class IPCAheadEngine(EngineAdapter, Protocol):
     """:data:`IPC_AHEAD`: a colocated update's plan announced once, then one small frame per bucket on a
     control channel per TP rank (:mod:`weightstream.wire`)."""

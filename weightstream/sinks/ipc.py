@@ -318,12 +318,18 @@ class IPCSink:
 
     def _engine_gave_up(self) -> str | None:
         """Why the engine will not connect: its request was answered already, with a refusal (None: not)."""
-        if self._ahead is None or not self._ahead.ready():
+        refusal = self._refusal(0.0)
+        return None if refusal is None else f"the engine refused the update: {refusal}"
+
+    def _refusal(self, wait_s: float) -> Exception | None:
+        """What the engine's request raised, where its answer came within ``wait_s`` (None: no answer yet, or one
+        that was not a refusal)."""
+        if self._ahead is None or not self._ahead.ready(wait_s):
             return None
         try:
             self._ahead.result(self.timeout_s)
         except Exception as exc:  # noqa: BLE001 -- what it said
-            return f"the engine refused the update: {exc}"
+            return exc
         return None
 
     def send(self, bucket: Bucket) -> None:
@@ -503,13 +509,8 @@ class IPCSink:
 
     def _engine_said(self, wait_s: float) -> str:
         """What the engine answered the update's request, if it does within ``wait_s`` (a dead engine says so)."""
-        if self._ahead is None or not self._ahead.ready(wait_s):
-            return ""
-        try:
-            self._ahead.result(self.timeout_s)
-        except Exception as exc:  # noqa: BLE001
-            return f" | the engine said: {exc}"
-        return ""
+        refusal = self._refusal(wait_s)
+        return "" if refusal is None else f" | the engine said: {refusal}"
 
     def close(self) -> None:
         """The update's end: the answers still due, and the engine's answer to the update's request. The channel
